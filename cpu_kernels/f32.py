@@ -1,0 +1,2 @@
+# TEMP STUB (ops helper) - deleted before the ops helper finishes
+QTYPE = None

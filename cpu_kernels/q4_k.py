@@ -1,0 +1,138 @@
+"""Q4_K: GGUF's 4-bit K-quant, super-blocks of 256 weights in 144 bytes (ggml block_q4_K).
+
+Block layout, bytes:
+    0:2     d      f16, scale of the sub-block scales
+    2:4     dmin   f16, scale of the sub-block mins
+    4:16    8 packed 6-bit (scale, min) pairs, one per sub-block of 32 weights (kquant.scale_min)
+    16:144  4-bit quants; bytes 32p..32p+31 hold sub-block 2p (low nibbles) and 2p+1 (high nibbles)
+weight = d * scale_j * q - dmin * min_j   (q in 0..15, sub-block j)
+
+Shape legend: R output rows, C columns, B bytes per row (C // 256 * 144), T tokens,
+E experts, N (token, expert) rows sorted by group, G groups, W work items.
+"""
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import njit, prange
+
+from .half import read_half
+from .kquant import QK_K, ROWS_PER_ITEM, SUB, check_moe, check_weight, random_weight, scale_min, work_items
+
+QTYPE = GGMLQuantizationType.Q4_K
+BLOCK_SIZE = QK_K
+BLOCK_BYTES = 144
+_QS = 16  # offset of the quants in a block
+
+
+@njit(nogil=True, cache=True)
+def _dequant_block(row, b, dst):
+    """Super-block b of row [B] -> dst [256], rounded exactly as gguf does (d * scale, then * q - dmin * min)."""
+    o = b * BLOCK_BYTES
+    d = read_half(row, o)
+    dmin = read_half(row, o + 2)
+    for j in range(8):
+        sc, m = scale_min(row, o + 4, j)
+        ds = d * sc
+        dm = dmin * m
+        qo = o + _QS + (j // 2) * SUB
+        shift = 4 * (j % 2)
+        for l in range(SUB):
+            dst[j * SUB + l] = ds * np.float32((row[qo + l] >> shift) & 15) - dm
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _row_dot(row, x):
+    """row [B] . x [C] straight from the quants: per sub-block sum(q * x) and sum(x), scaled once."""
+    acc = np.float32(0)
+    for b in range(row.shape[0] // BLOCK_BYTES):
+        o = b * BLOCK_BYTES
+        d = read_half(row, o)
+        dmin = read_half(row, o + 2)
+        for p in range(4):
+            sc_lo, m_lo = scale_min(row, o + 4, 2 * p)
+            sc_hi, m_hi = scale_min(row, o + 4, 2 * p + 1)
+            qo = o + _QS + p * SUB
+            xo = b * QK_K + 2 * p * SUB
+            qx_lo = np.float32(0)
+            qx_hi = np.float32(0)
+            x_lo = np.float32(0)
+            x_hi = np.float32(0)
+            for l in range(SUB):
+                q = row[qo + l]
+                qx_lo += np.float32(q & 15) * x[xo + l]
+                qx_hi += np.float32(q >> 4) * x[xo + SUB + l]
+                x_lo += x[xo + l]
+                x_hi += x[xo + SUB + l]
+            acc += d * (sc_lo * qx_lo + sc_hi * qx_hi) - dmin * (m_lo * x_lo + m_hi * x_hi)
+    return acc
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, out, r0, t0, t1):
+    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B]."""
+    r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    if t1 - t0 == 1:
+        for r in range(r0, r1):
+            out[t0, r] = _row_dot(w[r], x[t0])
+        return
+    acc = np.zeros((r1 - r0, t1 - t0), dtype=np.float32)  # [rows, tokens]
+    buf = np.empty(QK_K, dtype=np.float32)  # one dequantized super-block, reused by every token
+    for b in range(w.shape[1] // BLOCK_BYTES):
+        xo = b * QK_K
+        for r in range(r0, r1):
+            _dequant_block(w[r], b, buf)
+            for t in range(t0, t1):
+                s = np.float32(0)
+                for l in range(QK_K):
+                    s += buf[l] * x[t, xo + l]
+                acc[r - r0, t - t0] += s
+    for t in range(t0, t1):
+        for r in range(r0, r1):
+            out[t, r] = acc[r - r0, t - t0]
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _dequantize(raw, out):
+    for r in prange(raw.shape[0]):
+        for b in range(raw.shape[1] // BLOCK_BYTES):
+            _dequant_block(raw[r], b, out[r, b * QK_K:(b + 1) * QK_K])
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def _moe_matmul(raw, x, expert_ids, row_starts, out):
+    items = work_items(row_starts, raw.shape[1])  # [W, 4]
+    for i in prange(items.shape[0]):
+        _tile(raw[expert_ids[items[i, 0]]], x, out, items[i, 1], items[i, 2], items[i, 3])
+
+
+def dequantize(raw, out):
+    """raw uint8 [R, B] -> out f32 [R, C], bit-exact with gguf.quants.dequantize."""
+    check_weight(raw, out.shape[-1], BLOCK_BYTES, "q4_k.dequantize")
+    _dequantize(raw, out)
+
+
+def matvec(raw, x, out):
+    """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
+    matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
+
+
+def matmul(raw, x, out):
+    """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
+    moe_matmul(raw.reshape(1, *raw.shape), x, _ONE_EXPERT, np.array([0, x.shape[0]]), out)
+
+
+def moe_matmul(raw, x, expert_ids, row_starts, out):
+    """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
+    check_moe(raw, x, expert_ids, row_starts, out, BLOCK_BYTES, "q4_k")
+    _moe_matmul(raw, x, expert_ids, row_starts, out)
+
+
+def random_blocks(rng, shape, scale):
+    """Random valid Q4_K bytes [..., C // 256 * 144] for a weight of shape (..., C), values of rms ~ scale.
+
+    With d = 1 and dmin = 7.5 (the mean q), scale * q - min has mean 0 and rms ~258 for uniform
+    random 6-bit scales, mins and 4-bit quants.
+    """
+    return random_weight(rng, shape, BLOCK_BYTES, ((0, 1.0), (2, 7.5)), 258.0, scale)
+
+
+_ONE_EXPERT = np.zeros(1, dtype=np.int64)

@@ -1,0 +1,19 @@
+"""Architecture families, looked up by GGUF `general.architecture` or HF `model_type`."""
+from ..errors import ModelError
+from . import qwen3moe
+
+ARCHS = {spec.name: spec for spec in (qwen3moe.SPEC,)}
+
+
+def arch_for_gguf(name, source):
+    if name not in ARCHS:
+        raise ModelError(f"{source}: unsupported architecture '{name}' (supported: {', '.join(sorted(ARCHS))})")
+    return ARCHS[name]
+
+
+def arch_for_hf(model_type, source):
+    for spec in ARCHS.values():
+        if model_type in spec.hf_model_types:
+            return spec
+    known = sorted(t for spec in ARCHS.values() for t in spec.hf_model_types)
+    raise ModelError(f"{source}: unsupported model_type '{model_type}' (supported: {', '.join(known)})")

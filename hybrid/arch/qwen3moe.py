@@ -1,0 +1,85 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B): GQA with per-head
+q/k RMSNorm, NeoX RoPE, softmax top-k routing (norm_topk_prob), SwiGLU experts."""
+from ..errors import ModelError
+from ..formats.weights import ModelConfig
+from .base import LAYER_TENSORS_HF, QK_NORM_TENSORS_HF, ArchSpec, AttentionSpec, MoESpec, require
+
+NAME = "qwen3moe"
+
+
+def config_from_gguf(fields, source, vocab_size, tie_word_embeddings):
+    def key(suffix, default=None):
+        value = fields.get(f"{NAME}.{suffix}", default)
+        if value is None:
+            raise ModelError(f"{source}: missing GGUF metadata '{NAME}.{suffix}'")
+        return value
+
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    return ModelConfig(
+        arch=NAME,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        num_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        context_length=int(key("context_length")),
+        norm_topk_prob=bool(key("expert_weights_norm", True)),
+        tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def _rope_theta_from_hf(cfg, source):
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ModelError(f"{source}: rope type '{rope_type}' is not supported yet (only default RoPE)")
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(cfg.get("rope_theta", 10000.0))
+
+
+def config_from_hf(cfg, source):
+    if cfg.get("mlp_only_layers"):
+        raise ModelError(f"{source}: dense layers (mlp_only_layers={cfg['mlp_only_layers']}) are not supported")
+    if int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise ModelError(f"{source}: decoder_sparse_step={cfg['decoder_sparse_step']} is not supported (only 1)")
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if num_experts is None:
+        raise ModelError(f"{source}: missing field 'num_experts' (or 'num_local_experts')")
+    hidden = int(require(cfg, "hidden_size", source))
+    num_heads = int(require(cfg, "num_attention_heads", source))
+    return ModelConfig(
+        arch=NAME,
+        vocab_size=int(require(cfg, "vocab_size", source)),
+        hidden_size=hidden,
+        num_layers=int(require(cfg, "num_hidden_layers", source)),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(require(cfg, "num_experts_per_tok", source)),
+        moe_intermediate_size=int(require(cfg, "moe_intermediate_size", source)),
+        rope_theta=_rope_theta_from_hf(cfg, source),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        context_length=int(cfg.get("max_position_embeddings", 32768)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+SPEC = ArchSpec(
+    name=NAME,
+    hf_model_types=("qwen3_moe",),
+    attention=AttentionSpec(qk_norm=True, rope="neox"),
+    moe=MoESpec(gating="softmax"),
+    config_from_gguf=config_from_gguf,
+    config_from_hf=config_from_hf,
+    layer_tensors_hf={**LAYER_TENSORS_HF, **QK_NORM_TENSORS_HF},
+)

@@ -1,0 +1,26 @@
+"""The attention block, written once for every family (variants come from its AttentionSpec).
+
+Shape legend: T tokens in the batch, H hidden, Hq / Hkv query / kv heads, D head dim.
+"""
+import numpy as np
+
+
+def attention_block(backend, spec, layer, h, batch):
+    """h [T, H] (normed hidden) -> attention output [T, H]; appends this step's K/V to each chunk's cache."""
+    num_tokens = h.shape[0]
+    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q = backend.linear(layer.attn_q, h).reshape(num_tokens, hq, d)  # [T, Hq, D]
+    k = backend.linear(layer.attn_k, h).reshape(num_tokens, hkv, d)  # [T, Hkv, D]
+    v = backend.linear(layer.attn_v, h).reshape(num_tokens, hkv, d)  # [T, Hkv, D]
+    if spec.qk_norm:
+        backend.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
+        backend.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)
+    backend.rope(q, batch.positions, layer.rope_theta)
+    backend.rope(k, batch.positions, layer.rope_theta)
+    out = np.empty_like(q)  # [T, Hq, D]
+    scale = 1.0 / np.sqrt(d)
+    for chunk, (lo, hi) in zip(batch.chunks, batch.row_ranges):
+        chunk.kv.write(layer.index, chunk.start, k[lo:hi], v[lo:hi])
+        backend.attention(q[lo:hi], chunk.kv.k[layer.index], chunk.kv.v[layer.index], chunk.start, scale,
+                          out[lo:hi])
+    return backend.linear(layer.attn_output, out.reshape(num_tokens, hq * d))  # [T, H]

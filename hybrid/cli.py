@@ -1,0 +1,83 @@
+"""The `strata` command line."""
+import argparse
+import json
+import logging
+import sys
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="generate text from a prompt (the demo model when no --model is given)")
+    p.add_argument("--model", help="GGUF file or HF safetensors directory (default: the built-in demo model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
+    p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args):
+    from .llm import LLM
+
+    llm = LLM(args.model, device="cpu", threads=args.threads, max_context=args.max_context)
+    if args.prompt_ids:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}") from None
+    else:
+        prompt = args.prompt if args.prompt is not None else "Hello"
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    out = llm.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                       ignore_eos=args.ignore_eos)
+    if args.json:
+        print(json.dumps({"model": llm.weights.source, "prompt_token_ids": out.prompt_token_ids,
+                          "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+                          "timings": out.timings}))
+    else:
+        print(out.text)
+        t = out.timings
+        logging.getLogger("strata").info(
+            "prompt %d tokens in %.0f ms (%.1f tok/s), generated %d tokens in %.0f ms (%.1f tok/s), finish: %s",
+            t["prompt_n"], t["prompt_ms"], t["prompt_per_second"], t["predicted_n"], t["predicted_ms"],
+            t["predicted_per_second"], out.finish_reason)
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="strata", description="Hybrid CPU/GPU engine for MoE language models")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from .errors import ModelError, RequestError
+
+    try:
+        return args.func(args)
+    except (ModelError, RequestError, ValueError) as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

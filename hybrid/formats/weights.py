@@ -1,0 +1,76 @@
+"""The in-memory model description that every file format produces."""
+from dataclasses import dataclass, field
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a MoE transformer, independent of the file format."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class QuantTensor:
+    """One weight as stored in its file: raw blocks + GGML type + logical shape.
+
+    raw: uint8 [..., R, B], the file's bytes (memory-mapped where the file allows);
+    shape: the logical shape [..., R, C] in NumPy order.
+    """
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple
+    raw: np.ndarray
+
+    @property
+    def nbytes(self):
+        return self.raw.nbytes
+
+    @property
+    def row_bytes(self):
+        block_size, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        return self.shape[-1] // block_size * block_bytes
+
+    def dequantize(self):
+        """The weight as float32 [..., R, C] (copies; for small tensors and references)."""
+        from cpu_kernels import format_for
+
+        fmt = format_for(self.qtype)
+        rows = self.raw.reshape(-1, self.raw.shape[-1])
+        out = np.empty((rows.shape[0], self.shape[-1]), dtype=np.float32)
+        fmt.dequantize(np.ascontiguousarray(rows), out)
+        return out.reshape(self.shape)
+
+
+@dataclass
+class ModelWeights:
+    """A loaded model: config, tensors by canonical (GGUF) name, tokenizer, and where it came from."""
+
+    config: ModelConfig
+    tensors: dict
+    tokenizer: object
+    source: str
+    file_handles: list = field(default_factory=list)
+
+    def get(self, name):
+        return self.tensors.get(name)
+
+    def __getitem__(self, name):
+        return self.tensors[name]

@@ -1,0 +1,130 @@
+"""The public Python API: `hybrid.LLM(path).generate(...)` and `.score(...)`."""
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backends import CpuBackend
+from .batch import Batch, SeqChunk
+from .errors import RequestError
+from .formats import load_model
+from .model import Model
+from .sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512  # prompt tokens per forward step: bounds the activations of a long prompt
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list  # generated ids (the EOS that ended it included, as transformers does)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    prompt_token_ids: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+def _timings(prompt_n, prompt_s, predicted_n, predicted_s):
+    """llama.cpp's timing fields, so users can compare engines."""
+    return {
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_s * 1e3,
+        "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_s * 1e3,
+        "predicted_per_second": predicted_n / predicted_s if predicted_s > 0 else 0.0,
+    }
+
+
+class LLM:
+    def __init__(self, model_path=None, device="cpu", threads=None, max_context=None):
+        from cpu_kernels.target import set_threads
+
+        if device not in ("cpu", "auto"):
+            raise ValueError(f"device '{device}' is not available: this build runs on the CPU only")
+        if model_path is None:
+            from .demo import demo_model_path
+
+            model_path = demo_model_path()
+        self.threads = set_threads(threads)
+        self.weights = load_model(model_path)
+        self.tokenizer = self.weights.tokenizer
+        self.config = self.weights.config
+        self.max_context = min(max_context or self.config.context_length, self.config.context_length)
+        self.model = Model(self.weights, CpuBackend())
+        log.info("model %s on cpu, %d threads, context %d", self.weights.source, self.threads, self.max_context)
+
+    def _prompt_ids(self, prompt):
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        return ids
+
+    def _prefill(self, ids, kv, logits="last"):
+        """Read `ids` into `kv` chunk by chunk; returns the logits the chunks asked for."""
+        outputs = []
+        for lo in range(0, len(ids), PREFILL_CHUNK):
+            chunk = np.asarray(ids[lo : lo + PREFILL_CHUNK], dtype=np.int64)
+            is_last = lo + PREFILL_CHUNK >= len(ids)
+            want = logits if (logits == "all" or is_last) else "none"
+            outputs.append(self.model.forward(Batch([SeqChunk(kv, kv.length, chunk, want)])))
+        return np.concatenate(outputs)
+
+    def score(self, token_ids):
+        """Logits at every position: float32 [T, vocab]."""
+        ids = self._prompt_ids(list(token_ids))
+        return self._prefill(ids, self.model.new_sequence(self.max_context), logits="all")
+
+    def generate(self, prompt, max_tokens=256, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                 seed=None, stop=None, ignore_eos=False):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                min_p=min_p, seed=seed, stop=list(stop or []), ignore_eos=ignore_eos)
+        return self.generate_with(prompt, params)
+
+    def chat(self, messages, **sampling):
+        """Render `messages` with the model's chat template, then generate."""
+        return self.generate(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True), **sampling)
+
+    def generate_with(self, prompt, params):
+        params.validate()
+        ids = self._prompt_ids(prompt)
+        kv = self.model.new_sequence(self.max_context)
+        t0 = time.perf_counter()
+        logits = self._prefill(ids, kv)[-1]
+        t1 = time.perf_counter()
+        out_ids, text, finish = self._decode(logits, kv, params)
+        t2 = time.perf_counter()
+        timings = _timings(len(ids), t1 - t0, len(out_ids), t2 - t1)
+        return GenerationOutput(out_ids, text, finish, ids, timings)
+
+    def _decode(self, logits, kv, params):
+        from .tokenizer import IncrementalDecoder
+
+        sampler, decoder = Sampler(params), IncrementalDecoder(self.tokenizer)
+        eos = set() if params.ignore_eos else set(self.tokenizer.eos_ids)
+        out_ids, text = [], ""
+        while True:
+            token = sampler(logits)
+            out_ids.append(token)
+            if token in eos:
+                return out_ids, text, "stop"
+            text += decoder.push(token)
+            cut = _find_stop(text, params.stop)
+            if cut is not None:
+                return out_ids, text[:cut], "stop"
+            if len(out_ids) >= params.max_tokens or kv.length >= self.max_context:
+                return out_ids, text, "length"
+            step = Batch([SeqChunk(kv, kv.length, np.asarray([token], dtype=np.int64))])
+            logits = self.model.forward(step)[0]
+
+
+def _find_stop(text, stops):
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None

@@ -1,0 +1,93 @@
+"""The forward pass: embeddings -> layers (attention block, MoE block) -> head.
+
+Only calls kernels through a backend. Shape legend: T tokens, H hidden, V vocab.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .arch import ARCHS
+from .blocks import attention_block
+from .kv_cache import SequenceKV
+from .moe import moe_block
+
+
+@dataclass
+class LayerWeights:
+    index: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    attn_norm: np.ndarray  # [H]
+    ffn_norm: np.ndarray  # [H]
+    attn_q: object
+    attn_k: object
+    attn_v: object
+    attn_output: object
+    attn_q_norm: np.ndarray  # [D] or None
+    attn_k_norm: np.ndarray
+    router: object
+    gate_exps: object
+    up_exps: object
+    down_exps: object
+
+
+def _layer_weights(weights, index):
+    c = weights.config
+
+    def t(suffix):
+        return weights.get(f"blk.{index}.{suffix}")
+
+    def vec(suffix):
+        tensor = t(suffix)
+        return None if tensor is None else np.ascontiguousarray(tensor.dequantize())
+
+    return LayerWeights(
+        index=index, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        eps=c.rms_norm_eps, rope_theta=c.rope_theta, num_experts_per_tok=c.num_experts_per_tok,
+        norm_topk_prob=c.norm_topk_prob,
+        attn_norm=vec("attn_norm.weight"), ffn_norm=vec("ffn_norm.weight"),
+        attn_q=t("attn_q.weight"), attn_k=t("attn_k.weight"), attn_v=t("attn_v.weight"),
+        attn_output=t("attn_output.weight"),
+        attn_q_norm=vec("attn_q_norm.weight"), attn_k_norm=vec("attn_k_norm.weight"),
+        router=t("ffn_gate_inp.weight"),
+        gate_exps=t("ffn_gate_exps.weight"), up_exps=t("ffn_up_exps.weight"), down_exps=t("ffn_down_exps.weight"),
+    )
+
+
+class Model:
+    def __init__(self, weights, backend):
+        self.weights = weights
+        self.config = weights.config
+        self.spec = ARCHS[self.config.arch]
+        self.backend = backend
+        self.layers = [_layer_weights(weights, i) for i in range(self.config.num_layers)]
+        self.token_embd = weights["token_embd.weight"]
+        self.output_norm = np.ascontiguousarray(weights["output_norm.weight"].dequantize())
+        self.output = weights.get("output.weight") or self.token_embd
+
+    def new_sequence(self, max_tokens=None):
+        c = self.config
+        return SequenceKV(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens or c.context_length)
+
+    def forward(self, batch):
+        """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache."""
+        for chunk in batch.chunks:
+            chunk.kv.reserve(chunk.start + len(chunk.token_ids))
+        be, eps = self.backend, self.config.rms_norm_eps
+        x = be.embed(self.token_embd, batch.token_ids)  # [T, H]
+        for layer in self.layers:
+            h = be.rmsnorm(x, layer.attn_norm, eps)
+            x += attention_block(be, self.spec.attention, layer, h, batch)
+            h = be.rmsnorm(x, layer.ffn_norm, eps)
+            x += moe_block(be, self.spec.moe, layer, h)
+        for chunk in batch.chunks:
+            chunk.kv.length = chunk.start + len(chunk.token_ids)
+        if len(batch.logit_rows) == 0:
+            return np.empty((0, self.config.vocab_size), dtype=np.float32)
+        x = np.ascontiguousarray(x[batch.logit_rows])
+        return be.linear(self.output, be.rmsnorm(x, self.output_norm, eps))  # [T_out, V]

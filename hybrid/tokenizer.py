@@ -1,0 +1,299 @@
+"""Text <-> token ids, chat templates and streaming detokenization.
+
+Byte-level BPE tokenizers (the `gpt2` model in GGUF, `tokenizer.json` in a
+Hugging Face directory) run on the `tokenizers` library. Chat templates are
+untrusted code from the model file and render in Jinja's immutable sandbox.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2.ext
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from .errors import ModelError
+
+log = logging.getLogger(__name__)
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Token texts that end a turn; like llama.cpp, any of them present as a special token stops generation.
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+    "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>", "<EOT>",
+})
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How a byte-level BPE splits text before merging: one regex, optional NFC, ignore_merges."""
+    regex: str
+    nfc: bool = False
+    ignore_merges: bool = False
+
+
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# Keyed by the value of `tokenizer.ggml.pre`.
+PRE_TOKENIZERS = {
+    "gpt2": PreTokenizer(_GPT2_REGEX),
+    "default": PreTokenizer(_GPT2_REGEX),
+    "qwen2": PreTokenizer(_QWEN2_REGEX, nfc=True),
+    "llama-bpe": PreTokenizer(_LLAMA3_REGEX, ignore_merges=True),
+}
+
+
+def configure_byte_level(backend: BackendTokenizer, pre: str) -> None:
+    """Give `backend` the normalizer, pre-tokenizer and decoder of the byte-level BPE named `pre`."""
+    spec = PRE_TOKENIZERS[pre]
+    if spec.nfc:
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(spec.regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+
+
+class ChatTemplateError(ModelError):
+    """The chat template refused the messages through `raise_exception(...)`."""
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Fails at once on any unsafe attribute, instead of returning a silent undefined."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(template: str, source: str) -> jinja2.Template:
+    """Compile an untrusted chat template the way Hugging Face does, in a sandbox."""
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except TemplateError as exc:
+        raise ModelError(f"{source}: bad chat template: {exc}") from exc
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer with its special ids and chat template."""
+
+    def __init__(self, backend: BackendTokenizer, *, source: str, pre: str | None, bos_id: int | None,
+                 eos_id: int | None, pad_id: int | None = None, add_bos: bool = False,
+                 chat_template: str | None = None, extra_eos_ids: Iterable[int] = (),
+                 vocab_size: int | None = None) -> None:
+        self.backend = backend
+        self.source = source
+        self.pre = pre
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.add_bos = bool(add_bos and bos_id is not None)
+        self.chat_template = chat_template
+        self.vocab_size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
+        self.eos_ids = frozenset(self._end_of_generation_ids(eos_id, extra_eos_ids))
+        self._template: jinja2.Template | None = None
+        if self.add_bos:
+            bos = backend.id_to_token(bos_id)
+            backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+        else:
+            backend.post_processor = None
+
+    def _end_of_generation_ids(self, eos_id: int | None, extra: Iterable[int]) -> set[int]:
+        ids = {i for i in (eos_id, *extra) if i is not None}
+        for token_id, added in self.backend.get_added_tokens_decoder().items():
+            if added.special and added.content in END_OF_GENERATION_TEXTS:
+                ids.add(token_id)
+        return ids
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any], source: str) -> Tokenizer:
+        """Build from GGUF metadata (key -> plain Python value); `source` names the file in errors."""
+        model = fields.get("tokenizer.ggml.model")
+        if model is None:
+            raise ModelError(f"{source}: no tokenizer (tokenizer.ggml.model is missing)")
+        if model != "gpt2":
+            raise ModelError(f"{source}: unsupported tokenizer model {model!r} in tokenizer.ggml.model; "
+                             "Strata reads only 'gpt2' (byte-level BPE)")
+        pre = fields.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ModelError(f"{source}: unknown pre-tokenizer {pre!r} in tokenizer.ggml.pre; "
+                             f"Strata knows {', '.join(sorted(PRE_TOKENIZERS))}")
+        tokens = _required_list(fields, "tokenizer.ggml.tokens", source)
+        merges = [_split_merge(m, source) for m in _required_list(fields, "tokenizer.ggml.merges", source)]
+        token_types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(token_types) != len(tokens):
+            raise ModelError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries "
+                             f"for {len(tokens)} tokens")
+        vocab = {text: i for i, text in enumerate(tokens)}
+        bpe = models.BPE(vocab, merges, ignore_merges=PRE_TOKENIZERS[pre].ignore_merges)
+        backend = BackendTokenizer(bpe)
+        configure_byte_level(backend, pre)
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i, t in enumerate(token_types) if t == TOKEN_TYPE_CONTROL])
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                            for i, t in enumerate(token_types) if t == TOKEN_TYPE_USER_DEFINED])
+        ids = {key: _token_id(fields, f"tokenizer.ggml.{key}_token_id", len(tokens), source)
+               for key in ("bos", "eos", "eot", "eom", "padding")}
+        return cls(backend, source=source, pre=pre, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["padding"],
+                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=fields.get("tokenizer.chat_template"),
+                   extra_eos_ids=(ids["eot"], ids["eom"]), vocab_size=len(tokens))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Build from a Hugging Face model directory (tokenizer.json, tokenizer_config.json, ...)."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelError(f"{path}: no tokenizer.json")
+        text = tokenizer_file.read_text(encoding="utf-8")
+        try:
+            backend = BackendTokenizer.from_str(text)
+        except Exception as exc:
+            raise ModelError(f"{tokenizer_file}: cannot load: {exc}") from exc
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+
+        def token_id(key: str) -> int | None:
+            token = config.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            return backend.token_to_id(token) if isinstance(token, str) else None
+
+        bos_id = token_id("bos_token")
+        if bos_id is None and isinstance(generation.get("bos_token_id"), int):
+            bos_id = generation["bos_token_id"]
+        add_bos = config.get("add_bos_token")
+        if not isinstance(add_bos, bool):
+            add_bos = bos_id is not None and backend.encode("a").ids[:1] == [bos_id]
+        gen_eos = generation.get("eos_token_id")
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        return cls(backend, source=str(path), pre=_detect_pre(json.loads(text)), bos_id=bos_id,
+                   eos_id=token_id("eos_token"), pad_id=token_id("pad_token"), add_bos=add_bos,
+                   chat_template=_hf_chat_template(path, config),
+                   extra_eos_ids=[i for i in gen_eos if isinstance(i, int)])
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in it are matched, BOS added when the model asks."""
+        return self.backend.encode(text, add_special_tokens=add_special).ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Render `messages` with the model's chat template; extra kwargs (enable_thinking, ...) reach it."""
+        if self.chat_template is None:
+            raise ModelError(f"{self.source}: no chat template")
+        if self._template is None:
+            self._template = compile_chat_template(self.chat_template, self.source)
+        special = {"bos_token": self.bos_id, "eos_token": self.eos_id}
+        context = {name: (self.token_text(i) if i is not None else "") for name, i in special.items()}
+        context.update(kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        try:
+            return self._template.render(**context)
+        except _TemplateRaised as exc:
+            raise ChatTemplateError(f"{self.source}: the chat template refused the messages: {exc}") from exc
+        except SecurityError as exc:
+            raise ModelError(f"{self.source}: the chat template tried an unsafe operation: {exc}") from exc
+        except Exception as exc:
+            raise ModelError(f"{self.source}: the chat template failed: {type(exc).__name__}: {exc}") from exc
+
+
+class IncrementalDecoder:
+    """Streaming detokenizer: `push(id)` returns the text that id completes ('' while a character is split)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+        self._backend = tokenizer.backend
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special)
+
+    def push(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
+
+
+def _required_list(fields: dict[str, Any], key: str, source: str) -> list[Any]:
+    value = fields.get(key)
+    if not isinstance(value, list) or not value:
+        raise ModelError(f"{source}: {key} is missing or empty")
+    return value
+
+
+def _split_merge(merge: str, source: str) -> tuple[str, str]:
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise ModelError(f"{source}: tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
+    return merge[:cut], merge[cut + 1:]
+
+
+def _token_id(fields: dict[str, Any], key: str, num_tokens: int, source: str) -> int | None:
+    value = fields.get(key)
+    if value is not None and not 0 <= value < num_tokens:
+        raise ModelError(f"{source}: {key} = {value} is outside the vocabulary of {num_tokens} tokens")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}: bad JSON: {exc}") from exc
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+def _detect_pre(data: dict[str, Any]) -> str | None:
+    """The `tokenizer.ggml.pre` name of a tokenizer.json's byte-level split, or None when unknown."""
+    pre = data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    regexes = [s["pattern"].get("Regex") for s in steps if s.get("type") == "Split"]
+    regexes += [_GPT2_REGEX for s in steps if s.get("type") == "ByteLevel" and s.get("use_regex", True)]
+    if data.get("model", {}).get("type") != "BPE" or len(regexes) != 1:
+        return None
+    return next((name for name, spec in PRE_TOKENIZERS.items() if spec.regex == regexes[0]), None)

@@ -1,0 +1,1 @@
+"""Placeholder package of the design layout; filled by its own issue."""
