@@ -3,40 +3,105 @@
 The cache holds positions 0..start_pos+T-1; query t sits at position start_pos+t
 and attends to keys 0..start_pos+t. Query head h reads kv head h // (Hq // Hkv).
 
-Shape legend: T tokens, Hq query heads, Hkv kv heads, D head dim, S cache positions.
+One work item is (token, kv head, key split): the Hq // Hkv query heads of a kv
+head share every K/V row it loads. At decode (few items) the keys are split and
+the partial softmaxes merged, as flash-decoding does; the split count depends
+only on the shapes, so results do not depend on the thread count.
+
+Shape legend: T tokens, Hq query heads, Hkv kv heads, G = Hq // Hkv, D head dim,
+S cache positions, P key splits.
 """
 import numpy as np
 from numba import njit, prange
+
+MIN_SPLIT_KEYS = 256  # a split shorter than this does not pay for its merge
+TARGET_ITEMS = 64  # work items wanted to keep a many-core CPU busy
+
+
+@njit(nogil=True, cache=True)
+def num_key_splits(num_items, max_keys):
+    by_work = max(1, TARGET_ITEMS // num_items)
+    by_keys = max(1, (max_keys + MIN_SPLIT_KEYS - 1) // MIN_SPLIT_KEYS)
+    return min(by_work, by_keys)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _partial(q, k_cache, v_cache, t, kv, j0, j1, scale, acc, stats):
+    """Keys j0..j1-1 for the G heads of kv head `kv`: acc [G, D] = sum exp(s - max) v, stats [G, 2] = (max, sum)."""
+    group, head_dim = acc.shape
+    q_rows = q[t, kv * group:(kv + 1) * group]  # [G, D]
+    scores = np.empty((group, j1 - j0), dtype=np.float32)  # [G, keys]
+    for j in range(j1 - j0):
+        k_row = k_cache[j0 + j, kv]  # [D]
+        for g in range(group):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += q_rows[g, d] * k_row[d]
+            scores[g, j] = dot * scale
+    for g in range(group):
+        best = scores[g, 0]
+        for j in range(1, j1 - j0):
+            best = max(best, scores[g, j])
+        total = 0.0  # float64 accumulator
+        for j in range(j1 - j0):
+            p = np.exp(scores[g, j] - best)
+            scores[g, j] = p
+            total += p
+        stats[g, 0] = best
+        stats[g, 1] = total
+    acc[:] = 0.0
+    for j in range(j1 - j0):
+        v_row = v_cache[j0 + j, kv]  # [D]
+        for g in range(group):
+            p = scores[g, j]
+            for d in range(head_dim):
+                acc[g, d] += p * v_row[d]
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def attention(q, k_cache, v_cache, start_pos, scale, out):
     """q [T, Hq, D], k_cache/v_cache [S, Hkv, D] -> out [T, Hq, D]."""
     num_tokens, num_q_heads, head_dim = q.shape
-    group = num_q_heads // k_cache.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    num_splits = num_key_splits(num_tokens * num_kv_heads, start_pos + num_tokens)
+    acc = np.empty((num_tokens, num_kv_heads, num_splits, group, head_dim), dtype=np.float32)  # [T, Hkv, P, G, D]
+    stats = np.empty((num_tokens, num_kv_heads, num_splits, group, 2), dtype=np.float64)  # [T, Hkv, P, G, 2]
+    scale32 = np.float32(scale)
+    for item in prange(num_tokens * num_kv_heads * num_splits):
+        s = item % num_splits
+        kv = (item // num_splits) % num_kv_heads
+        rank = item // (num_splits * num_kv_heads)
+        t = rank // 2 if rank % 2 == 0 else num_tokens - 1 - rank // 2  # zigzag: balances causal work
+        num_keys = start_pos + t + 1
+        j0 = s * num_keys // num_splits
+        j1 = (s + 1) * num_keys // num_splits
+        if j1 > j0:
+            _partial(q, k_cache, v_cache, t, kv, j0, j1, scale32, acc[t, kv, s], stats[t, kv, s])
+        else:
+            stats[t, kv, s, :, 1] = 0.0  # empty split
     for th in prange(num_tokens * num_q_heads):
         t = th // num_q_heads
         h = th % num_q_heads
-        kv = h // group
-        num_keys = start_pos + t + 1
-        scores = np.empty(num_keys, dtype=np.float32)  # [S]
-        best = -np.inf
-        for j in range(num_keys):
-            dot = np.float32(0.0)
+        _merge(acc[t, h // group, :, h % group], stats[t, h // group, :, h % group], out[t, h])
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _merge(acc, stats, out):
+    """acc [P, D], stats [P, 2] of one head's key splits -> out [D], the normalized softmax average."""
+    num_splits, head_dim = acc.shape
+    best = stats[0, 0]  # split 0 always holds key 0
+    for s in range(1, num_splits):
+        if stats[s, 1] > 0.0:
+            best = max(best, stats[s, 0])
+    total = 0.0
+    for s in range(num_splits):
+        if stats[s, 1] > 0.0:
+            total += stats[s, 1] * np.exp(stats[s, 0] - best)
+    for d in range(head_dim):
+        out[d] = 0.0
+    for s in range(num_splits):
+        if stats[s, 1] > 0.0:
+            w = np.float32(np.exp(stats[s, 0] - best) / total)
             for d in range(head_dim):
-                dot += q[t, h, d] * k_cache[j, kv, d]
-            scores[j] = dot * scale
-            best = max(best, scores[j])
-        total = 0.0  # float64 accumulator
-        for j in range(num_keys):
-            p = np.exp(scores[j] - best)
-            scores[j] = p
-            total += p
-        inv_total = np.float32(1.0 / total)
-        acc = np.zeros(head_dim, dtype=np.float32)  # [D]
-        for j in range(num_keys):
-            p = scores[j] * inv_total
-            for d in range(head_dim):
-                acc[d] += p * v_cache[j, kv, d]
-        for d in range(head_dim):
-            out[t, h, d] = acc[d]  # [T, Hq, D]
+                out[d] += w * acc[s, d]  # [D]

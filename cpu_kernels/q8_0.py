@@ -1,2 +1,122 @@
-# TEMP STUB (ops helper) - deleted before the ops helper finishes
-QTYPE = None
+"""Q8_0: GGUF's 8-bit format, blocks of 32 weights in 34 bytes (ggml block_q8_0).
+
+Block layout, bytes:
+    0:2     d    f16 scale
+    2:34    qs   32 int8 quants
+weight = d * q
+
+Shape legend: R output rows, C columns, B bytes per row (C // 32 * 34), T tokens,
+E experts, N (token, expert) rows sorted by group, G groups, W work items, K unpacked rows.
+"""
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import njit, prange
+
+from .half import read_half
+from .simd import dot_i8_block
+from .tiles import (ONE_EXPERT, ROWS_PER_ITEM, UNPACK_ROWS, check_dequantize, check_moe, dot_unpacked,
+                    random_scales, work_items)
+
+QTYPE = GGMLQuantizationType.Q8_0
+BLOCK_SIZE = 32
+BLOCK_BYTES = 34
+
+
+@njit(nogil=True, cache=True)
+def _unpack_row(row, dst):
+    """row [B] -> dst f32 [C], rounded exactly as gguf does (float(q) * d)."""
+    for b in range(row.shape[0] // BLOCK_BYTES):
+        o = b * BLOCK_BYTES
+        d = read_half(row, o)
+        for j in range(BLOCK_SIZE):
+            dst[b * BLOCK_SIZE + j] = np.float32(np.int8(row[o + 2 + j])) * d
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _block_dot(row, b, x):
+    """Block b of row [B] . x [C]: sum(q * x) as one vector op, then the scale."""
+    o = b * BLOCK_BYTES
+    return read_half(row, o) * dot_i8_block(row, o + 2, x, b * BLOCK_SIZE)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _rows_dot(w, r0, r1, x, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C]; 4 rows at a time keep 4 memory streams and FMA chains going."""
+    num_blocks = w.shape[1] // BLOCK_BYTES
+    r = r0
+    while r + 4 <= r1:
+        a0 = a1 = a2 = a3 = np.float32(0)
+        for b in range(num_blocks):
+            a0 += _block_dot(w[r], b, x)
+            a1 += _block_dot(w[r + 1], b, x)
+            a2 += _block_dot(w[r + 2], b, x)
+            a3 += _block_dot(w[r + 3], b, x)
+        out[r], out[r + 1], out[r + 2], out[r + 3] = a0, a1, a2, a3
+        r += 4
+    for rr in range(r, r1):
+        acc = np.float32(0)
+        for b in range(num_blocks):
+            acc += _block_dot(w[rr], b, x)
+        out[rr] = acc
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, out, r0, t0, t1):
+    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B]."""
+    r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    if t1 - t0 == 1:
+        _rows_dot(w, r0, r1, x[t0], out[t0])
+        return
+    buf = np.zeros((UNPACK_ROWS, x.shape[1]), dtype=np.float32)  # [K, C]
+    for k0 in range(r0, r1, UNPACK_ROWS):
+        num_rows = min(UNPACK_ROWS, r1 - k0)
+        for k in range(num_rows):
+            _unpack_row(w[k0 + k], buf[k])
+        dot_unpacked(buf, num_rows, x, t0, t1, out, k0)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _dequantize(raw, out):
+    for r in prange(raw.shape[0]):
+        _unpack_row(raw[r], out[r])
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def _moe_matmul(raw, x, expert_ids, row_starts, out):
+    items = work_items(row_starts, raw.shape[1])  # [W, 4]
+    for i in prange(items.shape[0]):
+        _tile(raw[expert_ids[items[i, 0]]], x, out, items[i, 1], items[i, 2], items[i, 3])
+
+
+def dequantize(raw, out):
+    """raw uint8 [..., B] -> out f32 [..., C], bit-exact with gguf.quants.dequantize."""
+    check_dequantize(raw, out, BLOCK_SIZE, BLOCK_BYTES, __name__)
+    _dequantize(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
+
+
+def matvec(raw, x, out):
+    """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
+    matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
+
+
+def matmul(raw, x, out):
+    """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
+    moe_matmul(raw.reshape(1, *raw.shape), x, ONE_EXPERT, np.array([0, x.shape[0]]), out)
+
+
+def moe_matmul(raw, x, expert_ids, row_starts, out):
+    """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
+    check_moe(raw, x, expert_ids, row_starts, out, BLOCK_SIZE, BLOCK_BYTES, __name__)
+    _moe_matmul(raw, x, expert_ids, row_starts, out)
+
+
+def random_blocks(rng, shape, scale):
+    """Random valid Q8_0 bytes [..., C // 32 * 34] for a weight of shape (..., C), values of magnitude ~ scale.
+
+    Quants are uniform in -127..127 (mean |q| ~ 64), so d ~ scale / 64.
+    """
+    *lead, cols = shape
+    num_blocks = int(np.prod(lead, dtype=np.int64)) * (cols // BLOCK_SIZE)
+    qs = rng.integers(-127, 128, size=(num_blocks, BLOCK_SIZE), dtype=np.int8).view(np.uint8)  # [blocks, 32]
+    blocks = np.concatenate([random_scales(rng, num_blocks, scale / 64), qs], axis=1)  # [blocks, 34]
+    return blocks.reshape(*lead, cols // BLOCK_SIZE * BLOCK_BYTES)

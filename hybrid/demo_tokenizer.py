@@ -141,6 +141,101 @@ cooked soup, and told stories about the summer they had spent by the lake.
 The students asked their teacher to explain the difference between a list and
 a tuple. A list can be changed after it is created; a tuple cannot. Both keep
 their items in order, and both can hold values of any type.
+
+fn main() {
+    let words = vec!["alpha", "beta", "gamma", "delta"];
+    let lengths: Vec<usize> = words.iter().map(|w| w.len()).collect();
+    match lengths.iter().max() {
+        Some(longest) => println!("longest word has {} letters", longest),
+        None => println!("no words"),
+    }
+}
+
+#!/usr/bin/env bash
+set -euo pipefail
+for file in logs/*.txt; do
+    grep -c "ERROR" "$file" || echo "no errors in $file"
+done
+export CUDA_VISIBLE_DEVICES=0,1
+tar -czf backup.tar.gz ./data && echo "backup written"
+
+server:
+  host: 0.0.0.0
+  port: 8080
+  workers: 4
+model:
+  path: /models/qwen3-30b-a3b-q4_k_m.gguf
+  context_length: 32768
+  gpu_layers: all
+
+| layer | experts | resident | hit rate |
+|-------|---------|----------|----------|
+| 0     | 128     | 32       | 0.71     |
+| 1     | 128     | 28       | 0.64     |
+
+async def fetch_all(session, urls):
+    tasks = [asyncio.create_task(fetch(session, url)) for url in urls]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    return {url: r for url, r in zip(urls, results) if not isinstance(r, Exception)}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+
+try:
+    value = int(text)
+except ValueError as error:
+    raise SystemExit(f"not a number: {text!r}") from error
+finally:
+    handle.close()
+
+Recipe for a simple bread: mix five hundred grams of flour with a teaspoon of
+salt, seven grams of dry yeast and three hundred millilitres of warm water.
+Knead the dough for ten minutes until it is smooth and elastic, cover it, and
+let it rise in a warm place for an hour. Shape the loaf, let it rise again for
+thirty minutes, and bake it at two hundred and twenty degrees for forty minutes.
+
+History notes: the printing press spread across Europe in the fifteenth century,
+making books cheaper and helping ideas travel faster than ever before. Steam
+engines powered the factories of the industrial revolution, railways connected
+distant cities, and the telegraph carried messages across oceans in minutes.
+In the twentieth century, electricity, radio, television, computers and finally
+the internet changed how people work, learn, and talk to each other.
+
+A short dialogue:
+User: Can you help me plan a trip to the mountains next weekend?
+Assistant: Of course! How many people are going, and do you prefer hiking,
+climbing, or just relaxing with a view? I can suggest routes, cabins, and a
+packing list with warm clothes, water, snacks, a map, and a first aid kit.
+User: Two of us, mostly easy hikes, and we would like to stay somewhere quiet.
+Assistant: Great choice. Start early on Saturday, take the lake trail (about
+eight kilometres, gentle slopes), and book a small guesthouse in the valley.
+
+Science: water boils at 100 degrees Celsius at sea level and freezes at zero.
+Light travels about 299,792 kilometres per second. The Earth orbits the Sun
+once every 365.25 days, and the Moon orbits the Earth roughly every 27 days.
+Plants turn sunlight, water and carbon dioxide into sugar and oxygen; animals
+breathe that oxygen and release carbon dioxide, closing a very old cycle.
+
+Mathematics: the sum of the angles of a triangle is 180 degrees. A prime number
+has exactly two divisors: 2, 3, 5, 7, 11, 13, 17, 19, 23, 29 and 31 are primes.
+If f(x) = x^2 + 3x - 4, then f(1) = 0 and f(-4) = 0, so (x - 1)(x + 4) = f(x).
+The derivative of sin(x) is cos(x); the integral of 1/x is ln|x| + C.
+
+Geography: the Amazon river flows through Brazil, Peru and Colombia; the Nile
+crosses Egypt and Sudan; the Danube passes Vienna, Bratislava and Budapest.
+Mount Everest rises 8,849 metres above the sea, while the Mariana Trench sinks
+almost eleven kilometres below it. Deserts cover a third of the land surface.
+
+Music and art: Beethoven composed nine symphonies, Mozart wrote operas such as
+The Magic Flute, and Bach filled notebooks with fugues and cantatas. Painters
+like Vermeer, Monet and Kahlo studied light, colour and everyday objects.
+Poets count syllables, choose rhythms, and rhyme; novelists build whole worlds.
 """
 
 

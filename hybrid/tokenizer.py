@@ -121,6 +121,8 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.pad_id = pad_id
+        if add_bos and bos_id is None:
+            log.warning("%s: the tokenizer asks for a BOS token but names none; adding no BOS", source)
         self.add_bos = bool(add_bos and bos_id is not None)
         self.chat_template = chat_template
         self.vocab_size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))

@@ -107,7 +107,8 @@ def attention_reference(q, k_cache, v_cache, start_pos, scale):
 
 @pytest.mark.parametrize("num_tokens,start_pos,cache_len,num_q_heads,num_kv_heads,head_dim", [
     (1, 0, 1, 4, 2, 128),
-    (1, 1500, 1531, 8, 1, 128),
+    (1, 1500, 1531, 8, 1, 128),  # decode: keys split and merged
+    (5, 700, 709, 8, 2, 64),  # a few tokens, still split
     (37, 0, 45, 8, 1, 64),
     (37, 19, 61, 4, 2, 16),
 ])

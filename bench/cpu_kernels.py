@@ -1,0 +1,143 @@
+"""Decode throughput of the CPU quant kernels vs DRAM read bandwidth.
+
+For each format, builds random experts of one Qwen3-30B-A3B MoE layer (128 experts,
+gate/up projection R=768, C=2048) and times a decode step that reads every expert
+once: one moe_matmul call with 128 groups of one row, and (for comparison) a Python
+loop of 128 matvec calls. Throughput is weight bytes read per second. Enough layer
+copies are cycled that the weights never sit in the last-level cache. DRAM read
+bandwidth is a parallel float32 sum over a large array, per thread count.
+
+    python bench/cpu_kernels.py [--threads 1,2] [--formats q8_0,q4_k] [--repeats 7]
+
+Writes the table to bench/results/cpu_kernels.md.
+"""
+import argparse
+import logging
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+# This script shares the package's name: drop its folder from the path so the import finds the package.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import cpu_kernels  # noqa: E402
+
+log = logging.getLogger("bench.cpu_kernels")
+
+NUM_EXPERTS, ROWS, COLS = 128, 768, 2048  # Qwen3-30B-A3B gate/up: [E, R, C]
+RESULTS = Path(__file__).parent / "results" / "cpu_kernels.md"
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def _parallel_sum(a):
+    acc = np.float32(0)
+    for i in prange(a.shape[0]):
+        acc += a[i]
+    return acc
+
+
+def median_seconds(fn, repeats):
+    """Median wall time of fn() over `repeats` runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def dram_gbps(num_bytes, repeats):
+    """Read bandwidth (GB/s) of a parallel sum over a float32 array of num_bytes."""
+    a = np.random.default_rng(0).standard_normal(num_bytes // 4, dtype=np.float32)
+    return a.nbytes / median_seconds(lambda: _parallel_sum(a), repeats) / 1e9
+
+
+def decode_gbps(fmt, layers, repeats):
+    """(moe_matmul GB/s, matvec-loop GB/s) reading every expert of a layer once, cycling over layer copies."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((NUM_EXPERTS, COLS), dtype=np.float32)  # [N, C]: one token per expert
+    out = np.empty((NUM_EXPERTS, ROWS), dtype=np.float32)  # [N, R]
+    expert_ids = np.arange(NUM_EXPERTS, dtype=np.int64)  # [G]
+    row_starts = np.arange(NUM_EXPERTS + 1, dtype=np.int64)  # [G+1]
+    turn = iter(range(10**9))
+
+    def moe():
+        fmt.moe_matmul(layers[next(turn) % len(layers)], x, expert_ids, row_starts, out)
+
+    def loop():
+        raw = layers[next(turn) % len(layers)]
+        for e in range(NUM_EXPERTS):
+            fmt.matvec(raw[e], x[e], out[e])
+
+    num_bytes = layers[0].nbytes
+    return num_bytes / median_seconds(moe, repeats) / 1e9, num_bytes / median_seconds(loop, repeats) / 1e9
+
+
+def run(format_names, thread_counts, repeats, min_bytes):
+    """Rows of (format, threads, moe GB/s, loop GB/s, DRAM GB/s)."""
+    dram = {}
+    for threads in thread_counts:
+        numba.set_num_threads(threads)
+        dram[threads] = dram_gbps(min_bytes, repeats)
+        log.info("DRAM read, %d thread(s): %.1f GB/s", threads, dram[threads])
+    rows = []
+    for qtype, fmt in cpu_kernels.FORMATS.items():
+        name = qtype.name.lower()
+        if format_names and name not in format_names:
+            continue
+        layer_bytes = NUM_EXPERTS * ROWS * COLS // fmt.BLOCK_SIZE * fmt.BLOCK_BYTES
+        num_copies = max(2, math.ceil(min_bytes / layer_bytes))
+        log.info("%s: building %d layer copies of %.0f MB", name, num_copies, layer_bytes / 1e6)
+        rng = np.random.default_rng(0)
+        layers = [fmt.random_blocks(rng, (NUM_EXPERTS, ROWS, COLS), 0.02) for _ in range(num_copies)]
+        for threads in thread_counts:
+            numba.set_num_threads(threads)
+            moe, loop = decode_gbps(fmt, layers, repeats)
+            log.info("%s, %d thread(s): moe_matmul %.1f GB/s, matvec loop %.1f GB/s", name, threads, moe, loop)
+            rows.append((name, threads, moe, loop, dram[threads]))
+        del layers
+    return rows
+
+
+def markdown(rows, repeats, min_bytes):
+    lines = [
+        "# CPU kernel decode throughput",
+        "",
+        f"{platform.processor() or platform.machine()}, {numba.config.NUMBA_NUM_THREADS} Numba threads available, "
+        f"numba {numba.__version__}. One Qwen3-30B-A3B MoE layer: {NUM_EXPERTS} experts of [{ROWS}, {COLS}], "
+        f"every expert read once per step; layer copies cycled over >= {min_bytes / 2**30:.1f} GiB. "
+        f"Median of {repeats} runs after a warm-up. GB/s = weight bytes read / time.",
+        "",
+        "| format | threads | moe_matmul GB/s | % of DRAM | matvec loop GB/s | DRAM read GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, threads, moe, loop, dram in rows:
+        lines.append(f"| {name} | {threads} | {moe:.1f} | {100 * moe / dram:.0f}% | {loop:.1f} | {dram:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="1,2", help="comma-separated Numba thread counts")
+    parser.add_argument("--formats", default="", help="comma-separated formats (default: all in cpu_kernels.FORMATS)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--gib", type=float, default=1.5, help="bytes cycled per measurement, in GiB (beat the LLC)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    format_names = {f.strip().lower() for f in args.formats.split(",") if f.strip()}
+    min_bytes = int(args.gib * 2**30)
+    table = markdown(run(format_names, thread_counts, args.repeats, min_bytes), args.repeats, min_bytes)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""F32, F16, BF16, Q8_0 and Q4_0 kernels vs gguf's dequantize and float64 NumPy references."""
+import gguf
+import numpy as np
+import pytest
+
+from cpu_kernels import bf16, f16, f32, q4_0, q8_0
+
+FORMATS = [f32, f16, bf16, q8_0, q4_0]
+ROWS = 37  # odd, and not a multiple of the 16-row work items or 4-row unpack tiles
+COLS = 160  # 5 blocks of 32: not a power of two
+# Kernels sum in float32 (fastmath may reorder); dequantized weights are exact, so the only
+# error is float32 accumulation over COLS terms: ~sqrt(COLS) * 2^-24 relative to the largest
+# output. 1e-5 of max|ref| leaves ~50x margin over that while catching any wrong weight.
+REL_TOL = 1e-5
+
+
+def _weights(fmt, shape, seed=0):
+    return fmt.random_blocks(np.random.default_rng(seed), shape, 0.02)
+
+
+def _dequant(fmt, raw):
+    return gguf.quants.dequantize(raw, fmt.QTYPE).astype(np.float64)
+
+
+def _assert_close(got, ref):
+    assert np.abs(got - ref).max() <= REL_TOL * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
+def test_dequantize_matches_gguf_bitwise(fmt):
+    raw = _weights(fmt, (ROWS, COLS))
+    if fmt.BLOCK_SIZE > 1:  # odd f16 scales: subnormal, negative subnormal, negative, zero
+        for row, bits in ((0, 0x0001), (1, 0x8203), (2, 0xB400), (3, 0x0000)):
+            raw[row, 0:2] = np.array([bits], dtype="<u2").view(np.uint8)
+    out = np.empty((ROWS, COLS), dtype=np.float32)
+    fmt.dequantize(raw, out)
+    assert np.array_equal(out, gguf.quants.dequantize(raw, fmt.QTYPE))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_matmul_and_matvec_match_numpy(fmt, num_tokens):
+    raw = _weights(fmt, (ROWS, COLS))
+    raw.flags.writeable = False  # kernels must accept read-only (memory-mapped) weights
+    x = np.random.default_rng(1).standard_normal((num_tokens, COLS), dtype=np.float32)  # [T, C]
+    ref = x.astype(np.float64) @ _dequant(fmt, raw).T  # [T, R]
+    out = np.empty((num_tokens, ROWS), dtype=np.float32)
+    fmt.matmul(raw, x, out)
+    _assert_close(out, ref)
+    vec = np.empty(ROWS, dtype=np.float32)
+    fmt.matvec(raw, x[0], vec)
+    _assert_close(vec, ref[0])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
+def test_moe_matmul_matches_numpy(fmt):
+    raw = _weights(fmt, (5, ROWS, COLS))  # [E, R, B]
+    expert_ids = np.array([3, 0, 4, 1, 3], dtype=np.int64)  # [G]; expert 3 twice
+    sizes = [2, 0, 1, 35, 3]  # an empty group, a one-row group, one past a 32-token work item
+    row_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [G+1]
+    x = np.random.default_rng(2).standard_normal((row_starts[-1], COLS), dtype=np.float32)  # [N, C]
+    out = np.full((row_starts[-1], ROWS), np.nan, dtype=np.float32)  # [N, R]
+    fmt.moe_matmul(raw, x, expert_ids, row_starts, out)
+    weights = _dequant(fmt, raw)  # [E, R, C]
+    ref = np.concatenate([x[row_starts[g]:row_starts[g + 1]].astype(np.float64) @ weights[e].T
+                          for g, e in enumerate(expert_ids)])  # [N, R]
+    _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
+def test_moe_matmul_rejects_bad_shapes(fmt):
+    raw = _weights(fmt, (2, ROWS, COLS))
+    x = np.zeros((3, COLS + fmt.BLOCK_SIZE), dtype=np.float32)
+    with pytest.raises(ValueError, match=fmt.__name__):
+        fmt.moe_matmul(raw, x, np.zeros(1, np.int64), np.array([0, 3]), np.empty((3, ROWS), np.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
+def test_random_blocks_are_finite_with_requested_scale(fmt):
+    raw = _weights(fmt, (3, 64, COLS))
+    assert raw.dtype == np.uint8 and raw.shape == (3, 64, COLS // fmt.BLOCK_SIZE * fmt.BLOCK_BYTES)
+    values = gguf.quants.dequantize(raw, fmt.QTYPE)
+    assert np.isfinite(values).all()
+    assert 0.01 < np.abs(values).mean() < 0.04  # asked for 0.02
