@@ -48,6 +48,7 @@ class LLM:
             from .demo import demo_model_path
 
             model_path = demo_model_path()
+            log.warning("no model given: using the built-in demo model (RANDOM weights, its text is gibberish)")
         self.threads = set_threads(threads)
         self.weights = load_model(model_path)
         self.tokenizer = self.weights.tokenizer

@@ -1,0 +1,69 @@
+"""CPU controls: the ISA floor reaches Numba's code generator; thread counts apply."""
+import os
+import subprocess
+import sys
+
+import numba
+import pytest
+
+from cpu_kernels.target import apply_isa_floor, set_threads
+
+PROBE = """
+import numpy as np
+import cpu_kernels
+from cpu_kernels import attention, q8_0
+from numba.core import config
+rng = np.random.default_rng(0)
+raw = q8_0.random_blocks(rng, (37, 160), 0.05)
+w = np.empty((37, 160), np.float32); q8_0.dequantize(raw, w)
+x = rng.standard_normal(160).astype(np.float32); out = np.empty(37, np.float32)
+q8_0.matvec(raw, x, out)
+assert np.allclose(out, w @ x, rtol=1e-4, atol=1e-5)
+q, k, v = (rng.standard_normal((5, 2, 16)).astype(np.float32) for _ in range(3))
+o = np.empty_like(q); attention.attention(q, k, v, 0, 0.25, o)
+asm = "".join(attention.attention.inspect_asm().values())
+print(config.CPU_NAME, repr(config.CPU_FEATURES), "fma" if "vfmadd" in asm else "no-fma")
+"""
+
+
+def test_floor_names_map_to_numba_settings(monkeypatch):
+    monkeypatch.delenv("NUMBA_CPU_NAME", raising=False)
+    monkeypatch.delenv("NUMBA_CPU_FEATURES", raising=False)
+    assert apply_isa_floor("avx") == "avx"
+    assert os.environ["NUMBA_CPU_NAME"] == "sandybridge" and os.environ["NUMBA_CPU_FEATURES"] == ""
+
+
+def test_unknown_floor_is_refused():
+    with pytest.raises(ValueError, match="STRATA_ISA_FLOOR='sse9'"):
+        apply_isa_floor("sse9")
+
+
+def run_probe(floor, cache_dir):
+    env = {**os.environ, "STRATA_ISA_FLOOR": floor, "NUMBA_CACHE_DIR": str(cache_dir)}
+    env.pop("NUMBA_CPU_NAME", None)
+    env.pop("NUMBA_CPU_FEATURES", None)
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return tuple(proc.stdout.split())
+
+
+def test_avx_floor_compiles_without_fma(tmp_path):
+    """With STRATA_ISA_FLOOR=avx the kernels compile for Sandy Bridge: correct results, no FMA instructions."""
+    assert run_probe("avx", tmp_path / "avx") == ("sandybridge", "''", "no-fma")
+
+
+def test_avx2_floor_keeps_fma(tmp_path):
+    """The probe does see FMA where the floor allows it (so the test above can fail)."""
+    assert run_probe("avx2", tmp_path / "avx2") == ("haswell", "''", "fma")
+
+
+def test_threads_setting(monkeypatch):
+    before = numba.get_num_threads()
+    try:
+        assert set_threads(1) == 1 and numba.get_num_threads() == 1
+        monkeypatch.setenv("STRATA_THREADS", "1")
+        assert set_threads() == 1
+        with pytest.raises(ValueError, match="threads must be >= 1"):
+            set_threads(0)
+    finally:
+        numba.set_num_threads(before)
