@@ -56,11 +56,35 @@ def _run_generate(args):
     return 0
 
 
+def _add_serve(sub):
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the demo model when no --model is given)")
+    p.add_argument("--model", help="GGUF file or HF safetensors directory (default: the built-in demo model)")
+    p.add_argument("--parallel", type=int, default=1, help="slots: requests served at once (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or STRATA_API_KEY)")
+    p.add_argument("--decode-share", type=float, default=None,
+                   help="share of a decoding slot's rate kept while another slot reads a prompt, in (0, 1] "
+                        "(default: STRATA_BATCH_DECODE_SHARE or 0.8)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests beyond which the server answers "
+                                                               "429 (default 16 per slot)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
+    p.add_argument("--max-context", type=int, default=None, help="context limit per slot (default: the model's)")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args):
+    from server.serve import run
+
+    return run(args)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="strata", description="Hybrid CPU/GPU engine for MoE language models")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     return parser
 
 

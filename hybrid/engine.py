@@ -1,0 +1,226 @@
+"""The engine: one loop thread owns the model and every slot; other threads only submit and read.
+
+`Engine.step()` = schedule -> model.forward(Batch) -> sample per slot -> postprocess.
+"""
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batch import Batch, SeqChunk
+from .errors import RequestError
+from .request import Delta, Failed, Finished, RequestHandle, StopFilter, timings
+from .sampling import Sampler
+from .scheduler import DEFAULT_DECODE_SHARE, DEFAULT_STEP_TOKENS, Scheduler, SlotState
+from .tokenizer import IncrementalDecoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """Engine-thread state of one admitted request."""
+
+    handle: RequestHandle
+    sampler: Sampler
+    decoder: IncrementalDecoder
+    stops: StopFilter
+    text: str = ""
+
+
+class EngineStats:
+    """Counters and recent rates, read by the server's /metrics and /slots."""
+
+    def __init__(self):
+        self.requests = {}  # finish reason ("stop", "length", "cancelled", "error") -> count
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.prompt_per_second = 0.0  # prompt tokens per second of the last step that read a prompt
+        self.decode_per_second = 0.0  # decoded tokens per second of the last step that decoded
+
+    def count(self, reason):
+        self.requests[reason] = self.requests.get(reason, 0) + 1
+
+    def record_step(self, step, elapsed_s):
+        if step.num_prompt:
+            self.prompt_per_second = step.num_prompt / elapsed_s
+        if step.num_decode:
+            self.decode_per_second = step.num_decode / elapsed_s
+        self.prompt_tokens += step.num_prompt
+
+
+class Engine:
+    """`llm`: a `hybrid.LLM` (or anything with `.model`, `.tokenizer`, `.max_context`)."""
+
+    def __init__(self, llm, num_slots=1, max_queue=64, decode_share=DEFAULT_DECODE_SHARE,
+                 max_step_tokens=DEFAULT_STEP_TOKENS):
+        self.model, self.tokenizer, self.max_context = llm.model, llm.tokenizer, llm.max_context
+        self.scheduler = Scheduler(num_slots, lambda: self.model.new_sequence(self.max_context), self.max_context,
+                                   eos_ids=self.tokenizer.eos_ids, max_queue=max_queue, decode_share=decode_share,
+                                   max_step_tokens=max_step_tokens)
+        self.stats = EngineStats()
+        self._live = {}  # request_id -> _Live
+        self._lock = threading.Condition()
+        self._thread = None
+        self._stopping = False
+
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self):
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def submit(self, request):
+        """Queue `request`; raises RequestError (bad prompt or parameters) or QueueFull."""
+        request.params.validate()
+        self._check_prompt(request.prompt_ids)
+        handle = RequestHandle(request)
+        live = _Live(handle, Sampler(request.params), IncrementalDecoder(self.tokenizer),
+                     StopFilter(request.params.stop))
+        with self._lock:
+            self.scheduler.add(request)
+            self._live[request.request_id] = live
+            self._lock.notify_all()
+        return handle
+
+    def _check_prompt(self, ids):
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
+        vocab_size = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+
+    def cancel(self, request_id):
+        """Cancel a queued or running request; its slot is freed at the next step."""
+        with self._lock:
+            live = self._live.get(request_id)
+            if live is not None:
+                live.handle.request.cancelled = True
+                self._lock.notify_all()
+
+    def snapshot(self):
+        """Slot states and queue length, consistent between steps."""
+        with self._lock:
+            slots = [{"id": s.index, "state": s.state.value,
+                      "request_id": s.request.request_id if s.request else None,
+                      "prompt_n": len(s.request.prompt_ids) if s.request else 0,
+                      "num_cached": s.num_cached if s.request else 0,
+                      "predicted_n": len(s.output_ids) if s.request else 0}
+                     for s in self.scheduler.slots]
+            return {"slots": slots, "queue_length": len(self.scheduler.queue)}
+
+    def _loop(self):
+        while True:
+            with self._lock:
+                while not self._stopping and not self.scheduler.has_work():
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug outside any one request: log it and keep serving
+                log.exception("engine step failed")
+                time.sleep(0.1)
+
+    def step(self):
+        """One batched forward step; returns False when there was nothing to run."""
+        with self._lock:
+            step = self.scheduler.schedule()
+            for request in step.cancelled:
+                self._end(request.request_id, None, "cancelled")
+        if not step.chunks:
+            return False
+        t0 = time.perf_counter()
+        logits = self._forward(step.chunks)
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            self.scheduler.record(step, elapsed)
+            self.stats.record_step(step, elapsed)
+            self._postprocess(step.chunks, logits)
+        return True
+
+    def _forward(self, chunks):
+        """Logits per chunk (None for a chunk that asks none or that failed alone)."""
+        try:
+            return self._run(chunks)
+        except Exception:
+            if len(chunks) == 1:
+                log.exception("request %s failed in the forward pass", chunks[0].slot.request.request_id)
+                return [_FAILED]
+            return [self._forward([c])[0] for c in chunks]  # find the failing request: one chunk at a time
+
+    def _run(self, chunks):
+        batch = Batch([SeqChunk(c.slot.kv, c.start, np.asarray(c.token_ids, dtype=np.int64), c.logits)
+                       for c in chunks])
+        rows = iter(self.model.forward(batch))
+        return [next(rows) if c.logits == "last" else None for c in chunks]
+
+    def _postprocess(self, chunks, logits):
+        for chunk, row in zip(chunks, logits):
+            slot = chunk.slot
+            if row is _FAILED:
+                self._fail(slot, "the forward pass failed for this request")
+                continue
+            try:
+                self.scheduler.advance(chunk)
+                if row is not None:
+                    self._emit(slot, self._live[slot.request.request_id].sampler(row))
+            except Exception as exc:
+                log.exception("request %s failed", slot.request.request_id)
+                self._fail(slot, f"{type(exc).__name__}: {exc}")
+
+    def _emit(self, slot, token_id):
+        live = self._live[slot.request.request_id]
+        reason = self.scheduler.append_token(slot, token_id)
+        self.stats.generated_tokens += 1
+        is_eos = reason == "stop"
+        text, hit_stop = live.stops.push("" if is_eos else live.decoder.push(token_id))
+        if hit_stop:
+            reason = "stop"
+        elif reason is not None:
+            text += live.stops.flush()
+        live.text += text
+        if text or not is_eos:
+            live.handle.events.put(Delta(text, [token_id]))
+        if reason is not None:
+            self.scheduler.finish(slot, reason)
+            self._end(slot.request.request_id, slot, reason)
+            self.scheduler.release(slot)
+
+    def _fail(self, slot, message):
+        self.scheduler.finish(slot, "error")
+        self._end(slot.request.request_id, None, "error", message)
+        self.scheduler.release(slot)
+
+    def _end(self, request_id, slot, reason, message=None):
+        """Push the final event of a request and forget it; `slot` is None when it did not finish normally."""
+        live = self._live.pop(request_id)
+        self.stats.count(reason)
+        if reason == "error":
+            live.handle.events.put(Failed(message))
+            return
+        if slot is None:
+            live.handle.events.put(Finished(reason, live.text, [], len(live.handle.request.prompt_ids), {}))
+            return
+        now = time.perf_counter()
+        t = timings(len(slot.request.prompt_ids), slot.prompt_finished - slot.prompt_started,
+                    len(slot.output_ids), now - slot.prompt_finished)
+        log.info("request %s done (%s): prompt %d tokens in %.0f ms (%.1f tok/s), %d tokens in %.0f ms (%.1f tok/s), "
+                 "queued %.0f ms", request_id, reason, t["prompt_n"], t["prompt_ms"], t["prompt_per_second"],
+                 t["predicted_n"], t["predicted_ms"], t["predicted_per_second"],
+                 (slot.prompt_started - slot.request.created) * 1e3)
+        live.handle.events.put(Finished(reason, live.text, list(slot.output_ids), t["prompt_n"], t))
+
+
+_FAILED = object()  # marks the logits of a chunk whose forward pass failed

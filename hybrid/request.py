@@ -1,0 +1,118 @@
+"""What a caller hands the engine (`Request`) and what it reads back (`RequestHandle` events).
+
+HTTP threads build a `Request`, `Engine.submit` returns a `RequestHandle`, and
+the engine thread pushes `Delta`s then one `Finished` or `Failed` into the
+handle's queue.
+"""
+import queue
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt_ids: list
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # set by any thread (Engine.cancel), read by the engine thread
+
+
+@dataclass
+class Delta:
+    """New output: the text it completes (stop strings held back) and the token ids."""
+
+    text: str
+    token_ids: list
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop", "length" or "cancelled"
+    text: str
+    token_ids: list
+    prompt_n: int
+    timings: dict
+
+    @property
+    def usage(self):
+        return {"prompt_tokens": self.prompt_n, "completion_tokens": len(self.token_ids),
+                "total_tokens": self.prompt_n + len(self.token_ids),
+                "prompt_tokens_details": {"cached_tokens": self.timings.get("cache_n", 0)}}
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+class RequestHandle:
+    """The caller's end of one request: iterate it for events, or wait for `result()`."""
+
+    def __init__(self, request):
+        self.request = request
+        self.events = queue.Queue()
+
+    @property
+    def request_id(self):
+        return self.request.request_id
+
+    def next_event(self, timeout=None):
+        """The next event, or None when `timeout` seconds pass without one."""
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def __iter__(self):
+        while True:
+            event = self.events.get()
+            yield event
+            if not isinstance(event, Delta):
+                return
+
+    def result(self):
+        """Blocks until the request ends: its `Finished` or `Failed` event."""
+        for event in self:
+            if not isinstance(event, Delta):
+                return event
+
+
+def timings(prompt_n, prompt_s, predicted_n, predicted_s, cache_n=0):
+    """llama.cpp's timing fields, so users can compare engines."""
+    return {
+        "cache_n": cache_n,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_s * 1e3,
+        "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_s * 1e3,
+        "predicted_per_second": predicted_n / predicted_s if predicted_s > 0 else 0.0,
+    }
+
+
+class StopFilter:
+    """Cuts generated text at the first stop string, holding back a tail that may begin one."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, piece):
+        """-> (text safe to emit now, True when a stop string was reached)."""
+        self.pending += piece
+        hits = [self.pending.find(s) for s in self.stops if s in self.pending]
+        if hits:
+            text, self.pending = self.pending[: min(hits)], ""
+            return text, True
+        keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        cut = len(self.pending) - keep
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+    def flush(self):
+        text, self.pending = self.pending, ""
+        return text

@@ -1,0 +1,24 @@
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+import falcon
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+class ApiError(falcon.HTTPError):
+    def __init__(self, status, message, param=None, code=None, headers=None):
+        super().__init__(status, title=falcon.code_to_http_status(status), description=message, headers=headers)
+        self.param, self.code = param, code
+
+
+def bad_request(message, param=None):
+    return ApiError(400, message, param=param)
+
+
+def serialize_error(req, resp, exc):
+    """Falcon error serializer: every HTTP error (ours and Falcon's own) as OpenAI error JSON."""
+    status = exc.status_code
+    resp.content_type = falcon.MEDIA_JSON
+    resp.media = {"error": {"message": exc.description or exc.title,
+                            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+                            "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}}

@@ -1,0 +1,161 @@
+"""The HTTP resources. They never touch the model: they submit to the engine and read a per-request queue."""
+import hmac
+import json
+import logging
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hybrid.errors import ModelError, RequestError
+from hybrid.request import Delta, Failed
+from hybrid.scheduler import QueueFull
+
+from .errors import ApiError, bad_request
+from .protocol import Responder, chat_prompt, completion_prompt, field, parse
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often a waiting response checks whether its client is still there
+RETRY_AFTER_S = 2
+
+
+def read_json(req):
+    try:
+        body = json.loads(req.bounded_stream.read() or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    return body
+
+
+def _disconnected(req):
+    return req.env.get("waitress.client_disconnected", lambda: False)
+
+
+class Completions:
+    """POST /v1/chat/completions (`chat`) and /v1/completions."""
+
+    def __init__(self, engine, model_id, chat):
+        self.engine, self.model_id, self.chat = engine, model_id, chat
+
+    def on_post(self, req, resp):
+        body = read_json(req)
+        model = field(body, "model", str)
+        if model is not None and model != self.model_id:
+            raise ApiError(404, f"model '{model}' does not exist; this server has '{self.model_id}'", "model",
+                           "model_not_found")
+        parsed = parse(body, self._prompt(body), self.engine.max_context)
+        handle = self._submit(parsed.request)
+        responder = Responder(self.chat, self.model_id)
+        if parsed.stream:
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.stream = self._sse(handle, responder, parsed.include_usage, _disconnected(req))
+        else:
+            resp.media = responder.complete(self._wait(handle, _disconnected(req)))
+
+    def _prompt(self, body):
+        tokenizer = self.engine.tokenizer
+        try:
+            ids = chat_prompt(body, tokenizer) if self.chat else completion_prompt(body, tokenizer)
+        except ModelError as exc:  # the chat template refused the messages, or there is none
+            raise bad_request(str(exc), "messages") from None
+        if len(ids) >= self.engine.max_context:
+            raise ApiError(413, f"the prompt has {len(ids)} tokens; the context holds {self.engine.max_context}",
+                           "messages" if self.chat else "prompt", "context_length_exceeded")
+        return ids
+
+    def _submit(self, request):
+        try:
+            return self.engine.submit(request)
+        except QueueFull as exc:
+            raise ApiError(429, f"the server is busy: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RequestError as exc:
+            raise bad_request(str(exc)) from None
+
+    def _wait(self, handle, disconnected):
+        while True:
+            event = handle.next_event(timeout=POLL_S)
+            if event is None or isinstance(event, Delta):
+                if disconnected():
+                    self.engine.cancel(handle.request_id)
+                    raise ApiError(499, "the client disconnected")
+                continue
+            if isinstance(event, Failed):
+                raise ApiError(500, f"the request failed: {event.message}")
+            return event
+
+    def _sse(self, handle, responder, include_usage, disconnected):
+        done = False
+        try:
+            yield _sse(responder.first_chunk())
+            while not disconnected():
+                event = handle.next_event(timeout=POLL_S)
+                if isinstance(event, Delta):
+                    if event.text:
+                        yield _sse(responder.delta_chunk(event.text))
+                elif isinstance(event, Failed):
+                    done = True
+                    yield _sse({"error": {"message": f"the request failed: {event.message}",
+                                          "type": "server_error", "param": None, "code": None}})
+                    return
+                elif event is not None:
+                    done = True
+                    yield _sse(responder.final_chunk(event))
+                    if include_usage:
+                        yield _sse(responder.usage_chunk(event))
+                    yield b"data: [DONE]\n\n"
+                    return
+        finally:
+            if not done:
+                log.info("client of request %s went away: cancelling it", handle.request_id)
+                self.engine.cancel(handle.request_id)
+
+
+def _sse(body):
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class Models:
+    def __init__(self, model_id, description):
+        self.model_id, self.description = model_id, description
+
+    def on_get(self, req, resp):
+        resp.media = {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
+                                                  "owned_by": "strata", "description": self.description}]}
+
+
+class Health:
+    def on_get(self, req, resp):
+        resp.media = {"status": "ok"}
+
+
+class Slots:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def on_get(self, req, resp):
+        resp.media = self.engine.snapshot()
+
+
+class Metrics:
+    def __init__(self, registry):
+        self.registry = registry
+
+    def on_get(self, req, resp):
+        resp.content_type = CONTENT_TYPE_LATEST
+        resp.data = generate_latest(self.registry)
+
+
+class ApiKey:
+    """Middleware: every /v1 route needs `Authorization: Bearer <key>` when a key is set."""
+
+    def __init__(self, api_key):
+        self.api_key = api_key
+
+    def process_request(self, req, resp):
+        if not self.api_key or not req.path.startswith("/v1"):
+            return
+        auth = req.get_header("Authorization") or ""
+        if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")

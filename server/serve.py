@@ -1,0 +1,61 @@
+"""`strata serve`: load the model, start the engine thread, then serve the app in-process with waitress."""
+import logging
+import os
+
+from hybrid.scheduler import DEFAULT_DECODE_SHARE
+
+from .app import create_app
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+def model_id(llm):
+    from hybrid.demo import DEMO_NAME
+
+    if DEMO_NAME in os.path.basename(llm.weights.source):
+        return DEMO_NAME, "built-in demo model with RANDOM weights: its text is gibberish by construction"
+    name = os.path.basename(os.path.normpath(llm.weights.source))
+    return (name[: -len(".gguf")] if name.endswith(".gguf") else name), f"{llm.config.arch} from {llm.weights.source}"
+
+
+def log_budget(llm, parallel, max_queue):
+    c = llm.config
+    model_bytes = sum(t.raw.nbytes for t in llm.weights.tensors.values())
+    kv_bytes = 2 * c.num_layers * llm.max_context * c.num_kv_heads * c.head_dim * 4  # float32 K and V
+    log.info("memory: model %.1f MiB (mapped); KV float32 %.1f MiB per slot at the full context of %d tokens "
+             "(grows with use) x %d slots = %.1f MiB; queue limit %d requests",
+             model_bytes / MIB, kv_bytes / MIB, llm.max_context, parallel, parallel * kv_bytes / MIB, max_queue)
+
+
+def build(model=None, parallel=1, api_key=None, decode_share=None, threads=None, max_context=None, max_queue=None):
+    """The app over a started engine; unset options come from STRATA_* variables, then defaults."""
+    from hybrid.engine import Engine
+    from hybrid.llm import LLM
+
+    if decode_share is None:
+        decode_share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", DEFAULT_DECODE_SHARE))
+    max_queue = max_queue or 16 * parallel
+    llm = LLM(model, device="cpu", threads=threads, max_context=max_context)
+    name, description = model_id(llm)
+    if model is None:
+        log.warning("serving the built-in demo model '%s': RANDOM weights, not a language model", name)
+    log_budget(llm, parallel, max_queue)
+    engine = Engine(llm, num_slots=parallel, max_queue=max_queue, decode_share=decode_share).start()
+    log.info("engine: %d slots, decode share %.2f", parallel, decode_share)
+    return create_app(engine, name, api_key=api_key, description=description)
+
+
+def run(args):
+    """Serve until interrupted (the `strata serve` subcommand)."""
+    import waitress
+
+    app = build(args.model, args.parallel, args.api_key or os.environ.get("STRATA_API_KEY"), args.decode_share,
+                args.threads, args.max_context, args.max_queue)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
+    log.info("serving on http://%s:%d/v1", args.host, args.port)
+    waitress.serve(app, host=args.host, port=args.port, threads=2 * args.parallel + 4,
+                   channel_request_lookahead=4, ident="strata", clear_untrusted_proxy_headers=True)
+    return 0

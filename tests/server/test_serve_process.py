@@ -1,0 +1,121 @@
+"""The real `strata serve` process on the demo model, driven with the official `openai` client."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "test-key"
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def busy_slots(base):
+    return [s for s in json.loads(get(f"{base}/slots"))["slots"] if s["state"] != "idle"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(demo_path, tmp_path_factory):
+    port = free_port()
+    strata = shutil.which("strata", path=os.path.dirname(sys.executable))
+    command = [strata] if strata else [sys.executable, "-m", "hybrid.cli"]
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command + ["serve", "--model", demo_path, "--parallel", "4", "--port", str(port),
+                                              "--api-key", API_KEY, "--max-context", "512"],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            assert time.time() < deadline, log_path.read_text()
+            try:
+                get(f"{base}/health")
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+
+
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def test_models_label_the_demo(client):
+    model = client.models.list().data[0]
+    assert "RANDOM" in model.id
+
+
+def test_chat_stream_and_not(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model=model_id(client), messages=messages, max_tokens=8, temperature=0)
+    assert whole.usage.completion_tokens >= 1 and whole.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model=model_id(client), messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_four_concurrent_clients(client):
+    prompts = ["Hello there", "One two three", "abc", "The quick brown fox"]
+
+    def ask(prompt):
+        return client.completions.create(model=model_id(client), prompt=prompt, max_tokens=8, temperature=0)
+
+    alone = [ask(p).choices[0].text for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        together = [r.choices[0].text for r in pool.map(ask, prompts)]
+    assert together == alone
+
+
+def test_disconnect_mid_stream_frees_the_slot(client, server):
+    stream = client.completions.create(model=model_id(client), prompt="Hello", max_tokens=400, stream=True)
+    next(iter(stream))
+    assert busy_slots(server)
+    stream.close()
+    deadline = time.time() + 10
+    while busy_slots(server):
+        assert time.time() < deadline, "the slot of a disconnected client was not freed"
+        time.sleep(0.05)
+    assert 'strata_requests_total{reason="cancelled"}' in get(f"{server}/metrics")
+
+
+def test_wrong_api_key(server):
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_bad_request_through_openai(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_id(client), prompt="Hi", max_tokens=4, n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=4)
