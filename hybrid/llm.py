@@ -10,7 +10,9 @@ from .batch import Batch, SeqChunk
 from .errors import RequestError
 from .formats import load_model
 from .model import Model
+from .request import StopFilter, timings
 from .sampling import Sampler, SamplingParams
+from .tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
@@ -26,24 +28,14 @@ class GenerationOutput:
     timings: dict = field(default_factory=dict)
 
 
-def _timings(prompt_n, prompt_s, predicted_n, predicted_s):
-    """llama.cpp's timing fields, so users can compare engines."""
-    return {
-        "prompt_n": prompt_n,
-        "prompt_ms": prompt_s * 1e3,
-        "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
-        "predicted_n": predicted_n,
-        "predicted_ms": predicted_s * 1e3,
-        "predicted_per_second": predicted_n / predicted_s if predicted_s > 0 else 0.0,
-    }
-
-
 class LLM:
     def __init__(self, model_path=None, device="cpu", threads=None, max_context=None):
         from cpu_kernels.target import set_threads
 
         if device not in ("cpu", "auto"):
             raise ValueError(f"device '{device}' is not available: this build runs on the CPU only")
+        if device == "auto":
+            log.info("device auto: no GPU backend in this build, running on the CPU")
         if model_path is None:
             from .demo import demo_model_path
 
@@ -102,30 +94,23 @@ class LLM:
         t1 = time.perf_counter()
         out_ids, text, finish = self._decode(logits, kv, params)
         t2 = time.perf_counter()
-        timings = _timings(len(ids), t1 - t0, len(out_ids), t2 - t1)
-        return GenerationOutput(out_ids, text, finish, ids, timings)
+        return GenerationOutput(out_ids, text, finish, ids, timings(len(ids), t1 - t0, len(out_ids), t2 - t1))
 
     def _decode(self, logits, kv, params):
-        from .tokenizer import IncrementalDecoder
-
-        sampler, decoder = Sampler(params), IncrementalDecoder(self.tokenizer)
+        sampler, decoder, stops = Sampler(params), IncrementalDecoder(self.tokenizer), StopFilter(params.stop)
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_ids)
         out_ids, text = [], ""
         while True:
             token = sampler(logits)
             out_ids.append(token)
             if token in eos:
+                return out_ids, text + stops.flush(), "stop"
+            piece, stopped = stops.push(decoder.push(token))
+            text += piece
+            if stopped:
                 return out_ids, text, "stop"
-            text += decoder.push(token)
-            cut = _find_stop(text, params.stop)
-            if cut is not None:
-                return out_ids, text[:cut], "stop"
             if len(out_ids) >= params.max_tokens or kv.length >= self.max_context:
-                return out_ids, text, "length"
+                return out_ids, text + stops.flush(), "length"
             step = Batch([SeqChunk(kv, kv.length, np.asarray([token], dtype=np.int64))])
             logits = self.model.forward(step)[0]
 
-
-def _find_stop(text, stops):
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None

@@ -68,7 +68,8 @@ class Model:
         self.layers = [_layer_weights(weights, i) for i in range(self.config.num_layers)]
         self.token_embd = weights["token_embd.weight"]
         self.output_norm = np.ascontiguousarray(weights["output_norm.weight"].dequantize())
-        self.output = weights.get("output.weight") or self.token_embd
+        tied = self.config.tie_word_embeddings
+        self.output = self.token_embd if tied else weights["output.weight"]
 
     def new_sequence(self, max_tokens=None):
         c = self.config
