@@ -36,13 +36,14 @@ def save_tokenizer_files(tokenizer, directory):
         json.dump(config, f)
 
 
-def make_hf_model(size, vocab_size, seed=0):
+def make_hf_model(size, vocab_size, seed=0, **overrides):
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=vocab_size, intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
-                         norm_topk_prob=True, max_position_embeddings=1024, rope_theta=10000.0,
-                         tie_word_embeddings=False, initializer_range=0.1, rms_norm_eps=1e-6, **TINY[size])
+    settings = dict(vocab_size=vocab_size, intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+                    norm_topk_prob=True, max_position_embeddings=1024, rope_theta=10000.0,
+                    tie_word_embeddings=False, initializer_range=0.1, rms_norm_eps=1e-6, **TINY[size])
+    cfg = Qwen3MoeConfig(**{**settings, **overrides})
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).float().eval()
     with torch.no_grad():  # norms away from 1 so that they are really exercised
@@ -53,15 +54,21 @@ def make_hf_model(size, vocab_size, seed=0):
 
 
 @pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory, demo_tokenizer):
-    """size -> an HF safetensors directory (float32, hub layout, tokenizer files)."""
-    dirs = {}
-    for size in TINY:
+def hf_dir_factory(tmp_path_factory, demo_tokenizer):
+    """(size, **config overrides) -> a fresh HF safetensors directory of that model."""
+    def make(size, **overrides):
         directory = str(tmp_path_factory.mktemp(f"hf-{size}"))
-        make_hf_model(size, demo_tokenizer.vocab_size).save_pretrained(directory)
+        make_hf_model(size, demo_tokenizer.vocab_size, **overrides).save_pretrained(directory)
         save_tokenizer_files(demo_tokenizer, directory)
-        dirs[size] = directory
-    return dirs
+        return directory
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(hf_dir_factory):
+    """size -> an HF safetensors directory (float32, hub layout, tokenizer files)."""
+    return {size: hf_dir_factory(size) for size in TINY}
 
 
 def float_tensors(weights):

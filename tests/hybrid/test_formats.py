@@ -77,3 +77,20 @@ def test_truncated_safetensors_shard(tmp_path, hf_dirs):
     shard.write_bytes(data[: len(data) - 1000])
     with pytest.raises(hybrid.ModelError, match=r"model.safetensors: tensor '.*' data .* is truncated"):
         load_model(str(directory))
+
+
+def test_tied_embeddings_in_both_formats(tmp_path, hf_dir_factory, reference_logits):
+    """A model whose head reuses the token embedding (no lm_head / output.weight) loads from both formats."""
+    from hybrid.formats.gguf_writer import write_gguf
+
+    directory = hf_dir_factory("small", tie_word_embeddings=True, num_hidden_layers=2)
+    ids = [7, 70, 700, 3, 33]
+    ref = reference_logits(directory, ids)
+    from_dir = hybrid.LLM(directory)
+    assert from_dir.config.tie_word_embeddings and "output.weight" not in from_dir.weights.tensors
+    assert np.max(np.abs(from_dir.score(ids) - ref)) <= 1e-4 * np.max(np.abs(ref))
+    path = str(tmp_path / "tied.gguf")
+    write_gguf(path, from_dir.config, from_dir.weights.tensors.values(), from_dir.tokenizer)
+    from_gguf = hybrid.LLM(path)
+    assert from_gguf.config.tie_word_embeddings
+    assert np.max(np.abs(from_gguf.score(ids) - ref)) <= 1e-4 * np.max(np.abs(ref))
