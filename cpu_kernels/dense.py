@@ -1,34 +1,74 @@
 """Kernels shared by the unquantized formats F32, F16 and BF16 (one module each holds its interface).
 
 A weight is one little-endian word of the file (uint32 for F32, uint16 for F16 and
-BF16). Its float32 bits are `((w & sign_mask) << sign_shift) | ((w & mag_mask) << mag_shift)`
-and its value those bits times `scale` (a SPEC tuple): shifts and one multiply that
-vectorize, where a branchy half -> float conversion would not. For F16 the bits
-are the half's exponent and mantissa moved into float32 position, so the value is
-2^-112 too small and scale = 2^112 fixes it: exact for normal and subnormal halves
-(inf and NaN come out finite, which fastmath dot kernels may assume away anyway).
+BF16), widened to float32 by a recipe of shifts and masks that vectorizes, where a
+branchy conversion would not:
+
+    shifted(...)  F32, BF16: bits = ((w & sign_mask) << sign_shift) | ((w & mag_mask) << mag_shift)
+    HALF          F16: the half's exponent and mantissa moved into float32 position and
+                  the exponent re-biased (+112) as an integer; where the half's exponent
+                  field is 0 (zero, subnormal) the magnitude is float(mantissa) * 2^-24
+                  instead, blended in without a branch. Exact for every finite half, and
+                  no float32 subnormal is ever made (those take slow microcode assists).
+                  Inf and NaN come out finite, which fastmath dot kernels may assume away anyway.
 
 Shape legend: R output rows, C columns, T tokens, E experts, N (token, expert) rows
 sorted by group, G groups, W work items, K unpacked rows.
 """
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
-from .half import _u32_as_f32
+from .half import u32_as_f32
 from .tiles import ROWS_PER_ITEM, UNPACK_ROWS, dot_unpacked, work_items
 
 
-def spec(sign_mask, sign_shift, mag_mask, mag_shift, scale):
-    """The word -> float32 recipe of a format, typed for the kernels."""
-    return (np.uint32(sign_mask), np.uint32(sign_shift), np.uint32(mag_mask), np.uint32(mag_shift), np.float32(scale))
+def shifted(sign_mask, sign_shift, mag_mask, mag_shift):
+    """The recipe of a format whose float32 bits are its word's sign and magnitude bits, shifted."""
+    return np.uint32(sign_mask), np.uint32(sign_shift), np.uint32(mag_mask), np.uint32(mag_shift)
 
 
-@njit(inline="always", nogil=True, cache=True)
+# (exponent re-bias, smallest normal magnitude, value of a subnormal's mantissa unit) of IEEE halves;
+# its length (3) picks the half conversion in `_value`.
+HALF = (np.int32(112 << 23), np.int32(0x400), np.float32(2.0**-24))
+
+
+def moe_kernel(word_dtype, recipe):
+    """The moe_matmul kernel of a format of `word_dtype` words widened by `recipe` (`shifted` or HALF)."""
+    def moe_matmul(raw, x, expert_ids, row_starts, out):
+        _moe_matmul(raw.view(word_dtype), x, expert_ids, row_starts, recipe, out)
+
+    return moe_matmul
+
+
 def _value(word, recipe):
-    """The float32 value of one weight word."""
-    sign_mask, sign_shift, mag_mask, mag_shift, scale = recipe
-    w = np.uint32(word)
-    return _u32_as_f32(np.uint32(((w & sign_mask) << sign_shift) | ((w & mag_mask) << mag_shift))) * scale
+    """The float32 value of one weight word; compiled through the overload below, per kind of recipe."""
+    raise NotImplementedError("_value runs inside Numba kernels only")
+
+
+# Not inline="always": Numba's IR inliner warns (NumbaIRAssumptionWarning) on the reassigned `value`;
+# LLVM inlines the call into the dot loops all the same.
+@overload(_value)
+def _value_impl(word, recipe):
+    if len(recipe) == len(HALF):
+        def widen_half(word, recipe):
+            exp_bias, min_normal, unit = recipe
+            w = np.int32(word)  # int32 math: a uint32 form with an integer mask blend ran 2.5x slower
+            mag = w & np.int32(0x7FFF)
+            normal = u32_as_f32(np.uint32((mag << np.int32(13)) + exp_bias))
+            value = normal
+            if mag < min_normal:  # zero or subnormal; a select, not a branch, once vectorized
+                value = np.float32(mag) * unit
+            if w & np.int32(0x8000):
+                value = -value
+            return value
+        return widen_half
+
+    def widen_shifted(word, recipe):
+        sign_mask, sign_shift, mag_mask, mag_shift = recipe
+        w = np.uint32(word)
+        return u32_as_f32(np.uint32(((w & sign_mask) << sign_shift) | ((w & mag_mask) << mag_shift)))
+    return widen_shifted
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -69,8 +109,8 @@ def _tile(w, x, recipe, out, r0, t0, t1):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def moe_matmul(words, x, expert_ids, row_starts, recipe, out):
+def _moe_matmul(words, x, expert_ids, row_starts, recipe, out):
     """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; words [E, R, C], x [N, C], out [N, R]."""
-    items = work_items(row_starts, words.shape[1])  # [W, 4]
+    items = work_items(expert_ids, row_starts, words.shape[0], words.shape[1])  # [W, 4]
     for i in prange(items.shape[0]):
-        _tile(words[expert_ids[items[i, 0]]], x, recipe, out, items[i, 1], items[i, 2], items[i, 3])
+        _tile(words[items[i, 0]], x, recipe, out, items[i, 1], items[i, 2], items[i, 3])

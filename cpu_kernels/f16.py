@@ -7,34 +7,20 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from . import dense
-from .tiles import ONE_EXPERT, check_dequantize, check_moe
+from .tiles import format_api
 
 QTYPE = GGMLQuantizationType.F16
 BLOCK_SIZE = 1
 BLOCK_BYTES = 2
-_SPEC = dense.spec(0x8000, 16, 0x7FFF, 13, 2.0**112)
 
 
-def dequantize(raw, out):
-    """raw uint8 [..., B] -> out f32 [..., C], bit-exact with gguf.quants.dequantize."""
-    check_dequantize(raw, out, BLOCK_SIZE, BLOCK_BYTES, __name__)
+def _unpack_rows(raw, out):
+    """raw uint8 [R, B] -> out f32 [R, C]."""
     np.copyto(out, raw.view(np.float16))
 
 
-def matvec(raw, x, out):
-    """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
-    matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
-
-
-def matmul(raw, x, out):
-    """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
-    moe_matmul(raw.reshape(1, *raw.shape), x, ONE_EXPERT, np.array([0, x.shape[0]]), out)
-
-
-def moe_matmul(raw, x, expert_ids, row_starts, out):
-    """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
-    check_moe(raw, x, expert_ids, row_starts, out, BLOCK_SIZE, BLOCK_BYTES, __name__)
-    dense.moe_matmul(raw.view(np.uint16), x, expert_ids, row_starts, _SPEC, out)
+dequantize, matvec, matmul, moe_matmul = format_api(
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, dense.moe_kernel(np.uint16, dense.HALF))
 
 
 def random_blocks(rng, shape, scale):

@@ -24,11 +24,11 @@ def half_bits_to_f32(bits):
         out_bits = (sign << np.uint32(31)) | np.uint32(0x7F800000) | (mant << np.uint32(13))
     else:
         out_bits = (sign << np.uint32(31)) | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
-    return _u32_as_f32(out_bits)
+    return u32_as_f32(out_bits)
 
 
 @intrinsic
-def _u32_as_f32(typingctx, u):
+def u32_as_f32(typingctx, u):
     """Reinterpret the bits of a uint32 as a float32 (an LLVM bitcast, no memory)."""
     sig = types.float32(types.uint32)
 

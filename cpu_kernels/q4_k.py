@@ -14,7 +14,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from numba import njit, prange
 
-from .kquant import QK_K, ROWS_PER_ITEM, SUB, check_dequantize, check_moe, random_weight, sub_scales, ubits, work_items
+from .kquant import QK_K, SUB, sub_scales, ubits
+from .tiles import ROWS_PER_ITEM, format_api, random_weight, work_items
 
 QTYPE = GGMLQuantizationType.Q4_K
 BLOCK_SIZE = QK_K
@@ -106,26 +107,7 @@ def _moe_matmul(raw, x, expert_ids, row_starts, out):
         _tile(raw[items[i, 0]], x, out, items[i, 1], items[i, 2], items[i, 3])
 
 
-def dequantize(raw, out):
-    """raw uint8 [R, B] -> out f32 [R, C], bit-exact with gguf.quants.dequantize."""
-    check_dequantize(raw, out, BLOCK_BYTES, "q4_k.dequantize")
-    _dequantize(raw, out)
-
-
-def matvec(raw, x, out):
-    """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
-    matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
-
-
-def matmul(raw, x, out):
-    """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
-    moe_matmul(raw.reshape(1, *raw.shape), x, _ONE_EXPERT, np.array([0, x.shape[0]]), out)
-
-
-def moe_matmul(raw, x, expert_ids, row_starts, out):
-    """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
-    check_moe(raw, x, expert_ids, row_starts, out, BLOCK_BYTES, "q4_k.moe_matmul")
-    _moe_matmul(raw, x, expert_ids, row_starts, out)
+dequantize, matvec, matmul, moe_matmul = format_api(__name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
 
 
 def random_blocks(rng, shape, scale):
@@ -134,7 +116,5 @@ def random_blocks(rng, shape, scale):
     With d = 1 and dmin = 7.5 (the mean q), scale_j * q - min_j has mean 0 and rms ~258 for
     uniform random 6-bit scales and mins and 4-bit quants.
     """
-    return random_weight(rng, shape, BLOCK_BYTES, ((0, 1.0), (2, 7.5)), 258.0, scale)
+    return random_weight(rng, shape, QK_K, BLOCK_BYTES, ((0, 1.0), (2, 7.5)), 258.0, scale)
 
-
-_ONE_EXPERT = np.zeros(1, dtype=np.int64)

@@ -15,9 +15,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from numba import njit, prange
 
-from .kquant import (
-    QK_K, ROWS_PER_ITEM, SUB, check_dequantize, check_moe, join_bits, random_weight, sub_scales, work_items,
-)
+from .kquant import QK_K, SUB, join_bits, sub_scales
+from .tiles import ROWS_PER_ITEM, format_api, random_weight, work_items
 
 QTYPE = GGMLQuantizationType.Q5_K
 BLOCK_SIZE = QK_K
@@ -111,26 +110,7 @@ def _moe_matmul(raw, x, expert_ids, row_starts, out):
         _tile(raw[items[i, 0]], x, out, items[i, 1], items[i, 2], items[i, 3])
 
 
-def dequantize(raw, out):
-    """raw uint8 [R, B] -> out f32 [R, C], bit-exact with gguf.quants.dequantize."""
-    check_dequantize(raw, out, BLOCK_BYTES, "q5_k.dequantize")
-    _dequantize(raw, out)
-
-
-def matvec(raw, x, out):
-    """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
-    matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
-
-
-def matmul(raw, x, out):
-    """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
-    moe_matmul(raw.reshape(1, *raw.shape), x, _ONE_EXPERT, np.array([0, x.shape[0]]), out)
-
-
-def moe_matmul(raw, x, expert_ids, row_starts, out):
-    """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
-    check_moe(raw, x, expert_ids, row_starts, out, BLOCK_BYTES, "q5_k.moe_matmul")
-    _moe_matmul(raw, x, expert_ids, row_starts, out)
+dequantize, matvec, matmul, moe_matmul = format_api(__name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
 
 
 def random_blocks(rng, shape, scale):
@@ -139,7 +119,5 @@ def random_blocks(rng, shape, scale):
     With d = 1 and dmin = 15.5 (the mean q), scale_j * q - min_j has mean 0 and rms ~527 for
     uniform random 6-bit scales and mins and 5-bit quants.
     """
-    return random_weight(rng, shape, BLOCK_BYTES, ((0, 1.0), (2, 15.5)), 527.0, scale)
+    return random_weight(rng, shape, QK_K, BLOCK_BYTES, ((0, 1.0), (2, 15.5)), 527.0, scale)
 
-
-_ONE_EXPERT = np.zeros(1, dtype=np.int64)

@@ -15,7 +15,8 @@ from gguf import GGMLQuantizationType
 from numba import njit, prange
 
 from .half import read_half
-from .kquant import QK_K, ROWS_PER_ITEM, SUB, check_dequantize, check_moe, join_bits, random_weight, work_items
+from .kquant import QK_K, SUB, join_bits
+from .tiles import ROWS_PER_ITEM, format_api, random_weight, work_items
 
 QTYPE = GGMLQuantizationType.Q6_K
 BLOCK_SIZE = QK_K
@@ -121,26 +122,7 @@ def _moe_matmul(raw, x, expert_ids, row_starts, out):
         _tile(raw[items[i, 0]], x, out, items[i, 1], items[i, 2], items[i, 3])
 
 
-def dequantize(raw, out):
-    """raw uint8 [R, B] -> out f32 [R, C], bit-exact with gguf.quants.dequantize."""
-    check_dequantize(raw, out, BLOCK_BYTES, "q6_k.dequantize")
-    _dequantize(raw, out)
-
-
-def matvec(raw, x, out):
-    """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
-    matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
-
-
-def matmul(raw, x, out):
-    """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
-    moe_matmul(raw.reshape(1, *raw.shape), x, _ONE_EXPERT, np.array([0, x.shape[0]]), out)
-
-
-def moe_matmul(raw, x, expert_ids, row_starts, out):
-    """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
-    check_moe(raw, x, expert_ids, row_starts, out, BLOCK_BYTES, "q6_k.moe_matmul")
-    _moe_matmul(raw, x, expert_ids, row_starts, out)
+dequantize, matvec, matmul, moe_matmul = format_api(__name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
 
 
 def random_blocks(rng, shape, scale):
@@ -148,7 +130,5 @@ def random_blocks(rng, shape, scale):
 
     With d = 1, scale_k * q has rms ~1366 (74 * 18.5) for uniform random int8 scales and 6-bit quants.
     """
-    return random_weight(rng, shape, BLOCK_BYTES, ((_D, 1.0),), 1366.0, scale)
+    return random_weight(rng, shape, QK_K, BLOCK_BYTES, ((_D, 1.0),), 1366.0, scale)
 
-
-_ONE_EXPERT = np.zeros(1, dtype=np.int64)

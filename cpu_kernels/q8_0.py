@@ -14,8 +14,7 @@ from numba import njit, prange
 
 from .half import read_half
 from .simd import dot_i8_block
-from .tiles import (ONE_EXPERT, ROWS_PER_ITEM, UNPACK_ROWS, check_dequantize, check_moe, dot_unpacked,
-                    random_scales, work_items)
+from .tiles import ROWS_PER_ITEM, UNPACK_ROWS, dot_unpacked, format_api, random_scales, work_items
 
 QTYPE = GGMLQuantizationType.Q8_0
 BLOCK_SIZE = 32
@@ -83,31 +82,12 @@ def _dequantize(raw, out):
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def _moe_matmul(raw, x, expert_ids, row_starts, out):
-    items = work_items(row_starts, raw.shape[1])  # [W, 4]
+    items = work_items(expert_ids, row_starts, raw.shape[0], raw.shape[1])  # [W, 4]
     for i in prange(items.shape[0]):
-        _tile(raw[expert_ids[items[i, 0]]], x, out, items[i, 1], items[i, 2], items[i, 3])
+        _tile(raw[items[i, 0]], x, out, items[i, 1], items[i, 2], items[i, 3])
 
 
-def dequantize(raw, out):
-    """raw uint8 [..., B] -> out f32 [..., C], bit-exact with gguf.quants.dequantize."""
-    check_dequantize(raw, out, BLOCK_SIZE, BLOCK_BYTES, __name__)
-    _dequantize(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
-
-
-def matvec(raw, x, out):
-    """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
-    matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
-
-
-def matmul(raw, x, out):
-    """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
-    moe_matmul(raw.reshape(1, *raw.shape), x, ONE_EXPERT, np.array([0, x.shape[0]]), out)
-
-
-def moe_matmul(raw, x, expert_ids, row_starts, out):
-    """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
-    check_moe(raw, x, expert_ids, row_starts, out, BLOCK_SIZE, BLOCK_BYTES, __name__)
-    _moe_matmul(raw, x, expert_ids, row_starts, out)
+dequantize, matvec, matmul, moe_matmul = format_api(__name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
 
 
 def random_blocks(rng, shape, scale):

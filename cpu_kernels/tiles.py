@@ -1,9 +1,9 @@
-"""Work split, prefill tile math and argument checks shared by the F32, F16, BF16, Q8_0 and Q4_0 kernels.
+"""Work split, prefill tile math, argument checks, random blocks and the public wrappers shared by every format.
 
-A work item is (group, first row, first token, end token): ROWS_PER_ITEM output
+A work item is (expert, first row, first token, end token): ROWS_PER_ITEM output
 rows of one expert for at most TOKENS_PER_ITEM of its tokens. Decode items (one
-token) dot each row straight from its blocks; prefill items unpack UNPACK_ROWS
-rows to float32 once and dot them with every token of the item.
+token) dot each row straight from its blocks; prefill items unpack rows to float32
+once and dot them with every token of the item.
 
 Shape legend: R output rows, C columns, B bytes per row, T tokens, E experts,
 N (token, expert) rows sorted by group, G groups, W work items, K = UNPACK_ROWS.
@@ -19,20 +19,22 @@ ONE_EXPERT = np.zeros(1, dtype=np.int64)  # expert_ids of a plain matmul
 
 
 @njit(nogil=True, cache=True)
-def work_items(row_starts, num_rows):
-    """Split every group into (rows, tokens) tiles: [W, 4] of (group, first row, first token, end token)."""
+def work_items(expert_ids, row_starts, num_experts, num_rows):
+    """Split every group into (rows, tokens) tiles: [W, 4] of (expert, first row, first token, end token)."""
     num_row_blocks = (num_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     num_items = 0
-    for g in range(row_starts.shape[0] - 1):
+    for g in range(expert_ids.shape[0]):
+        if not 0 <= expert_ids[g] < num_experts or row_starts[g + 1] < row_starts[g]:
+            raise ValueError("moe_matmul: expert_ids out of range or row_starts decreasing")
         num_tokens = row_starts[g + 1] - row_starts[g]
         num_items += num_row_blocks * ((num_tokens + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM)
     items = np.empty((num_items, 4), dtype=np.int64)  # [W, 4]
     i = 0
-    for g in range(row_starts.shape[0] - 1):
+    for g in range(expert_ids.shape[0]):
         for t0 in range(row_starts[g], row_starts[g + 1], TOKENS_PER_ITEM):
             t1 = min(t0 + TOKENS_PER_ITEM, row_starts[g + 1])
             for rb in range(num_row_blocks):
-                items[i, 0] = g
+                items[i, 0] = expert_ids[g]
                 items[i, 1] = rb * ROWS_PER_ITEM
                 items[i, 2] = t0
                 items[i, 3] = t1
@@ -90,7 +92,54 @@ def check_moe(raw, x, expert_ids, row_starts, out, block_size, block_bytes, name
         )
 
 
+def format_api(name, block_size, block_bytes, unpack_rows, moe_kernel):
+    """A format's public (dequantize, matvec, matmul, moe_matmul) around its two kernels.
+
+    unpack_rows(raw uint8 [R, B], out f32 [R, C]) and moe_kernel(raw [E, R, B], x f32 [N, C],
+    expert_ids int64 [G], row_starts int64 [G+1], out f32 [N, R]) get checked arguments.
+    """
+    def dequantize(raw, out):
+        """raw uint8 [..., B] -> out f32 [..., C], bit-exact with gguf.quants.dequantize."""
+        check_dequantize(raw, out, block_size, block_bytes, name)
+        unpack_rows(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
+
+    def matvec(raw, x, out):
+        """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
+        matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
+
+    def matmul(raw, x, out):
+        """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
+        moe_matmul(raw.reshape(1, *raw.shape), x, ONE_EXPERT, np.array([0, x.shape[0]]), out)
+
+    def moe_matmul(raw, x, expert_ids, row_starts, out):
+        """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
+        check_moe(raw, x, expert_ids, row_starts, out, block_size, block_bytes, name)
+        moe_kernel(raw, x, expert_ids, row_starts, out)
+
+    api = (dequantize, matvec, matmul, moe_matmul)
+    for fn in api:
+        fn.__module__, fn.__qualname__ = name, fn.__name__
+    return api
+
+
 def random_scales(rng, num_blocks, scale):
     """[num_blocks, 2] uint8: little-endian f16 block scales of about `scale` (0.5x to 1.5x, random sign)."""
     d = scale * rng.uniform(0.5, 1.5, size=num_blocks) * rng.choice([-1.0, 1.0], size=num_blocks)
     return d.astype(np.float16).view(np.uint8).reshape(num_blocks, 2)
+
+
+def random_weight(rng, shape, block_size, block_bytes, scale_offsets, unit_rms, scale):
+    """Random raw bytes [..., C // block_size * B] with the f16 scales at `scale_offsets` set so values have rms ~ scale.
+
+    scale_offsets: (byte offset, factor) of each f16 field, set to factor * d with d > 0.
+    unit_rms: the rms of the dequantized values when those f16 scales are 1 (from the random quants).
+    """
+    *lead, cols = shape
+    if cols % block_size:
+        raise ValueError(f"random_blocks: {cols} columns is not a multiple of {block_size}")
+    num_blocks = int(np.prod(lead, dtype=np.int64)) * (cols // block_size)
+    blocks = rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)  # [blocks, B]
+    d = (scale / unit_rms * rng.uniform(0.5, 1.5, size=num_blocks)).astype(np.float16)
+    for offset, factor in scale_offsets:
+        blocks[:, offset:offset + 2] = (d * np.float16(factor)).view(np.uint8).reshape(num_blocks, 2)
+    return blocks.reshape(*lead, cols // block_size * block_bytes)
