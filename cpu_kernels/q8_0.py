@@ -10,10 +10,13 @@ E experts, N (token, expert) rows sorted by group, G groups, W work items, K unp
 """
 import numpy as np
 from gguf import GGMLQuantizationType
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core.extending import intrinsic
 
+from . import simd
 from .half import read_half
-from .simd import dot_i8_block
+from .simd import I8, I64
 from .tiles import ROWS_PER_ITEM, UNPACK_ROWS, dot_unpacked, format_api, random_scales, work_items
 
 QTYPE = GGMLQuantizationType.Q8_0
@@ -31,32 +34,48 @@ def _unpack_row(row, dst):
             dst[b * BLOCK_SIZE + j] = np.float32(np.int8(row[o + 2 + j])) * d
 
 
-@njit(inline="always", nogil=True, cache=True)
-def _block_dot(row, b, x):
-    """Block b of row [B] . x [C]: sum(q * x) as one vector op, then the scale."""
-    o = b * BLOCK_BYTES
-    return read_half(row, o) * dot_i8_block(row, o + 2, x, b * BLOCK_SIZE)
+@intrinsic
+def row_dot(typingctx, row, x):
+    """row [B] . x [C] as one LLVM loop: per block, 32 int8 -> float, times x, times the scale, into
+    vector accumulators (two, for two blocks in flight); one horizontal sum per row."""
+    if not simd.contiguous(row, x):
+        return None
+    sig = types.float32(row, x)
+    f32x = simd.vec(simd.F32, BLOCK_SIZE)
+
+    def codegen(context, builder, signature, args):
+        (q, xs), num_bytes = simd.row_args(context, builder, signature, args)
+        num_blocks = builder.udiv(num_bytes, ir.Constant(I64, BLOCK_BYTES))
+
+        def block(b, acc):
+            o = builder.mul(b, ir.Constant(I64, BLOCK_BYTES))
+            simd.prefetch(builder, q, builder.add(o, ir.Constant(I64, simd.PREFETCH_BYTES)))
+            d = simd.load_half(builder, q, o)
+            quants = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), simd.vec(I8, BLOCK_SIZE))
+            xv = simd.load_at(builder, xs, builder.mul(b, ir.Constant(I64, BLOCK_SIZE)), f32x)
+            prod = builder.fmul(builder.sitofp(quants, f32x), xv, flags=simd._FAST)
+            return simd.fma(builder, prod, simd.splat(builder, d, BLOCK_SIZE), acc)
+
+        def pair(i, accs):
+            b = builder.shl(i, ir.Constant(I64, 1))
+            return [block(b, accs[0]), block(builder.add(b, ir.Constant(I64, 1)), accs[1])]
+
+        zero = ir.Constant(f32x, None)
+        num_pairs = builder.lshr(num_blocks, ir.Constant(I64, 1))
+        acc0, acc1 = simd.row_loop(builder, num_pairs, pair, [zero, zero])
+        last = builder.shl(num_pairs, ir.Constant(I64, 1))
+        (acc1,) = simd.row_loop(builder, builder.sub(num_blocks, last),
+                                lambda i, accs: [block(builder.add(last, i), accs[0])], [acc1])
+        return simd.hsum(builder, builder.fadd(acc0, acc1, flags=simd._FAST))
+
+    return sig, codegen
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot(w, r0, r1, x, out):
-    """out [R] rows r0:r1 = W[r0:r1] @ x [C]; 4 rows at a time keep 4 memory streams and FMA chains going."""
-    num_blocks = w.shape[1] // BLOCK_BYTES
-    r = r0
-    while r + 4 <= r1:
-        a0 = a1 = a2 = a3 = np.float32(0)
-        for b in range(num_blocks):
-            a0 += _block_dot(w[r], b, x)
-            a1 += _block_dot(w[r + 1], b, x)
-            a2 += _block_dot(w[r + 2], b, x)
-            a3 += _block_dot(w[r + 3], b, x)
-        out[r], out[r + 1], out[r + 2], out[r + 3] = a0, a1, a2, a3
-        r += 4
-    for rr in range(r, r1):
-        acc = np.float32(0)
-        for b in range(num_blocks):
-            acc += _block_dot(w[rr], b, x)
-        out[rr] = acc
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C]."""
+    for r in range(r0, r1):
+        out[r] = row_dot(w[r], x)
 
 
 @njit(nogil=True, fastmath=True, cache=True)

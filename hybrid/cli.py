@@ -5,6 +5,35 @@ import logging
 import sys
 
 
+def _cache_mib(text):
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _add_device_options(p):
+    from .backends import DEVICES
+    from .backends.gpu import DEFAULT_RESERVE_MIB
+
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the model runs: auto (the GPU when usable, else the CPU), gpu, cpu (default auto)")
+    p.add_argument("--expert-cache-mib", type=_cache_mib, default=None, metavar="N|auto",
+                   help="VRAM for resident experts (default auto: all that is left)")
+    p.add_argument("--vram-reserve-mib", type=float, default=DEFAULT_RESERVE_MIB, metavar="N",
+                   help=f"VRAM left free as headroom (default {DEFAULT_RESERVE_MIB})")
+
+
+def device_options(args):
+    """The LLM keyword arguments of the device options."""
+    return dict(device=args.device, expert_cache_mib=args.expert_cache_mib, vram_reserve_mib=args.vram_reserve_mib)
+
+
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text from a prompt (the demo model when no --model is given)")
     p.add_argument("--model", help="GGUF file or HF safetensors directory (default: the built-in demo model)")
@@ -23,13 +52,14 @@ def _add_generate(sub):
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
     p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _add_device_options(p)
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args):
     from .llm import LLM
 
-    llm = LLM(args.model, device="cpu", threads=args.threads, max_context=args.max_context)
+    llm = LLM(args.model, threads=args.threads, max_context=args.max_context, **device_options(args))
     if args.prompt_ids:
         try:
             prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -70,6 +100,7 @@ def _add_serve(sub):
                                                                "429 (default 16 per slot)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
     p.add_argument("--max-context", type=int, default=None, help="context limit per slot (default: the model's)")
+    _add_device_options(p)
     p.set_defaults(func=_run_serve)
 
 
@@ -85,6 +116,9 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    from placement.cli import add_subcommands
+
+    add_subcommands(sub)  # profile, profile merge, profile show, plan
     return parser
 
 

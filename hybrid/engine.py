@@ -55,11 +55,13 @@ class Engine:
     """`llm`: a `hybrid.LLM` (or anything with `.model`, `.tokenizer`, `.max_context`)."""
 
     def __init__(self, llm, num_slots=1, max_queue=64, decode_share=DEFAULT_DECODE_SHARE,
-                 max_step_tokens=DEFAULT_STEP_TOKENS):
+                 max_step_tokens=DEFAULT_STEP_TOKENS, conversation_cache=None):
         self.model, self.tokenizer, self.max_context = llm.model, llm.tokenizer, llm.max_context
+        self.conversations = conversation_cache
         self.scheduler = Scheduler(num_slots, lambda: self.model.new_sequence(self.max_context), self.max_context,
                                    eos_ids=self.tokenizer.eos_ids, max_queue=max_queue, decode_share=decode_share,
-                                   max_step_tokens=max_step_tokens)
+                                   max_step_tokens=max_step_tokens,
+                                   restore_prefix=conversation_cache.restore if conversation_cache else None)
         self.stats = EngineStats()
         self._live = {}  # request_id -> _Live
         self._lock = threading.Condition()
@@ -196,6 +198,8 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(slot, reason)
             self._end(slot.request.request_id, slot, reason)
+            if self.conversations is not None:
+                self.conversations.park(list(slot.request.prompt_ids) + slot.output_ids, slot.kv)
             self.scheduler.release(slot)
 
     def _fail(self, slot, message):
@@ -214,13 +218,14 @@ class Engine:
             live.handle.events.put(Finished(reason, live.text, [], len(live.handle.request.prompt_ids), {}))
             return
         now = time.perf_counter()
-        t = timings(len(slot.request.prompt_ids), slot.prompt_finished - slot.prompt_started,
-                    len(slot.output_ids), now - slot.prompt_finished)
-        log.info("request %s done (%s): prompt %d tokens in %.0f ms (%.1f tok/s), %d tokens in %.0f ms (%.1f tok/s), "
-                 "queued %.0f ms", request_id, reason, t["prompt_n"], t["prompt_ms"], t["prompt_per_second"],
+        t = timings(len(slot.request.prompt_ids) - slot.cache_n, slot.prompt_finished - slot.prompt_started,
+                    len(slot.output_ids), now - slot.prompt_finished, cache_n=slot.cache_n)
+        log.info("request %s done (%s): prompt %d tokens read in %.0f ms (%.1f tok/s), %d restored, %d tokens in "
+                 "%.0f ms (%.1f tok/s), queued %.0f ms", request_id, reason, t["prompt_n"], t["prompt_ms"],
+                 t["prompt_per_second"], t["cache_n"],
                  t["predicted_n"], t["predicted_ms"], t["predicted_per_second"],
                  (slot.prompt_started - slot.request.created) * 1e3)
-        live.handle.events.put(Finished(reason, live.text, list(slot.output_ids), t["prompt_n"], t))
+        live.handle.events.put(Finished(reason, live.text, list(slot.output_ids), len(slot.request.prompt_ids), t))
 
 
 _FAILED = object()  # marks the logits of a chunk whose forward pass failed

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backends import CpuBackend
+from .backends import select_backends
+from .backends.gpu import DEFAULT_RESERVE_MIB
 from .batch import Batch, SeqChunk
 from .errors import RequestError
 from .formats import load_model
@@ -29,13 +30,14 @@ class GenerationOutput:
 
 
 class LLM:
-    def __init__(self, model_path=None, device="cpu", threads=None, max_context=None):
+    """device: "cpu", "gpu" or "auto" (the GPU when one is usable). With a GPU: expert_cache_mib
+    (None = all VRAM left), vram_reserve_mib, resident (a placement's bool mask [L, E]) and
+    kv_sequences (sequences whose KV the VRAM budget holds) size the VRAM."""
+
+    def __init__(self, model_path=None, device="cpu", threads=None, max_context=None, expert_cache_mib=None,
+                 vram_reserve_mib=DEFAULT_RESERVE_MIB, resident=None, kv_sequences=1):
         from cpu_kernels.target import set_threads
 
-        if device not in ("cpu", "auto"):
-            raise ValueError(f"device '{device}' is not available: this build runs on the CPU only")
-        if device == "auto":
-            log.info("device auto: no GPU backend in this build, running on the CPU")
         if model_path is None:
             from .demo import demo_model_path
 
@@ -46,8 +48,13 @@ class LLM:
         self.tokenizer = self.weights.tokenizer
         self.config = self.weights.config
         self.max_context = min(max_context or self.config.context_length, self.config.context_length)
-        self.model = Model(self.weights, CpuBackend())
-        log.info("model %s on cpu, %d threads, context %d", self.weights.source, self.threads, self.max_context)
+        backend, host = select_backends(device, expert_cache_mib=expert_cache_mib, vram_reserve_mib=vram_reserve_mib,
+                                        kv_tokens=kv_sequences * self.max_context, chunk_tokens=PREFILL_CHUNK,
+                                        resident=resident)
+        self.device = backend.name
+        self.model = Model(self.weights, backend, host)
+        log.info("model %s on %s, %d CPU threads, context %d", self.weights.source, self.device, self.threads,
+                 self.max_context)
 
     def _prompt_ids(self, prompt):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

@@ -8,8 +8,7 @@ import numpy as np
 
 from .arch import ARCHS
 from .blocks import attention_block
-from .kv_cache import SequenceKV
-from .moe import moe_block
+from .moe import ExpertSplit, moe_block
 
 
 @dataclass
@@ -60,7 +59,9 @@ def _layer_weights(weights, index):
 
 
 class Model:
-    def __init__(self, weights, backend):
+    """host: with a device backend, the backend that runs the non-resident experts (hybrid MoE)."""
+
+    def __init__(self, weights, backend, host=None):
         self.weights = weights
         self.config = weights.config
         self.spec = ARCHS[self.config.arch]
@@ -70,10 +71,13 @@ class Model:
         self.output_norm = np.ascontiguousarray(weights["output_norm.weight"].dequantize())
         tied = self.config.tie_word_embeddings
         self.output = self.token_embd if tied else weights["output.weight"]
+        backend.place(self)
+        self.split = None if host is None else ExpertSplit(host, backend.resident)
+        self.usage = None  # an ExpertUsage (hybrid/expert_usage.py) to record each layer's routing
 
     def new_sequence(self, max_tokens=None):
         c = self.config
-        return SequenceKV(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens or c.context_length)
+        return self.backend.new_kv(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens or c.context_length)
 
     def forward(self, batch):
         """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache."""
@@ -81,14 +85,16 @@ class Model:
             chunk.kv.reserve(chunk.start + len(chunk.token_ids))
         be, eps = self.backend, self.config.rms_norm_eps
         x = be.embed(self.token_embd, batch.token_ids)  # [T, H]
+        if self.usage is not None:
+            self.usage.begin(batch)
         for layer in self.layers:
             h = be.rmsnorm(x, layer.attn_norm, eps)
             x += attention_block(be, self.spec.attention, layer, h, batch)
             h = be.rmsnorm(x, layer.ffn_norm, eps)
-            x += moe_block(be, self.spec.moe, layer, h)
+            x += moe_block(be, self.spec.moe, layer, h, self.split, self.usage)
         for chunk in batch.chunks:
             chunk.kv.length = chunk.start + len(chunk.token_ids)
         if len(batch.logit_rows) == 0:
             return np.empty((0, self.config.vocab_size), dtype=np.float32)
-        x = np.ascontiguousarray(x[batch.logit_rows])
-        return be.linear(self.output, be.rmsnorm(x, self.output_norm, eps))  # [T_out, V]
+        x = be.take_rows(x, batch.logit_rows)  # [T_out, H]
+        return be.to_host(be.linear(self.output, be.rmsnorm(x, self.output_norm, eps)))  # [T_out, V]

@@ -46,6 +46,7 @@ class Slot:
     state: SlotState = SlotState.IDLE
     request: object = None
     num_cached: int = 0  # tokens whose K/V are in `kv`
+    cache_n: int = 0  # prompt tokens restored from the conversation cache
     output_ids: list = field(default_factory=list)
     finish_reason: str = None
     prompt_started: float = 0.0
@@ -57,7 +58,7 @@ class Slot:
 
     def start(self, request):
         self.kv.truncate(0)
-        self.state, self.request, self.num_cached = SlotState.PREFILL, request, 0
+        self.state, self.request, self.num_cached, self.cache_n = SlotState.PREFILL, request, 0, 0
         self.output_ids, self.finish_reason = [], None
 
 
@@ -120,7 +121,9 @@ class ChunkSizer:
 
 class Scheduler:
     def __init__(self, num_slots, new_sequence, max_context, eos_ids=(), max_queue=64,
-                 decode_share=DEFAULT_DECODE_SHARE, max_step_tokens=DEFAULT_STEP_TOKENS, clock=time.perf_counter):
+                 decode_share=DEFAULT_DECODE_SHARE, max_step_tokens=DEFAULT_STEP_TOKENS, clock=time.perf_counter,
+                 restore_prefix=None):
+        """restore_prefix(prompt_ids, kv) -> tokens restored: fills a new slot's KV from parked conversations."""
         if num_slots < 1:
             raise ValueError(f"the number of slots must be >= 1, got {num_slots}")
         if max_step_tokens <= num_slots:
@@ -131,6 +134,7 @@ class Scheduler:
         self.eos_ids = frozenset(eos_ids)
         self.sizer = ChunkSizer(decode_share, max_step_tokens)
         self.clock = clock
+        self.restore_prefix = restore_prefix
 
     def add(self, request):
         if len(self.queue) >= self.max_queue:
@@ -172,6 +176,8 @@ class Scheduler:
             if slot.state is SlotState.IDLE and self.queue:
                 slot.start(self.queue.popleft())
                 slot.prompt_started = self.clock()
+                if self.restore_prefix is not None:
+                    slot.num_cached = slot.cache_n = self.restore_prefix(slot.request.prompt_ids, slot.kv)
 
     def record(self, step, elapsed_s):
         """Feed the measured time of `step` to the chunk sizer."""

@@ -29,15 +29,18 @@ def log_budget(llm, parallel, max_queue):
              model_bytes / MIB, kv_bytes / MIB, llm.max_context, parallel, parallel * kv_bytes / MIB, max_queue)
 
 
-def build(model=None, parallel=1, api_key=None, decode_share=None, threads=None, max_context=None, max_queue=None):
-    """The app over a started engine; unset options come from STRATA_* variables, then defaults."""
+def build(model=None, parallel=1, api_key=None, decode_share=None, threads=None, max_context=None, max_queue=None,
+          device_options=None):
+    """The app over a started engine; unset options come from STRATA_* variables, then defaults.
+    device_options: LLM's device keywords (device, expert_cache_mib, vram_reserve_mib); default the CPU."""
     from hybrid.engine import Engine
     from hybrid.llm import LLM
 
     if decode_share is None:
         decode_share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", DEFAULT_DECODE_SHARE))
     max_queue = max_queue or 16 * parallel
-    llm = LLM(model, device="cpu", threads=threads, max_context=max_context)
+    llm = LLM(model, threads=threads, max_context=max_context, kv_sequences=parallel,
+              **(device_options or {"device": "cpu"}))
     name, description = model_id(llm)
     if model is None:
         log.warning("serving the built-in demo model '%s': RANDOM weights, not a language model", name)
@@ -51,8 +54,10 @@ def run(args):
     """Serve until interrupted (the `strata serve` subcommand)."""
     import waitress
 
+    from hybrid.cli import device_options
+
     app = build(args.model, args.parallel, args.api_key or os.environ.get("STRATA_API_KEY"), args.decode_share,
-                args.threads, args.max_context, args.max_queue)
+                args.threads, args.max_context, args.max_queue, device_options(args))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     log.info("serving on http://%s:%d/v1", args.host, args.port)

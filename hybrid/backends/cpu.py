@@ -7,9 +7,23 @@ import numpy as np
 
 from cpu_kernels import activation, attention, format_for, moe_combine, rmsnorm, rope, routing
 
+from ..kv_cache import SequenceKV
+
 
 class CpuBackend:
     name = "cpu"
+
+    def place(self, model):
+        """Nothing to place: the CPU reads the weights where they are."""
+
+    def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens):
+        return SequenceKV(num_layers, num_kv_heads, head_dim, max_tokens)
+
+    def take_rows(self, x, rows):
+        return np.ascontiguousarray(x[rows])
+
+    def to_host(self, x):
+        return x
 
     def linear(self, weight, x):
         """x [T, C] @ weight[R, C].T -> [T, R]."""
@@ -52,8 +66,18 @@ class CpuBackend:
 
     def experts(self, x, ids, weights, gate_exps, up_exps, down_exps):
         """SwiGLU experts for every (token, expert) pair, combined per token: x [T, H] -> [T, H]."""
-        num_tokens, k = ids.shape
-        order, expert_ids, row_starts = routing.group_by_expert(ids, gate_exps.shape[0])
+        groups = self.group_pairs(ids, gate_exps.shape[0])
+        return self.grouped_experts(x, weights, groups, gate_exps, up_exps, down_exps)
+
+    def group_pairs(self, ids, num_experts):
+        """ids int64 [T, K] -> (order [N], expert_ids [G], row_starts [G+1]): pairs sorted by expert."""
+        return routing.group_by_expert(ids, num_experts)
+
+    def grouped_experts(self, x, weights, groups, gate_exps, up_exps, down_exps):
+        """The pairs of `groups` (order, expert_ids, row_starts; a subset of the [T, K] pairs), combined
+        per token with weights [T, K]: x [T, H] -> [T, H] (zero for tokens with no pair here)."""
+        order, expert_ids, row_starts = groups
+        num_tokens, k = weights.shape
         xs = np.empty((len(order), x.shape[1]), dtype=np.float32)  # [N, H]
         moe_combine.gather_rows(x, order, k, xs)
         gate = self._grouped(gate_exps, xs, expert_ids, row_starts)  # [N, F]
@@ -61,7 +85,7 @@ class CpuBackend:
         activation.swiglu(gate, up, gate)
         down = self._grouped(down_exps, gate, expert_ids, row_starts)  # [N, H]
         out = np.zeros((num_tokens, x.shape[1]), dtype=np.float32)
-        moe_combine.scatter_add_weighted(down, order, weights.reshape(-1), k, out)
+        moe_combine.scatter_add_weighted(down, order, np.ascontiguousarray(weights).reshape(-1), k, out)
         return out
 
     @staticmethod

@@ -1,0 +1,101 @@
+"""GPU expert matvec bandwidth per format vs the device-to-device copy bandwidth of the same run.
+
+For each format, random experts of one Qwen3-30B-A3B MoE layer (128 experts, gate/up projection
+R=768, C=2048) sit in VRAM as expert-cache slots; a decode-sized step reads every expert once: one
+moe_matmul launch with 128 groups of one row. Four layer copies are cycled so the weights never
+sit in L2. Bandwidth = weight bytes read / time (CUDA events, median of the repeats). The copy
+bandwidth counts bytes read + written of a 2 GiB device-to-device copy.
+
+    python bench/gpu_kernels.py [--formats q8_0,q4_k] [--repeats 20]
+
+Writes the table to bench/results/gpu_kernels.md.
+"""
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from gpu_kernels.kernels import Kernels  # noqa: E402
+from gpu_kernels.runtime import probe  # noqa: E402
+from hybrid.backends.gpu import _work_tiles  # noqa: E402
+from hybrid.formats.synthetic import encode  # noqa: E402
+
+log = logging.getLogger("bench.gpu_kernels")
+
+NUM_EXPERTS, ROWS, COLS, COPIES = 128, 768, 2048, 4
+RESULTS = Path(__file__).parent / "results" / "gpu_kernels.md"
+
+
+def timed(rt, fn, repeats):
+    """Median seconds of fn() over `repeats` runs, by CUDA events, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = rt.event(), rt.event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(rt.cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return float(np.median(times))
+
+
+def copy_bandwidth(rt, repeats):
+    src = rt.zeros((1 << 29,), np.float32)  # 2 GiB
+    dst = rt.empty(src.shape, np.float32)
+    seconds = timed(rt, lambda: rt.cp.copyto(dst, src), repeats)
+    return 2 * src.nbytes / seconds
+
+
+def expert_bandwidth(rt, kernels, qtype, repeats):
+    rng = np.random.default_rng(0)
+    one = encode("w", rng.standard_normal((NUM_EXPERTS, ROWS, COLS)).astype(np.float32) * 0.02, qtype, rng).raw
+    layers = [rt.to_device(one) for _ in range(COPIES)]  # [E, R, B] each
+    x = rt.to_device(rng.standard_normal((NUM_EXPERTS, COLS)).astype(np.float32))  # [N, C], one row per expert
+    out = rt.empty((NUM_EXPERTS, ROWS), np.float32)
+    tiles = [rt.to_device(np.ascontiguousarray(t))
+             for t in _work_tiles(np.arange(NUM_EXPERTS + 1), np.arange(NUM_EXPERTS))]
+    step = iter(range(1 << 30))
+
+    def run():
+        kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles)
+
+    seconds = timed(rt, run, repeats)
+    return one.nbytes / seconds, seconds
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--formats", default="f16,bf16,q8_0,q4_0,q4_k,q5_k,q6_k")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    found = probe()
+    if found.runtime is None:
+        log.error("no GPU: %s", found.reason)
+        return 1
+    rt = found.runtime
+    kernels = Kernels(rt)
+    copy = copy_bandwidth(rt, args.repeats)
+    lines = [f"# GPU expert matvec bandwidth ({rt.device_name}, {rt.name})", "",
+             f"Decode step over one MoE layer: {NUM_EXPERTS} experts x [{ROWS}, {COLS}], one row each, one launch.",
+             f"Device-to-device copy: {copy / 1e9:.0f} GB/s (read + write).", "",
+             "| format | MiB read | time (us) | GB/s | % of copy |", "|---|---|---|---|---|"]
+    for name in args.formats.split(","):
+        qtype = Q[name.upper()]
+        bw, seconds = expert_bandwidth(rt, kernels, qtype, args.repeats)
+        nbytes = bw * seconds
+        lines.append(f"| {qtype.name} | {nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | {bw / 1e9:.0f} | "
+                     f"{100 * bw / copy:.0f} |")
+        log.info(lines[-1])
+    RESULTS.write_text("\n".join(lines) + "\n")
+    log.info("wrote %s", RESULTS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

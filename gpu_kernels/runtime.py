@@ -1,0 +1,130 @@
+"""The GPU runtime: which backend drives the GPU, and the few things Strata asks of it.
+
+Backends, in order of preference: CuPy on CUDA, CuPy on ROCm (CuPy built for HIP). HIP-Python
+alone is detected and reported, but Strata's GPU model backend works on CuPy arrays, so it does
+not run the model yet. The interface: allocate, copy to and from (pinned) host memory, streams,
+events, compile a kernel module from source (CuPy caches the binary on disk, in CUPY_CACHE_DIR)
+and launch its kernels.
+"""
+import logging
+from dataclasses import dataclass
+
+from .errors import KernelCompileError
+
+log = logging.getLogger(__name__)
+
+COMPILE_OPTIONS = ("--std=c++14",)
+
+
+@dataclass
+class Probe:
+    """The outcome of looking for a usable GPU: a runtime, or why there is none."""
+
+    runtime: object
+    reason: str
+
+
+class CupyRuntime:
+    """CuPy on CUDA or on ROCm; device arrays are CuPy arrays."""
+
+    def __init__(self, device_index=0):
+        import cupy
+        import cupyx
+
+        self.cp, self._cupyx = cupy, cupyx
+        self.xp = cupy
+        self.device = cupy.cuda.Device(device_index)
+        self.device.use()
+        self.is_hip = bool(cupy.cuda.runtime.is_hip)
+        props = cupy.cuda.runtime.getDeviceProperties(device_index)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.warp_size = int(props["warpSize"])
+        self.name = "cupy-rocm" if self.is_hip else "cupy-cuda"
+        self._modules = {}
+
+    def memory_info(self):
+        """(free bytes, total bytes) of the device."""
+        return self.cp.cuda.runtime.memGetInfo()
+
+    def empty(self, shape, dtype):
+        return self.cp.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return self.cp.zeros(shape, dtype=dtype)
+
+    def to_device(self, host, stream=None):
+        """A device copy of the NumPy array `host` (asynchronous on `stream` when `host` is pinned)."""
+        out = self.cp.empty(host.shape, dtype=host.dtype)
+        self.copy_from_host(out, host, stream)
+        return out
+
+    def copy_from_host(self, dst, host, stream=None):
+        """Copy the contiguous NumPy array `host` into the device array `dst` of the same shape."""
+        dst.set(host, stream=stream)
+
+    def to_host(self, dev, out=None, stream=None):
+        """Copy `dev` into the NumPy array `out` (a new one if None) and wait for it."""
+        return dev.get(stream=stream, out=out)
+
+    def pinned_empty(self, shape, dtype):
+        """A NumPy array in page-locked host memory (fast, asynchronous copies)."""
+        return self._cupyx.empty_pinned(shape, dtype=dtype)
+
+    def stream(self):
+        return self.cp.cuda.Stream(non_blocking=True)
+
+    def event(self):
+        return self.cp.cuda.Event()
+
+    def compile(self, name, source, kernel_names):
+        """Compile module `name`; returns {kernel name: function}. KernelCompileError with the log on failure."""
+        if name not in self._modules:
+            module = self.cp.RawModule(code=source, options=COMPILE_OPTIONS)
+            try:
+                module.compile()
+            except self.cp.cuda.compiler.CompileException as exc:
+                raise KernelCompileError(name, str(exc)) from None
+            self._modules[name] = {k: module.get_function(k) for k in kernel_names}
+            log.debug("compiled GPU kernel module %s", name)
+        return self._modules[name]
+
+    def launch(self, function, grid, block, args, shared_mem=0, stream=None):
+        """Run `function` on `grid` x `block` threads; args: device arrays and NumPy scalars."""
+        if stream is None:
+            function(grid, block, args, shared_mem=shared_mem)
+        else:
+            with stream:
+                function(grid, block, args, shared_mem=shared_mem)
+
+
+def _probe_cupy():
+    try:
+        import cupy
+    except ImportError:
+        return None, "CuPy is not installed (pip install strata[cuda])"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CuPy raises its own CUDARuntimeError without a driver or a device
+        return None, f"CuPy finds no usable GPU ({exc})"
+    if count == 0:
+        return None, "CuPy finds no GPU"
+    try:
+        return CupyRuntime(), ""
+    except Exception as exc:
+        return None, f"CuPy could not open the GPU ({exc})"
+
+
+def _hip_python_note():
+    try:
+        from hip import hip  # noqa: F401
+    except ImportError:
+        return ""
+    return "; HIP-Python is installed but the GPU model backend needs CuPy arrays (CuPy for ROCm)"
+
+
+def probe():
+    """Find the GPU runtime: Probe(runtime, "") or Probe(None, why not)."""
+    runtime, reason = _probe_cupy()
+    if runtime is None:
+        return Probe(None, reason + _hip_python_note())
+    return Probe(runtime, "")

@@ -1,0 +1,75 @@
+// Quantized matmuls over GGUF rows, compiled once per format: the format's header (UNIT_WEIGHTS,
+// unit_dequant) comes before this file. A unit is the format's smallest independently scaled run of
+// weights; each thread dequantizes whole units into registers and dots them with a tile of tokens.
+//
+// Shape legend: R output rows, C columns, B bytes per row, T tokens, TT tokens per tile,
+// S expert slots, N (token, expert) pair rows sorted by expert, W work tiles.
+// Dynamic shared memory: TILE_TOKENS * blockDim.x floats (blockDim.x a power of two).
+
+#define TILE_TOKENS 8
+
+// acc[t] = row . x[t] for t < num_tokens; x: [num_tokens, C] with rows C apart. All threads return the sums.
+__device__ void tile_dot(const u8* row, const float* x, int C, int num_tokens, float* acc, float* red) {
+    float w[UNIT_WEIGHTS];
+    float part[TILE_TOKENS];
+#pragma unroll
+    for (int t = 0; t < TILE_TOKENS; ++t) part[t] = 0.0f;
+    int num_units = C / UNIT_WEIGHTS;
+    for (int u = threadIdx.x; u < num_units; u += blockDim.x) {
+        unit_dequant(row, u, w);
+#pragma unroll
+        for (int t = 0; t < TILE_TOKENS; ++t) {
+            if (t < num_tokens) {
+                const float* xs = x + (i64)t * C + (i64)u * UNIT_WEIGHTS;
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < UNIT_WEIGHTS; ++i) s += w[i] * xs[i];
+                part[t] += s;
+            }
+        }
+    }
+    for (int t = 0; t < TILE_TOKENS; ++t) red[t * blockDim.x + threadIdx.x] = part[t];
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s)
+            for (int t = 0; t < TILE_TOKENS; ++t) red[t * blockDim.x + threadIdx.x] += red[t * blockDim.x + threadIdx.x + s];
+        __syncthreads();
+    }
+    for (int t = 0; t < TILE_TOKENS; ++t) acc[t] = red[t * blockDim.x];
+}
+
+// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (R, ceil(T / TILE_TOKENS)).
+extern "C" __global__ void matmul(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes) {
+    extern __shared__ float red[];
+    int r = blockIdx.x, t0 = blockIdx.y * TILE_TOKENS;
+    int n = min(TILE_TOKENS, T - t0);
+    float acc[TILE_TOKENS];
+    tile_dot(raw + (i64)r * row_bytes, x + (i64)t0 * C, C, n, acc, red);
+    if (threadIdx.x == 0)
+        for (int t = 0; t < n; ++t) out[(i64)(t0 + t) * R + r] = acc[t];
+}
+
+// Every resident expert of a layer in one launch. Work tile w covers pair rows
+// [tile_row[w], tile_row[w] + tile_count[w]) of x [N, C], all of expert slot tile_slot[w];
+// out [N, R] = x @ dequant(raw [S, R, B][slot]).T. grid (R, W).
+extern "C" __global__ void moe_matmul(const u8* raw, const float* x, float* out, const int* tile_slot,
+                                      const int* tile_row, const int* tile_count, int R, int C, i64 row_bytes) {
+    extern __shared__ float red[];
+    int r = blockIdx.x, w = blockIdx.y;
+    int row0 = tile_row[w], n = tile_count[w];
+    float acc[TILE_TOKENS];
+    tile_dot(raw + ((i64)tile_slot[w] * R + r) * row_bytes, x + (i64)row0 * C, C, n, acc, red);
+    if (threadIdx.x == 0)
+        for (int t = 0; t < n; ++t) out[(i64)(row0 + t) * R + r] = acc[t];
+}
+
+// out [M, C] = dequant(raw [rows][row_ids]) (embedding lookup and the dequantize test); grid (M).
+extern "C" __global__ void dequant_rows(const u8* raw, const i64* row_ids, float* out, int C, i64 row_bytes) {
+    const u8* row = raw + row_ids[blockIdx.x] * row_bytes;
+    float* dst = out + (i64)blockIdx.x * C;
+    float w[UNIT_WEIGHTS];
+    for (int u = threadIdx.x; u < C / UNIT_WEIGHTS; u += blockDim.x) {
+        unit_dequant(row, u, w);
+        for (int i = 0; i < UNIT_WEIGHTS; ++i) dst[(i64)u * UNIT_WEIGHTS + i] = w[i];
+    }
+}

@@ -1,0 +1,145 @@
+// The forward pass's other ops: RMSNorm, NeoX RoPE, causal GQA attention, SwiGLU, router softmax
+// top-k, and moving rows between token order and expert-sorted pair order.
+//
+// Shape legend: T tokens, H hidden (or head dim for per-head norms), nH heads, D head dim,
+// Hq / Hkv query / kv heads, S cache positions, E experts, K top-k, N pair rows, F expert width.
+// Block sizes are powers of two chosen by the host; dynamic shared memory as each kernel says.
+
+// out [T, H] = w * x * rsqrt(mean(x^2) + eps); out may be x. grid (T); shared: blockDim floats.
+extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, int H, float eps) {
+    extern __shared__ float red[];
+    const float* xr = x + (i64)blockIdx.x * H;
+    float* orow = out + (i64)blockIdx.x * H;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) sum_sq += xr[i] * xr[i];
+    float total = block_sum(sum_sq, red);
+    float inv_rms = (float)(1.0 / sqrt((double)total / H + (double)eps));
+    for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv_rms);
+}
+
+// In place over x [T, nH, D]: NeoX rotation of the halves (i, i + D/2) by the float32 angle
+// pos * inv_freq[i] (inv_freq [D/2] from the host, rounded as HF's). grid (T).
+extern "C" __global__ void rope_neox(float* x, const i64* positions, const float* inv_freq, int nH, int D) {
+    int half = D / 2;
+    float pos = (float)positions[blockIdx.x];
+    float* xt = x + (i64)blockIdx.x * nH * D;
+    for (int idx = threadIdx.x; idx < nH * half; idx += blockDim.x) {
+        int h = idx / half, i = idx % half;
+        double angle = (double)(pos * inv_freq[i]);
+        float c = (float)cos(angle), s = (float)sin(angle);
+        float x1 = xt[h * D + i], x2 = xt[h * D + i + half];
+        xt[h * D + i] = x1 * c - x2 * s;
+        xt[h * D + i + half] = x2 * c + x1 * s;
+    }
+}
+
+// Causal GQA attention with an online softmax over key tiles of blockDim keys.
+// q [T, Hq, D], k / v [S, Hkv, D] (positions 0 .. start+T-1 written), out [T, Hq, D];
+// query t sits at position start + t. grid (T * Hq), blockDim >= D; shared: D + 2 * blockDim floats.
+extern "C" __global__ void attention(const float* q, const float* k, const float* v, float* out,
+                                     int Hq, int Hkv, int D, int start, float scale) {
+    extern __shared__ float sh[];
+    float* qs = sh;                    // [D]
+    float* p = sh + D;                 // [blockDim] this tile's probabilities
+    float* red = sh + D + blockDim.x;  // [blockDim]
+    int t = blockIdx.x / Hq, h = blockIdx.x % Hq, kvh = h / (Hq / Hkv), tid = threadIdx.x;
+    i64 kv_stride = (i64)Hkv * D;
+    const float* qrow = q + (i64)blockIdx.x * D;
+    if (tid < D) qs[tid] = qrow[tid];
+    __syncthreads();
+    int num_keys = start + t + 1;
+    float m = NEG_INF, l = 0.0f, acc = 0.0f;
+    for (int j0 = 0; j0 < num_keys; j0 += blockDim.x) {
+        int j = j0 + tid;
+        float s = NEG_INF;
+        if (j < num_keys) {
+            const float* krow = k + j * kv_stride + (i64)kvh * D;
+            float dot = 0.0f;
+            for (int d = 0; d < D; ++d) dot += qs[d] * krow[d];
+            s = dot * scale;
+        }
+        float new_m = fmaxf(m, block_max(s, red));
+        float pj = j < num_keys ? expf(s - new_m) : 0.0f;
+        p[tid] = pj;
+        float tile_sum = block_sum(pj, red);
+        float corr = expf(m - new_m);
+        l = l * corr + tile_sum;
+        if (tid < D) {
+            float a = acc * corr;
+            int n = min((int)blockDim.x, num_keys - j0);
+            const float* vcol = v + (i64)j0 * kv_stride + (i64)kvh * D + tid;
+            for (int jj = 0; jj < n; ++jj) a += p[jj] * vcol[jj * kv_stride];
+            acc = a;
+        }
+        m = new_m;
+        __syncthreads();
+    }
+    if (tid < D) out[(i64)blockIdx.x * D + tid] = acc / l;
+}
+
+// out [n] = silu(gate) * up; out may alias gate or up.
+extern "C" __global__ void swiglu(const float* gate, const float* up, float* out, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate[i], silu;
+    if (g >= 0.0f) silu = g / (1.0f + expf(-g));
+    else { float e = expf(g); silu = g * e / (1.0f + e); }
+    out[i] = silu * up[i];
+}
+
+// Router: softmax over logits [T, E], the K largest (ties to the lower id, highest first) ->
+// ids [T, K] int32, weights [T, K] (renormalized over the K when normalize). One thread a token.
+extern "C" __global__ void route_topk(const float* logits, int* ids, float* weights, int T, int E, int K,
+                                      int normalize) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const float* lt = logits + (i64)t * E;
+    int* it = ids + (i64)t * K;
+    float* wt = weights + (i64)t * K;
+    float best = lt[0];
+    for (int e = 1; e < E; ++e) best = fmaxf(best, lt[e]);
+    double total = 0.0;
+    for (int e = 0; e < E; ++e) total += (double)expf(lt[e] - best);
+    float inv_total = (float)(1.0 / total);
+    int kept = 0;
+    for (int e = 0; e < E; ++e) {
+        float pe = expf(lt[e] - best) * inv_total;
+        if (kept == K && pe <= wt[K - 1]) continue;
+        int slot = min(kept, K - 1);
+        while (slot > 0 && wt[slot - 1] < pe) {
+            wt[slot] = wt[slot - 1];
+            it[slot] = it[slot - 1];
+            --slot;
+        }
+        wt[slot] = pe;
+        it[slot] = e;
+        kept = min(kept + 1, K);
+    }
+    if (normalize) {
+        float sum = 0.0f;
+        for (int j = 0; j < K; ++j) sum += wt[j];
+        for (int j = 0; j < K; ++j) wt[j] /= sum;
+    }
+}
+
+// out [N, H]: out[i] = x[order[i] / K] (x [T, H], order int32 [N]). grid (N).
+extern "C" __global__ void gather_rows(const float* x, const int* order, float* out, int K, int H) {
+    const float* src = x + (i64)(order[blockIdx.x] / K) * H;
+    float* dst = out + (i64)blockIdx.x * H;
+    for (int d = threadIdx.x; d < H; d += blockDim.x) dst[d] = src[d];
+}
+
+// out [T, H] = sum over slots j of weights[t*K + j] * expert_out[row_of_pair[t*K + j]], skipping
+// pairs not held here (row -1); expert_out [N, H]. Slot order is fixed, so the sum is too. grid (T).
+extern "C" __global__ void combine_rows(const float* expert_out, const int* row_of_pair, const float* weights,
+                                        float* out, int K, int H) {
+    int t = blockIdx.x;
+    for (int d = threadIdx.x; d < H; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < K; ++j) {
+            int i = row_of_pair[t * K + j];
+            if (i >= 0) acc += weights[t * K + j] * expert_out[(i64)i * H + d];
+        }
+        out[(i64)t * H + d] = acc;
+    }
+}

@@ -1,0 +1,215 @@
+"""Parked conversations: token ids + KV kept in RAM so a returning conversation is not read again.
+
+A finished request's KV is parked under a byte budget (and an entry limit only
+when the user sets one). A new prompt restores the KV of its longest common
+prefix with any parked conversation, in whole blocks of `block_tokens`, and
+reads only the rest. Every block boundary is a checkpoint: a conversation
+whose history was edited still restores up to the last block before the edit.
+
+Eviction is GreedyDual-Size: each entry has a priority H = L + value, where
+value is the re-read cost per byte, (1 + n / 8192) for n tokens (the reading
+cost grows faster than linearly with n, through attention, while bytes grow
+linearly), and L is the priority of the last evicted entry. A hit sets H
+again from the current L, so recency counts; among entries of equal age the
+long conversations, the ones that hurt most to read again, stay longest.
+
+With `spill_dir`, every parked entry is also written to disk and loaded back
+at start-up, so parked conversations survive a restart; a spill file of
+another model, or one that does not read back whole, is skipped with a warning.
+"""
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import kv_store
+
+log = logging.getLogger(__name__)
+
+SPILL_MAGIC = "strata-parked-kv"
+SPILL_VERSION = 1
+ATTENTION_TOKENS = 8192  # tokens at which attention doubles the per-token reading cost (cost model above)
+
+
+@dataclass
+class Parked:
+    token_ids: np.ndarray  # int64 [n]
+    arrays: dict  # kv_store.pack output
+    nbytes: int
+    priority: float = 0.0
+    path: str = None  # spill file, when spilled
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+    parked: int = 0
+    evictions: dict = field(default_factory=lambda: {"bytes": 0, "entries": 0, "superseded": 0})
+
+
+def model_fingerprint(weights):
+    """Identifies the model whose KV a spill file holds: its config and its file's size and time."""
+    from dataclasses import asdict
+
+    stat = os.stat(weights.source)
+    ident = {"config": asdict(weights.config), "source": os.path.basename(os.path.normpath(weights.source)),
+             "size": stat.st_size, "mtime": int(stat.st_mtime)}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def common_prefix(a, b):
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class ConversationCache:
+    def __init__(self, budget_bytes, model_fingerprint, max_entries=None, block_tokens=64, store="f32",
+                 spill_dir=None):
+        if store not in kv_store.STORES:
+            raise ValueError(f"conversation cache KV store must be one of {', '.join(kv_store.STORES)}")
+        self.budget_bytes, self.max_entries, self.block_tokens = budget_bytes, max_entries, block_tokens
+        self.store, self.fingerprint, self.spill_dir = store, model_fingerprint, spill_dir
+        self.entries = []
+        self.inflation = 0.0  # GreedyDual-Size's L
+        self.stats = CacheStats()
+        if spill_dir:
+            os.makedirs(spill_dir, exist_ok=True)
+            self._load_spilled()
+
+    @property
+    def bytes_used(self):
+        return sum(e.nbytes for e in self.entries)
+
+    def _value(self, num_tokens):
+        return 1.0 + num_tokens / ATTENTION_TOKENS
+
+    def lookup(self, prompt_ids):
+        """(entry, tokens to restore) for the longest block-aligned common prefix; (None, 0) on a miss.
+
+        At least the last prompt token is left to read, so its logits get computed.
+        """
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        best, best_n = None, 0
+        for entry in self.entries:
+            n = common_prefix(entry.token_ids, prompt)
+            if n > best_n:
+                best, best_n = entry, n
+        usable = min(best_n, len(prompt) - 1) // self.block_tokens * self.block_tokens
+        if usable == 0:
+            self.stats.misses += 1
+            return None, 0
+        return best, usable
+
+    def restore(self, prompt_ids, seq_kv):
+        """Copy the KV of the longest parked prefix of `prompt_ids` into `seq_kv`; returns the tokens restored."""
+        entry, n = self.lookup(prompt_ids)
+        if entry is None:
+            return 0
+        seq_kv.reserve(n)
+        kv_store.unpack_into(entry.arrays, n, seq_kv.k, seq_kv.v)
+        seq_kv.length = n
+        entry.priority = self.inflation + self._value(entry.num_tokens)
+        self.stats.hits += 1
+        self.stats.restored_tokens += n
+        return n
+
+    def park(self, token_ids, seq_kv):
+        """Keep the KV of `token_ids` (positions [0, n) of `seq_kv`)."""
+        ids = np.asarray(token_ids[: seq_kv.length], dtype=np.int64)
+        if len(ids) < self.block_tokens:
+            return
+        for entry in self.entries:
+            if entry.num_tokens >= len(ids) and common_prefix(entry.token_ids, ids) == len(ids):
+                entry.priority = self.inflation + self._value(entry.num_tokens)  # already parked
+                return
+        arrays = kv_store.pack(seq_kv.k[:, : len(ids)], seq_kv.v[:, : len(ids)], self.store)
+        entry = Parked(ids, arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes)
+        if entry.nbytes > self.budget_bytes:
+            log.info("conversation of %d tokens (%.1f MiB) exceeds the cache budget; not parked",
+                     len(ids), entry.nbytes / 2**20)
+            return
+        for old in [e for e in self.entries if common_prefix(e.token_ids, ids) == e.num_tokens]:
+            self._evict(old, "superseded")  # the new conversation extends it
+        self._insert(entry)
+        if self.spill_dir:
+            self._spill(entry)
+
+    def _insert(self, entry):
+        entry.priority = self.inflation + self._value(entry.num_tokens)
+        self.entries.append(entry)
+        self.stats.parked += 1
+        while self.bytes_used > self.budget_bytes:
+            self._evict(self._lowest(), "bytes")
+        while self.max_entries is not None and len(self.entries) > self.max_entries:
+            self._evict(self._lowest(), "entries")
+
+    def _lowest(self):
+        return min(self.entries, key=lambda e: e.priority)
+
+    def _evict(self, entry, cause):
+        self.entries.remove(entry)
+        self.stats.evictions[cause] += 1
+        if cause != "superseded":
+            self.inflation = max(self.inflation, entry.priority)
+        if entry.path and os.path.exists(entry.path):
+            os.remove(entry.path)
+
+    def _spill(self, entry):
+        digest = hashlib.sha256(entry.token_ids.tobytes()).hexdigest()
+        header = {"magic": SPILL_MAGIC, "version": SPILL_VERSION, "model": self.fingerprint,
+                  "store": self.store, "num_tokens": entry.num_tokens, "tokens_sha256": digest}
+        path = os.path.join(self.spill_dir, f"{digest[:24]}.npz")
+        tmp = f"{path}.tmp.npz"
+        header_bytes = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+        np.savez(tmp, header=header_bytes, token_ids=entry.token_ids, **entry.arrays)
+        os.replace(tmp, path)
+        entry.path = path
+
+    def _load_spilled(self):
+        files = sorted((os.path.join(self.spill_dir, f) for f in os.listdir(self.spill_dir) if f.endswith(".npz")),
+                       key=os.path.getmtime)
+        for path in files:
+            entry = self._read_spill(path)
+            if entry is not None:
+                self._insert(entry)
+        if self.entries:
+            log.info("conversation cache: %d parked conversations (%.1f MiB) loaded from %s",
+                     len(self.entries), self.bytes_used / 2**20, self.spill_dir)
+
+    def _read_spill(self, path):
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                header = json.loads(data["header"].tobytes().decode())
+                arrays = {name: data[name] for name in data.files if name not in ("header", "token_ids")}
+                ids = data["token_ids"]
+        except Exception as exc:  # any unreadable file is skipped, never loaded
+            log.warning("skipping conversation spill file %s: unreadable (%s)", path, exc)
+            return None
+        problem = self._spill_problem(header, ids, arrays)
+        if problem:
+            log.warning("skipping conversation spill file %s: %s", path, problem)
+            return None
+        return Parked(ids.astype(np.int64), arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes, path=path)
+
+    def _spill_problem(self, header, ids, arrays):
+        if header.get("magic") != SPILL_MAGIC or header.get("version") != SPILL_VERSION:
+            return "not a Strata conversation spill file of this version"
+        if header.get("model") != self.fingerprint:
+            return "written for another model"
+        if header.get("store") != self.store:
+            return f"stored as {header.get('store')}, this cache stores {self.store}"
+        if hashlib.sha256(ids.astype(np.int64).tobytes()).hexdigest() != header.get("tokens_sha256"):
+            return "token ids do not match their checksum"
+        if set(arrays) != kv_store.ARRAY_NAMES[self.store] or any(a.shape[1] != len(ids) for a in arrays.values()):
+            return "KV arrays do not match the token count or the store"
+        return None

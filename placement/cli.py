@@ -1,0 +1,174 @@
+"""`strata profile`, `strata profile merge`, `strata profile show` and `strata plan`."""
+import os
+
+from .budget import KV_BYTES
+from .planner import DEFAULT_CPU_GBPS, DEFAULT_GPU_GBPS
+
+
+def add_subcommands(sub):
+    """Adds `profile` (with `merge` and `show`) and `plan` to the `strata` subparsers."""
+    p = sub.add_parser("profile", help="record expert usage on prompts; `profile merge` / `profile show`")
+    p.add_argument("--model", help="GGUF file or HF safetensors directory")
+    p.add_argument("--prompts", help="JSONL of chat messages, or plain text with one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first prompt, +1 per prompt (default 0)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
+    p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("-o", "--output", help="profile to write (.npz)")
+    p.set_defaults(func=_run_profile)
+    profile_sub = p.add_subparsers(dest="profile_command", metavar="{merge,show}")
+    m = profile_sub.add_parser("merge", help="add profiles of one model together")
+    m.add_argument("inputs", nargs="+", help="profiles (.npz)")
+    m.add_argument("-o", "--output", required=True, help="merged profile to write (.npz)")
+    m.set_defaults(func=_run_merge)
+    s = profile_sub.add_parser("show", help="tokens seen, skew, per-layer entropy and a heatmap PNG")
+    s.add_argument("profile", help="profile (.npz)")
+    s.add_argument("--phase", choices=("all", "prefill", "decode"), default="all", help="routings to show")
+    s.add_argument("--png", help="heatmap to write (default: the profile's name with .png)")
+    s.add_argument("--no-png", action="store_true", help="print only")
+    s.set_defaults(func=_run_show)
+    _add_plan(sub)
+
+
+def _add_plan(sub):
+    p = sub.add_parser("plan", help="choose the experts each GPU holds from a profile")
+    p.add_argument("--model", required=True, help="GGUF file or HF safetensors directory")
+    p.add_argument("--profile", required=True, help="expert profile (.npz) of this model")
+    p.add_argument("--gpu-mib", required=True, help="memory per GPU in MiB, comma-separated: 24000 or 24000,24000")
+    p.add_argument("--parallel", type=int, default=1, help="slots served at once; the planned decode batch")
+    p.add_argument("--max-context", type=int, default=None, help="context per slot (default: the model's)")
+    p.add_argument("--kv", choices=sorted(KV_BYTES), default="f16", help="KV cache type (default f16)")
+    p.add_argument("--vram-reserve-mib", type=float, default=1024.0, help="headroom kept per GPU (default 1024)")
+    p.add_argument("--layer-split", default="auto",
+                   help="auto, or the first layer of each GPU after the first (e.g. 24 for 2 GPUs)")
+    p.add_argument("--cpu-gbps", type=float, default=float(os.environ.get("STRATA_CPU_GBPS", DEFAULT_CPU_GBPS)),
+                   help=f"CPU expert bandwidth in GB/s (measured; default STRATA_CPU_GBPS or {DEFAULT_CPU_GBPS:g})")
+    p.add_argument("--gpu-gbps", type=float, default=float(os.environ.get("STRATA_GPU_GBPS", DEFAULT_GPU_GBPS)),
+                   help=f"GPU memory bandwidth in GB/s (default STRATA_GPU_GBPS or {DEFAULT_GPU_GBPS:g})")
+    p.add_argument("-o", "--output", required=True, help="placement to write (.json)")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_profile(args):
+    from tqdm import tqdm
+
+    from hybrid.expert_usage import ExpertUsage
+    from hybrid.llm import LLM
+
+    from .profile import model_id
+    from .prompts import read_prompts
+    from .report import format_summary, summarize
+
+    missing = [flag for flag, value in (("--model", args.model), ("--prompts", args.prompts), ("-o", args.output))
+               if not value]
+    if missing:
+        raise ValueError(f"strata profile needs {', '.join(missing)} (or use `profile merge` / `profile show`)")
+    prompts = read_prompts(args.prompts)
+    llm = LLM(args.model, threads=args.threads, max_context=args.max_context)
+    usage = llm.model.usage = ExpertUsage.for_config(llm.config)
+    with tqdm(prompts, unit="prompt", desc="profiling") as bar:
+        for i, prompt in enumerate(bar):
+            text = prompt.text
+            if prompt.messages is not None:
+                text = llm.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True)
+            try:
+                llm.generate(text, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i)
+            except ValueError as exc:
+                raise ValueError(f"{args.prompts} line {prompt.line}: {exc}") from None
+            bar.set_postfix(tokens=usage.tokens_prefill + usage.tokens_decode)
+    profile = usage.to_profile(model_id(llm.weights), source=f"profile {os.path.basename(args.prompts)}")
+    profile.save(args.output)
+    print(format_summary(summarize(profile)))
+    print(f"profile written to {args.output}")
+    return 0
+
+
+def _run_merge(args):
+    from .profile import ExpertProfile
+
+    profiles = [ExpertProfile.load(path) for path in args.inputs]
+    merged = profiles[0]
+    for path, other in zip(args.inputs[1:], profiles[1:]):
+        try:
+            merged = merged.merge(other)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    merged.save(args.output)
+    print(f"{len(profiles)} profiles, {merged.tokens_prefill} prefill + {merged.tokens_decode} decode tokens, "
+          f"written to {args.output}")
+    return 0
+
+
+def _run_show(args):
+    from .profile import ExpertProfile
+    from .report import format_summary, summarize, write_heatmap
+
+    profile = ExpertProfile.load(args.profile)
+    print(format_summary(summarize(profile, args.phase)))
+    if not args.no_png:
+        png = args.png or os.path.splitext(args.profile)[0] + ".png"
+        if write_heatmap(profile, png, args.phase):
+            print(f"heatmap written to {png}")
+        else:
+            print("heatmap skipped: matplotlib is not installed (pip install 'strata[plot]')")
+    return 0
+
+
+def _parse_gpu_mib(text):
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpu-mib {text!r}: expected MiB per GPU, comma-separated (e.g. 24000,24000)") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"--gpu-mib {text!r}: every GPU needs a positive size")
+    return tuple(values)
+
+
+def _parse_layer_split(text):
+    if text == "auto":
+        return "auto"
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--layer-split {text!r}: expected auto or layer indices (e.g. 24)") from None
+
+
+def _run_plan(args):
+    from hybrid.formats import load_model
+
+    from .budget import ModelSizes
+    from .planner import Budgets, Speeds, plan
+    from .profile import ExpertProfile, model_id
+
+    weights = load_model(args.model)
+    profile = ExpertProfile.load(args.profile)
+    profile.check_model(weights.config.num_layers, weights.config.num_experts, model_id(weights))
+    max_context = min(args.max_context or weights.config.context_length, weights.config.context_length)
+    budgets = Budgets(_parse_gpu_mib(args.gpu_mib), args.parallel, max_context, args.kv, args.vram_reserve_mib,
+                      _parse_layer_split(args.layer_split))
+    placement = plan(profile, ModelSizes.from_weights(weights), budgets, Speeds(args.cpu_gbps, args.gpu_gbps))
+    placement.model_id = model_id(weights)
+    placement.save(args.output)
+    print(format_plan(placement))
+    print(f"placement written to {args.output}")
+    return 0
+
+
+def format_plan(placement):
+    lines = []
+    for g in placement.gpus:
+        b = g.budget
+        lines.append(f"GPU {g.gpu}: layers {g.first_layer}-{g.last_layer - 1}, {b['total_mib']:.0f} MiB = dense "
+                     f"{b['dense_mib']:.0f} + KV {b['kv_mib']:.0f} + scratch {b['scratch_mib']:.0f} + reserve "
+                     f"{b['reserve_mib']:.0f} + {b['expert_slots']} expert slots of {b['slot_mib']:.1f} MiB "
+                     f"({len(g.resident)} used)")
+    s = placement.settings
+    lines.append(f"predicted at batch {placement.predicted['batch']} (CPU {s['cpu_gbps']:g} GB/s, "
+                 f"GPU {s['gpu_gbps']:g} GB/s, {s['profile_tokens']} {s['profile_phase']} tokens profiled):")
+    lines.append(f"  {'':14s}{'resident':>9s}{'hit rate':>10s}{'decode tok/s':>14s}{'step ms':>9s}")
+    rows = [("plan", placement.predicted), ("uniform", placement.baselines["uniform"]),
+            ("global top-k", placement.baselines["global_top"])]
+    for name, p in rows:
+        lines.append(f"  {name:14s}{p['resident']:9d}{p['hit_rate']:10.1%}{p['decode_tok_s']:14.1f}{p['step_ms']:9.2f}")
+    return "\n".join(lines)

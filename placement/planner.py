@@ -1,0 +1,245 @@
+"""The placement planner: which experts each GPU holds, chosen to minimise predicted decode time.
+
+Cost model of one decode step at batch B (every slot decoding one token):
+  step = fixed + sum over layers of max(GPU part, CPU part)
+  CPU part = sum over non-resident experts e of q_e * expert bytes / CPU bandwidth
+  GPU part = sum over resident experts e of q_e * expert bytes / GPU bandwidth
+  q_e = 1 - (1 - p_e)^B, the chance that at least one of the B tokens uses e (p_e from the profile),
+  so sum q_e is the expected number of distinct experts a step reads (exact by linearity).
+  fixed = (dense weights + output head + the KV read at half the planned context) / GPU bandwidth.
+The two parts run at once (resident experts on the GPU, the rest on CPU threads), hence the max.
+
+Per layer, for a resident count n the best set is the n experts of highest q (it minimises the
+CPU part); f_l(n) = the least layer cost over prefixes of length <= n, so a layer may leave a slot
+empty when the GPU part would become the longer one (`fill_slots` then uses such slots for the
+most used experts left out: see there). f_l is convex in n (q sorted descending), so
+handing a GPU's slots out one by one to the layer that gains most is optimal for the sum; ties go
+to the lower layer, then the lower expert index. Several GPUs: contiguous layer ranges, a layer's
+experts live on the GPU that runs its layer; `auto` tries every split, keeps the fastest, then the
+most even memory use.
+
+Co-activation does not enter: the expected number of distinct experts a step reads is a sum of
+per-expert probabilities whatever their correlation, and a layer runs on one GPU, so which
+experts fire together changes neither part of the cost. (It matters for the chance that a token
+needs no CPU work at all in a layer, a fixed-latency effect this model leaves out.)
+Shape legend: L layers, E experts.
+"""
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .budget import MIB, BudgetError, check_fits, gpu_budget
+from .placement import GpuPlacement, Placement
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_GBPS = 40.0  # expert weights streamed by the CPU kernels; pass a measured value
+DEFAULT_GPU_GBPS = 3000.0  # H200-class HBM at realistic efficiency
+MAX_SPLITS = 200_000  # layer splits `auto` may try
+
+
+@dataclass(frozen=True)
+class Budgets:
+    gpu_mib: tuple  # memory per GPU
+    num_slots: int  # --parallel: sequences served at once, also the planned decode batch
+    max_context: int
+    kv_dtype: str = "f16"
+    reserve_mib: float = 1024.0
+    layer_split: object = "auto"  # "auto", or the first layer of each GPU after the first (tuple of ints)
+
+
+@dataclass(frozen=True)
+class Speeds:
+    cpu_gbps: float = DEFAULT_CPU_GBPS
+    gpu_gbps: float = DEFAULT_GPU_GBPS
+
+
+class CostModel:
+    """Predicted decode step time and hit rate of a resident mask bool [L, E]."""
+
+    def __init__(self, probs, sizes, batch, speeds, max_context, kv_dtype):
+        self.p = np.asarray(probs, dtype=np.float64)  # [L, E] per token
+        self.q = 1.0 - (1.0 - self.p) ** batch  # [L, E] per step
+        self.batch = batch
+        expert = np.asarray(sizes.expert_bytes, dtype=np.float64)  # [L]
+        self.gpu_s = expert / (speeds.gpu_gbps * 1e9)  # [L] seconds per expert read on the GPU
+        self.cpu_s = expert / (speeds.cpu_gbps * 1e9)  # [L]
+        kv_read = batch * (max_context / 2) * sizes.kv_bytes_per_token(kv_dtype) * sizes.num_layers
+        self.fixed_s = (sum(sizes.layer_dense_bytes) + sizes.head_bytes + kv_read) / (speeds.gpu_gbps * 1e9)
+        self._curves = [self._curve(layer) for layer in range(len(expert))]
+
+    def layer_seconds(self, mask):
+        """float [L]: max(GPU part, CPU part) per layer."""
+        on_gpu = (self.q * mask).sum(axis=1)  # [L]
+        on_cpu = (self.q * ~mask).sum(axis=1)  # [L]
+        return np.maximum(on_gpu * self.gpu_s, on_cpu * self.cpu_s)
+
+    def step_seconds(self, mask):
+        return self.fixed_s + float(self.layer_seconds(np.asarray(mask, dtype=bool)).sum())
+
+    def decode_tok_s(self, mask):
+        return self.batch / self.step_seconds(mask)
+
+    def hit_rate(self, mask):
+        """Share of routings that land on a resident expert."""
+        return float(self.p[np.asarray(mask, dtype=bool)].sum() / max(self.p.sum(), 1e-300))
+
+    def _curve(self, layer):
+        """(expert order by q, f [E+1] = least cost with <= n resident, best_m [E+1] = its resident count)."""
+        q = self.q[layer]
+        order = np.lexsort((np.arange(len(q)), -q))  # q descending, ties by index
+        on_gpu = np.concatenate([[0.0], np.cumsum(q[order])])  # [E+1]
+        cost = np.maximum(on_gpu * self.gpu_s[layer], (q.sum() - on_gpu) * self.cpu_s[layer])  # [E+1]
+        best_m, best = np.zeros(len(cost), dtype=np.int64), np.inf
+        arg = 0
+        for m, c in enumerate(cost):
+            if c <= best:  # ties keep more experts resident
+                best, arg = c, m
+            best_m[m] = arg
+        return order, cost[best_m], best_m
+
+    def plan_layers(self, layers, num_slots):
+        """bool [L, E] with rows `layers` filled: the best use of `num_slots` expert slots for them."""
+        mask = np.zeros(self.q.shape, dtype=bool)
+        if num_slots <= 0 or len(layers) == 0:
+            return mask
+        gains = np.stack([-np.diff(self._curves[layer][1]) for layer in layers])  # [len(layers), E]
+        rank = np.broadcast_to(np.arange(gains.shape[1]), gains.shape).ravel()
+        row = np.repeat(np.arange(len(layers)), gains.shape[1])
+        chosen = np.lexsort((rank, row, -gains.ravel()))[:num_slots]
+        counts = np.bincount(row[chosen], minlength=len(layers))
+        for i, layer in enumerate(layers):
+            order, _, best_m = self._curves[layer]
+            mask[layer, order[:best_m[counts[i]]]] = True
+        return mask
+
+
+def fill_slots(mask, probs, layers, num_free):
+    """mask plus the `num_free` most used experts of `layers` that it leaves out (ties by layer, expert).
+
+    The plan leaves a slot empty only where the bandwidth model says the GPU part would become the
+    longer one; a real CPU part also costs a fixed hand-over latency the model leaves out, and
+    traffic reaches experts a profile never saw, so the slot is better used.
+    """
+    if num_free <= 0:
+        return mask
+    left_out = np.where(mask, -1.0, probs)  # [L, E]
+    return mask | global_top_mask(left_out, layers, num_free, minimum=0.0)
+
+
+def uniform_mask(probs, layers, num_slots):
+    """Baseline: the same number of slots in every layer, each layer's most used experts."""
+    mask = np.zeros(probs.shape, dtype=bool)
+    layers = list(layers)
+    per_layer = np.full(len(layers), num_slots // max(len(layers), 1))
+    per_layer[: num_slots % max(len(layers), 1)] += 1
+    for layer, n in zip(layers, per_layer):
+        order = np.lexsort((np.arange(probs.shape[1]), -probs[layer]))
+        mask[layer, order[: min(n, probs.shape[1])]] = True
+    return mask
+
+
+def global_top_mask(probs, layers, num_slots, minimum=-np.inf):
+    """Baseline: the most used (layer, expert) pairs of these layers, whatever their layer
+    (only pairs with probs >= minimum)."""
+    mask = np.zeros(probs.shape, dtype=bool)
+    layers = np.asarray(list(layers), dtype=np.int64)
+    E = probs.shape[1]
+    layer_of, expert_of = np.repeat(layers, E), np.tile(np.arange(E), len(layers))
+    chosen = np.lexsort((expert_of, layer_of, -probs[layers].ravel()))[:max(num_slots, 0)]
+    chosen = chosen[probs[layer_of[chosen], expert_of[chosen]] >= minimum]
+    mask[layer_of[chosen], expert_of[chosen]] = True
+    return mask
+
+
+def _splits(num_layers, num_gpus, layer_split):
+    """Candidate tuples of layer ranges, one per GPU."""
+    if num_gpus > num_layers:
+        raise BudgetError(f"{num_gpus} GPUs for {num_layers} layers: a GPU needs at least one layer")
+    if layer_split == "auto":
+        if math.comb(num_layers - 1, num_gpus - 1) > MAX_SPLITS:
+            raise BudgetError(f"too many layer splits for {num_gpus} GPUs to try; give --layer-split")
+        candidates = itertools.combinations(range(1, num_layers), num_gpus - 1)
+    else:
+        cuts = tuple(int(k) for k in layer_split)
+        if len(cuts) != num_gpus - 1 or list(cuts) != sorted(set(cuts)) or not all(0 < k < num_layers for k in cuts):
+            raise ValueError(f"--layer-split {','.join(map(str, cuts))}: need {num_gpus - 1} increasing layer "
+                             f"indices in 1..{num_layers - 1} for {num_gpus} GPUs")
+        candidates = [cuts]
+    for cuts in candidates:
+        bounds = (0, *cuts, num_layers)
+        yield tuple(range(bounds[g], bounds[g + 1]) for g in range(num_gpus))
+
+
+def _layer_probs(profile):
+    phase = "decode" if profile.tokens_decode > 0 else "all"
+    if phase == "all":
+        log.warning("profile %s has no decode tokens: planning from its prompt routings", profile.model_id)
+    return profile.probabilities(phase), phase
+
+
+def plan(profile, sizes, budgets, speeds=Speeds()):
+    """ExpertProfile + ModelSizes + Budgets -> Placement (raises BudgetError when nothing fits)."""
+    profile.check_model(sizes.num_layers, sizes.num_experts)
+    probs, phase = _layer_probs(profile)
+    cost = CostModel(probs, sizes, budgets.num_slots, speeds, budgets.max_context, budgets.kv_dtype)
+    best, first_error = None, None
+    for ranges in _splits(sizes.num_layers, len(budgets.gpu_mib), budgets.layer_split):
+        try:
+            candidate = _plan_split(cost, sizes, budgets, ranges)
+        except BudgetError as exc:
+            first_error = first_error or exc
+            continue
+        if best is None or _better(candidate, best):
+            best = candidate
+    if best is None:
+        raise first_error
+    mask, gpu_budgets, _, _ = best
+    return _placement(profile, cost, mask, gpu_budgets, budgets, speeds, phase)
+
+
+def _plan_split(cost, sizes, budgets, ranges):
+    """(mask, budgets, step seconds, memory imbalance) of one layer split."""
+    mask = np.zeros(cost.q.shape, dtype=bool)
+    gpu_budgets, used = [], []
+    for gpu, layers in enumerate(ranges):
+        budget = gpu_budget(sizes, gpu, len(ranges), budgets.gpu_mib[gpu] * MIB, layers, budgets.num_slots,
+                            budgets.max_context, budgets.kv_dtype, budgets.reserve_mib * MIB)
+        check_fits(budget, budgets.num_slots, budgets.max_context, budgets.kv_dtype)
+        planned = cost.plan_layers(layers, budget.expert_slots)
+        mask |= fill_slots(planned, cost.p, layers, budget.expert_slots - int(planned.sum()))
+        gpu_budgets.append(budget)
+        used.append(1.0 - (budget.free - mask[layers.start:layers.stop].sum() * budget.slot_bytes) / budget.total)
+    return mask, gpu_budgets, cost.step_seconds(mask), max(used) - min(used)
+
+
+def _better(a, b):
+    """Faster wins; within a relative 1e-9, the more even memory use; then the earlier split."""
+    if abs(a[2] - b[2]) > 1e-9 * b[2]:
+        return a[2] < b[2]
+    return a[3] < b[3] - 1e-12
+
+
+def _placement(profile, cost, mask, gpu_budgets, budgets, speeds, phase):
+    gpus, uniform, top = [], np.zeros_like(mask), np.zeros_like(mask)
+    for b in gpu_budgets:
+        layers = range(b.first_layer, b.last_layer)
+        resident = [(int(layer), int(e)) for layer, e in zip(*np.nonzero(mask[b.first_layer:b.last_layer]))]
+        gpus.append(GpuPlacement(b.gpu, b.first_layer, b.last_layer,
+                                 [(layer + b.first_layer, e) for layer, e in resident], b.to_json()))
+        uniform |= uniform_mask(cost.p, layers, b.expert_slots)
+        top |= global_top_mask(cost.p, layers, b.expert_slots)
+
+    def prediction(m):
+        return {"hit_rate": cost.hit_rate(m), "decode_tok_s": cost.decode_tok_s(m),
+                "step_ms": 1e3 * cost.step_seconds(m), "resident": int(m.sum())}
+
+    settings = {"gpu_mib": list(budgets.gpu_mib), "parallel": budgets.num_slots, "max_context": budgets.max_context,
+                "kv": budgets.kv_dtype, "vram_reserve_mib": budgets.reserve_mib, "cpu_gbps": speeds.cpu_gbps,
+                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(phase)}
+    return Placement(profile.model_id, profile.num_layers, profile.num_experts, gpus,
+                     predicted={**prediction(mask), "batch": budgets.num_slots},
+                     baselines={"uniform": prediction(uniform), "global_top": prediction(top)}, settings=settings)

@@ -1,0 +1,133 @@
+"""`ExpertProfile`: how often each layer's router picked each expert, for prefill and decode tokens.
+
+File: an `.npz` with a JSON header (format, model id, layer/expert counts, experts per token,
+tokens seen, sources) and the arrays prefill [L, E], decode [L, E], coactivation [L, E, E]
+(symmetric: how often two experts were picked for the same token). Profiles add up.
+Shape legend: L layers, E experts.
+"""
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+FORMAT = "strata-expert-profile"
+VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file is unreadable, or belongs to another model."""
+
+
+def model_id(weights):
+    """Identifies a model for profiles and placements: architecture, shape, and file name."""
+    c = weights.config
+    name = os.path.basename(os.path.normpath(weights.source))
+    return f"{c.arch}-L{c.num_layers}-E{c.num_experts}-K{c.num_experts_per_tok}-H{c.hidden_size}:{name}"
+
+
+@dataclass
+class ExpertProfile:
+    model_id: str
+    num_experts_per_tok: int
+    prefill: np.ndarray  # int64 [L, E] routings of prompt tokens
+    decode: np.ndarray  # int64 [L, E] routings of generated tokens
+    coactivation: np.ndarray  # int64 [L, E, E]
+    tokens_prefill: int = 0
+    tokens_decode: int = 0
+    sources: list = field(default_factory=list)
+
+    def __post_init__(self):
+        L, E = np.shape(self.prefill)
+        for name, shape in (("decode", (L, E)), ("coactivation", (L, E, E))):
+            if np.shape(getattr(self, name)) != shape:
+                raise ProfileError(f"profile {self.model_id}: {name} has shape {np.shape(getattr(self, name))}, "
+                                   f"expected {shape}")
+
+    @classmethod
+    def empty(cls, model_id, num_layers, num_experts, num_experts_per_tok):
+        L, E = num_layers, num_experts
+        return cls(model_id, num_experts_per_tok, np.zeros((L, E), np.int64), np.zeros((L, E), np.int64),
+                   np.zeros((L, E, E), np.int64))
+
+    @property
+    def num_layers(self):
+        return self.prefill.shape[0]
+
+    @property
+    def num_experts(self):
+        return self.prefill.shape[1]
+
+    def counts(self, phase="all"):
+        """int64 [L, E] routings of `phase`: prefill, decode or all."""
+        if phase == "all":
+            return self.prefill + self.decode
+        return {"prefill": self.prefill, "decode": self.decode}[phase]
+
+    def tokens(self, phase="all"):
+        return {"prefill": self.tokens_prefill, "decode": self.tokens_decode,
+                "all": self.tokens_prefill + self.tokens_decode}[phase]
+
+    def probabilities(self, phase="all"):
+        """float64 [L, E]: the chance that one token of `phase` is routed to each expert."""
+        num_tokens = self.tokens(phase)
+        if num_tokens == 0:
+            raise ProfileError(f"profile {self.model_id}: no {phase} tokens recorded")
+        return np.clip(self.counts(phase) / num_tokens, 0.0, 1.0)
+
+    def check_model(self, num_layers, num_experts, other_id=None, what="the model"):
+        """Raises ProfileError when the profile's layer or expert count differs from the model's."""
+        if (self.num_layers, self.num_experts) != (num_layers, num_experts):
+            raise ProfileError(
+                f"profile of {self.model_id} ({self.num_layers} layers x {self.num_experts} experts) does not fit "
+                f"{what}{f' {other_id}' if other_id else ''} ({num_layers} layers x {num_experts} experts)")
+        if other_id is not None and other_id != self.model_id:
+            log.warning("profile of %s used for %s (same layer and expert counts)", self.model_id, other_id)
+
+    def merge(self, other):
+        """The sum of two profiles of the same model."""
+        other.check_model(self.num_layers, self.num_experts, self.model_id, what="profile")
+        if other.num_experts_per_tok != self.num_experts_per_tok:
+            raise ProfileError(f"profiles of {self.model_id} and {other.model_id} route "
+                               f"{self.num_experts_per_tok} vs {other.num_experts_per_tok} experts per token")
+        return ExpertProfile(self.model_id, self.num_experts_per_tok, self.prefill + other.prefill,
+                             self.decode + other.decode, self.coactivation + other.coactivation,
+                             self.tokens_prefill + other.tokens_prefill, self.tokens_decode + other.tokens_decode,
+                             self.sources + other.sources)
+
+    def __add__(self, other):
+        return self.merge(other)
+
+    def header(self):
+        return {"format": FORMAT, "version": VERSION, "model_id": self.model_id, "num_layers": self.num_layers,
+                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "tokens_prefill": self.tokens_prefill, "tokens_decode": self.tokens_decode, "sources": self.sources}
+
+    def save(self, path):
+        with open(path, "wb") as f:  # a file object: np.savez would append .npz to a bare name
+            np.savez_compressed(f, header=np.array(json.dumps(self.header())), prefill=self.prefill,
+                                decode=self.decode, coactivation=self.coactivation)
+
+    @classmethod
+    def load(cls, path):
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                header = json.loads(str(data["header"]))
+                arrays = {name: np.asarray(data[name], dtype=np.int64)
+                          for name in ("prefill", "decode", "coactivation")}
+        except (OSError, ValueError, KeyError) as exc:
+            raise ProfileError(f"{path}: not a Strata expert profile ({exc})") from None
+        if header.get("format") != FORMAT:
+            raise ProfileError(f"{path}: not a Strata expert profile (format {header.get('format')!r})")
+        shape = (header["num_layers"], header["num_experts"])
+        if arrays["prefill"].shape != shape:
+            raise ProfileError(f"{path}: prefill counts have shape {arrays['prefill'].shape}, the header says {shape}")
+        try:
+            return cls(header["model_id"], header["num_experts_per_tok"], arrays["prefill"], arrays["decode"],
+                       arrays["coactivation"], header["tokens_prefill"], header["tokens_decode"],
+                       list(header.get("sources", [])))
+        except ProfileError as exc:
+            raise ProfileError(f"{path}: {exc}") from None

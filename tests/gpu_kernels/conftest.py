@@ -1,0 +1,129 @@
+"""Fixtures of the GPU tests: the runtime (skips without a GPU), and NumPy references of every kernel
+with the launchers' signatures (gpu_kernels.kernels.Kernels), which also drive GpuBackend on the CPU."""
+import numpy as np
+import pytest
+
+from cpu_kernels import format_for
+
+
+@pytest.fixture(scope="session")
+def runtime():
+    from gpu_kernels.runtime import probe
+
+    found = probe()
+    if found.runtime is None:
+        pytest.skip(f"no GPU: {found.reason}")
+    return found.runtime
+
+
+@pytest.fixture(scope="session")
+def kernels(runtime):
+    from gpu_kernels.kernels import Kernels
+
+    return Kernels(runtime)
+
+
+def dequant(raw, qtype, num_cols):
+    """raw uint8 [..., R, B] -> float32 [..., R, C] (the CPU formats, bit-exact with gguf)."""
+    rows = np.ascontiguousarray(raw.reshape(-1, raw.shape[-1]))
+    out = np.empty((rows.shape[0], num_cols), np.float32)
+    format_for(qtype).dequantize(rows, out)
+    return out.reshape(*raw.shape[:-1], num_cols)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+class ReferenceKernels:
+    """NumPy versions of the GPU kernels, same arguments, results into `out`."""
+
+    def matmul(self, raw, qtype, x, out):
+        out[:] = x.astype(np.float64) @ dequant(raw, qtype, x.shape[1]).T.astype(np.float64)
+
+    def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count):
+        for slot, row, count in zip(tile_slot, tile_row, tile_count):
+            w = dequant(raw[slot], qtype, x.shape[1]).astype(np.float64)
+            out[row:row + count] = x[row:row + count].astype(np.float64) @ w.T
+
+    def dequant_rows(self, raw, qtype, row_ids, out):
+        out[:] = dequant(raw[row_ids], qtype, out.shape[1])
+
+    def rmsnorm(self, x, weight, eps, out):
+        x64 = x.astype(np.float64)
+        out[:] = weight * (x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + eps))
+
+    def rope_neox(self, x, positions, inv_freq):
+        angle = (positions[:, None].astype(np.float32) * inv_freq).astype(np.float64)  # [T, D/2], float32 as HF
+        half = x.shape[2] // 2
+        c, s = np.cos(angle)[:, None], np.sin(angle)[:, None]
+        x1, x2 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
+        x[..., :half], x[..., half:] = x1 * c - x2 * s, x2 * c + x1 * s
+
+    def attention(self, q, k_cache, v_cache, start, scale, out):
+        num_tokens, num_q_heads, _ = q.shape
+        group = num_q_heads // k_cache.shape[1]
+        for t in range(num_tokens):
+            keys = slice(0, start + t + 1)
+            for h in range(num_q_heads):
+                s = k_cache[keys, h // group].astype(np.float64) @ q[t, h] * scale
+                p = np.exp(s - s.max())
+                out[t, h] = p @ v_cache[keys, h // group] / p.sum()
+
+    def swiglu(self, gate, up, out):
+        out[:] = silu(gate) * up
+
+    def route_topk(self, logits, k, normalize, ids, weights):
+        p = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        top = np.argsort(-p, axis=1, kind="stable")[:, :k]  # [T, K], ties to the lower id
+        ids[:] = top
+        w = np.take_along_axis(p, top, axis=1)
+        weights[:] = w / w.sum(axis=1, keepdims=True) if normalize else w
+
+    def gather_rows(self, x, order, k, out):
+        out[:] = x[order // k]
+
+    def combine_rows(self, expert_out, row_of_pair, weights, k, out):
+        rows = row_of_pair.reshape(out.shape[0], k)
+        w = np.where(rows >= 0, weights.reshape(rows.shape), 0.0)  # [T, K]
+        out[:] = np.einsum("tk,tkh->th", w, expert_out[np.maximum(rows, 0)])
+
+
+class NumpyRuntime:
+    """The runtime interface over NumPy arrays: runs GpuBackend's Python side without a GPU."""
+
+    xp = np
+    name = device_name = "numpy"
+    warp_size = 32
+
+    def memory_info(self):
+        return 64 << 30, 64 << 30
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def to_device(self, host, stream=None):
+        return np.array(host)
+
+    def copy_from_host(self, dst, host, stream=None):
+        dst[...] = host
+
+    def to_host(self, dev, out=None, stream=None):
+        return np.array(dev) if out is None else np.copyto(out, dev) or out
+
+    def stream(self):
+        return None
+
+
+@pytest.fixture
+def reference_kernels():
+    return ReferenceKernels()
+
+
+@pytest.fixture
+def numpy_runtime():
+    return NumpyRuntime()

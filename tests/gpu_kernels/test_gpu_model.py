@@ -1,0 +1,56 @@
+"""The engine with device="gpu" against the CPU engine: logits and greedy tokens, at 0, 50 and 100 %
+of the experts resident (hybrid MoE: the rest run on the CPU at the same time)."""
+import numpy as np
+import pytest
+
+from gpu_kernels.errors import VramError
+from hybrid import LLM
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8, 77, 120, 19, 2, 45, 6, 60, 13]
+
+MODELS = [("small", "Q8_0"), ("small", "F16"), ("small", "BF16"), ("small", "Q4_0"), ("small", "F32"),
+          ("kquant", "Q4_K_M"), ("kquant", "Q5_K"), ("kquant", "Q6_K")]
+
+
+def masks(num_layers, num_experts):
+    rng = np.random.default_rng(0)
+    half = np.zeros(num_layers * num_experts, bool)
+    half[rng.permutation(half.size)[: half.size // 2]] = True
+    return {"0%": np.zeros((num_layers, num_experts), bool), "50%": half.reshape(num_layers, num_experts),
+            "100%": np.ones((num_layers, num_experts), bool)}
+
+
+@pytest.mark.parametrize("size,target", MODELS, ids=[f"{s}-{t}" for s, t in MODELS])
+def test_gpu_matches_cpu(runtime, gguf_models, size, target):
+    path, _ = gguf_models(size, target)
+    cpu = LLM(path, device="cpu", max_context=256)
+    ref = cpu.score(PROMPT)
+    ref_tokens = cpu.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+    c = cpu.config
+    for name, mask in masks(c.num_layers, c.num_experts).items():
+        gpu = LLM(path, device="gpu", max_context=256, resident=mask)
+        assert gpu.device == "gpu"
+        got = gpu.score(PROMPT)
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err <= 2e-3, f"{name}: rel err {err:.2e}"
+        assert gpu.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens, name
+
+
+def test_default_residency_fills_budget(runtime, gguf_models):
+    path, _ = gguf_models("small", "Q8_0")
+    full = LLM(path, device="gpu", max_context=256)
+    assert full.model.backend.resident.all()
+    half_mib = full.model.backend.budget.expert_cache / 2 / 2**20
+    half = LLM(path, device="gpu", max_context=256, expert_cache_mib=half_mib)
+    resident = half.model.backend.resident
+    assert 0 < resident.sum() <= resident.size // 2
+    ref = LLM(path, device="cpu", max_context=256).score(PROMPT)
+    assert np.abs(half.score(PROMPT) - ref).max() / np.abs(ref).max() <= 2e-3
+
+
+def test_vram_too_small_for_dense_weights(runtime, gguf_models):
+    path, _ = gguf_models("small", "Q8_0")
+    with pytest.raises(VramError, match="too little for dense weights"):
+        LLM(path, device="gpu", vram_reserve_mib=10**9)

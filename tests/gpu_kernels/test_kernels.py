@@ -1,0 +1,157 @@
+"""Every GPU kernel against its NumPy reference on fresh random data, at decode and prefill sizes."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from gpu_kernels.errors import KernelCompileError
+from hybrid.backends.gpu import _work_tiles
+from hybrid.formats.synthetic import encode
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def rel_err(got, ref):
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def quant(rng, qtype, shape):
+    return encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_dequant_rows_bit_exact_with_gguf(runtime, kernels, qtype):
+    rng = np.random.default_rng(int(qtype))
+    raw = quant(rng, qtype, (41, 512))  # [R, B]
+    row_ids = np.array([0, 40, 7, 7, 23], dtype=np.int64)
+    out = runtime.empty((len(row_ids), 512), np.float32)
+    kernels.dequant_rows(runtime.to_device(raw), qtype, runtime.to_device(row_ids), out)
+    ref = np.asarray(gguf_dequantize(raw[row_ids], qtype), dtype=np.float32)
+    assert np.array_equal(runtime.to_host(out), ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 19])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_matmul(runtime, kernels, reference_kernels, qtype, num_tokens):
+    rng = np.random.default_rng(int(qtype) * 10 + num_tokens)
+    raw = quant(rng, qtype, (67, 768))  # [R, B]
+    x = rng.standard_normal((num_tokens, 768)).astype(np.float32)  # [T, C]
+    out = runtime.empty((num_tokens, 67), np.float32)
+    kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+    ref = np.empty((num_tokens, 67), np.float32)
+    reference_kernels.matmul(raw, qtype, x, ref)
+    assert rel_err(runtime.to_host(out), ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows_per_expert", [[1, 0, 2, 1], [13, 1, 30, 9]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_moe_matmul_all_experts_in_one_launch(runtime, kernels, reference_kernels, qtype, rows_per_expert):
+    rng = np.random.default_rng(int(qtype) + 100)
+    raw = quant(rng, qtype, (4, 48, 512))  # [S, R, B]
+    sizes = np.array(rows_per_expert)
+    slots = np.flatnonzero(sizes)[::-1].copy()  # groups in another order than the slots
+    row_starts = np.concatenate([[0], np.cumsum(sizes[slots])])
+    tiles = _work_tiles(row_starts, slots)  # [3, W]
+    x = rng.standard_normal((row_starts[-1], 512)).astype(np.float32)  # [N, C]
+    out = runtime.empty((len(x), 48), np.float32)
+    kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
+                       *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles])
+    ref = np.empty((len(x), 48), np.float32)
+    reference_kernels.moe_matmul(raw, qtype, x, ref, *tiles)
+    assert rel_err(runtime.to_host(out), ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows,width", [(1, 2048), (37, 96), (64, 128)])
+def test_rmsnorm(runtime, kernels, reference_kernels, rows, width):
+    rng = np.random.default_rng(rows)
+    x = (3 * rng.standard_normal((rows, width))).astype(np.float32)
+    w = rng.standard_normal(width).astype(np.float32)
+    dev = runtime.to_device(x)
+    kernels.rmsnorm(dev, runtime.to_device(w), 1e-6, dev)  # in place, as per-head norms run
+    ref = np.empty_like(x)
+    reference_kernels.rmsnorm(x, w, 1e-6, ref)
+    assert rel_err(runtime.to_host(dev), ref) < 1e-5
+
+
+@pytest.mark.parametrize("head_dim,theta", [(64, 10000.0), (128, 1e6)])
+def test_rope_neox_matches_cpu_kernel(runtime, kernels, head_dim, theta):
+    from cpu_kernels.rope import inv_freq_f32, rope_neox
+
+    rng = np.random.default_rng(head_dim)
+    x = rng.standard_normal((9, 4, head_dim)).astype(np.float32)  # [T, nH, D]
+    positions = np.array([0, 1, 2, 100, 511, 1000, 2047, 4000, 8191], dtype=np.int64)
+    dev = runtime.to_device(x)
+    kernels.rope_neox(dev, runtime.to_device(positions), runtime.to_device(inv_freq_f32(theta, head_dim)))
+    ref = np.empty_like(x)
+    rope_neox(x, positions, theta, ref)
+    assert np.abs(runtime.to_host(dev) - ref).max() < 2e-5
+
+
+@pytest.mark.parametrize("num_tokens,start", [(1, 0), (1, 700), (37, 0), (37, 300)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_causal_gqa(runtime, kernels, reference_kernels, num_tokens, start, head_dim):
+    rng = np.random.default_rng(num_tokens + start + head_dim)
+    hq, hkv, capacity = 8, 2, start + num_tokens + 5
+    q = rng.standard_normal((num_tokens, hq, head_dim)).astype(np.float32)
+    k = rng.standard_normal((capacity, hkv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((capacity, hkv, head_dim)).astype(np.float32)
+    k[start + num_tokens:] = v[start + num_tokens:] = np.nan  # unwritten positions must not be read
+    scale = head_dim ** -0.5
+    out = runtime.empty(q.shape, np.float32)
+    kernels.attention(runtime.to_device(q), runtime.to_device(k), runtime.to_device(v), start, scale, out)
+    ref = np.empty_like(q)
+    reference_kernels.attention(q, k, v, start, scale, ref)
+    assert rel_err(runtime.to_host(out), ref) < 1e-5
+
+
+def test_swiglu(runtime, kernels, reference_kernels):
+    rng = np.random.default_rng(5)
+    gate = (10 * rng.standard_normal((13, 300))).astype(np.float32)
+    up = rng.standard_normal((13, 300)).astype(np.float32)
+    dev = runtime.to_device(gate)
+    kernels.swiglu(dev, runtime.to_device(up), dev)
+    ref = np.empty_like(gate)
+    reference_kernels.swiglu(gate, up, ref)
+    assert rel_err(runtime.to_host(dev), ref) < 1e-6
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("num_tokens,num_experts,k", [(1, 8, 2), (33, 128, 8)])
+def test_route_topk(runtime, kernels, reference_kernels, num_tokens, num_experts, k, normalize):
+    rng = np.random.default_rng(num_experts + k)
+    logits = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
+    ids = runtime.empty((num_tokens, k), np.int32)
+    weights = runtime.empty((num_tokens, k), np.float32)
+    kernels.route_topk(runtime.to_device(logits), k, normalize, ids, weights)
+    ref_ids, ref_w = np.empty((num_tokens, k), np.int64), np.empty((num_tokens, k), np.float32)
+    reference_kernels.route_topk(logits, k, normalize, ref_ids, ref_w)
+    assert (runtime.to_host(ids) == ref_ids).all()
+    assert rel_err(runtime.to_host(weights), ref_w) < 1e-5
+
+
+def test_gather_and_combine_rows(runtime, kernels, reference_kernels):
+    rng = np.random.default_rng(7)
+    num_tokens, k, hidden = 11, 4, 200
+    x = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
+    order = rng.permutation(num_tokens * k)[:25].astype(np.int32)  # a subset of the pairs
+    xs = runtime.empty((len(order), hidden), np.float32)
+    kernels.gather_rows(runtime.to_device(x), runtime.to_device(order), k, xs)
+    assert np.array_equal(runtime.to_host(xs), x[order // k])
+    row_of_pair = np.full(num_tokens * k, -1, np.int32)
+    row_of_pair[order] = np.arange(len(order))
+    weights = rng.random(num_tokens * k).astype(np.float32)
+    expert_out = rng.standard_normal((len(order), hidden)).astype(np.float32)
+    out = runtime.empty((num_tokens, hidden), np.float32)
+    kernels.combine_rows(runtime.to_device(expert_out), runtime.to_device(row_of_pair), runtime.to_device(weights),
+                         k, out)
+    ref = np.empty((num_tokens, hidden), np.float32)
+    reference_kernels.combine_rows(expert_out, row_of_pair, weights, k, ref)
+    assert rel_err(runtime.to_host(out), ref) < 1e-6
+
+
+def test_compile_error_names_the_module(runtime):
+    with pytest.raises(KernelCompileError, match="'broken_module'") as info:
+        runtime.compile("broken_module", 'extern "C" __global__ void f(float* x) { x[0] = nope; }', ["f"])
+    assert "nope" in str(info.value)

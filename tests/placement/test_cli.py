@@ -1,0 +1,70 @@
+"""`strata profile`, `profile merge`, `profile show` and `plan` on the tiny GGUF model."""
+import json
+
+import pytest
+
+from hybrid.cli import main
+from placement.placement import Placement
+from placement.profile import ExpertProfile
+
+
+@pytest.fixture(scope="module")
+def tiny_model(gguf_models):
+    return gguf_models("small", "Q8_0")[0]
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('[{"role": "user", "content": "hello"}]\n{"prompt": "one two three"}\n')
+    return path
+
+
+def test_profile_merge_show_plan(tmp_path, tiny_model, prompts, capsys):
+    out = tmp_path / "p.npz"
+    assert main(["profile", "--model", tiny_model, "--prompts", str(prompts), "--max-tokens", "3",
+                 "-o", str(out)]) == 0
+    profile = ExpertProfile.load(out)
+    assert (profile.num_layers, profile.num_experts) == (3, 8)
+    assert profile.tokens_decode == 2 * 2 and profile.tokens_prefill > 0  # 3 tokens: 2 decode steps per prompt
+    assert (profile.decode.sum(axis=1) == 4 * 2).all()
+    merged = tmp_path / "m.npz"
+    assert main(["profile", "merge", str(out), str(out), "-o", str(merged)]) == 0
+    assert ExpertProfile.load(merged).tokens_decode == 8
+    capsys.readouterr()
+    assert main(["profile", "show", str(merged), "--png", str(tmp_path / "h.png")]) == 0
+    shown = capsys.readouterr().out
+    assert "8 decode" in shown and "top 10% of experts" in shown
+    placement_path = tmp_path / "placement.json"
+    assert main(["plan", "--model", tiny_model, "--profile", str(merged), "--gpu-mib", "200", "--parallel", "2",
+                 "--max-context", "256", "--vram-reserve-mib", "0", "-o", str(placement_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "global top-k" in printed and "uniform" in printed
+    placement = Placement.load(placement_path)
+    assert placement.resident_mask(3, 8).all()  # the tiny model fits whole
+    assert json.loads(placement_path.read_text())["settings"]["parallel"] == 2
+
+
+def test_plan_refuses_a_too_small_gpu(tmp_path, tiny_model, capsys):
+    profile = ExpertProfile.empty("x", 3, 8, 2)
+    profile.decode[:] = 1
+    profile.tokens_decode = 4
+    profile.save(tmp_path / "p.npz")
+    assert main(["plan", "--model", tiny_model, "--profile", str(tmp_path / "p.npz"), "--gpu-mib", "10",
+                 "-o", str(tmp_path / "pl.json")]) == 2
+    assert "GPU 0: 10 MiB cannot hold layers 0-2: dense weights" in capsys.readouterr().err
+
+
+def test_plan_refuses_another_models_profile(tmp_path, tiny_model, capsys):
+    ExpertProfile.empty("x", 4, 8, 2).save(tmp_path / "p.npz")
+    assert main(["plan", "--model", tiny_model, "--profile", str(tmp_path / "p.npz"), "--gpu-mib", "200",
+                 "-o", str(tmp_path / "pl.json")]) == 2
+    assert "(4 layers x 8 experts) does not fit the model" in capsys.readouterr().err
+
+
+def test_profile_refuses_a_malformed_prompts_file(tmp_path, tiny_model, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    assert main(["profile", "--model", tiny_model, "--prompts", str(bad), "-o", str(tmp_path / "p.npz")]) == 2
+    assert "bad.jsonl line 2: not valid JSON" in capsys.readouterr().err
+    assert not (tmp_path / "p.npz").exists()

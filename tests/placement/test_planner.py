@@ -1,0 +1,155 @@
+"""The planner: budgets respected, 1 and 2 GPUs, deterministic, optimal on small cases."""
+import itertools
+
+import numpy as np
+import pytest
+
+from placement.budget import BudgetError
+from placement.placement import Placement
+from placement.planner import Budgets, CostModel, Speeds, plan
+
+# 3 layers x (5 dense + 4 x 10 expert) MiB; embed + head 40 MiB, scratch 69.5 MiB, 1 slot x 1000 tokens of
+# f16 KV 0.5 MiB per layer: 126 MiB before experts
+ONE_GPU_MIB = 126 + 60  # six 10 MiB expert slots
+
+
+def budgets(gpu_mib=(ONE_GPU_MIB,), split="auto", slots=1):
+    return Budgets(gpu_mib, slots, 1000, "f16", reserve_mib=0, layer_split=split)
+
+
+def brute_force(cost, layers, num_slots):
+    """Least step time over every resident set of `layers` with at most num_slots experts."""
+    L, E = cost.q.shape
+    cells = [(layer, e) for layer in layers for e in range(E)]
+    best = np.inf
+    for bits in itertools.product([False, True], repeat=len(cells)):
+        if sum(bits) > num_slots:
+            continue
+        mask = np.zeros((L, E), dtype=bool)
+        for (layer, e), on in zip(cells, bits):
+            mask[layer, e] = on
+        best = min(best, cost.step_seconds(mask))
+    return best
+
+
+def prefix_brute_force(cost, layers, num_slots):
+    """Least step time over every allocation of slot counts to layers (each layer's most used first),
+    a layer free to use fewer than its count."""
+    L, E = cost.q.shape
+    best = np.inf
+    for counts in itertools.product(range(E + 1), repeat=len(layers)):
+        if sum(counts) > num_slots:
+            continue
+        mask = np.zeros((L, E), dtype=bool)
+        for layer, n in zip(layers, counts):
+            mask[layer, cost._curves[layer][0][:n]] = True
+        best = min(best, cost.step_seconds(mask))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_slots", [0, 1, 3, 6, 9, 12])
+def test_reaches_brute_force_optimum_of_every_resident_set(make_profile, make_sizes, seed, num_slots):
+    cost = CostModel(make_profile(seed=seed).probabilities("decode"), make_sizes(), 4, Speeds(), 1000, "f16")
+    mask = cost.plan_layers(range(3), num_slots)
+    assert mask.sum() <= num_slots
+    assert cost.step_seconds(mask) <= brute_force(cost, range(3), num_slots) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("gpu_over_cpu", [0.5, 1.5, 4.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_reaches_brute_force_optimum_of_every_allocation_when_gpu_is_slow(make_profile, make_sizes, seed,
+                                                                           gpu_over_cpu):
+    """Near equal speeds the GPU part can be the longer one; the plan is still the best allocation."""
+    cost = CostModel(make_profile(seed=seed).probabilities("decode"), make_sizes(), 4,
+                     Speeds(40, 40 * gpu_over_cpu), 1000, "f16")
+    for num_slots in range(13):
+        mask = cost.plan_layers(range(3), num_slots)
+        assert mask.sum() <= num_slots
+        assert cost.step_seconds(mask) <= prefix_brute_force(cost, range(3), num_slots) * (1 + 1e-12)
+
+
+def test_one_gpu_budget_and_predictions(make_profile, make_sizes):
+    placement = plan(make_profile(), make_sizes(), budgets())
+    (gpu,) = placement.gpus
+    assert gpu.budget["expert_slots"] == 6 and len(gpu.resident) <= 6
+    assert (gpu.first_layer, gpu.last_layer) == (0, 3)
+    p, base = placement.predicted, placement.baselines
+    for other in base.values():
+        assert p["decode_tok_s"] >= other["decode_tok_s"] * (1 - 1e-12)
+    assert 0 < p["hit_rate"] <= 1
+
+
+def test_two_gpus_split_layers_and_keep_experts_with_their_layer(make_profile, make_sizes):
+    sizes = make_sizes(num_layers=4, num_experts=4)
+    profile = make_profile(num_layers=4, num_experts=4)
+    placement = plan(profile, sizes, budgets(gpu_mib=(150, 150)))
+    assert [(g.first_layer, g.last_layer) for g in placement.gpus][0][0] == 0
+    assert placement.gpus[0].last_layer == placement.gpus[1].first_layer
+    assert placement.gpus[1].last_layer == 4
+    for g in placement.gpus:
+        assert len(g.resident) <= g.budget["expert_slots"]
+        assert all(g.first_layer <= layer < g.last_layer for layer, _ in g.resident)
+        used = g.budget["dense_mib"] + g.budget["kv_mib"] + g.budget["scratch_mib"] + len(g.resident) * 10
+        assert used <= g.budget["total_mib"]
+    union = placement.resident_mask(4, 4)
+    assert (union == placement.resident_mask(4, 4, gpu=0) | placement.resident_mask(4, 4, gpu=1)).all()
+    assert list(placement.layer_gpus()) == [0] * placement.gpus[0].last_layer + [1] * (4 - placement.gpus[0].last_layer)
+
+
+def test_two_gpus_auto_split_is_the_best_fixed_split(make_profile, make_sizes):
+    sizes, profile = make_sizes(num_layers=4), make_profile(num_layers=4, seed=3)
+    auto = plan(profile, sizes, budgets(gpu_mib=(130, 170)))
+    fixed = [plan(profile, sizes, budgets(gpu_mib=(130, 170), split=(k,))) for k in (1, 2, 3)]
+    assert auto.predicted["step_ms"] <= min(p.predicted["step_ms"] for p in fixed) * (1 + 1e-9)
+    assert [(g.first_layer, g.last_layer) for g in fixed[0].gpus] == [(0, 1), (1, 4)]
+
+
+def test_deterministic_with_ties(make_sizes):
+    from placement.profile import ExpertProfile
+
+    profile = ExpertProfile.empty("m", 3, 4, 2)
+    profile.decode[:] = 5  # every expert equally used: ties everywhere
+    profile.tokens_decode = 10
+    first = plan(profile, make_sizes(), budgets())
+    for _ in range(3):
+        again = plan(profile, make_sizes(), budgets())
+        assert again.to_json() == first.to_json()
+    assert first.gpus[0].resident == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_budget_too_small_names_the_numbers(make_profile, make_sizes):
+    with pytest.raises(BudgetError, match=r"GPU 0: 100 MiB cannot hold layers 0-2: dense weights 55 MiB \+ KV 1 MiB "
+                                          r"\(1 slots x 1000 tokens, f16\) \+ scratch 70 MiB \+ reserve 0 MiB "
+                                          r"= 126 MiB"):
+        plan(make_profile(), make_sizes(), budgets(gpu_mib=(100,)))
+
+
+def test_profile_of_another_model_is_refused(make_profile, make_sizes):
+    with pytest.raises(ValueError, match=r"3 layers x 5 experts\) does not fit the model \(3 layers x 4 experts\)"):
+        plan(make_profile(num_experts=5), make_sizes(), budgets())
+
+
+def test_bad_layer_split(make_profile, make_sizes):
+    with pytest.raises(ValueError, match="--layer-split 3: need 1 increasing layer indices in 1..2"):
+        plan(make_profile(), make_sizes(), budgets(gpu_mib=(200, 200), split=(3,)))
+
+
+def test_placement_round_trip(tmp_path, make_profile, make_sizes):
+    placement = plan(make_profile(), make_sizes(), budgets())
+    path = tmp_path / "placement.json"
+    placement.save(path)
+    loaded = Placement.load(path)
+    assert loaded.to_json() == placement.to_json()
+    assert (loaded.resident_mask(3, 4) == placement.resident_mask(3, 4)).all()
+    with pytest.raises(ValueError, match="does not fit a model of 3 layers x 8 experts"):
+        loaded.resident_mask(3, 8)
+
+
+def test_slots_the_objective_leaves_empty_get_the_most_used_experts(make_profile, make_sizes):
+    profile, sizes = make_profile(seed=2), make_sizes()
+    slow_gpu = Speeds(cpu_gbps=40, gpu_gbps=60)  # the GPU part binds before every expert is resident
+    cost = CostModel(profile.probabilities("decode"), sizes, 1, slow_gpu, 1000, "f16")
+    assert cost.plan_layers(range(3), 12).sum() < 12
+    placement = plan(profile, sizes, budgets(gpu_mib=(126 + 120,)), slow_gpu)
+    assert len(placement.gpus[0].resident) == 12

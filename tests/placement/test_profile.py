@@ -1,0 +1,82 @@
+"""Profiles: save/load/merge round trip, refusal of another model's profile, and `show`'s numbers."""
+import math
+
+import numpy as np
+import pytest
+
+from placement.profile import ExpertProfile, ProfileError
+from placement.report import summarize, write_heatmap
+
+
+def test_save_load_round_trip(tmp_path, make_profile):
+    profile = make_profile(seed=1)
+    profile.sources = ["unit test"]
+    path = tmp_path / "p.npz"
+    profile.save(path)
+    loaded = ExpertProfile.load(path)
+    assert loaded.header() == profile.header()
+    for name in ("prefill", "decode", "coactivation"):
+        assert np.array_equal(getattr(loaded, name), getattr(profile, name))
+
+
+def test_merge_adds_up(tmp_path, make_profile):
+    a, b = make_profile(seed=1), make_profile(seed=2)
+    a.sources, b.sources = ["a"], ["b"]
+    merged = a + b
+    assert np.array_equal(merged.decode, a.decode + b.decode)
+    assert np.array_equal(merged.coactivation, a.coactivation + b.coactivation)
+    assert (merged.tokens_prefill, merged.tokens_decode) == (400, 400)
+    assert merged.sources == ["a", "b"]
+    merged.save(tmp_path / "m.npz")
+    assert ExpertProfile.load(tmp_path / "m.npz").header() == merged.header()
+
+
+@pytest.mark.parametrize("layers, experts", [(4, 4), (3, 5)])
+def test_merge_with_another_model_is_refused(make_profile, layers, experts):
+    with pytest.raises(ProfileError, match=rf"\({layers} layers x {experts} experts\) does not fit profile "
+                                           r"test-model \(3 layers x 4 experts\)"):
+        make_profile().merge(make_profile(num_layers=layers, num_experts=experts))
+
+
+def test_unreadable_files_are_refused(tmp_path):
+    bad = tmp_path / "bad.npz"
+    bad.write_text("not a profile")
+    with pytest.raises(ProfileError, match="bad.npz: not a Strata expert profile"):
+        ExpertProfile.load(bad)
+    other = tmp_path / "other.npz"
+    np.savez(other, header=np.array('{"format": "something-else"}'), prefill=np.zeros((1, 1)),
+             decode=np.zeros((1, 1)), coactivation=np.zeros((1, 1, 1)))
+    with pytest.raises(ProfileError, match="format 'something-else'"):
+        ExpertProfile.load(other)
+
+
+def test_show_numbers_on_a_hand_built_profile(tmp_path):
+    profile = ExpertProfile.empty("hand", 2, 10, 1)
+    profile.decode[0] = [91, 1, 1, 1, 1, 1, 1, 1, 1, 1]  # one hot expert
+    profile.decode[1] = 10  # uniform
+    profile.tokens_decode = 100
+    s = summarize(profile, "decode")
+    assert s["routings"] == 200
+    # top 10 % = 1 expert: 91 % and 10 %; top 25 % = 3 experts: 93 % and 30 %; top 50 %: 95 % and 50 %
+    assert s["skew"] == pytest.approx({0.10: (0.91 + 0.10) / 2, 0.25: (0.93 + 0.30) / 2, 0.50: (0.95 + 0.50) / 2})
+    expected0 = -(0.91 * math.log2(0.91) + 9 * 0.01 * math.log2(0.01))
+    assert s["entropy_bits"] == pytest.approx([expected0, math.log2(10)])
+    pytest.importorskip("matplotlib")
+    assert write_heatmap(profile, tmp_path / "h.png", "decode")
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_show_without_matplotlib_skips_the_png(tmp_path, monkeypatch, caplog):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert not write_heatmap(ExpertProfile.empty("m", 1, 2, 1), tmp_path / "h.png")
+    assert not (tmp_path / "h.png").exists()
+    assert "matplotlib is not installed" in caplog.text
