@@ -101,7 +101,29 @@ def _add_serve(sub):
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
     p.add_argument("--max-context", type=int, default=None, help="context limit per slot (default: the model's)")
     _add_device_options(p)
+    _add_conversation_options(p)
+    p.add_argument("--profile-out", default=None,
+                   help="on shutdown, save the expert usage seen while serving as an ExpertProfile (.npz; merged "
+                        "into the file if it exists)")
     p.set_defaults(func=_run_serve)
+
+
+def _add_conversation_options(p):
+    g = p.add_argument_group("conversation cache (finished conversations kept so that they are not read again)")
+    g.add_argument("--conversation-cache-mib", type=int, default=2048,
+                   help="RAM for parked conversations in MiB, 0 turns the cache off (default 2048)")
+    g.add_argument("--conversation-cache-slots", type=int, default=None,
+                   help="most conversations kept (default: no limit, only the MiB budget evicts)")
+    g.add_argument("--conversation-cache-kv", choices=["f32", "f16", "int8"], default="f32",
+                   help="how parked KV is stored: f32 as read (exact, default), f16 (half the bytes, ~1e-3 off), "
+                        "int8 (a quarter, ~1e-2 off)")
+    g.add_argument("--conversation-cache-dir", default=None,
+                   help="also keep parked conversations in this folder so that they survive a restart")
+
+
+def conversation_options(args):
+    return {"mib": args.conversation_cache_mib, "max_entries": args.conversation_cache_slots,
+            "store": args.conversation_cache_kv, "spill_dir": args.conversation_cache_dir}
 
 
 def _run_serve(args):

@@ -12,6 +12,7 @@ cost grows faster than linearly with n, through attention, while bytes grow
 linearly), and L is the priority of the last evicted entry. A hit sets H
 again from the current L, so recency counts; among entries of equal age the
 long conversations, the ones that hurt most to read again, stay longest.
+Equal priorities go least recently used first.
 
 With `spill_dir`, every parked entry is also written to disk and loaded back
 at start-up, so parked conversations survive a restart; a spill file of
@@ -31,15 +32,17 @@ log = logging.getLogger(__name__)
 
 SPILL_MAGIC = "strata-parked-kv"
 SPILL_VERSION = 1
+MAX_EVICTED_HEADS = 4096  # evicted conversations remembered for the re-read count
 ATTENTION_TOKENS = 8192  # tokens at which attention doubles the per-token reading cost (cost model above)
 
 
-@dataclass
+@dataclass(eq=False)  # entries are compared by identity
 class Parked:
     token_ids: np.ndarray  # int64 [n]
     arrays: dict  # kv_store.pack output
     nbytes: int
     priority: float = 0.0
+    last_used: int = 0  # the cache's access count when it was last parked or restored
     path: str = None  # spill file, when spilled
 
     @property
@@ -52,6 +55,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     restored_tokens: int = 0
+    reread_tokens: int = 0  # prompt tokens read again because their parked conversation had been evicted
     parked: int = 0
     evictions: dict = field(default_factory=lambda: {"bytes": 0, "entries": 0, "superseded": 0})
 
@@ -81,6 +85,8 @@ class ConversationCache:
         self.store, self.fingerprint, self.spill_dir = store, model_fingerprint, spill_dir
         self.entries = []
         self.inflation = 0.0  # GreedyDual-Size's L
+        self.accesses = 0
+        self.evicted_heads = {}  # first block of an evicted conversation -> its tokens (to count re-reads)
         self.stats = CacheStats()
         if spill_dir:
             os.makedirs(spill_dir, exist_ok=True)
@@ -90,8 +96,10 @@ class ConversationCache:
     def bytes_used(self):
         return sum(e.nbytes for e in self.entries)
 
-    def _value(self, num_tokens):
-        return 1.0 + num_tokens / ATTENTION_TOKENS
+    def _touch(self, entry):
+        self.accesses += 1
+        entry.priority = self.inflation + 1.0 + entry.num_tokens / ATTENTION_TOKENS
+        entry.last_used = self.accesses
 
     def lookup(self, prompt_ids):
         """(entry, tokens to restore) for the longest block-aligned common prefix; (None, 0) on a miss.
@@ -113,12 +121,15 @@ class ConversationCache:
     def restore(self, prompt_ids, seq_kv):
         """Copy the KV of the longest parked prefix of `prompt_ids` into `seq_kv`; returns the tokens restored."""
         entry, n = self.lookup(prompt_ids)
+        evicted = self.evicted_heads.get(self._head(prompt_ids))
+        if evicted is not None:
+            self.stats.reread_tokens += max(min(evicted, len(prompt_ids) - 1) - n, 0)
         if entry is None:
             return 0
         seq_kv.reserve(n)
         kv_store.unpack_into(entry.arrays, n, seq_kv.k, seq_kv.v)
         seq_kv.length = n
-        entry.priority = self.inflation + self._value(entry.num_tokens)
+        self._touch(entry)
         self.stats.hits += 1
         self.stats.restored_tokens += n
         return n
@@ -130,7 +141,7 @@ class ConversationCache:
             return
         for entry in self.entries:
             if entry.num_tokens >= len(ids) and common_prefix(entry.token_ids, ids) == len(ids):
-                entry.priority = self.inflation + self._value(entry.num_tokens)  # already parked
+                self._touch(entry)  # already parked
                 return
         arrays = kv_store.pack(seq_kv.k[:, : len(ids)], seq_kv.v[:, : len(ids)], self.store)
         entry = Parked(ids, arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes)
@@ -145,7 +156,7 @@ class ConversationCache:
             self._spill(entry)
 
     def _insert(self, entry):
-        entry.priority = self.inflation + self._value(entry.num_tokens)
+        self._touch(entry)
         self.entries.append(entry)
         self.stats.parked += 1
         while self.bytes_used > self.budget_bytes:
@@ -154,13 +165,19 @@ class ConversationCache:
             self._evict(self._lowest(), "entries")
 
     def _lowest(self):
-        return min(self.entries, key=lambda e: e.priority)
+        return min(self.entries, key=lambda e: (e.priority, e.last_used))
+
+    def _head(self, token_ids):
+        return np.asarray(token_ids[: self.block_tokens], dtype=np.int64).tobytes()
 
     def _evict(self, entry, cause):
         self.entries.remove(entry)
         self.stats.evictions[cause] += 1
         if cause != "superseded":
             self.inflation = max(self.inflation, entry.priority)
+            self.evicted_heads[self._head(entry.token_ids)] = entry.num_tokens
+            if len(self.evicted_heads) > MAX_EVICTED_HEADS:
+                del self.evicted_heads[next(iter(self.evicted_heads))]
         if entry.path and os.path.exists(entry.path):
             os.remove(entry.path)
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from .batch import Batch, SeqChunk
 from .errors import RequestError
+from .expert_usage import ExpertUsage
 from .request import Delta, Failed, Finished, RequestHandle, StopFilter, timings
 from .sampling import Sampler
 from .scheduler import DEFAULT_DECODE_SHARE, DEFAULT_STEP_TOKENS, Scheduler, SlotState
@@ -58,6 +59,7 @@ class Engine:
                  max_step_tokens=DEFAULT_STEP_TOKENS, conversation_cache=None):
         self.model, self.tokenizer, self.max_context = llm.model, llm.tokenizer, llm.max_context
         self.conversations = conversation_cache
+        self.usage = llm.model.usage = ExpertUsage.for_config(llm.model.config)  # always on while serving
         self.scheduler = Scheduler(num_slots, lambda: self.model.new_sequence(self.max_context), self.max_context,
                                    eos_ids=self.tokenizer.eos_ids, max_queue=max_queue, decode_share=decode_share,
                                    max_step_tokens=max_step_tokens,

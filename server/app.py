@@ -27,5 +27,6 @@ def get_app():
 
     env = os.environ.get
     max_context = env("STRATA_MAX_CONTEXT")
-    return build(model=env("STRATA_MODEL"), parallel=int(env("STRATA_PARALLEL", "1")), api_key=env("STRATA_API_KEY"),
-                 max_context=int(max_context) if max_context else None)
+    app, _ = build(model=env("STRATA_MODEL"), parallel=int(env("STRATA_PARALLEL", "1")),
+                   api_key=env("STRATA_API_KEY"), max_context=int(max_context) if max_context else None)
+    return app

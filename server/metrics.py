@@ -26,6 +26,34 @@ class EngineCollector:
                                 value=stats.prompt_per_second)
         yield GaugeMetricFamily("strata_decode_tokens_per_second", "Tokens decoded per second, all slots, last step",
                                 value=stats.decode_per_second)
+        yield from self._expert_usage()
+        if self.engine.conversations is not None:
+            yield from self._conversation_cache(self.engine.conversations)
+
+    def _expert_usage(self):
+        usage = self.engine.usage.snapshot()
+        routings = CounterMetricFamily("strata_expert_routings", "Routed (token, expert) pairs", labels=["phase"])
+        for phase in ("prefill", "decode"):
+            routings.add_metric([phase], usage[f"routings_{phase}"])
+        yield routings
+
+    def _conversation_cache(self, cache):
+        s = cache.stats
+        yield CounterMetricFamily("strata_conversation_cache_hits", "Prompts that restored a parked prefix",
+                                  value=s.hits)
+        yield CounterMetricFamily("strata_conversation_cache_misses", "Prompts with no parked prefix", value=s.misses)
+        yield CounterMetricFamily("strata_conversation_cache_restored_tokens", "Prompt tokens restored, not read",
+                                  value=s.restored_tokens)
+        yield CounterMetricFamily("strata_conversation_cache_reread_tokens",
+                                  "Prompt tokens read again because their conversation had been evicted",
+                                  value=s.reread_tokens)
+        yield GaugeMetricFamily("strata_conversation_cache_bytes", "Bytes of parked conversations",
+                                value=cache.bytes_used)
+        yield GaugeMetricFamily("strata_conversation_cache_entries", "Parked conversations", value=len(cache.entries))
+        evictions = CounterMetricFamily("strata_conversation_cache_evictions", "Evictions by cause", labels=["cause"])
+        for cause, count in sorted(s.evictions.items()):
+            evictions.add_metric([cause], count)
+        yield evictions
 
 
 def registry_for(engine):
