@@ -5,13 +5,15 @@ C columns, B bytes per row, nH heads, D head dim, Hq / Hkv query / kv heads, S c
 E experts, K top-k, N pair rows, W work tiles, M gathered rows.
 """
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGMLQuantizationType as Q
 
 from .sources import MATMUL_KERNELS, OPS_KERNELS, module_name, module_source
 
 TILE_TOKENS = 8  # matmul.cu's TILE_TOKENS
 UNIT_WEIGHTS = {Q.F32: 1, Q.F16: 1, Q.BF16: 1, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
 MAX_THREADS = 256
+MATMUL_THREADS = 256  # a matmul block: several rows, ROW_THREADS threads (or fewer) on each
+ROW_THREADS = 32  # a tuning choice, not a warp size: reductions go through shared memory
 
 
 def _pow2_at_least(n):
@@ -40,23 +42,29 @@ class Kernels:
     def _mm_threads(self, qtype, num_cols):
         return self._threads(num_cols // UNIT_WEIGHTS[Q(qtype)], cap=128)
 
+    def _mm_shape(self, qtype, num_rows, num_cols):
+        """(threads per row, rows per block, blocks over the rows) of a matmul launch."""
+        tpr = int(min(ROW_THREADS, _pow2_at_least(num_cols // UNIT_WEIGHTS[Q(qtype)])))
+        per_block = MATMUL_THREADS // tpr
+        return tpr, per_block, (num_rows + per_block - 1) // per_block
+
     def matmul(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T."""
         num_tokens, num_cols = x.shape
         num_rows = raw.shape[0]
-        threads = self._mm_threads(qtype, num_cols)
-        grid = (num_rows, (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
-        self._launch(self._mm(qtype, "matmul"), grid, threads,
+        tpr, _, num_blocks = self._mm_shape(qtype, num_rows, num_cols)
+        grid = (num_blocks, (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
+        self._launch(self._mm(qtype, "matmul"), grid, MATMUL_THREADS,
                      (raw, x, out, np.int32(num_tokens), np.int32(num_rows), np.int32(num_cols),
-                      np.int64(raw.shape[-1])), shared_mem=TILE_TOKENS * threads * 4)
+                      np.int64(raw.shape[-1]), np.int32(tpr)), shared_mem=TILE_TOKENS * MATMUL_THREADS * 4)
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W]."""
         num_rows, num_cols = raw.shape[1], x.shape[1]
-        threads = self._mm_threads(qtype, num_cols)
-        self._launch(self._mm(qtype, "moe_matmul"), (num_rows, len(tile_slot)), threads,
+        tpr, _, num_blocks = self._mm_shape(qtype, num_rows, num_cols)
+        self._launch(self._mm(qtype, "moe_matmul"), (num_blocks, len(tile_slot)), MATMUL_THREADS,
                      (raw, x, out, tile_slot, tile_row, tile_count, np.int32(num_rows), np.int32(num_cols),
-                      np.int64(raw.shape[-1])), shared_mem=TILE_TOKENS * threads * 4)
+                      np.int64(raw.shape[-1]), np.int32(tpr)), shared_mem=TILE_TOKENS * MATMUL_THREADS * 4)
 
     def dequant_rows(self, raw, qtype, row_ids, out):
         """out [M, C] = dequant(raw [rows, B][row_ids]); row_ids int64 [M] on the device."""
@@ -110,7 +118,3 @@ class Kernels:
         self._launch(self._ops("combine_rows"), (out.shape[0],), self._threads(out.shape[1]),
                      (expert_out, row_of_pair, weights, out, np.int32(k), np.int32(out.shape[1])))
 
-
-def row_bytes(qtype, num_cols):
-    block_size, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
-    return num_cols // block_size * block_bytes
