@@ -30,7 +30,13 @@ class SamplingParams:
 
 
 class Sampler:
-    """temperature -> top-k -> top-p -> min-p -> draw (llama.cpp's order); greedy at temperature 0."""
+    """temperature -> top-k -> top-p -> min-p -> draw (the transformers order); greedy at temperature 0.
+
+    Only the candidates that can survive are sorted: top-p and min-p each keep a prefix of the
+    tokens in descending probability, so the kept set is the shorter prefix, and min-p's prefix
+    is found without sorting. A full-vocabulary sort (150K entries) happens only with both
+    top-k and min-p off.
+    """
 
     def __init__(self, params):
         self.params = params
@@ -42,16 +48,17 @@ class Sampler:
         if p.temperature <= 0:
             return int(np.argmax(logits))
         scaled = logits.astype(np.float64) / p.temperature  # [V]
-        order = np.argsort(-scaled, kind="stable")  # [V] best first
-        if p.top_k > 0:
-            order = order[: p.top_k]
-        probs = np.exp(scaled[order] - scaled[order[0]])
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
-            order, probs = order[:keep], probs[:keep]
+        candidates = np.arange(scaled.size)
+        if 0 < p.top_k < scaled.size:
+            candidates = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
+        weights = np.exp(scaled[candidates] - scaled[candidates].max())  # unnormalized probabilities
+        total = weights.sum()
         if p.min_p > 0.0:
-            keep = probs >= p.min_p * probs[0]
-            order, probs = order[keep], probs[keep]
-        probs /= probs.sum()
-        return int(order[self.rng.choice(len(order), p=probs)])
+            keep = weights >= p.min_p * weights.max()
+            candidates, weights = candidates[keep], weights[keep]
+        order = np.lexsort((candidates, -weights))  # descending probability, ties to the lower id
+        candidates, weights = candidates[order], weights[order]
+        if p.top_p < 1.0:
+            keep = min(int(np.searchsorted(np.cumsum(weights) / total, p.top_p)) + 1, len(weights))
+            candidates, weights = candidates[:keep], weights[:keep]
+        return int(candidates[self.rng.choice(len(candidates), p=weights / weights.sum())])
