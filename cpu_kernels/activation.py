@@ -5,6 +5,8 @@ Shape legend: N rows (tokens or (token, expert) pairs), F intermediate size.
 import numpy as np
 from numba import njit, prange
 
+from .twins import serial_twin
+
 
 @njit(inline="always", fastmath=True, nogil=True, cache=True)
 def silu(x):
@@ -22,3 +24,6 @@ def swiglu(gate, up, out):
     for n in prange(num_rows):
         for i in range(width):
             out[n, i] = silu(gate[n, i]) * up[n, i]  # [N, F]
+
+
+swiglu_serial = serial_twin(swiglu)

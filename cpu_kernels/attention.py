@@ -14,6 +14,8 @@ S cache positions, P key splits.
 import numpy as np
 from numba import njit, prange
 
+from .twins import serial_twin
+
 MIN_SPLIT_KEYS = 256  # a split shorter than this does not pay for its merge
 TARGET_ITEMS = 64  # work items wanted to keep a many-core CPU busy
 
@@ -105,3 +107,6 @@ def _merge(acc, stats, out):
             w = np.float32(np.exp(stats[s, 0] - best) / total)
             for d in range(head_dim):
                 out[d] += w * acc[s, d]  # [D]
+
+
+attention_serial = serial_twin(attention)

@@ -19,8 +19,8 @@ def _unpack_rows(raw, out):
     np.left_shift(raw.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
 
 
-dequantize, matvec, matmul, moe_matmul = format_api(
-    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, dense.moe_kernel(np.uint16, dense.shifted(0x8000, 16, 0x7FFF, 16)))
+dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, *dense.moe_kernels(np.uint16, dense.shifted(0x8000, 16, 0x7FFF, 16)))
 
 
 def random_blocks(rng, shape, scale):

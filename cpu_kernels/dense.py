@@ -21,6 +21,7 @@ from numba.extending import overload
 
 from .half import u32_as_f32
 from .tiles import ROWS_PER_ITEM, UNPACK_ROWS, dot_unpacked, work_items
+from .twins import serial_twin
 
 
 def shifted(sign_mask, sign_shift, mag_mask, mag_shift):
@@ -33,12 +34,14 @@ def shifted(sign_mask, sign_shift, mag_mask, mag_shift):
 HALF = (np.int32(112 << 23), np.int32(0x400), np.float32(2.0**-24))
 
 
-def moe_kernel(word_dtype, recipe):
-    """The moe_matmul kernel of a format of `word_dtype` words widened by `recipe` (`shifted` or HALF)."""
-    def moe_matmul(raw, x, expert_ids, row_starts, out):
-        _moe_matmul(raw.view(word_dtype), x, expert_ids, row_starts, recipe, out)
+def moe_kernels(word_dtype, recipe):
+    """The (parallel, serial) moe_matmul kernels of a format of `word_dtype` words widened by `recipe` (`shifted` or HALF)."""
+    def kernel(compiled):
+        def moe_matmul(raws, x, expert_ids, row_starts, outs):
+            compiled(tuple(raw.view(word_dtype) for raw in raws), x, expert_ids, row_starts, recipe, outs)
+        return moe_matmul
 
-    return moe_matmul
+    return kernel(_moe_matmul), kernel(_moe_matmul_serial)
 
 
 def _value(word, recipe):
@@ -109,8 +112,13 @@ def _tile(w, x, recipe, out, r0, t0, t1):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(words, x, expert_ids, row_starts, recipe, out):
-    """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; words [E, R, C], x [N, C], out [N, R]."""
-    items = work_items(expert_ids, row_starts, words.shape[0], words.shape[1])  # [W, 4]
-    for i in prange(items.shape[0]):
-        _tile(words[items[i, 0]], x, recipe, out, items[i, 1], items[i, 2], items[i, 3])
+def _moe_matmul(words, x, expert_ids, row_starts, recipe, outs):
+    """outs[k][rows of group g] = x[same rows] @ words[k][expert_ids[g]].T; words[k] [E, R, C], x [N, C], outs[k] [N, R]."""
+    items = work_items(expert_ids, row_starts, words[0].shape[0], words[0].shape[1])  # [W, 4]
+    num_items = items.shape[0]
+    for i in prange(num_items * len(words)):
+        k, j = i // num_items, i % num_items
+        _tile(words[k][items[j, 0]], x, recipe, outs[k], items[j, 1], items[j, 2], items[j, 3])
+
+
+_moe_matmul_serial = serial_twin(_moe_matmul)

@@ -19,8 +19,8 @@ def _unpack_rows(raw, out):
     np.copyto(out, raw.view(np.float16))
 
 
-dequantize, matvec, matmul, moe_matmul = format_api(
-    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, dense.moe_kernel(np.uint16, dense.HALF))
+dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, *dense.moe_kernels(np.uint16, dense.HALF))
 
 
 def random_blocks(rng, shape, scale):

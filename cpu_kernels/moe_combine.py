@@ -6,6 +6,8 @@ Row i of an expert-sorted array belongs to flat pair order[i], token order[i] //
 import numpy as np
 from numba import njit, prange
 
+from .twins import serial_twin
+
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def gather_rows(x, order, k, out):
@@ -37,3 +39,7 @@ def scatter_add_weighted(expert_out, order, weights_flat, k, out):
             w = weights_flat[p]
             for d in range(hidden):
                 out[t, d] += w * expert_out[i, d]  # [T, H]
+
+
+gather_rows_serial = serial_twin(gather_rows)
+scatter_add_weighted_serial = serial_twin(scatter_add_weighted)

@@ -84,13 +84,17 @@ def _dequantize(raw, out):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raw, x, expert_ids, row_starts, out):
-    items = work_items(expert_ids, row_starts, raw.shape[0], raw.shape[1])  # [W, 4]
-    for i in prange(items.shape[0]):
-        _tile(raw[items[i, 0]], x, out, items[i, 1], items[i, 2], items[i, 3])
+def _moe_matmul(raws, x, expert_ids, row_starts, outs):
+    """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 4]
+    num_items = items.shape[0]
+    for i in prange(num_items * len(raws)):
+        k, j = i // num_items, i % num_items
+        _tile(raws[k][items[j, 0]], x, outs[k], items[j, 1], items[j, 2], items[j, 3])
 
 
-dequantize, matvec, matmul, moe_matmul = format_api(__name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
+dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
 
 
 def random_blocks(rng, shape, scale):

@@ -12,10 +12,13 @@ E experts, N (token, expert) rows sorted by group, G groups, W work items.
 """
 import numpy as np
 from gguf import GGMLQuantizationType
+from llvmlite import ir
 from numba import njit, prange
 
+from . import simd
 from .half import read_half
 from .kquant import QK_K, SUB, join_bits
+from .simd import F32, I8, I64
 from .tiles import ROWS_PER_ITEM, format_api, random_weight, work_items
 
 QTYPE = GGMLQuantizationType.Q6_K
@@ -54,34 +57,51 @@ def _dequant_block(row, b, dst):
                 dst[j * SUB + l] = ds * _q6(row[low + l], low_shift, row[high + l], high_shift)
 
 
-@njit(inline="always", nogil=True, fastmath=True, cache=True)
-def _row_dot(row, x):
-    """row [B] . x [C], weights dequantized in registers: one reduction per half super-block."""
-    acc = np.float32(0)
-    for b in range(row.shape[0] // BLOCK_BYTES):
-        o = b * BLOCK_BYTES
-        d = read_half(row, o + _D)
-        for h in range(2):
-            low = o + 64 * h
-            high = o + _QH + SUB * h
-            sc = o + _SC + 8 * h
-            s0, s1 = _scale(row, sc, d), _scale(row, sc + 2, d)  # weights 0-15 of runs 0, 1
-            s2, s3 = _scale(row, sc + 4, d), _scale(row, sc + 6, d)
-            t0, t1 = _scale(row, sc + 1, d), _scale(row, sc + 3, d)  # weights 16-31 of runs 0, 1
-            t2, t3 = _scale(row, sc + 5, d), _scale(row, sc + 7, d)
-            xo = b * QK_K + 128 * h
-            s = np.float32(0)
-            for l in range(16):  # weights l (scales s*) and l + 16 (scales t*) of the four runs
-                s += (s0 * _q6(row[low + l], 0, row[high + l], 0) * x[xo + l]
-                      + t0 * _q6(row[low + 16 + l], 0, row[high + 16 + l], 0) * x[xo + 16 + l]
-                      + s1 * _q6(row[low + SUB + l], 0, row[high + l], 2) * x[xo + SUB + l]
-                      + t1 * _q6(row[low + SUB + 16 + l], 0, row[high + 16 + l], 2) * x[xo + SUB + 16 + l]
-                      + s2 * _q6(row[low + l], 4, row[high + l], 4) * x[xo + 2 * SUB + l]
-                      + t2 * _q6(row[low + 16 + l], 4, row[high + 16 + l], 4) * x[xo + 2 * SUB + 16 + l]
-                      + s3 * _q6(row[low + SUB + l], 4, row[high + l], 6) * x[xo + 3 * SUB + l]
-                      + t3 * _q6(row[low + SUB + 16 + l], 4, row[high + 16 + l], 6) * x[xo + 3 * SUB + 16 + l])
-            acc += s
+def _block(builder, q, o, b, xs, aux, acc):
+    """acc <32 x float> += block b (at byte o of row q) . x: per run of 32 weights, the 6-bit quants
+    joined from their nibble and 2 high bits, centered, times a <32 x float> of its two scales, FMA with x."""
+    f32x, i8x = simd.vec(F32, SUB), simd.vec(I8, SUB)
+
+    def const(value):
+        return simd.splat_const(I8, SUB, value)
+
+    def at(offset):
+        return builder.add(o, ir.Constant(I64, offset))
+
+    d = simd.load_half(builder, q, at(_D))
+    scales = simd.load_at(builder, q, at(_SC), simd.vec(I8, 16))
+    scales = builder.fmul(builder.sitofp(scales, simd.vec(F32, 16)), simd.splat(builder, d, 16), flags=simd.FAST)
+    xo = builder.mul(b, ir.Constant(I64, QK_K))
+    for h in range(2):
+        low = simd.load_at(builder, q, at(64 * h), simd.vec(I8, 2 * SUB))
+        high = simd.load_at(builder, q, at(_QH + SUB * h), i8x)
+        runs_low = (simd.lanes(builder, low, range(SUB)), simd.lanes(builder, low, range(SUB, 2 * SUB)))
+        for i in range(4):
+            nibble = runs_low[i % 2]
+            nibble = builder.and_(nibble, const(15)) if i < 2 else builder.lshr(nibble, const(4))
+            top = builder.and_(builder.lshr(high, const(2 * i)), const(3))
+            quants = builder.sub(builder.or_(nibble, builder.shl(top, const(4))), const(32))  # -32..31
+            run_scales = simd.lanes(builder, scales, [8 * h + 2 * i] * 16 + [8 * h + 2 * i + 1] * 16)
+            weights = builder.fmul(builder.sitofp(quants, f32x), run_scales, flags=simd.FAST)
+            xv = simd.load_at(builder, xs, builder.add(xo, ir.Constant(I64, 128 * h + SUB * i)), f32x)
+            acc = simd.fma(builder, weights, xv, acc)
     return acc
+
+
+_block.acc_type = simd.vec(F32, SUB)
+_dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _rows_dot(w, r0, r1, x, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C]."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows(w, r, x, x, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row(w, rr, x, x, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -89,8 +109,7 @@ def _tile(w, x, out, r0, t0, t1):
     """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's w [R, B]."""
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
     if t1 - t0 == 1:
-        for r in range(r0, r1):
-            out[t0, r] = _row_dot(w[r], x[t0])
+        _rows_dot(w, r0, r1, x[t0], out[t0])
         return
     acc = np.zeros((r1 - r0, t1 - t0), dtype=np.float32)  # [rows, tokens]
     buf = np.empty(QK_K, dtype=np.float32)  # one dequantized super-block, reused by every token
@@ -116,13 +135,17 @@ def _dequantize(raw, out):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raw, x, expert_ids, row_starts, out):
-    items = work_items(expert_ids, row_starts, raw.shape[0], raw.shape[1])  # [W, 4]
-    for i in prange(items.shape[0]):
-        _tile(raw[items[i, 0]], x, out, items[i, 1], items[i, 2], items[i, 3])
+def _moe_matmul(raws, x, expert_ids, row_starts, outs):
+    """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 4]
+    num_items = items.shape[0]
+    for i in prange(num_items * len(raws)):
+        k, j = i // num_items, i % num_items
+        _tile(raws[k][items[j, 0]], x, outs[k], items[j, 1], items[j, 2], items[j, 3])
 
 
-dequantize, matvec, matmul, moe_matmul = format_api(__name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
+dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
 
 
 def random_blocks(rng, shape, scale):

@@ -11,8 +11,7 @@ E experts, N (token, expert) rows sorted by group, G groups, W work items, K unp
 import numpy as np
 from gguf import GGMLQuantizationType
 from llvmlite import ir
-from numba import njit, prange, types
-from numba.core.extending import intrinsic
+from numba import njit, prange
 
 from . import simd
 from .half import read_half
@@ -34,48 +33,30 @@ def _unpack_row(row, dst):
             dst[b * BLOCK_SIZE + j] = np.float32(np.int8(row[o + 2 + j])) * d
 
 
-@intrinsic
-def row_dot(typingctx, row, x):
-    """row [B] . x [C] as one LLVM loop: per block, 32 int8 -> float, times x, times the scale, into
-    vector accumulators (two, for two blocks in flight); one horizontal sum per row."""
-    if not simd.contiguous(row, x):
-        return None
-    sig = types.float32(row, x)
+def _block(builder, q, o, b, xs, aux, acc):
+    """acc <32 x float> += d * float(quants) * x[32b:32b + 32] for the block at byte o of row q."""
     f32x = simd.vec(simd.F32, BLOCK_SIZE)
+    d = simd.load_half(builder, q, o)
+    quants = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), simd.vec(I8, BLOCK_SIZE))
+    xv = simd.load_at(builder, xs, builder.mul(b, ir.Constant(I64, BLOCK_SIZE)), f32x)
+    prod = builder.fmul(builder.sitofp(quants, f32x), xv, flags=simd.FAST)
+    return simd.fma(builder, prod, simd.splat(builder, d, BLOCK_SIZE), acc)
 
-    def codegen(context, builder, signature, args):
-        (q, xs), num_bytes = simd.row_args(context, builder, signature, args)
-        num_blocks = builder.udiv(num_bytes, ir.Constant(I64, BLOCK_BYTES))
 
-        def block(b, acc):
-            o = builder.mul(b, ir.Constant(I64, BLOCK_BYTES))
-            simd.prefetch(builder, q, builder.add(o, ir.Constant(I64, simd.PREFETCH_BYTES)))
-            d = simd.load_half(builder, q, o)
-            quants = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), simd.vec(I8, BLOCK_SIZE))
-            xv = simd.load_at(builder, xs, builder.mul(b, ir.Constant(I64, BLOCK_SIZE)), f32x)
-            prod = builder.fmul(builder.sitofp(quants, f32x), xv, flags=simd._FAST)
-            return simd.fma(builder, prod, simd.splat(builder, d, BLOCK_SIZE), acc)
-
-        def pair(i, accs):
-            b = builder.shl(i, ir.Constant(I64, 1))
-            return [block(b, accs[0]), block(builder.add(b, ir.Constant(I64, 1)), accs[1])]
-
-        zero = ir.Constant(f32x, None)
-        num_pairs = builder.lshr(num_blocks, ir.Constant(I64, 1))
-        acc0, acc1 = simd.row_loop(builder, num_pairs, pair, [zero, zero])
-        last = builder.shl(num_pairs, ir.Constant(I64, 1))
-        (acc1,) = simd.row_loop(builder, builder.sub(num_blocks, last),
-                                lambda i, accs: [block(builder.add(last, i), accs[0])], [acc1])
-        return simd.hsum(builder, builder.fadd(acc0, acc1, flags=simd._FAST))
-
-    return sig, codegen
+_block.acc_type = simd.vec(simd.F32, BLOCK_SIZE)
+_dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot(w, r0, r1, x, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C]."""
-    for r in range(r0, r1):
-        out[r] = row_dot(w[r], x)
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows(w, r, x, x, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row(w, rr, x, x, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -100,13 +81,17 @@ def _dequantize(raw, out):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raw, x, expert_ids, row_starts, out):
-    items = work_items(expert_ids, row_starts, raw.shape[0], raw.shape[1])  # [W, 4]
-    for i in prange(items.shape[0]):
-        _tile(raw[items[i, 0]], x, out, items[i, 1], items[i, 2], items[i, 3])
+def _moe_matmul(raws, x, expert_ids, row_starts, outs):
+    """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 4]
+    num_items = items.shape[0]
+    for i in prange(num_items * len(raws)):
+        k, j = i // num_items, i % num_items
+        _tile(raws[k][items[j, 0]], x, outs[k], items[j, 1], items[j, 2], items[j, 3])
 
 
-dequantize, matvec, matmul, moe_matmul = format_api(__name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
+dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
 
 
 def random_blocks(rng, shape, scale):

@@ -5,6 +5,8 @@ Shape legend: T tokens, H hidden, nH heads, D head dim.
 import numpy as np
 from numba import njit, prange
 
+from .twins import serial_twin
+
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def rmsnorm(x, weight, eps, out):
@@ -26,3 +28,6 @@ def rmsnorm_heads(x, weight, eps, out):
     num_tokens, num_heads, head_dim = x.shape
     rows = num_tokens * num_heads
     rmsnorm(x.reshape(rows, head_dim), weight, eps, out.reshape(rows, head_dim))  # [T*nH, D]
+
+
+rmsnorm_serial = serial_twin(rmsnorm)

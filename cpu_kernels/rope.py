@@ -10,6 +10,8 @@ Shape legend: T tokens, nH heads, D head dim.
 import numpy as np
 from numba import njit, prange
 
+from .twins import serial_twin
+
 
 @njit(nogil=True, cache=True)
 def inv_freq_f32(theta, head_dim):
@@ -40,3 +42,6 @@ def rope_neox(x, positions, theta, out):
                 x2 = x[t, h, i + half]
                 out[t, h, i] = x1 * c - x2 * s  # [T, nH, D]
                 out[t, h, i + half] = x2 * c + x1 * s
+
+
+rope_neox_serial = serial_twin(rope_neox)

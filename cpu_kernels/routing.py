@@ -6,6 +6,8 @@ A pair is a flat index t * K + j into the [T, K] assignment.
 import numpy as np
 from numba import njit, prange
 
+from .twins import serial_twin
+
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def route_softmax_topk(logits, k, normalize, ids_out, weights_out):
@@ -72,3 +74,6 @@ def group_by_expert(ids, num_experts):
         order[next_row[e]] = p
         next_row[e] += 1
     return order, expert_ids, row_starts
+
+
+route_softmax_topk_serial = serial_twin(route_softmax_topk)

@@ -11,11 +11,14 @@ N (token, expert) rows sorted by group, G groups, W work items, K = UNPACK_ROWS.
 import numpy as np
 from numba import njit
 
+from .twins import serial_twin
+
 ROWS_PER_ITEM = 16  # output rows per parallel work item
 TOKENS_PER_ITEM = 32  # tokens per work item: their x rows stay in L2
 UNPACK_ROWS = 4  # rows unpacked to float together: each x load feeds 4 FMAs
 
 ONE_EXPERT = np.zeros(1, dtype=np.int64)  # expert_ids of a plain matmul
+ONE_ROW = np.array([0, 1], dtype=np.int64)  # row_starts of a plain matvec
 
 
 @njit(nogil=True, cache=True)
@@ -40,6 +43,20 @@ def work_items(expert_ids, row_starts, num_experts, num_rows):
                 items[i, 3] = t1
                 i += 1
     return items
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def sub_block_sums(x):
+    """x f32 [N, C] -> [N, C/32], the sums over each 32-column sub-block (K-quants' min terms)."""
+    num_rows, cols = x.shape
+    out = np.empty((num_rows, cols // 32), dtype=np.float32)  # [N, C/32]
+    for n in range(num_rows):
+        for j in range(cols // 32):
+            s = np.float32(0)
+            for c in range(32 * j, 32 * j + 32):
+                s += x[n, c]
+            out[n, j] = s
+    return out
 
 
 @njit(inline="always", nogil=True, cache=True)
@@ -92,20 +109,29 @@ def check_moe(raw, x, expert_ids, row_starts, out, block_size, block_bytes, name
         )
 
 
-def format_api(name, block_size, block_bytes, unpack_rows, moe_kernel):
-    """A format's public (dequantize, matvec, matmul, moe_matmul) around its two kernels.
+def format_api(name, block_size, block_bytes, unpack_rows, moe_kernel, moe_kernel_serial=None):
+    """A format's public (dequantize, matvec, matmul, moe_matmul, moe_matmul_pair) around its two kernels.
 
-    unpack_rows(raw uint8 [R, B], out f32 [R, C]) and moe_kernel(raw [E, R, B], x f32 [N, C],
-    expert_ids int64 [G], row_starts int64 [G+1], out f32 [N, R]) get checked arguments.
+    unpack_rows(raw uint8 [R, B], out f32 [R, C]) and moe_kernel(raws: tuple of raw [E, R, B],
+    x f32 [N, C], expert_ids int64 [G], row_starts int64 [G+1], outs: tuple of f32 [N, R]) get
+    checked arguments; moe_kernel runs every weight of the tuple in one parallel region.
+    moe_kernel_serial (default: its serial twin) runs small matvecs without opening a region.
     """
+    moe_kernel_serial = moe_kernel_serial or serial_twin(moe_kernel)
+
     def dequantize(raw, out):
         """raw uint8 [..., B] -> out f32 [..., C], bit-exact with gguf.quants.dequantize."""
         check_dequantize(raw, out, block_size, block_bytes, name)
         unpack_rows(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
 
-    def matvec(raw, x, out):
-        """out [R] = W @ x [C] for raw uint8 [R, B] (decode)."""
-        matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
+    def matvec(raw, x, out, serial=False):
+        """out [R] = W @ x [C] for raw uint8 [R, B] (decode); serial: on the calling thread only (small weights)."""
+        if serial:
+            x, out = x.reshape(1, -1), out.reshape(1, -1)
+            check_moe(raw.reshape(1, *raw.shape), x, ONE_EXPERT, ONE_ROW, out, block_size, block_bytes, name)
+            moe_kernel_serial((raw.reshape(1, *raw.shape),), x, ONE_EXPERT, ONE_ROW, (out,))
+        else:
+            matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
 
     def matmul(raw, x, out):
         """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
@@ -114,9 +140,18 @@ def format_api(name, block_size, block_bytes, unpack_rows, moe_kernel):
     def moe_matmul(raw, x, expert_ids, row_starts, out):
         """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
         check_moe(raw, x, expert_ids, row_starts, out, block_size, block_bytes, name)
-        moe_kernel(raw, x, expert_ids, row_starts, out)
+        moe_kernel((raw,), x, expert_ids, row_starts, (out,))
 
-    api = (dequantize, matvec, matmul, moe_matmul)
+    def moe_matmul_pair(raw_a, raw_b, x, expert_ids, row_starts, out_a, out_b):
+        """moe_matmul of two weights of one shape (an expert's gate and up) on the same rows, in one parallel region."""
+        check_moe(raw_a, x, expert_ids, row_starts, out_a, block_size, block_bytes, name)
+        check_moe(raw_b, x, expert_ids, row_starts, out_b, block_size, block_bytes, name)
+        if raw_a.shape != raw_b.shape or raw_a.flags.writeable != raw_b.flags.writeable:
+            raise ValueError(f"{name}.moe_matmul_pair: raw_a {raw_a.shape} and raw_b {raw_b.shape} differ in shape "
+                             "or writeability")
+        moe_kernel((raw_a, raw_b), x, expert_ids, row_starts, (out_a, out_b))
+
+    api = (dequantize, matvec, matmul, moe_matmul, moe_matmul_pair)
     for fn in api:
         fn.__module__, fn.__qualname__ = name, fn.__name__
     return api

@@ -1,5 +1,10 @@
 """The CPU backend: every op of the forward pass as a Numba kernel over NumPy arrays.
 
+Small ops (one decode token's norm, rope, routing, combine, its attention projections)
+run as the serial twins of their kernels: a parallel region costs more to open than they
+take, and far more when other processes hold the cores. A layer's experts
+run as two parallel regions, gate and up together, then down.
+
 Shape legend: T tokens, H hidden, R output rows, C input columns, nH heads,
 D head dim, E experts, K top-k, N (token, expert) pairs, F expert FFN width.
 """
@@ -8,6 +13,10 @@ import numpy as np
 from cpu_kernels import activation, attention, format_for, moe_combine, rmsnorm, rope, routing
 
 from ..kv_cache import SequenceKV
+
+SERIAL_MAX_ELEMENTS = 1 << 15  # elementwise ops on at most this many values run serially
+SERIAL_MAX_ATTENTION = 1 << 20  # attention of at most this many query-key-dim products runs serially
+SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many weight bytes runs serially
 
 
 class CpuBackend:
@@ -30,7 +39,7 @@ class CpuBackend:
         fmt = format_for(weight.qtype)
         out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
         if x.shape[0] == 1:
-            fmt.matvec(weight.raw, x[0], out[0])
+            fmt.matvec(weight.raw, x[0], out[0], serial=weight.raw.nbytes <= SERIAL_MAX_WEIGHT_BYTES)
         else:
             fmt.matmul(weight.raw, x, out)
         return out
@@ -43,25 +52,30 @@ class CpuBackend:
 
     def rmsnorm(self, x, weight, eps):
         out = np.empty_like(x)
-        rmsnorm.rmsnorm(x, weight, eps, out)
+        _small_or_parallel(x.size, rmsnorm.rmsnorm_serial, rmsnorm.rmsnorm)(x, weight, eps, out)
         return out
 
     def rmsnorm_heads(self, x, weight, eps):
         """In place over x [T, nH, D]."""
-        rmsnorm.rmsnorm_heads(x, weight, eps, x)
+        rows = x.reshape(-1, x.shape[-1])  # [T*nH, D], a view
+        _small_or_parallel(x.size, rmsnorm.rmsnorm_serial, rmsnorm.rmsnorm)(rows, weight, eps, rows)
 
     def rope(self, x, positions, theta):
         """In place over x [T, nH, D]."""
-        rope.rope_neox(x, positions, theta, x)
+        _small_or_parallel(x.size, rope.rope_neox_serial, rope.rope_neox)(x, positions, theta, x)
 
     def attention(self, q, k_cache, v_cache, start, scale, out):
-        attention.attention(q, k_cache, v_cache, start, scale, out)
+        num_tokens, num_heads, head_dim = q.shape
+        work = num_tokens * (start + num_tokens) * num_heads * head_dim
+        kernel = attention.attention_serial if work <= SERIAL_MAX_ATTENTION else attention.attention
+        kernel(q, k_cache, v_cache, start, scale, out)
 
     def route(self, router_logits, k, normalize):
         num_tokens = router_logits.shape[0]
         ids = np.empty((num_tokens, k), dtype=np.int64)  # [T, K]
         weights = np.empty((num_tokens, k), dtype=np.float32)  # [T, K]
-        routing.route_softmax_topk(router_logits, k, normalize, ids, weights)
+        kernel = _small_or_parallel(router_logits.size, routing.route_softmax_topk_serial, routing.route_softmax_topk)
+        kernel(router_logits, k, normalize, ids, weights)
         return ids, weights
 
     def experts(self, x, ids, weights, gate_exps, up_exps, down_exps):
@@ -78,18 +92,26 @@ class CpuBackend:
         per token with weights [T, K]: x [T, H] -> [T, H] (zero for tokens with no pair here)."""
         order, expert_ids, row_starts = groups
         num_tokens, k = weights.shape
-        xs = np.empty((len(order), x.shape[1]), dtype=np.float32)  # [N, H]
-        moe_combine.gather_rows(x, order, k, xs)
-        gate = self._grouped(gate_exps, xs, expert_ids, row_starts)  # [N, F]
-        up = self._grouped(up_exps, xs, expert_ids, row_starts)  # [N, F]
-        activation.swiglu(gate, up, gate)
-        down = self._grouped(down_exps, gate, expert_ids, row_starts)  # [N, H]
-        out = np.zeros((num_tokens, x.shape[1]), dtype=np.float32)
-        moe_combine.scatter_add_weighted(down, order, np.ascontiguousarray(weights).reshape(-1), k, out)
+        num_pairs, hidden, width = len(order), x.shape[1], gate_exps.shape[1]
+        small = num_pairs * max(hidden, width) <= SERIAL_MAX_ELEMENTS
+        xs = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
+        (moe_combine.gather_rows_serial if small else moe_combine.gather_rows)(x, order, k, xs)
+        gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
+        up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
+        fmt = format_for(gate_exps.qtype)
+        if up_exps.qtype == gate_exps.qtype and up_exps.raw.shape == gate_exps.raw.shape:
+            fmt.moe_matmul_pair(gate_exps.raw, up_exps.raw, xs, expert_ids, row_starts, gate, up)
+        else:
+            fmt.moe_matmul(gate_exps.raw, xs, expert_ids, row_starts, gate)
+            format_for(up_exps.qtype).moe_matmul(up_exps.raw, xs, expert_ids, row_starts, up)
+        (activation.swiglu_serial if small else activation.swiglu)(gate, up, gate)
+        down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
+        format_for(down_exps.qtype).moe_matmul(down_exps.raw, gate, expert_ids, row_starts, down)
+        out = np.zeros((num_tokens, hidden), dtype=np.float32)
+        scatter = moe_combine.scatter_add_weighted_serial if small else moe_combine.scatter_add_weighted
+        scatter(down, order, np.ascontiguousarray(weights).reshape(-1), k, out)
         return out
 
-    @staticmethod
-    def _grouped(weight, x, expert_ids, row_starts):
-        out = np.empty((x.shape[0], weight.shape[1]), dtype=np.float32)
-        format_for(weight.qtype).moe_matmul(weight.raw, x, expert_ids, row_starts, out)
-        return out
+
+def _small_or_parallel(num_elements, serial, parallel):
+    return serial if num_elements <= SERIAL_MAX_ELEMENTS else parallel

@@ -1,0 +1,226 @@
+"""Strata against llama.cpp on the CPU: the same GGUF, the same threads, alternating runs.
+
+Each run is a fresh process per engine (Strata from this interpreter, llama.cpp through the
+`llama-cpp-python` package in its own virtual environment, see bench/requirements.txt):
+it reads a `--prompt-tokens` prompt in one batch (prompt read tok/s), then from a short
+prompt decodes `--decode-tokens` tokens one at a time (decode tok/s). Both engines get the
+same token ids (a fixed pseudo-random sequence), so they route to the same experts.
+Effective bandwidth = weight bytes one decode token reads (dense tensors + top-k of each
+layer's experts) x decode tok/s, next to the DRAM read bandwidth measured in the same run
+with the same thread count. Medians over `--runs` runs.
+
+    python bench/vs_llamacpp.py --model /tmp/bm-q4km.gguf --model /tmp/bm-q8.gguf --threads 1,2 \
+        --llama-python /work/benchvenv/bin/python
+
+Writes bench/results/vs_llamacpp.md.
+"""
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("bench.vs_llamacpp")
+RESULTS = Path(__file__).parent / "results" / "vs_llamacpp.md"
+ROOT = Path(__file__).resolve().parent.parent
+SHORT_PROMPT = 8
+
+
+def token_ids(count, vocab_size, seed):
+    """A fixed pseudo-random token sequence, the same for both engines."""
+    return [int(t) for t in np.random.default_rng(seed).integers(1, vocab_size, size=count)]
+
+
+def strata_worker(model, threads, prompt_tokens, decode_tokens):
+    """(prompt read tok/s, decode tok/s) of Strata's CPU backend."""
+    sys.path.insert(0, str(ROOT))
+    from hybrid.batch import Batch, SeqChunk
+    from hybrid.llm import LLM
+
+    llm = LLM(model, device="cpu", threads=threads, max_context=prompt_tokens + decode_tokens + SHORT_PROMPT + 8)
+    vocab = llm.config.vocab_size
+
+    def read(kv, ids, logits="last"):
+        return llm.model.forward(Batch([SeqChunk(kv, kv.length, np.asarray(ids, dtype=np.int64), logits)]))
+
+    warm = llm.model.new_sequence(64)  # warm-up: every kernel compiled or loaded from Numba's cache
+    read(warm, token_ids(SHORT_PROMPT, vocab, 1))
+    read(warm, token_ids(1, vocab, 1))
+    prompt = token_ids(prompt_tokens, vocab, 2)
+    kv = llm.model.new_sequence(prompt_tokens + 8)
+    start = time.perf_counter()
+    read(kv, prompt)
+    prompt_s = time.perf_counter() - start
+    kv = llm.model.new_sequence(SHORT_PROMPT + decode_tokens + 8)
+    read(kv, token_ids(SHORT_PROMPT, vocab, 3))
+    steps = token_ids(decode_tokens, vocab, 4)
+    start = time.perf_counter()
+    for tok in steps:
+        read(kv, [tok])
+    decode_s = time.perf_counter() - start
+    return prompt_tokens / prompt_s, decode_tokens / decode_s
+
+
+LLAMA_WORKER = r"""
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+
+model, threads, prompt_tokens, decode_tokens, short = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=prompt_tokens + decode_tokens + 64,
+            n_batch=prompt_tokens, n_ubatch=prompt_tokens, verbose=False)
+vocab = llm.n_vocab()
+def ids(count, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(1, vocab, size=count)]
+llm.eval(ids(short, 1)); llm.reset()
+prompt = ids(prompt_tokens, 2)
+start = time.perf_counter(); llm.eval(prompt); prompt_s = time.perf_counter() - start
+llm.reset()
+llm.eval(ids(short, 3))
+steps = ids(decode_tokens, 4)
+start = time.perf_counter()
+for tok in steps:
+    llm.eval([tok])
+decode_s = time.perf_counter() - start
+print(json.dumps({"prompt_tps": prompt_tokens / prompt_s, "decode_tps": decode_tokens / decode_s}))
+"""
+
+
+def run_engine(engine, model, threads, args):
+    """One fresh process of `engine`; returns {"prompt_tps", "decode_tps"}."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "STRATA_THREADS": str(threads)}
+    if engine == "llama.cpp":
+        cmd = [args.llama_python, "-c", LLAMA_WORKER, model, str(threads), str(args.prompt_tokens),
+               str(args.decode_tokens), str(SHORT_PROMPT)]
+    else:
+        cmd = [sys.executable, __file__, "--worker", "--model", model, "--threads", str(threads),
+               "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} on {model} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def decode_bytes_per_token(model):
+    """Weight bytes one decode token reads: every dense tensor (no embedding table) and top-k of each layer's experts."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model)
+    arch = reader.fields["general.architecture"].contents()
+    top_k = int(reader.fields[f"{arch}.expert_used_count"].contents())
+    total = 0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            continue
+        if "_exps." in t.name:
+            total += int(t.n_bytes) * top_k // int(t.shape[-1])
+        else:
+            total += int(t.n_bytes)
+    return total
+
+
+def dram_gbps(threads, num_bytes=1 << 30, repeats=5):
+    """Read bandwidth (GB/s) of a parallel float32 sum with `threads` Numba threads."""
+    import numba
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True, nogil=True)
+    def parallel_sum(a):
+        acc = np.float32(0)
+        for i in prange(a.shape[0]):
+            acc += a[i]
+        return acc
+
+    numba.set_num_threads(threads)
+    a = np.ones(num_bytes // 4, dtype=np.float32)
+    parallel_sum(a)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        parallel_sum(a)
+        times.append(time.perf_counter() - start)
+    return a.nbytes / float(np.median(times)) / 1e9
+
+
+def measure(args):
+    rows = []
+    for model in args.model:
+        touched = decode_bytes_per_token(model)
+        for threads in args.threads:
+            samples = {"strata": [], "llama.cpp": []}
+            drams = []
+            for run in range(args.runs):
+                order = ("strata", "llama.cpp") if run % 2 == 0 else ("llama.cpp", "strata")
+                for engine in order:
+                    result = run_engine(engine, model, threads, args)
+                    log.info("%s, %d thread(s), run %d, %s: prompt %.1f tok/s, decode %.1f tok/s",
+                             os.path.basename(model), threads, run, engine, result["prompt_tps"], result["decode_tps"])
+                    samples[engine].append(result)
+                drams.append(dram_gbps(threads))
+            med = {e: {k: float(np.median([s[k] for s in v])) for k in ("prompt_tps", "decode_tps")}
+                   for e, v in samples.items()}
+            rows.append((os.path.basename(model), threads, touched, med, float(np.median(drams))))
+    return rows
+
+
+def markdown(rows, args):
+    lines = [
+        "# Strata vs llama.cpp, CPU",
+        "",
+        f"{platform.machine()}, {os.cpu_count()} CPUs; llama.cpp = llama-cpp-python built from its PyPI sdist, CPU "
+        "only, GGML_NATIVE=ON without AMX (-mno-amx-tile -mno-amx-int8 -mno-amx-bf16; its AMX path crashed on this VM), "
+        "no BLAS. Same GGUF and thread count for both, alternating fresh processes; medians of "
+        f"{args.runs} runs. Prompt read: {args.prompt_tokens} tokens in one batch. Decode: {args.decode_tokens} tokens "
+        f"one at a time after a {SHORT_PROMPT}-token prompt. Effective bandwidth = weight bytes read per decode token "
+        "(dense tensors + top-k experts) x decode tok/s; DRAM = parallel float32 sum, same threads, same run.",
+        "",
+        "| model | threads | MB/token | decode tok/s strata | llama.cpp | ratio | prompt tok/s strata | llama.cpp | ratio "
+        "| strata GB/s | llama.cpp GB/s | DRAM GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model, threads, touched, med, dram in rows:
+        s, l = med["strata"], med["llama.cpp"]
+        lines.append(
+            f"| {model} | {threads} | {touched / 1e6:.0f} | {s['decode_tps']:.1f} | {l['decode_tps']:.1f} "
+            f"| {s['decode_tps'] / l['decode_tps']:.2f}x | {s['prompt_tps']:.1f} | {l['prompt_tps']:.1f} "
+            f"| {s['prompt_tps'] / l['prompt_tps']:.2f}x | {touched * s['decode_tps'] / 1e9:.1f} "
+            f"| {touched * l['decode_tps'] / 1e9:.1f} | {dram:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", action="append", required=True, help="GGUF file (repeatable)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--llama-python", default="/work/benchvenv/bin/python",
+                   help="interpreter of the virtual environment that has llama-cpp-python")
+    p.add_argument("--output", default=str(RESULTS))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        prompt_tps, decode_tps = strata_worker(args.model[0], int(args.threads), args.prompt_tokens, args.decode_tokens)
+        print(json.dumps({"prompt_tps": prompt_tps, "decode_tps": decode_tps}))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args.threads = [int(t) for t in args.threads.split(",")]
+    table = markdown(measure(args), args)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
