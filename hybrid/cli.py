@@ -20,6 +20,7 @@ def _cache_mib(text):
 def _add_device_options(p):
     from .backends import DEVICES
     from .backends.gpu import DEFAULT_RESERVE_MIB
+    from .residency import EXPERT_CACHE_MODES
 
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model runs: auto (the GPU when usable, else the CPU), gpu, cpu (default auto)")
@@ -27,11 +28,24 @@ def _add_device_options(p):
                    help="VRAM for resident experts (default auto: all that is left)")
     p.add_argument("--vram-reserve-mib", type=float, default=DEFAULT_RESERVE_MIB, metavar="N",
                    help=f"VRAM left free as headroom (default {DEFAULT_RESERVE_MIB})")
+    p.add_argument("--placement", default=None, metavar="FILE",
+                   help="resident experts from `strata plan` (placement.json); refused if it does not fit")
+    p.add_argument("--expert-cache", choices=EXPERT_CACHE_MODES, default="auto",
+                   help="auto: the experts of --placement, or planned at start-up from --profile for the VRAM "
+                        "left, or without either the cache filled layer by layer; dynamic: start the same way "
+                        "(without either, the same count in every layer) and swap experts in the background "
+                        "as usage changes (default auto)")
+    p.add_argument("--profile", default=None, metavar="P.npz",
+                   help="expert profile (`strata profile`) to plan the expert cache from at start-up")
+    p.add_argument("--no-prefill-borrow", dest="prefill_borrow", action="store_false",
+                   help="never copy non-resident experts to the GPU for large prompt chunks (prefill borrow)")
 
 
 def device_options(args):
     """The LLM keyword arguments of the device options."""
-    return dict(device=args.device, expert_cache_mib=args.expert_cache_mib, vram_reserve_mib=args.vram_reserve_mib)
+    return dict(device=args.device, expert_cache_mib=args.expert_cache_mib, vram_reserve_mib=args.vram_reserve_mib,
+                placement=args.placement, profile=args.profile, expert_cache=args.expert_cache,
+                prefill_borrow=args.prefill_borrow)
 
 
 def _add_generate(sub):
@@ -148,11 +162,13 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from gpu_kernels.errors import VramError
+
     from .errors import ModelError, RequestError
 
     try:
         return args.func(args)
-    except (ModelError, RequestError, ValueError) as exc:
+    except (ModelError, RequestError, ValueError, VramError) as exc:
         print(f"strata: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

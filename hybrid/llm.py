@@ -9,9 +9,11 @@ from .backends import select_backends
 from .backends.gpu import DEFAULT_RESERVE_MIB
 from .batch import Batch, SeqChunk
 from .errors import RequestError
+from .expert_usage import ExpertUsage
 from .formats import load_model
 from .model import Model
 from .request import StopFilter, timings
+from .residency import resident_choice
 from .sampling import Sampler, SamplingParams
 from .tokenizer import IncrementalDecoder
 
@@ -31,11 +33,17 @@ class GenerationOutput:
 
 class LLM:
     """device: "cpu", "gpu" or "auto" (the GPU when one is usable). With a GPU: expert_cache_mib
-    (None = all VRAM left), vram_reserve_mib, resident (a placement's bool mask [L, E]) and
-    kv_sequences (sequences whose KV the VRAM budget holds) size the VRAM."""
+    (None = all VRAM left), vram_reserve_mib and kv_sequences (sequences whose KV the VRAM budget
+    holds, also the batch a start-up plan is made for) size the VRAM. The resident experts
+    (hybrid/residency.py): `placement` (a placement file or Placement), or `profile` (an
+    ExpertProfile or its file: planned at start-up for the room left), or `resident` (a bool mask
+    [L, E]); expert_cache "dynamic" swaps experts while serving (placement/dynamic.py, with
+    `dynamic`: its DynamicSettings). prefill_borrow: large prompt chunks may run non-resident
+    experts on the GPU (hybrid/moe.py)."""
 
     def __init__(self, model_path=None, device="cpu", threads=None, max_context=None, expert_cache_mib=None,
-                 vram_reserve_mib=DEFAULT_RESERVE_MIB, resident=None, kv_sequences=1):
+                 vram_reserve_mib=DEFAULT_RESERVE_MIB, resident=None, kv_sequences=1, placement=None, profile=None,
+                 expert_cache="auto", dynamic=None, prefill_borrow=True):
         from cpu_kernels.target import set_threads
 
         if model_path is None:
@@ -48,13 +56,32 @@ class LLM:
         self.tokenizer = self.weights.tokenizer
         self.config = self.weights.config
         self.max_context = min(max_context or self.config.context_length, self.config.context_length)
+        if device == "cpu":
+            if placement or profile or expert_cache != "auto":
+                log.warning("the expert cache options (placement, profile, dynamic) do nothing on the CPU")
+        elif resident is None:
+            resident = resident_choice(self.weights, placement, profile, expert_cache, kv_sequences, self.max_context)
         backend, host = select_backends(device, expert_cache_mib=expert_cache_mib, vram_reserve_mib=vram_reserve_mib,
                                         kv_tokens=kv_sequences * self.max_context, chunk_tokens=PREFILL_CHUNK,
-                                        resident=resident)
+                                        resident=resident, prefill_borrow=prefill_borrow)
         self.device = backend.name
         self.model = Model(self.weights, backend, host)
+        if expert_cache == "dynamic":
+            self._start_dynamic(dynamic)
         log.info("model %s on %s, %d CPU threads, context %d", self.weights.source, self.device, self.threads,
                  self.max_context)
+
+    def _start_dynamic(self, settings):
+        from placement.dynamic import DynamicResidency, DynamicSettings
+
+        cache = getattr(self.model.backend, "cache", None)
+        if cache is None:
+            log.warning("--expert-cache dynamic needs a GPU expert cache; on %s it does nothing", self.device)
+            return
+        self.model.residency = DynamicResidency(cache, settings or DynamicSettings(), self.model.backend.stream)
+        if self.model.usage is None:  # the engine brings its own; the residency follows model.usage
+            self.model.usage = ExpertUsage.for_config(self.config)
+        log.info("expert cache: dynamic, %s", self.model.residency.policy.settings)
 
     def _prompt_ids(self, prompt):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

@@ -74,6 +74,7 @@ class Model:
         backend.place(self)
         self.split = None if host is None else ExpertSplit(host, backend.resident)
         self.usage = None  # an ExpertUsage (hybrid/expert_usage.py) to record each layer's routing
+        self.residency = None  # a dynamic expert cache (placement/dynamic.py), told after each step's layers
 
     def new_sequence(self, max_tokens=None):
         c = self.config
@@ -92,6 +93,8 @@ class Model:
             x += attention_block(be, self.spec.attention, layer, h, batch)
             h = be.rmsnorm(x, layer.ffn_norm, eps)
             x += moe_block(be, self.spec.moe, layer, h, self.split, self.usage)
+        if self.residency is not None:
+            self.residency.after_step(self.usage)
         for chunk in batch.chunks:
             chunk.kv.length = chunk.start + len(chunk.token_ids)
         if len(batch.logit_rows) == 0:

@@ -198,7 +198,7 @@ def plan(profile, sizes, budgets, speeds=Speeds()):
     if best is None:
         raise first_error
     mask, gpu_budgets, _, _ = best
-    return _placement(profile, cost, mask, gpu_budgets, budgets, speeds, phase)
+    return _placement_of_split(profile, cost, mask, gpu_budgets, budgets, speeds, phase)
 
 
 def _plan_split(cost, sizes, budgets, ranges):
@@ -223,23 +223,44 @@ def _better(a, b):
     return a[3] < b[3] - 1e-12
 
 
-def _placement(profile, cost, mask, gpu_budgets, budgets, speeds, phase):
-    gpus, uniform, top = [], np.zeros_like(mask), np.zeros_like(mask)
-    for b in gpu_budgets:
-        layers = range(b.first_layer, b.last_layer)
-        resident = [(int(layer), int(e)) for layer, e in zip(*np.nonzero(mask[b.first_layer:b.last_layer]))]
-        gpus.append(GpuPlacement(b.gpu, b.first_layer, b.last_layer,
-                                 [(layer + b.first_layer, e) for layer, e in resident], b.to_json()))
-        uniform |= uniform_mask(cost.p, layers, b.expert_slots)
-        top |= global_top_mask(cost.p, layers, b.expert_slots)
+def plan_slots(profile, sizes, num_slots, batch, speeds=Speeds(), max_context=4096, kv_dtype="f16"):
+    """One GPU whose expert cache holds `num_slots` experts (sized by the engine at start-up, after its
+    dense weights, KV and scratch): the Placement of the best resident set, with the baselines."""
+    profile.check_model(sizes.num_layers, sizes.num_experts)
+    probs, phase = _layer_probs(profile)
+    cost = CostModel(probs, sizes, batch, speeds, max_context, kv_dtype)
+    layers = range(sizes.num_layers)
+    planned = cost.plan_layers(layers, num_slots)
+    mask = fill_slots(planned, cost.p, layers, num_slots - int(planned.sum()))
+    slot = max(sizes.expert_bytes)
+    budget = {"expert_slots": int(num_slots), "slot_mib": slot / MIB, "expert_cache_mib": num_slots * slot / MIB}
+    settings = {"parallel": batch, "max_context": max_context, "kv": kv_dtype, "cpu_gbps": speeds.cpu_gbps,
+                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(phase),
+                "planned_at": "start-up"}
+    return _placement(profile, cost, mask, [(0, layers, num_slots, budget)], batch, settings)
+
+
+def _placement_of_split(profile, cost, mask, gpu_budgets, budgets, speeds, phase):
+    settings = {"gpu_mib": list(budgets.gpu_mib), "parallel": budgets.num_slots, "max_context": budgets.max_context,
+                "kv": budgets.kv_dtype, "vram_reserve_mib": budgets.reserve_mib, "cpu_gbps": speeds.cpu_gbps,
+                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(phase)}
+    gpus = [(b.gpu, range(b.first_layer, b.last_layer), b.expert_slots, b.to_json()) for b in gpu_budgets]
+    return _placement(profile, cost, mask, gpus, budgets.num_slots, settings)
+
+
+def _placement(profile, cost, mask, gpus, batch, settings):
+    """gpus: [(gpu, layers range, expert slots, budget json)]."""
+    placed, uniform, top = [], np.zeros_like(mask), np.zeros_like(mask)
+    for gpu, layers, num_slots, budget in gpus:
+        resident = [(int(layer), int(e)) for layer, e in zip(*np.nonzero(mask)) if layer in layers]
+        placed.append(GpuPlacement(gpu, layers.start, layers.stop, resident, budget))
+        uniform |= uniform_mask(cost.p, layers, num_slots)
+        top |= global_top_mask(cost.p, layers, num_slots)
 
     def prediction(m):
         return {"hit_rate": cost.hit_rate(m), "decode_tok_s": cost.decode_tok_s(m),
                 "step_ms": 1e3 * cost.step_seconds(m), "resident": int(m.sum())}
 
-    settings = {"gpu_mib": list(budgets.gpu_mib), "parallel": budgets.num_slots, "max_context": budgets.max_context,
-                "kv": budgets.kv_dtype, "vram_reserve_mib": budgets.reserve_mib, "cpu_gbps": speeds.cpu_gbps,
-                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(phase)}
-    return Placement(profile.model_id, profile.num_layers, profile.num_experts, gpus,
-                     predicted={**prediction(mask), "batch": budgets.num_slots},
+    return Placement(profile.model_id, profile.num_layers, profile.num_experts, placed,
+                     predicted={**prediction(mask), "batch": batch},
                      baselines={"uniform": prediction(uniform), "global_top": prediction(top)}, settings=settings)

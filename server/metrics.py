@@ -31,11 +31,19 @@ class EngineCollector:
             yield from self._conversation_cache(self.engine.conversations)
 
     def _expert_usage(self):
-        usage = self.engine.usage.snapshot()
+        model = self.engine.model
+        usage = self.engine.usage.snapshot(getattr(model.backend, "resident", None))  # hit rates with a GPU
+        if getattr(model, "residency", None) is not None:  # dynamic: hits counted against each step's mask
+            usage.update(model.residency.snapshot())
         routings = CounterMetricFamily("strata_expert_routings", "Routed (token, expert) pairs", labels=["phase"])
+        hit_rate = GaugeMetricFamily("strata_expert_cache_hit_rate",
+                                     "Share of routed pairs whose expert was resident on the GPU", labels=["phase"])
         for phase in ("prefill", "decode"):
             routings.add_metric([phase], usage[f"routings_{phase}"])
+            if usage.get(f"hit_rate_{phase}") is not None:
+                hit_rate.add_metric([phase], usage[f"hit_rate_{phase}"])
         yield routings
+        yield hit_rate
 
     def _conversation_cache(self, cache):
         s = cache.stats

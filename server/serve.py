@@ -51,7 +51,8 @@ def conversation_cache(llm, options):
 def build(model=None, parallel=1, api_key=None, decode_share=None, threads=None, max_context=None, max_queue=None,
           device_options=None, conversations=None):
     """The app over a started engine; unset options come from STRATA_* variables, then defaults.
-    device_options: LLM's device keywords (device, expert_cache_mib, vram_reserve_mib); default the CPU.
+    device_options: LLM's device keywords (device, expert_cache_mib, vram_reserve_mib, placement, profile,
+    expert_cache); default the CPU.
     conversations: conversation cache options (hybrid.cli.conversation_options); default off."""
     from hybrid.engine import Engine
     from hybrid.llm import LLM

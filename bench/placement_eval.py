@@ -1,0 +1,195 @@
+"""Expert placement, held out: profile on one half of a prompt set, serve the other half.
+
+A generated model with skewed routers (bench/make_model.py: Zipf-like per layer, a different hot
+set in every layer) reads synthetic prompts: random token ids drawn per "topic" (each topic a
+Zipf-weighted slice of the vocabulary, plus some words from anywhere), prompts alternating between
+the halves so that both see every topic but no prompt twice. The first half is profiled; on the
+second, each expert cache of the same VRAM budget serves the same prompts:
+
+- plan: `--expert-cache auto --profile P.npz` (planned at start-up for the cache's room);
+- uniform: the same count in every layer, each layer's most used experts (the profile's);
+- global top-k: the most used (layer, expert) pairs of the profile, whatever their layer;
+- dynamic: `--expert-cache dynamic`, from the plan, and from the same count per layer without a profile.
+
+Measured: the decode (and prefill) hit rate, each step's routings against the mask it ran with,
+and decode / prefill tok/s. Writes placement.json (numbers) and placement.md (a table).
+
+    python bench/placement_eval.py --out-dir /tmp/pe                  # makes the model first
+    python bench/placement_eval.py --model m.gguf --device cpu --prompts 6 --decode 4   # a dry run
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hybrid.expert_usage import ExpertUsage  # noqa: E402
+from hybrid.llm import LLM  # noqa: E402
+from placement.budget import ModelSizes  # noqa: E402
+from placement.planner import global_top_mask, plan_slots, uniform_mask  # noqa: E402
+from placement.profile import model_id  # noqa: E402
+
+log = logging.getLogger("placement_eval")
+
+
+def synthetic_prompts(vocab_size, num_prompts, num_topics, seed, min_len=64, max_len=256):
+    """[token ids]: prompt i is of topic i % num_topics; 85 % of its words from its topic."""
+    rng = np.random.default_rng(seed)
+    topics = [rng.choice(np.arange(16, vocab_size), size=300, replace=False) for _ in range(num_topics)]
+    zipf = 1.0 / np.arange(1, 301) ** 1.1
+    zipf /= zipf.sum()
+    prompts = []
+    for i in range(num_prompts):
+        n = int(rng.integers(min_len, max_len + 1))
+        own = rng.choice(topics[i % num_topics], size=n, p=zipf)
+        anywhere = rng.integers(16, vocab_size, size=n)
+        prompts.append(np.where(rng.random(n) < 0.85, own, anywhere).tolist())
+    return prompts
+
+
+def run_prompts(llm, prompts, decode, seed):
+    """Generate `decode` tokens after each prompt; returns timings summed over the prompts."""
+    total = {"prompt_n": 0, "prompt_ms": 0.0, "predicted_n": 0, "predicted_ms": 0.0}
+    for i, prompt in enumerate(prompts):
+        out = llm.generate(prompt, max_tokens=decode, temperature=0.8, seed=seed + i, ignore_eos=True)
+        for key in total:
+            total[key] += out.timings[key]
+    return total
+
+
+def make_llm(args, **cache):
+    llm = LLM(args.model, device=args.device, max_context=args.max_context, expert_cache_mib=args.cache_mib,
+              threads=args.threads, **cache)
+    if llm.model.usage is None:
+        llm.model.usage = ExpertUsage.for_config(llm.config)
+    return llm
+
+
+def evaluate(args, name, prompts, **cache):
+    """One expert cache on the held-out prompts: hit rates and speeds."""
+    t0 = time.perf_counter()
+    llm = make_llm(args, **cache)
+    run_prompts(llm, prompts[:1], 4, seed=999)  # warm-up (kernel compiles, first touches)
+    llm.model.usage.reset()
+    residency = llm.model.residency
+    if residency is not None:
+        residency.routed = {"prefill": 0, "decode": 0}
+        residency.hits = {"prefill": 0, "decode": 0}
+    timing = run_prompts(llm, prompts, args.decode, seed=1000)
+    usage, resident = llm.model.usage, getattr(llm.model.backend, "resident", None)
+    if residency is not None:
+        hit = {p: residency.hit_rate(p) for p in ("decode", "prefill")}
+    elif resident is not None:
+        hit = {p: usage.hit_rate(resident, p) for p in ("decode", "prefill")}
+    else:  # the CPU dry run: the mask it would have held
+        hit = {p: usage.hit_rate(cache["resident"], p) if "resident" in cache else None for p in ("decode", "prefill")}
+    row = {"name": name, "hit_rate_decode": hit["decode"], "hit_rate_prefill": hit["prefill"],
+           "decode_tok_s": 1e3 * timing["predicted_n"] / timing["predicted_ms"],
+           "prefill_tok_s": 1e3 * timing["prompt_n"] / timing["prompt_ms"], "decode_tokens": timing["predicted_n"],
+           "prompt_tokens": timing["prompt_n"],
+           "resident": int(resident.sum()) if resident is not None else int(np.sum(cache.get("resident", 0))),
+           "seconds": time.perf_counter() - t0}
+    if residency is not None:
+        row.update(swaps=residency.swaps_landed)
+    log.info("%s: %s", name, json.dumps(row))
+    return row, usage
+
+
+def profile_half(args, prompts):
+    llm = make_llm(args)
+    run_prompts(llm, prompts, args.decode, seed=0)
+    return llm.model.usage.to_profile(model_id(llm.weights), source="placement_eval first half"), llm.weights
+
+
+def write_table(path, result):
+    rows = result["rows"]
+    lines = [f"| expert cache | resident | decode hit rate | prefill hit rate | decode tok/s | prefill tok/s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.1f} %"  # noqa: E731
+        lines.append(f"| {r['name']} | {r['resident']} | {pct(r['hit_rate_decode'])} | {pct(r['hit_rate_prefill'])} "
+                     f"| {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.0f} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="GGUF with skewed routers, made with bench/make_model.py when it does not exist "
+                                   "(default: placement-model.gguf in --out-dir)")
+    p.add_argument("--make-model", default="--type Q4_K_M --layers 16", help="make_model.py options")
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu", "auto"])
+    p.add_argument("--fraction", type=float, default=0.33, help="share of all experts the cache holds")
+    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--topics", type=int, default=8)
+    p.add_argument("--decode", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", default="", help="comma-separated configurations to leave out")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no configuration after this many seconds from the start")
+    p.add_argument("--out-dir", default=".", help="where placement.json, placement.md and the profile go")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    args = parse_args(argv)
+    start = time.perf_counter()
+    os.makedirs(args.out_dir, exist_ok=True)
+    args.model = args.model or os.path.join(args.out_dir, "placement-model.gguf")
+    if not os.path.exists(args.model):
+        from bench.make_model import main as make_model
+
+        make_model(args.make_model.split() + ["-o", args.model])
+    from hybrid.formats import load_model
+
+    weights = load_model(args.model)
+    c, sizes = weights.config, ModelSizes.from_weights(weights)
+    num_slots = int(round(args.fraction * c.num_layers * c.num_experts))
+    args.cache_mib = (num_slots + 0.5) * max(sizes.expert_bytes) / (1 << 20)
+    prompts = synthetic_prompts(c.vocab_size, args.prompts, args.topics, args.seed)
+    first, held_out = prompts[0::2], prompts[1::2]
+    log.info("%d prompts (%d tokens), %d topics; cache %d of %d experts (%.0f MiB)", len(prompts),
+             sum(map(len, prompts)), args.topics, num_slots, c.num_layers * c.num_experts, args.cache_mib)
+    profile, _ = profile_half(args, first)
+    profile_path = os.path.join(args.out_dir, "placement-profile.npz")
+    profile.save(profile_path)
+    probs = profile.probabilities("decode")
+    layers = range(c.num_layers)
+    predicted = plan_slots(profile, sizes, num_slots, batch=1, max_context=args.max_context)
+    configs = [("uniform", {"resident": uniform_mask(probs, layers, num_slots)}),
+               ("global top-k", {"resident": global_top_mask(probs, layers, num_slots)}),
+               ("plan", {"profile": profile_path}),
+               ("dynamic (from the plan)", {"profile": profile_path, "expert_cache": "dynamic"}),
+               ("dynamic (no profile)", {"expert_cache": "dynamic"})]
+    if args.device == "cpu":  # no expert cache: the masks' hit rates only
+        configs = [(n, {"resident": predicted.resident_mask(c.num_layers, c.num_experts)} if n == "plan" else o)
+                   for n, o in configs if "dynamic" not in n]
+    skip = set(filter(None, args.skip.split(",")))
+    result = {"model": os.path.basename(args.model), "device": args.device, "num_slots": num_slots,
+              "num_experts_total": c.num_layers * c.num_experts, "prompts": len(prompts), "decode": args.decode,
+              "profile_tokens": {"prefill": profile.tokens_prefill, "decode": profile.tokens_decode},
+              "predicted": {"plan": predicted.predicted, **predicted.baselines}, "rows": []}
+    for name, options in configs:
+        if name in skip:
+            continue
+        if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
+            log.warning("deadline: %s and later configurations not run", name)
+            break
+        row, _ = evaluate(args, name, held_out, **options)
+        result["rows"].append(row)
+        with open(os.path.join(args.out_dir, "placement.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        write_table(os.path.join(args.out_dir, "placement.md"), result)
+    print(open(os.path.join(args.out_dir, "placement.md")).read())
+
+
+if __name__ == "__main__":
+    main()
