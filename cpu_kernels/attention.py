@@ -3,6 +3,10 @@
 The cache holds positions 0..start_pos+T-1; query t sits at position start_pos+t
 and attends to keys 0..start_pos+t. Query head h reads kv head h // (Hq // Hkv).
 
+The cache may hold K/V as float32, as f16 or bf16 bits, or as int8 with one
+float32 scale per (position, kv head) (see `load_row`); rows are widened to
+float32 as they are read.
+
 One work item is (token, kv head, key split): the Hq // Hkv query heads of a kv
 head share every K/V row it loads. At decode (few items) the keys are split and
 the partial softmaxes merged, as flash-decoding does; the split count depends
@@ -12,9 +16,51 @@ Shape legend: T tokens, Hq query heads, Hkv kv heads, G = Hq // Hkv, D head dim,
 S cache positions, P key splits.
 """
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
+from .half import half_bits_to_f32, u32_as_f32
 from .twins import serial_twin
+
+NO_SCALES = np.ones((1, 1), dtype=np.float32)  # the scales argument of caches that have none
+
+
+def load_row(cache, scales, j, kv, buf):
+    """Row [D] of kv head `kv` at position j as float32 (a view for float32 caches, else decoded into buf).
+
+    The storage is told by the cache's dtype: float32; uint16 = f16 bits; int16 = bf16 bits
+    (an int16 array so that Numba can tell them from f16 by type); int8 = q * scales[j, kv].
+    """
+    raise NotImplementedError("only called from Numba kernels")
+
+
+@overload(load_row, jit_options={"fastmath": True})
+def _load_row(cache, scales, j, kv, buf):
+    dtype = cache.dtype
+    if dtype == types.float32:
+        return lambda cache, scales, j, kv, buf: cache[j, kv]
+
+    if dtype == types.uint16:
+        def f16(cache, scales, j, kv, buf):
+            for d in range(buf.size):
+                buf[d] = half_bits_to_f32(cache[j, kv, d])
+            return buf
+        return f16
+
+    if dtype == types.int16:
+        def bf16(cache, scales, j, kv, buf):
+            for d in range(buf.size):
+                buf[d] = u32_as_f32(np.uint32(np.uint16(cache[j, kv, d])) << np.uint32(16))
+            return buf
+        return bf16
+
+    if dtype == types.int8:
+        def int8(cache, scales, j, kv, buf):
+            s = scales[j, kv]
+            for d in range(buf.size):
+                buf[d] = np.float32(cache[j, kv, d]) * s
+            return buf
+        return int8
 
 MIN_SPLIT_KEYS = 256  # a split shorter than this does not pay for its merge
 TARGET_ITEMS = 64  # work items wanted to keep a many-core CPU busy
@@ -28,13 +74,14 @@ def num_key_splits(num_items, max_keys):
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _partial(q, k_cache, v_cache, t, kv, j0, j1, scale, acc, stats):
+def _partial(q, k_cache, v_cache, k_scale, v_scale, t, kv, j0, j1, scale, acc, stats):
     """Keys j0..j1-1 for the G heads of kv head `kv`: acc [G, D] = sum exp(s - max) v, stats [G, 2] = (max, sum)."""
     group, head_dim = acc.shape
     q_rows = q[t, kv * group:(kv + 1) * group]  # [G, D]
     scores = np.empty((group, j1 - j0), dtype=np.float32)  # [G, keys]
+    buf = np.empty(head_dim, dtype=np.float32)  # a decoded K or V row
     for j in range(j1 - j0):
-        k_row = k_cache[j0 + j, kv]  # [D]
+        k_row = load_row(k_cache, k_scale, j0 + j, kv, buf)  # [D]
         for g in range(group):
             dot = np.float32(0.0)
             for d in range(head_dim):
@@ -53,7 +100,7 @@ def _partial(q, k_cache, v_cache, t, kv, j0, j1, scale, acc, stats):
         stats[g, 1] = total
     acc[:] = 0.0
     for j in range(j1 - j0):
-        v_row = v_cache[j0 + j, kv]  # [D]
+        v_row = load_row(v_cache, v_scale, j0 + j, kv, buf)  # [D]
         for g in range(group):
             p = scores[g, j]
             for d in range(head_dim):
@@ -61,8 +108,8 @@ def _partial(q, k_cache, v_cache, t, kv, j0, j1, scale, acc, stats):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def attention(q, k_cache, v_cache, start_pos, scale, out):
-    """q [T, Hq, D], k_cache/v_cache [S, Hkv, D] -> out [T, Hq, D]."""
+def attention(q, k_cache, v_cache, start_pos, scale, out, k_scale=NO_SCALES, v_scale=NO_SCALES):
+    """q [T, Hq, D], k_cache/v_cache [S, Hkv, D] (k_scale/v_scale [S, Hkv] for int8 caches) -> out [T, Hq, D]."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -79,7 +126,7 @@ def attention(q, k_cache, v_cache, start_pos, scale, out):
         j0 = s * num_keys // num_splits
         j1 = (s + 1) * num_keys // num_splits
         if j1 > j0:
-            _partial(q, k_cache, v_cache, t, kv, j0, j1, scale32, acc[t, kv, s], stats[t, kv, s])
+            _partial(q, k_cache, v_cache, k_scale, v_scale, t, kv, j0, j1, scale32, acc[t, kv, s], stats[t, kv, s])
         else:
             stats[t, kv, s, :, 1] = 0.0  # empty split
     for th in prange(num_tokens * num_q_heads):

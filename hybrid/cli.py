@@ -20,8 +20,12 @@ def _cache_mib(text):
 def _add_device_options(p):
     from .backends import DEVICES
     from .backends.gpu import DEFAULT_RESERVE_MIB
+    from .kv_store import KV_DTYPES
     from .residency import EXPERT_CACHE_MODES
 
+    p.add_argument("--kv", choices=KV_DTYPES, default="f32",
+                   help="KV cache encoding: f32 (exact, default), f16 / bf16 (half the bytes, ~1e-3 / ~1e-2 off), "
+                        "int8 with per-token, per-head scales (a quarter, ~1e-2 off); CPU only for now")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model runs: auto (the GPU when usable, else the CPU), gpu, cpu (default auto)")
     p.add_argument("--expert-cache-mib", type=_cache_mib, default=None, metavar="N|auto",
@@ -45,7 +49,7 @@ def device_options(args):
     """The LLM keyword arguments of the device options."""
     return dict(device=args.device, expert_cache_mib=args.expert_cache_mib, vram_reserve_mib=args.vram_reserve_mib,
                 placement=args.placement, profile=args.profile, expert_cache=args.expert_cache,
-                prefill_borrow=args.prefill_borrow)
+                prefill_borrow=args.prefill_borrow, kv=args.kv)
 
 
 def _add_generate(sub):

@@ -126,9 +126,7 @@ class ConversationCache:
             self.stats.reread_tokens += max(min(evicted, len(prompt_ids) - 1) - n, 0)
         if entry is None:
             return 0
-        seq_kv.reserve(n)
-        kv_store.unpack_into(entry.arrays, n, seq_kv.k, seq_kv.v)
-        seq_kv.length = n
+        seq_kv.load(*kv_store.unpack(entry.arrays, n))
         self._touch(entry)
         self.stats.hits += 1
         self.stats.restored_tokens += n
@@ -143,7 +141,7 @@ class ConversationCache:
             if entry.num_tokens >= len(ids) and common_prefix(entry.token_ids, ids) == len(ids):
                 self._touch(entry)  # already parked
                 return
-        arrays = kv_store.pack(seq_kv.k[:, : len(ids)], seq_kv.v[:, : len(ids)], self.store)
+        arrays = kv_store.pack(*seq_kv.export(len(ids)), self.store)
         entry = Parked(ids, arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes)
         if entry.nbytes > self.budget_bytes:
             log.info("conversation of %d tokens (%.1f MiB) exceeds the cache budget; not parked",

@@ -1,46 +1,67 @@
-"""How parked KV is stored: as the live cache holds it (f32), as f16, or as int8 with scales.
+"""KV encodings: how the live cache and the conversation cache hold K and V rows.
 
 Shape legend: L layers, n positions, Hkv kv heads, D head dim.
-int8 keeps one float32 scale per (layer, position, kv head): max|x| / 127 over
-the head's D values, so each row is rounded to 1/254 of its own range.
+f16 and bf16 are kept as their 16-bit patterns (Numba has no 16-bit floats; bf16
+goes in an int16 array so that kernels can tell it from f16 by type); int8 keeps
+one float32 scale per (layer, position, kv head): max|x| / 127 over the head's D
+values, so each row is rounded to 1/254 of its own range.
 """
 import numpy as np
 
-STORES = ("f32", "f16", "int8")
+KV_DTYPES = ("f32", "f16", "bf16", "int8")  # the live cache
+STORES = ("f32", "f16", "int8")  # parked conversations
+STORAGE = {"f32": np.float32, "f16": np.uint16, "bf16": np.int16, "int8": np.int8}
 ARRAY_NAMES = {"f32": {"k", "v"}, "f16": {"k", "v"}, "int8": {"k", "k_scale", "v", "v_scale"}}
+
+
+def encode(x, dtype):
+    """x float32 [..., D] -> (data in STORAGE[dtype], scales [...] float32 for int8 else None)."""
+    if dtype == "f32":
+        return np.asarray(x, dtype=np.float32), None
+    if dtype == "f16":
+        return x.astype(np.float16).view(np.uint16), None
+    if dtype == "bf16":
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        return rounded.astype(np.uint16).view(np.int16), None
+    if dtype == "int8":
+        scale = np.abs(x).max(axis=-1) / 127.0  # [...]
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        return np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8), scale
+    raise ValueError(f"KV dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+
+
+def decode(data, scale=None):
+    """The float32 values of encoded rows."""
+    if data.dtype == np.float32:
+        return data
+    if data.dtype == np.uint16:
+        return data.view(np.float16).astype(np.float32)
+    if data.dtype == np.int16:
+        return (data.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return data.astype(np.float32) * scale[..., None]
 
 
 def pack(k, v, store):
     """k, v: float32 [L, n, Hkv, D] -> dict of arrays to keep."""
-    if store == "f32":
-        return {"k": k.copy(), "v": v.copy()}
-    if store == "f16":
-        return {"k": k.astype(np.float16), "v": v.astype(np.float16)}
-    if store == "int8":
-        kq, ks = _quantize(k)
-        vq, vs = _quantize(v)
-        return {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
-    raise ValueError(f"KV store must be one of {', '.join(STORES)}, got {store!r}")
+    if store not in STORES:
+        raise ValueError(f"KV store must be one of {', '.join(STORES)}, got {store!r}")
+    arrays = {}
+    for name, x in (("k", k), ("v", v)):
+        data, scale = encode(x, store)
+        arrays[name] = data.copy() if data is x else data
+        if scale is not None:
+            arrays[f"{name}_scale"] = scale
+    return arrays
 
 
-def unpack_into(arrays, n, k_out, v_out):
-    """Write the first n positions of packed arrays into float32 k_out, v_out [L, >=n, Hkv, D]."""
-    for name, out in (("k", k_out), ("v", v_out)):
-        data = arrays[name][:, :n]
-        if data.dtype == np.int8:
-            out[:, :n] = data.astype(np.float32) * arrays[f"{name}_scale"][:, :n, :, None]
-        else:
-            out[:, :n] = data
+def unpack(arrays, n):
+    """The first n positions of packed arrays as float32 (k, v) [L, n, Hkv, D]."""
+    return tuple(decode(arrays[name][:, :n], arrays[f"{name}_scale"][:, :n] if f"{name}_scale" in arrays else None)
+                 for name in ("k", "v"))
 
 
-def bytes_per_token(num_layers, num_kv_heads, head_dim, store):
-    per_value = {"f32": 4, "f16": 2, "int8": 1}[store]
-    scales = 2 * num_layers * num_kv_heads * 4 if store == "int8" else 0
+def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype):
+    per_value = {"f32": 4, "f16": 2, "bf16": 2, "int8": 1}[dtype]
+    scales = 2 * num_layers * num_kv_heads * 4 if dtype == "int8" else 0
     return 2 * num_layers * num_kv_heads * head_dim * per_value + scales
-
-
-def _quantize(x):
-    scale = np.abs(x).max(axis=-1) / 127.0  # [L, n, Hkv]
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8)  # [L, n, Hkv, D]
-    return q, scale

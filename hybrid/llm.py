@@ -43,7 +43,7 @@ class LLM:
 
     def __init__(self, model_path=None, device="cpu", threads=None, max_context=None, expert_cache_mib=None,
                  vram_reserve_mib=DEFAULT_RESERVE_MIB, resident=None, kv_sequences=1, placement=None, profile=None,
-                 expert_cache="auto", dynamic=None, prefill_borrow=True):
+                 expert_cache="auto", dynamic=None, prefill_borrow=True, kv="f32"):
         from cpu_kernels.target import set_threads
 
         if model_path is None:
@@ -65,7 +65,9 @@ class LLM:
                                         kv_tokens=kv_sequences * self.max_context, chunk_tokens=PREFILL_CHUNK,
                                         resident=resident, prefill_borrow=prefill_borrow)
         self.device = backend.name
-        self.model = Model(self.weights, backend, host)
+        if kv != "f32" and self.device != "cpu":
+            raise ValueError(f"--kv {kv}: the {self.device} backend keeps its KV cache in f32 only")
+        self.model = Model(self.weights, backend, host, kv_dtype=kv)
         if expert_cache == "dynamic":
             self._start_dynamic(dynamic)
         log.info("model %s on %s, %d CPU threads, context %d", self.weights.source, self.device, self.threads,

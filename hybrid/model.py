@@ -8,6 +8,7 @@ import numpy as np
 
 from .arch import ARCHS
 from .blocks import attention_block
+from .kv_store import KV_DTYPES
 from .moe import ExpertSplit, moe_block
 
 
@@ -61,8 +62,11 @@ def _layer_weights(weights, index):
 class Model:
     """host: with a device backend, the backend that runs the non-resident experts (hybrid MoE)."""
 
-    def __init__(self, weights, backend, host=None):
+    def __init__(self, weights, backend, host=None, kv_dtype="f32"):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.weights = weights
+        self.kv_dtype = kv_dtype
         self.config = weights.config
         self.spec = ARCHS[self.config.arch]
         self.backend = backend
@@ -78,7 +82,8 @@ class Model:
 
     def new_sequence(self, max_tokens=None):
         c = self.config
-        return self.backend.new_kv(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens or c.context_length)
+        return self.backend.new_kv(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens or c.context_length,
+                                   dtype=self.kv_dtype)
 
     def forward(self, batch):
         """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache."""

@@ -21,12 +21,17 @@ def model_id(llm):
 
 
 def log_budget(llm, parallel, max_queue):
+    from hybrid.kv_store import bytes_per_token
+
     c = llm.config
     model_bytes = sum(t.raw.nbytes for t in llm.weights.tensors.values())
-    kv_bytes = 2 * c.num_layers * llm.max_context * c.num_kv_heads * c.head_dim * 4  # float32 K and V
-    log.info("memory: model %.1f MiB (mapped); KV float32 %.1f MiB per slot at the full context of %d tokens "
+    kv_dtype = llm.model.kv_dtype
+    kv_bytes = bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype) * llm.max_context
+    where = "RAM" if llm.device == "cpu" else "VRAM"
+    log.info("memory: model %.1f MiB (mapped); KV %s in %s: %.1f MiB per slot at the full context of %d tokens "
              "(grows with use) x %d slots = %.1f MiB; queue limit %d requests",
-             model_bytes / MIB, kv_bytes / MIB, llm.max_context, parallel, parallel * kv_bytes / MIB, max_queue)
+             model_bytes / MIB, kv_dtype, where, kv_bytes / MIB, llm.max_context, parallel, parallel * kv_bytes / MIB,
+             max_queue)
 
 
 def conversation_cache(llm, options):

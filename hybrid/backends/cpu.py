@@ -25,8 +25,8 @@ class CpuBackend:
     def place(self, model):
         """Nothing to place: the CPU reads the weights where they are."""
 
-    def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens):
-        return SequenceKV(num_layers, num_kv_heads, head_dim, max_tokens)
+    def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens, dtype="f32"):
+        return SequenceKV(num_layers, num_kv_heads, head_dim, max_tokens, dtype=dtype)
 
     def take_rows(self, x, rows):
         return np.ascontiguousarray(x[rows])
@@ -64,11 +64,12 @@ class CpuBackend:
         """In place over x [T, nH, D]."""
         _small_or_parallel(x.size, rope.rope_neox_serial, rope.rope_neox)(x, positions, theta, x)
 
-    def attention(self, q, k_cache, v_cache, start, scale, out):
+    def attention(self, q, k_cache, v_cache, start, scale, out, *scales):
+        """scales: (k_scale, v_scale) [S, Hkv] of an int8 cache, else none."""
         num_tokens, num_heads, head_dim = q.shape
         work = num_tokens * (start + num_tokens) * num_heads * head_dim
         kernel = attention.attention_serial if work <= SERIAL_MAX_ATTENTION else attention.attention
-        kernel(q, k_cache, v_cache, start, scale, out)
+        kernel(q, k_cache, v_cache, start, scale, out, *scales)
 
     def route(self, router_logits, k, normalize):
         num_tokens = router_logits.shape[0]

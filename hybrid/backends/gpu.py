@@ -1,13 +1,19 @@
 """The GPU backend: dense weights, KV and scratch in VRAM, resident experts in the expert cache.
 
-Every op of the forward pass runs as a kernel of gpu_kernels on the current stream, in order
-and asynchronously to the host; activations are device arrays (the runtime's). As the device side of an `ExpertSplit` it runs the resident
-experts' pairs of a layer as one grouped launch per projection (`submit_experts`), while the
-host runs the rest. Shape legend: T tokens, H hidden, V vocab, R rows, C columns, nH heads,
-D head dim, Hq / Hkv query / kv heads, L layers, E experts, K top-k, N pairs, F expert width,
-W work tiles.
+Every op of the forward pass runs as a kernel of gpu_kernels on the backend's own stream, in
+order and asynchronously to the host; activations are device arrays (the runtime's). As the device
+side of an `ExpertSplit` it runs the resident experts' pairs of a layer as one grouped launch per
+projection (`submit_experts`), while the host runs the rest. Host <-> device copies of the hot
+path go through pinned buffers (`_Staging`), so the host never waits for queued kernels except
+where it reads their results (the routing of each layer). Prefill borrow: experts the host would
+run are copied to staging slots in VRAM and run in the device part (`borrow_bytes_per_second`
+is the measured copy speed the ExpertSplit's cost model reads).
+Shape legend: T tokens, H hidden, V vocab, R rows, C columns, nH heads, D head dim,
+Hq / Hkv query / kv heads, L layers, E experts, K top-k, N pairs, F expert width, W work tiles.
 """
 import logging
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,6 +27,58 @@ from ..kv_cache import SequenceKV
 log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE_MIB = 512
+PCIE_PROBE_BYTES = 64 << 20  # the pinned host -> device copy timed at start-up
+
+
+@dataclass
+class _Pending:
+    """The device part of one layer, queued: its output [T, H] and, when timed, its two events."""
+
+    out: object
+    start: object = None
+    stop: object = None
+
+
+class _Staging:
+    """Pinned host buffers by name, grown on demand. Each remembers the event after its last
+    queued copy, and a new use first waits for it, so a buffer is never rewritten mid-copy."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.buffers = {}  # name -> (pinned uint8 array, event or None)
+
+    def view(self, name, shape, dtype):
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        buffer, event = self.buffers.get(name, (None, None))
+        if event is not None:
+            event.synchronize()
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = self.rt.pinned_empty((max(nbytes, 4096) * 2,), np.uint8)
+        self.buffers[name] = (buffer, None)
+        return buffer[:nbytes].view(dtype).reshape(shape)
+
+    def queued(self, name, stream):
+        """Mark the last copy through buffer `name` as queued on `stream`; returns its event."""
+        event = self.rt.event()
+        event.record(stream)
+        self.buffers[name] = (self.buffers[name][0], event)
+        return event
+
+    def upload(self, name, host, stream):
+        """A device copy of the host array `host`, queued on `stream` through buffer `name`."""
+        view = self.view(name, host.shape, host.dtype)
+        np.copyto(view, host)
+        dev = self.rt.empty(host.shape, host.dtype)
+        self.rt.copy_from_host_async(dev, view, stream)
+        self.queued(name, stream)
+        return dev
+
+    def download(self, name, dev, stream):
+        """(pinned host view, event): a copy of the device array `dev` queued on `stream`; read the
+        view after event.synchronize()."""
+        view = self.view(name, dev.shape, dev.dtype)
+        self.rt.copy_to_host_async(view, dev, stream)
+        return view, self.queued(name, stream)
 
 
 class DeviceSequenceKV(SequenceKV):
@@ -41,15 +99,21 @@ class DeviceSequenceKV(SequenceKV):
 
 class GpuBackend:
     """expert_cache_mib: None = all VRAM left ("auto"); resident: a placement's bool mask [L, E]
-    (default: fill the cache layer by layer); kv_tokens: KV positions to budget for (all sequences)."""
+    (default: fill the cache layer by layer); kv_tokens: KV positions to budget for (all sequences);
+    prefill_borrow: let large chunks run non-resident experts here (copied in per chunk)."""
 
     name = "gpu"
 
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_tokens=4096,
-                 chunk_tokens=512, resident=None):
+                 chunk_tokens=512, resident=None, prefill_borrow=True):
         self.rt = runtime
-        self.stream = None  # the current stream: CuPy's own array operations run there too
+        self.stream = runtime.stream()  # made current at every embed: CuPy's own array operations run there too
         self.kernels = Kernels(runtime, self.stream)
+        self.staging = _Staging(runtime)
+        self.prefill_borrow = prefill_borrow
+        self.time_experts = False  # record timing events around each device part (ExpertSplit's trace)
+        self.borrow_bytes_per_second = None  # measured at place()
+        self._borrow_slots = {}  # projection name -> device slots [n, R, B] of the borrowed experts
         self.cache_bytes = None if expert_cache_mib is None else int(expert_cache_mib * MIB)
         self.reserve = int(vram_reserve_mib * MIB)
         self.kv_tokens, self.chunk_tokens = kv_tokens, chunk_tokens
@@ -81,10 +145,27 @@ class GpuBackend:
         for w in unique.values():
             self._dev[id(w)] = (self.rt.to_device(np.ascontiguousarray(w.raw if isinstance(w, QuantTensor) else w)), w)
         self.cache = ExpertCache(self.rt, model.layers, self.resident)
-        log.info("%s on %s (%s, warp %d): %s", self.name, self.rt.device_name, self.rt.name, self.rt.warp_size,
-                 self.budget.describe())
+        self.borrow_bytes_per_second = self._measure_upload()
+        log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s", self.name, self.rt.device_name,
+                 self.rt.name, self.rt.warp_size, self.budget.describe(), self.borrow_bytes_per_second / 1e9)
 
-    def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens):
+    def _measure_upload(self):
+        """Bytes per second of a pinned host -> device copy (PCIE_PROBE_BYTES, best of three)."""
+        host = self.rt.pinned_empty((PCIE_PROBE_BYTES,), np.uint8)
+        dev = self.rt.empty((PCIE_PROBE_BYTES,), np.uint8)
+        best = float("inf")
+        for _ in range(3):
+            done = self.rt.event()
+            t0 = time.perf_counter()
+            self.rt.copy_from_host_async(dev, host, self.stream)
+            done.record(self.stream)
+            done.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return PCIE_PROBE_BYTES / best
+
+    def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens, dtype="f32"):
+        if dtype != "f32":
+            raise ValueError(f"KV dtype {dtype} is not available on the GPU yet (only f32)")
         return DeviceSequenceKV(self.rt, num_layers, num_kv_heads, head_dim, max_tokens)
 
     def _weight(self, host):
@@ -99,8 +180,11 @@ class GpuBackend:
         return out
 
     def embed(self, weight, token_ids):
+        """Starts every forward pass: makes the backend's stream current in the calling thread."""
+        if self.stream is not None:
+            self.stream.use()
         out = self.rt.empty((len(token_ids), weight.shape[-1]), np.float32)  # [T, H]
-        ids = self.rt.to_device(np.ascontiguousarray(token_ids, dtype=np.int64), self.stream)
+        ids = self.staging.upload("token_ids", np.ascontiguousarray(token_ids, dtype=np.int64), self.stream)
         self.kernels.dequant_rows(self._weight(weight), weight.qtype, ids, out)
         return out
 
@@ -117,7 +201,8 @@ class GpuBackend:
     def rope(self, x, positions, theta):
         """In place over x [T, nH, D]; positions int64 [T] on the host."""
         if self._positions[0] is not positions:
-            self._positions = (positions, self.rt.to_device(np.ascontiguousarray(positions), self.stream))
+            self._positions = (positions, self.staging.upload("positions", np.ascontiguousarray(positions),
+                                                              self.stream))
         key = (theta, x.shape[-1])
         if key not in self._inv_freq:
             self._inv_freq[key] = self.rt.to_device(inv_freq_f32(theta, x.shape[-1]))  # [D/2]
@@ -134,60 +219,126 @@ class GpuBackend:
         return ids, weights
 
     def take_rows(self, x, rows):
-        return x[self.rt.to_device(np.ascontiguousarray(rows, dtype=np.int64), self.stream)]
+        return x[self.staging.upload("rows", np.ascontiguousarray(rows, dtype=np.int64), self.stream)]
 
     def to_host(self, x):
         return self.rt.to_host(x, stream=self.stream)
 
     # -- the device side of an ExpertSplit ------------------------------------------------
 
-    def submit_experts(self, layer, x, ids, weights, groups):
-        """Queue the pairs of `groups` (resident experts of `layer`) on the stream: gather, gate/up,
-        SwiGLU, down, weighted combine. x [T, H], weights [T, K] on the device. Returns out [T, H]."""
+    def fetch_routing(self, ids, weights):
+        """(ids int64 [T, K], weights [T, K]) on the host: one wait, for the routing only."""
+        ids_host, _ = self.staging.download("ids", ids, self.stream)
+        weights_host, done = self.staging.download("weights", weights, self.stream)
+        done.synchronize()
+        return ids_host.astype(np.int64), weights_host
+
+    def fetch_rows(self, x):
+        """Queue a host copy of x [T, H]; wait_rows(handle) returns it."""
+        return self.staging.download("rows_to_host", x, self.stream)
+
+    def wait_rows(self, handle):
+        view, done = handle
+        done.synchronize()
+        return view
+
+    def synchronize(self):
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def submit_experts(self, layer, x, ids, weights, groups, borrowed=None):
+        """Queue the pairs of `groups` (resident experts of `layer`) and of `borrowed` (groups of
+        experts to copy in first, or None) on the stream: gather, gate/up, SwiGLU, down, weighted
+        combine. x [T, H], weights [T, K] on the device. Returns a pending part for wait_experts."""
         num_tokens, k = ids.shape
-        gate_slots, up_slots, down_slots = self.cache.layers[layer.index]
-        slots = self.cache.slot_of[layer.index][groups.expert_ids]  # [G]
-        tiles = _work_tiles(groups.row_starts, slots)  # [3, W]
-        num_pairs, num_tiles = len(groups.order), tiles.shape[1]
-        row_of_pair = np.full(num_tokens * k, -1, dtype=np.int32)  # [T*K]
-        row_of_pair[groups.order] = np.arange(num_pairs, dtype=np.int32)
-        packed = self.rt.to_device(np.concatenate([groups.order.astype(np.int32), row_of_pair, tiles.reshape(-1)]),
-                                   self.stream)
-        order, pair_rows = packed[:num_pairs], packed[num_pairs:num_pairs + num_tokens * k]
-        tile_args = [packed[num_pairs + num_tokens * k + i * num_tiles:][:num_tiles] for i in range(3)]
+        pending = _Pending(None)
+        if self.time_experts:
+            pending.start = self.rt.event(timing=True)
+            pending.start.record(self.stream)
+        parts = []  # (device slots (gate, up, down), slot of each group [G], groups)
+        if groups.num_groups:
+            parts.append((self.cache.layers[layer.index], self.cache.slot_of[layer.index][groups.expert_ids], groups))
+        if borrowed is not None and borrowed.num_groups:
+            parts.append((self._borrow(layer, borrowed.expert_ids), np.arange(borrowed.num_groups), borrowed))
+        tile_tokens = 1 if num_tokens == 1 else TILE_TOKENS
+        order, pair_rows, tile_args = self._pair_layout(parts, num_tokens * k, tile_tokens)
+        num_pairs, width = len(order), layer.gate_exps.shape[1]
         xs = self.rt.empty((num_pairs, x.shape[1]), np.float32)  # [N, H]
         self.kernels.gather_rows(x, order, k, xs)
-        width = layer.gate_exps.shape[1]
         gate = self.rt.empty((num_pairs, width), np.float32)  # [N, F]
         up = self.rt.empty((num_pairs, width), np.float32)  # [N, F]
-        self.kernels.moe_matmul(gate_slots, layer.gate_exps.qtype, xs, gate, *tile_args)
-        self.kernels.moe_matmul(up_slots, layer.up_exps.qtype, xs, up, *tile_args)
-        self.kernels.swiglu(gate, up, gate)
         down = self.rt.empty((num_pairs, x.shape[1]), np.float32)  # [N, H]
-        self.kernels.moe_matmul(down_slots, layer.down_exps.qtype, gate, down, *tile_args)
-        out = self.rt.empty(x.shape, np.float32)  # [T, H]
-        self.kernels.combine_rows(down, pair_rows, weights, k, out)
-        return out
+        for (slabs, _, _), args in zip(parts, tile_args):
+            self.kernels.moe_matmul(slabs[0], layer.gate_exps.qtype, xs, gate, *args, tile_tokens)
+            self.kernels.moe_matmul(slabs[1], layer.up_exps.qtype, xs, up, *args, tile_tokens)
+        self.kernels.swiglu(gate, up, gate)
+        for (slabs, _, _), args in zip(parts, tile_args):
+            self.kernels.moe_matmul(slabs[2], layer.down_exps.qtype, gate, down, *args, tile_tokens)
+        pending.out = self.rt.empty(x.shape, np.float32)  # [T, H]
+        self.kernels.combine_rows(down, pair_rows, weights, k, pending.out)
+        if self.time_experts:
+            pending.stop = self.rt.event(timing=True)
+            pending.stop.record(self.stream)
+        return pending
+
+    def _pair_layout(self, parts, num_pair_slots, tile_tokens):
+        """Device int32 arrays, one upload: pair order [N] (the parts' pairs one after another),
+        row of each of the T*K pairs [T*K] (-1: not here), and per part its tiles (slot, row, count)."""
+        order = np.concatenate([g.order for _, _, g in parts]).astype(np.int32)  # [N]
+        row_of_pair = np.full(num_pair_slots, -1, dtype=np.int32)  # [T*K]
+        row_of_pair[order] = np.arange(len(order), dtype=np.int32)
+        tiles, first = [], 0
+        for _, slots, g in parts:
+            tiles.append(_work_tiles(g.row_starts + first, slots, tile_tokens))  # [3, W_p]
+            first += len(g.order)
+        packed = self.staging.upload("expert_args", np.concatenate([order, row_of_pair] + [t.reshape(-1) for t in tiles]),
+                                     self.stream)
+        offset, tile_args = len(order) + num_pair_slots, []
+        for t in tiles:
+            num_tiles = t.shape[1]
+            tile_args.append([packed[offset + i * num_tiles:offset + (i + 1) * num_tiles] for i in range(3)])
+            offset += 3 * num_tiles
+        return packed[:len(order)], packed[len(order):len(order) + num_pair_slots], tile_args
+
+    def _borrow(self, layer, experts):
+        """Device slots (gate, up, down) [n, R, B] holding `experts` of `layer`, copied in now on the stream."""
+        slabs = []
+        for name in ("gate_exps", "up_exps", "down_exps"):
+            tensor = getattr(layer, name)
+            shape = (len(experts),) + tensor.raw.shape[1:]
+            slots = self._borrow_slots.get(name)
+            if slots is None or slots.shape[0] < len(experts) or slots.shape[1:] != shape[1:]:
+                slots = self._borrow_slots[name] = self.rt.empty(shape, np.uint8)
+            view = self.staging.view(f"borrow_{name}", shape, np.uint8)
+            np.take(tensor.raw, experts, axis=0, out=view)
+            self.rt.copy_from_host_async(slots[: len(experts)], view, self.stream)
+            self.staging.queued(f"borrow_{name}", self.stream)
+            slabs.append(slots)
+        return slabs
 
     def wait_experts(self, pending):
         """The device part's result; stream order makes later device work see it, so no host wait."""
-        return pending
+        return pending.out
+
+    def expert_seconds(self, pending):
+        """GPU time of a timed device part (waits for it)."""
+        return self.rt.elapsed(pending.start, pending.stop)
 
     def zeros_like(self, x):
         return self.rt.zeros(x.shape, x.dtype)
 
     def add_from_host(self, out, host_part):
-        """out [T, H] (device) += host_part [T, H] (host)."""
-        out += self.rt.to_device(host_part, self.stream)
+        """out [T, H] (device) += host_part [T, H] (host), queued through a pinned buffer."""
+        out += self.staging.upload("host_part", host_part, self.stream)
         return out
 
 
-def _work_tiles(row_starts, slots):
-    """Groups -> int32 [3, W]: (slot, first row, row count) of each tile of <= TILE_TOKENS rows."""
+def _work_tiles(row_starts, slots, tile_tokens=TILE_TOKENS):
+    """Groups -> int32 [3, W]: (slot, first row, row count) of each tile of <= tile_tokens rows."""
     sizes = np.diff(row_starts)  # [G]
-    per_group = (sizes + TILE_TOKENS - 1) // TILE_TOKENS  # [G]
+    per_group = (sizes + tile_tokens - 1) // tile_tokens  # [G]
     group_of = np.repeat(np.arange(len(sizes)), per_group)  # [W]
     first = np.cumsum(per_group) - per_group  # [G]
-    rows = row_starts[group_of] + (np.arange(len(group_of)) - first[group_of]) * TILE_TOKENS  # [W]
-    counts = np.minimum(TILE_TOKENS, row_starts[group_of + 1] - rows)  # [W]
+    rows = row_starts[group_of] + (np.arange(len(group_of)) - first[group_of]) * tile_tokens  # [W]
+    counts = np.minimum(tile_tokens, row_starts[group_of + 1] - rows)  # [W]
     return np.stack([slots[group_of], rows, counts]).astype(np.int32)
