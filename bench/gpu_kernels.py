@@ -2,11 +2,12 @@
 
 For each format, random experts of one Qwen3-30B-A3B MoE layer (128 experts, gate/up projection
 R=768, C=2048) sit in VRAM as expert-cache slots; a decode-sized step reads every expert once: one
-moe_matmul launch with 128 groups of one row. Four layer copies are cycled so the weights never
-sit in L2. Bandwidth = weight bytes read / time (CUDA events, median of the repeats). The copy
-bandwidth counts bytes read + written of a 2 GiB device-to-device copy.
+moe_matmul launch with 128 groups of one row (the one-token kernel). Four layer copies are cycled so
+the weights never sit in L2. Bandwidth = weight bytes read / time (CUDA events, median of the
+repeats). The copy bandwidth counts bytes read + written of a 2 GiB device-to-device copy. The
+tuning (rows a lane group works on, slices a lane takes) is swept for --sweep formats.
 
-    python bench/gpu_kernels.py [--formats q8_0,q4_k] [--repeats 20]
+    python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--repeats 20]
 
 Writes the table to bench/results/gpu_kernels.md.
 """
@@ -19,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from gpu_kernels.kernels import Kernels  # noqa: E402
+from gpu_kernels.kernels import DECODE_ROWS, LANE_SLICES, Kernels  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from hybrid.backends.gpu import _work_tiles  # noqa: E402
 from hybrid.formats.synthetic import encode  # noqa: E402
@@ -35,7 +36,7 @@ def timed(rt, fn, repeats):
     fn()
     times = []
     for _ in range(repeats):
-        start, stop = rt.event(), rt.event()
+        start, stop = rt.event(timing=True), rt.event(timing=True)
         start.record()
         fn()
         stop.record()
@@ -51,26 +52,32 @@ def copy_bandwidth(rt, repeats):
     return 2 * src.nbytes / seconds
 
 
-def expert_bandwidth(rt, kernels, qtype, repeats):
+def expert_bandwidth(rt, tunings, qtype, repeats):
+    """{(decode_rows, lane_slices): (bytes per second, seconds)} of one decode step over a layer."""
     rng = np.random.default_rng(0)
     one = encode("w", rng.standard_normal((NUM_EXPERTS, ROWS, COLS)).astype(np.float32) * 0.02, qtype, rng).raw
     layers = [rt.to_device(one) for _ in range(COPIES)]  # [E, R, B] each
     x = rt.to_device(rng.standard_normal((NUM_EXPERTS, COLS)).astype(np.float32))  # [N, C], one row per expert
     out = rt.empty((NUM_EXPERTS, ROWS), np.float32)
     tiles = [rt.to_device(np.ascontiguousarray(t))
-             for t in _work_tiles(np.arange(NUM_EXPERTS + 1), np.arange(NUM_EXPERTS))]
+             for t in _work_tiles(np.arange(NUM_EXPERTS + 1), np.arange(NUM_EXPERTS), 1)]
     step = iter(range(1 << 30))
+    results = {}
+    for rows, lane_slices in tunings:
+        kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices)
 
-    def run():
-        kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles)
+        def run():
+            kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
 
-    seconds = timed(rt, run, repeats)
-    return one.nbytes / seconds, seconds
+        seconds = timed(rt, run, repeats)
+        results[rows, lane_slices] = (one.nbytes / seconds, seconds)
+    return one.nbytes, results
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="f16,bf16,q8_0,q4_0,q4_k,q5_k,q6_k")
+    p.add_argument("--sweep", default="q8_0,q4_k")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -79,19 +86,23 @@ def main(argv=None):
         log.error("no GPU: %s", found.reason)
         return 1
     rt = found.runtime
-    kernels = Kernels(rt)
     copy = copy_bandwidth(rt, args.repeats)
+    sweep = {Q[n.upper()] for n in args.sweep.split(",") if n}
     lines = [f"# GPU expert matvec bandwidth ({rt.device_name}, {rt.name})", "",
              f"Decode step over one MoE layer: {NUM_EXPERTS} experts x [{ROWS}, {COLS}], one row each, one launch.",
-             f"Device-to-device copy: {copy / 1e9:.0f} GB/s (read + write).", "",
-             "| format | MiB read | time (us) | GB/s | % of copy |", "|---|---|---|---|---|"]
+             f"Device-to-device copy: {copy / 1e9:.0f} GB/s (read + write).",
+             f"Default tuning: {DECODE_ROWS} rows a lane group, about {LANE_SLICES} slices a lane.", "",
+             "| format | rows / group | slices / lane | MiB read | time (us) | GB/s | % of copy |",
+             "|---|---|---|---|---|---|---|"]
     for name in args.formats.split(","):
         qtype = Q[name.upper()]
-        bw, seconds = expert_bandwidth(rt, kernels, qtype, args.repeats)
-        nbytes = bw * seconds
-        lines.append(f"| {qtype.name} | {nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | {bw / 1e9:.0f} | "
-                     f"{100 * bw / copy:.0f} |")
-        log.info(lines[-1])
+        tunings = ([(r, s) for r in (1, 2, 4) for s in (1, 2, 4)] if qtype in sweep
+                   else [(DECODE_ROWS, LANE_SLICES)])
+        nbytes, results = expert_bandwidth(rt, tunings, qtype, args.repeats)
+        for (rows, lane_slices), (bw, seconds) in results.items():
+            lines.append(f"| {qtype.name} | {rows} | {lane_slices} | {nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | "
+                         f"{bw / 1e9:.0f} | {100 * bw / copy:.0f} |")
+            log.info(lines[-1])
     RESULTS.write_text("\n".join(lines) + "\n")
     log.info("wrote %s", RESULTS)
     return 0

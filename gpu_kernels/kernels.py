@@ -9,11 +9,13 @@ from gguf import GGMLQuantizationType as Q
 
 from .sources import MATMUL_KERNELS, OPS_KERNELS, module_name, module_source
 
-TILE_TOKENS = 8  # matmul.cu's TILE_TOKENS
+TILE_TOKENS = 8  # common.cuh's TILE_TOKENS: tokens per work tile of the tiled matmuls
 UNIT_WEIGHTS = {Q.F32: 1, Q.F16: 1, Q.BF16: 1, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
+SLICE_WEIGHTS = {Q.F32: 4, Q.F16: 8, Q.BF16: 8, Q.Q8_0: 8, Q.Q4_0: 16, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 32}
 MAX_THREADS = 256
-MATMUL_THREADS = 256  # a matmul block: several rows, ROW_THREADS threads (or fewer) on each
-ROW_THREADS = 32  # a tuning choice, not a warp size: reductions go through shared memory
+MATMUL_THREADS = 256  # a matmul block: groups of `tpr` lanes, each on its own rows
+DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
+LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
 
 
 def _pow2_at_least(n):
@@ -21,9 +23,12 @@ def _pow2_at_least(n):
 
 
 class Kernels:
-    def __init__(self, runtime, stream=None):
+    """decode_rows, lane_slices: tuning of the matmuls (the benchmark sweeps them)."""
+
+    def __init__(self, runtime, stream=None, decode_rows=DECODE_ROWS, lane_slices=LANE_SLICES):
         self.rt, self.stream = runtime, stream
         self.warp = runtime.warp_size
+        self.decode_rows, self.lane_slices = decode_rows, lane_slices
 
     def _threads(self, work, cap=MAX_THREADS):
         """A power-of-two block size: enough for `work` items, at least one warp, at most `cap`."""
@@ -34,7 +39,8 @@ class Kernels:
 
     def _mm(self, qtype, name):
         mod = module_name(qtype)
-        return self.rt.compile(mod, module_source(mod), MATMUL_KERNELS)[name]
+        source = f"#define DECODE_ROWS {self.decode_rows}\n" + module_source(mod)
+        return self.rt.compile(f"{mod}_r{self.decode_rows}", source, MATMUL_KERNELS)[name]
 
     def _launch(self, fn, grid, block, args, shared_mem=0):
         self.rt.launch(fn, grid, (block,), args, shared_mem=shared_mem, stream=self.stream)
@@ -42,29 +48,36 @@ class Kernels:
     def _mm_threads(self, qtype, num_cols):
         return self._threads(num_cols // UNIT_WEIGHTS[Q(qtype)], cap=128)
 
-    def _mm_shape(self, qtype, num_rows, num_cols):
-        """(threads per row, rows per block, blocks over the rows) of a matmul launch."""
-        tpr = int(min(ROW_THREADS, _pow2_at_least(num_cols // UNIT_WEIGHTS[Q(qtype)])))
-        per_block = MATMUL_THREADS // tpr
-        return tpr, per_block, (num_rows + per_block - 1) // per_block
+    def _mm_shape(self, qtype, num_rows, num_cols, rows_per_group):
+        """(lanes per group, blocks over the rows) of a matmul launch."""
+        slices, rem = divmod(num_cols, SLICE_WEIGHTS[Q(qtype)])
+        if rem:
+            raise ValueError(f"{Q(qtype).name} matmul: {num_cols} columns, not a multiple of "
+                             f"{SLICE_WEIGHTS[Q(qtype)]}")
+        tpr = int(min(self.warp, _pow2_at_least(-(-slices // self.lane_slices))))
+        per_block = MATMUL_THREADS // tpr * rows_per_group
+        return tpr, (num_rows + per_block - 1) // per_block
 
     def matmul(self, raw, qtype, x, out):
-        """out [T, R] = x [T, C] @ dequant(raw [R, B]).T."""
+        """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous."""
         num_tokens, num_cols = x.shape
         num_rows = raw.shape[0]
-        tpr, _, num_blocks = self._mm_shape(qtype, num_rows, num_cols)
-        grid = (num_blocks, (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
-        self._launch(self._mm(qtype, "matmul"), grid, MATMUL_THREADS,
+        one = num_tokens == 1
+        tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, self.decode_rows if one else 1)
+        grid = (num_blocks, 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
+        self._launch(self._mm(qtype, "matmul_1" if one else "matmul"), grid, MATMUL_THREADS,
                      (raw, x, out, np.int32(num_tokens), np.int32(num_rows), np.int32(num_cols),
-                      np.int64(raw.shape[-1]), np.int32(tpr)), shared_mem=TILE_TOKENS * MATMUL_THREADS * 4)
+                      np.int64(raw.shape[-1]), np.int32(tpr)))
 
-    def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count):
-        """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W]."""
+    def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=TILE_TOKENS):
+        """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W]
+        of at most `tile_tokens` rows (1: the one-row kernel, else TILE_TOKENS)."""
         num_rows, num_cols = raw.shape[1], x.shape[1]
-        tpr, _, num_blocks = self._mm_shape(qtype, num_rows, num_cols)
-        self._launch(self._mm(qtype, "moe_matmul"), (num_blocks, len(tile_slot)), MATMUL_THREADS,
-                     (raw, x, out, tile_slot, tile_row, tile_count, np.int32(num_rows), np.int32(num_cols),
-                      np.int64(raw.shape[-1]), np.int32(tpr)), shared_mem=TILE_TOKENS * MATMUL_THREADS * 4)
+        one = tile_tokens == 1
+        tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, self.decode_rows if one else 1)
+        self._launch(self._mm(qtype, "moe_matmul_1" if one else "moe_matmul"), (num_blocks, len(tile_slot)),
+                     MATMUL_THREADS, (raw, x, out, tile_slot, tile_row, tile_count, np.int32(num_rows),
+                                      np.int32(num_cols), np.int64(raw.shape[-1]), np.int32(tpr)))
 
     def dequant_rows(self, raw, qtype, row_ids, out):
         """out [M, C] = dequant(raw [rows, B][row_ids]); row_ids int64 [M] on the device."""

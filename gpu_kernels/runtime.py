@@ -70,11 +70,28 @@ class CupyRuntime:
         """A NumPy array in page-locked host memory (fast, asynchronous copies)."""
         return self._cupyx.empty_pinned(shape, dtype=dtype)
 
-    def stream(self):
-        return self.cp.cuda.Stream(non_blocking=True)
+    def copy_to_host_async(self, host, dev, stream):
+        """Queue a copy of the contiguous device array `dev` into the pinned array `host` on `stream`."""
+        rt = self.cp.cuda.runtime
+        rt.memcpyAsync(host.ctypes.data, dev.data.ptr, dev.nbytes, rt.memcpyDeviceToHost, _ptr(stream))
 
-    def event(self):
-        return self.cp.cuda.Event()
+    def copy_from_host_async(self, dev, host, stream):
+        """Queue a copy of the pinned array `host` into the contiguous device array `dev` on `stream`."""
+        rt = self.cp.cuda.runtime
+        rt.memcpyAsync(dev.data.ptr, host.ctypes.data, host.nbytes, rt.memcpyHostToDevice, _ptr(stream))
+
+    def stream(self):
+        """A stream of its own that still orders with the legacy default stream, so CuPy work that
+        runs there (allocation copies, other threads) never races the model's kernels."""
+        return self.cp.cuda.Stream(non_blocking=False)
+
+    def event(self, timing=False):
+        return self.cp.cuda.Event(disable_timing=not timing)
+
+    def elapsed(self, start, stop):
+        """Seconds between two recorded timing events (waits for `stop`)."""
+        stop.synchronize()
+        return self.cp.cuda.get_elapsed_time(start, stop) / 1e3
 
     def compile(self, name, source, kernel_names):
         """Compile module `name`; returns {kernel name: function}. KernelCompileError with the log on failure."""
@@ -95,6 +112,10 @@ class CupyRuntime:
         else:
             with stream:
                 function(grid, block, args, shared_mem=shared_mem)
+
+
+def _ptr(stream):
+    return 0 if stream is None else stream.ptr
 
 
 def _probe_cupy():

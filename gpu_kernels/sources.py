@@ -18,7 +18,7 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
 }
 
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attention", "swiglu", "route_topk", "gather_rows", "combine_rows")
-MATMUL_KERNELS = ("matmul", "moe_matmul", "dequant_rows")
+MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "dequant_rows")
 
 
 def module_name(qtype=None):

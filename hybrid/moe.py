@@ -2,12 +2,25 @@
 
 With an `ExpertSplit`, each (token, expert) pair runs where its expert lives: pairs of resident
 experts as one grouped launch on the device backend, the others on the host backend at the
-same time (submit, run the host part, wait, combine).
-Shape legend: T tokens, H hidden, E experts, K experts per token, N pairs, G experts with pairs.
+same time: the host part starts in a worker thread, the device part is queued meanwhile, then
+both are waited for and combined. Prefill borrow: for a large chunk, a
+non-resident expert many tokens use may be cheaper to copy to the device and run there; a cost
+model (`plan_borrow`) from the device's measured copy speed and the host's measured expert speed
+decides per expert, balancing the two sides. STRATA_PREFILL_CPU_SHARE (0..1) instead keeps that
+share of the non-resident pair rows (the least-used experts) on the host.
+Shape legend: T tokens, H hidden, E experts, K experts per token, N pairs, G experts with pairs,
+F expert width.
 """
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+
+BORROW_MIN_TOKENS = 32  # chunks of fewer tokens never borrow
+HOST_FLOPS_DEFAULT = 2e11  # the host's expert FLOP/s until measured
+HOST_FLOPS_MIN_ROWS = 256  # host calls of at least this many pair rows update the measured speed
 
 
 @dataclass
@@ -34,30 +47,106 @@ class PairGroups:
 
 
 class ExpertSplit:
-    """Runs each layer's pairs on `device` (resident experts) and `host` (the rest) at once.
+    """Runs each layer's pairs on `device` (resident and borrowed experts) and `host` (the rest) at once.
 
-    resident: bool [L, E], the experts the device holds.
+    resident: bool [L, E], the experts the device holds (updated in place by a dynamic cache).
+    cpu_share: see the module note (None: STRATA_PREFILL_CPU_SHARE, unset = the cost model alone).
+    trace: set to a list to record per layer {layer, tokens, cpu_s, gpu_s, step_s, borrowed}.
+    host_thread: run the host part in a worker thread while the device part is queued (else the
+    device part is queued first and the host part runs in the calling thread).
     """
 
-    def __init__(self, host, resident):
+    def __init__(self, host, resident, cpu_share=None):
         self.host, self.resident = host, np.asarray(resident, dtype=bool)
+        self.cpu_share = _cpu_share_from_env() if cpu_share is None else cpu_share
+        self.host_flops = HOST_FLOPS_DEFAULT
+        self.trace = None
+        self.host_thread = True
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts")
 
     def run(self, device, layer, h, ids, weights):
-        ids_host = device.to_host(ids).astype(np.int64, copy=False)  # [T, K]
-        weights_host = device.to_host(weights)  # [T, K]
+        if self.trace is not None:
+            device.synchronize()  # time this layer's expert work alone
+        t0 = time.perf_counter()
+        ids_host, weights_host = device.fetch_routing(ids, weights)  # [T, K] each
         groups = PairGroups(*self.host.group_pairs(ids_host, self.resident.shape[1]))
         on_device = self.resident[layer.index][groups.expert_ids]  # [G]
         device_groups, host_groups = groups.select(on_device), groups.select(~on_device)
-        x_host = device.to_host(h) if host_groups.num_groups else None  # [T, H], before the device work queues
-        pending = device.submit_experts(layer, h, ids, weights, device_groups) if device_groups.num_groups else None
-        host_out = None
-        if host_groups.num_groups:
-            host_out = self.host.grouped_experts(x_host, weights_host, host_groups, layer.gate_exps,
-                                                 layer.up_exps, layer.down_exps)  # [T, H]
+        borrowed = None
+        if host_groups.num_groups and device.prefill_borrow and len(ids_host) >= BORROW_MIN_TOKENS:
+            keep = self.plan_borrow(layer, host_groups, device.borrow_bytes_per_second)  # [G_host]
+            borrowed, host_groups = host_groups.select(~keep), host_groups.select(keep)
+        host_part, rows = None, device.fetch_rows(h) if host_groups.num_groups else None  # [T, H] queued
+        if rows is not None and self.host_thread:  # the host starts first: queuing the device part takes time
+            host_part = self._pool.submit(self._run_host, layer, device.wait_rows(rows), weights_host, host_groups)
+        pending = None
+        try:
+            if device_groups.num_groups or (borrowed is not None and borrowed.num_groups):
+                pending = device.submit_experts(layer, h, ids, weights, device_groups, borrowed)
+        finally:
+            host_out, cpu_s = host_part.result() if host_part is not None else (None, 0.0)
+        if rows is not None and not self.host_thread:
+            host_out, cpu_s = self._run_host(layer, device.wait_rows(rows), weights_host, host_groups)
         out = device.wait_experts(pending) if pending is not None else device.zeros_like(h)  # [T, H]
         if host_out is not None:
             out = device.add_from_host(out, host_out)
+        if self.trace is not None:
+            device.synchronize()
+            gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
+            self.trace.append(dict(layer=layer.index, tokens=len(ids_host), cpu_s=cpu_s, gpu_s=gpu_s,
+                                   step_s=time.perf_counter() - t0,
+                                   borrowed=0 if borrowed is None else borrowed.num_groups))
         return out
+
+    def _run_host(self, layer, x, weights, groups):
+        """(out [T, H], seconds): the host's pairs, in the split's worker thread (Numba releases the GIL)."""
+        t0 = time.perf_counter()
+        out = self.host.grouped_experts(x, weights, groups, layer.gate_exps, layer.up_exps, layer.down_exps)
+        seconds = time.perf_counter() - t0
+        self._measure_host(layer, len(groups.order), seconds)
+        return out, seconds
+
+    def plan_borrow(self, layer, groups, bytes_per_second):
+        """keep bool [G]: True where a host group stays on the host, False where its expert is borrowed."""
+        rows = np.diff(groups.row_starts)  # [G]
+        if self.cpu_share is not None:
+            order = np.argsort(rows, kind="stable")  # least-used first
+            keep = np.zeros(len(rows), dtype=bool)
+            keep[order[np.cumsum(rows[order]) <= self.cpu_share * rows.sum()]] = True
+            return keep
+        host_s = rows * _expert_flops_per_row(layer) / self.host_flops  # [G]
+        copy_s = _expert_bytes(layer) / bytes_per_second
+        keep = np.ones(len(rows), dtype=bool)
+        host_total, device_total = host_s.sum(), 0.0
+        for g in np.argsort(-rows, kind="stable"):  # most-used first: the largest gain per copy
+            if max(host_total - host_s[g], device_total + copy_s) >= max(host_total, device_total):
+                break
+            keep[g] = False
+            host_total, device_total = host_total - host_s[g], device_total + copy_s
+        return keep
+
+    def _measure_host(self, layer, num_rows, seconds):
+        if num_rows >= HOST_FLOPS_MIN_ROWS and seconds > 0:
+            self.host_flops = 0.5 * self.host_flops + 0.5 * num_rows * _expert_flops_per_row(layer) / seconds
+
+
+def _expert_flops_per_row(layer):
+    hidden, width = layer.gate_exps.shape[2], layer.gate_exps.shape[1]
+    return 6.0 * hidden * width  # gate, up: 2 H F each; down: 2 F H
+
+
+def _expert_bytes(layer):
+    return sum(t.raw.nbytes // t.raw.shape[0] for t in (layer.gate_exps, layer.up_exps, layer.down_exps))
+
+
+def _cpu_share_from_env():
+    value = os.environ.get("STRATA_PREFILL_CPU_SHARE")
+    if value is None or value == "":
+        return None
+    share = float(value)
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"STRATA_PREFILL_CPU_SHARE={value}: expected a number from 0 to 1")
+    return share
 
 
 def moe_block(backend, spec, layer, h, split=None, usage=None):

@@ -1,5 +1,6 @@
 // Shared device helpers, in the common subset of CUDA and HIP (no headers, no warp-size assumption).
-// Block reductions go through shared memory over a power-of-two blockDim chosen by the host.
+// Block reductions go through shared memory over a power-of-two blockDim chosen by the host; lane
+// groups reduce with shuffles over a power-of-two width the host keeps within the device's wave.
 
 typedef unsigned char u8;
 typedef signed char i8;
@@ -52,3 +53,40 @@ __device__ float block_max(float v, float* red) {
 }
 
 #define NEG_INF __int_as_float(0xff800000)
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
+#define SHFL_XOR(v, mask, width) __shfl_xor((v), (mask), (width))
+#else
+#define SHFL_XOR(v, mask, width) __shfl_xor_sync(0xffffffffu, (v), (mask), (width))
+#endif
+
+// Byte b (0..3, a constant) of v as a float minus `bias`, exactly and without an int-to-float
+// conversion: the bits 0x4B0000bb are the float 2^23 + bb.
+#define BYTE_FLOAT(v, b, bias) (__int_as_float(__byte_perm((v), 0x4B000000u, 0x7540u | (b))) - (8388608.0f + (bias)))
+
+// Word i (a constant) of a uint4.
+#define WORD(q, i) ((i) == 0 ? (q).x : (i) == 1 ? (q).y : (i) == 2 ? (q).z : (q).w)
+
+// The 4 bytes at p + 4i .. p + 4i + 3 (p 2-byte aligned) from the aligned words that hold them:
+// no read leaves the 4-byte words of the requested bytes.
+__device__ __forceinline__ void load_words_a2(const u8* p, u32* out, int num_words) {
+    const u32* w = (const u32*)((size_t)p & ~(size_t)3);
+    u32 shift = ((u32)(size_t)p & 2u) * 8u;  // 0 or 16
+    u32 lo = w[0];
+    for (int i = 0; i < num_words; ++i) {
+        u32 hi = w[shift ? i + 1 : i];
+        out[i] = shift ? (lo >> 16) | (hi << 16) : hi;
+        lo = hi;
+    }
+}
+
+// Matmul tiling (matmul.cu): a thread dots the same slices of RPT rows (their activations load
+// once) with TT tokens; the decode kernels (one token) take DECODE_ROWS rows, the tiled ones one row.
+#define TILE_TOKENS 8
+#ifndef DECODE_ROWS
+#define DECODE_ROWS 2
+#endif
+
+// sum += wts[o .. o + 3] . xv (a float4 of the token's activations).
+#define DOT4(sum, wts, o, xv) \
+    sum = fmaf(wts[o + 3], xv.w, fmaf(wts[o + 2], xv.z, fmaf(wts[o + 1], xv.y, fmaf(wts[o], xv.x, sum))))

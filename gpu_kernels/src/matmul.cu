@@ -1,71 +1,103 @@
-// Quantized matmuls over GGUF rows, compiled once per format: the format's header (UNIT_WEIGHTS,
-// unit_dequant) comes before this file. A unit is the format's smallest independently scaled run of
-// weights; each thread dequantizes whole units into registers and dots them with a tile of tokens.
+// Quantized matmuls over GGUF rows, compiled once per format: the format's header comes before this
+// file. For the matmuls it defines SLICE_WEIGHTS, a Slice (the raw bytes of a run of weights, in
+// registers), load_slice (slice s of a row; slices s and s + 1 lie side by side, so neighbouring lanes
+// read neighbouring bytes) and slice_dot (a thread's RPT rows' slices dotted with a tile of tokens).
+// For dequant_rows: UNIT_WEIGHTS and unit_dequant, bit-exact with gguf.
 //
 // Shape legend: R output rows, C columns, B bytes per row, T tokens, TT tokens per tile,
 // S expert slots, N (token, expert) pair rows sorted by expert, W work tiles.
-// Dynamic shared memory: TILE_TOKENS * blockDim.x floats (blockDim.x a power of two).
+// A group of `tpr` lanes (a power of two, at most the wave size) works on RPT rows: each lane takes
+// every tpr-th slice of them, and the group sums its lanes with shuffles. Each kernel comes twice:
+// tiles of TILE_TOKENS tokens, one row a group, and `_1` (decode: one token, DECODE_ROWS rows a group,
+// fewer registers, so more groups in flight).
 
-#define TILE_TOKENS 8
-
-// A block works on blockDim / tpr rows at once: threads [r * tpr, (r + 1) * tpr) on its row r.
-// acc[t] = row . x[t] for t < n; x: [n, C] with rows C apart. Every thread of the block must call
-// this (it synchronizes); a thread whose row is past the end passes valid = false.
-__device__ void rows_dot(const u8* row, bool valid, const float* x, int C, int n, int tpr, float* acc, float* red) {
-    float w[UNIT_WEIGHTS];
-    float part[TILE_TOKENS];
+// acc [RPT, TT] = rows r0 .. r0 + RPT - 1 (clamped to R - 1) of `raw` dotted with x [n, C].
+template <int RPT, int TT>
+__device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 row_bytes, int R, int r0,
+                                               const float* __restrict__ x, int C, int n, int tpr,
+                                               float (&acc)[RPT][TT]) {
+    const u8* row[RPT];
 #pragma unroll
-    for (int t = 0; t < TILE_TOKENS; ++t) part[t] = 0.0f;
-    int lane = threadIdx.x % tpr, num_units = valid ? C / UNIT_WEIGHTS : 0;
-    for (int u = lane; u < num_units; u += tpr) {
-        unit_dequant(row, u, w);
+    for (int r = 0; r < RPT; ++r) {
+        row[r] = raw + (i64)min(r0 + r, R - 1) * row_bytes;
 #pragma unroll
-        for (int t = 0; t < TILE_TOKENS; ++t) {
-            if (t < n) {
-                const float* xs = x + (i64)t * C + (i64)u * UNIT_WEIGHTS;
-                float s = 0.0f;
+        for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+    }
+    int lane = threadIdx.x & (tpr - 1), num_slices = C / SLICE_WEIGHTS;
+    Slice cur[RPT], next[RPT];
+    if (lane < num_slices) {
 #pragma unroll
-                for (int i = 0; i < UNIT_WEIGHTS; ++i) s += w[i] * xs[i];
-                part[t] += s;
-            }
+        for (int r = 0; r < RPT; ++r) cur[r] = load_slice(row[r], lane);
+    }
+    for (int s = lane; s < num_slices; s += tpr) {
+        if (s + tpr < num_slices) {  // the next slices' loads are in flight while these are dotted
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) next[r] = load_slice(row[r], s + tpr);
         }
+        slice_dot<RPT, TT>(cur, s, x, C, n, acc);
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) cur[r] = next[r];
     }
-    for (int t = 0; t < n; ++t) red[t * blockDim.x + threadIdx.x] = part[t];
-    __syncthreads();
-    for (int s = tpr / 2; s > 0; s >>= 1) {
-        if (lane < s)
-            for (int t = 0; t < n; ++t) red[t * blockDim.x + threadIdx.x] += red[t * blockDim.x + threadIdx.x + s];
-        __syncthreads();
-    }
-    for (int t = 0; t < n; ++t) acc[t] = red[t * blockDim.x + threadIdx.x - lane];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+            if (t < n)
+                for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][t] += SHFL_XOR(acc[r][t], m, tpr);
 }
 
-// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / (blockDim / tpr)), ceil(T / TILE_TOKENS)).
-extern "C" __global__ void matmul(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes,
-                                  int tpr) {
-    extern __shared__ float red[];
-    int r = blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr, t0 = blockIdx.y * TILE_TOKENS;
-    int n = min(TILE_TOKENS, T - t0);
-    float acc[TILE_TOKENS];
-    rows_dot(raw + (i64)min(r, R - 1) * row_bytes, r < R, x + (i64)t0 * C, C, n, tpr, acc, red);
-    if (r < R && threadIdx.x % tpr == 0)
-        for (int t = 0; t < n; ++t) out[(i64)(t0 + t) * R + r] = acc[t];
+// out [n, R] rows t of `out` (R apart) = acc, by the group's first lane.
+template <int RPT, int TT>
+__device__ __forceinline__ void store_rows(float* out, int R, int r0, int n, int tpr, const float (&acc)[RPT][TT]) {
+    if ((threadIdx.x & (tpr - 1)) != 0) return;
+#pragma unroll
+    for (int r = 0; r < RPT; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+            if (t < n && r0 + r < R) out[(i64)t * R + r0 + r] = acc[r][t];
+}
+
+// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / (RPT * blockDim / tpr)), ceil(T / TT)).
+template <int RPT, int TT>
+__device__ __forceinline__ void matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
+                                            float* __restrict__ out, int T, int R, int C, i64 row_bytes, int tpr) {
+    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * RPT, t0 = blockIdx.y * TT;
+    int n = min(TT, T - t0);
+    float acc[RPT][TT];
+    group_rows_dot<RPT, TT>(raw, row_bytes, R, r0, x + (i64)t0 * C, C, n, tpr, acc);
+    store_rows<RPT, TT>(out + (i64)t0 * R, R, r0, n, tpr, acc);
 }
 
 // Every resident expert of a layer in one launch. Work tile w covers pair rows
-// [tile_row[w], tile_row[w] + tile_count[w]) of x [N, C], all of expert slot tile_slot[w];
-// out [N, R] = x @ dequant(raw [S, R, B][slot]).T. grid (ceil(R / (blockDim / tpr)), W).
-extern "C" __global__ void moe_matmul(const u8* raw, const float* x, float* out, const int* tile_slot,
-                                      const int* tile_row, const int* tile_count, int R, int C, i64 row_bytes,
-                                      int tpr) {
-    extern __shared__ float red[];
-    int r = blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr, w = blockIdx.y;
+// [tile_row[w], tile_row[w] + tile_count[w]) of x [N, C] (tile_count <= TT), all of expert slot
+// tile_slot[w]; out [N, R] = x @ dequant(raw [S, R, B][slot]).T. grid (ceil(R / (RPT * blockDim / tpr)), W).
+template <int RPT, int TT>
+__device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
+                                                float* __restrict__ out, const int* tile_slot, const int* tile_row,
+                                                const int* tile_count, int R, int C, i64 row_bytes, int tpr) {
+    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * RPT, w = blockIdx.y;
     int row0 = tile_row[w], n = tile_count[w];
-    float acc[TILE_TOKENS];
-    rows_dot(raw + ((i64)tile_slot[w] * R + min(r, R - 1)) * row_bytes, r < R, x + (i64)row0 * C, C, n, tpr,
-             acc, red);
-    if (r < R && threadIdx.x % tpr == 0)
-        for (int t = 0; t < n; ++t) out[(i64)(row0 + t) * R + r] = acc[t];
+    float acc[RPT][TT];
+    group_rows_dot<RPT, TT>(raw + (i64)tile_slot[w] * R * row_bytes, row_bytes, R, r0, x + (i64)row0 * C, C, n,
+                            tpr, acc);
+    store_rows<RPT, TT>(out + (i64)row0 * R, R, r0, n, tpr, acc);
+}
+
+#define MATMUL_ARGS const u8 *raw, const float *x, float *out, int T, int R, int C, i64 row_bytes, int tpr
+#define MOE_ARGS                                                                                        \
+    const u8 *raw, const float *x, float *out, const int *tile_slot, const int *tile_row, const int *tile_count, \
+        int R, int C, i64 row_bytes, int tpr
+
+extern "C" __global__ void matmul(MATMUL_ARGS) { matmul_body<1, TILE_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr); }
+
+extern "C" __global__ void matmul_1(MATMUL_ARGS) { matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr); }
+
+extern "C" __global__ void moe_matmul(MOE_ARGS) {
+    moe_matmul_body<1, TILE_TOKENS>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
+}
+
+extern "C" __global__ void moe_matmul_1(MOE_ARGS) {
+    moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
 }
 
 // out [M, C] = dequant(raw [rows][row_ids]) (embedding lookup and the dequantize test); grid (M).

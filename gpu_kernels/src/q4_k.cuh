@@ -17,3 +17,63 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
         for (int c = 0; c < 4; ++c) w[4 * i + c] = __fsub_rn(__fmul_rn(ds, (float)((v >> (8 * c)) & 15)), dm);
     }
 }
+
+// A slice: 16 bytes of qs, 32 weights, read as one 16-byte load (super-blocks are 16-byte multiples).
+// Slice s: super-block s / 8, k = s % 8, pair c = k / 2 of sub-blocks, bytes l0 = 16 (k % 2) .. + 15 of
+// its 32: low nibbles are sub-block 2c's weights l0 + 0..15, high ones sub-block 2c + 1's.
+#define SLICE_WEIGHTS 32
+struct Slice {
+    uint4 head;  // d, dmin, scales[12]
+    uint4 q;
+};
+
+__device__ __forceinline__ Slice load_slice(const u8* row, int s) {
+    const u8* b = row + 144 * (s >> 3);
+    Slice sl;
+    sl.head = *(const uint4*)b;
+    sl.q = *(const uint4*)(b + 16 + 16 * (s & 7));
+    return sl;
+}
+
+template <int RPT, int TT>
+__device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
+                                          float (&acc)[RPT][TT]) {
+    int k = s & 7, c = k >> 1;
+    const float* xs = x + 256 * (s >> 3) + 64 * c + 16 * (k & 1);
+    float ds[RPT][2], dm[RPT][2];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        float d = half_to_float(sl[r].head.x & 0xffffu), dmin = half_to_float(sl[r].head.x >> 16);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int sc, m;
+            scale_min_k4_regs(sl[r].head.y, sl[r].head.z, sl[r].head.w, 2 * c + h, &sc, &m);
+            ds[r][h] = __fmul_rn(d, (float)sc);
+            dm[r][h] = __fmul_rn(dmin, (float)m);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // word i: weights 4i .. 4i + 3 of each sub-block's 16
+        float w[RPT][8];
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            u32 v = WORD(sl[r].q, i), lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                w[r][b] = fmaf(ds[r][0], BYTE_FLOAT(lo, b, 0.0f), -dm[r][0]);
+                w[r][4 + b] = fmaf(ds[r][1], BYTE_FLOAT(hi, b, 0.0f), -dm[r][1]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            if (t < n) {
+                float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * i), x1 = *(const float4*)(xs + (i64)t * C + 32 + 4 * i);
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    DOT4(acc[r][t], w[r], 0, x0);
+                    DOT4(acc[r][t], w[r], 4, x1);
+                }
+            }
+        }
+    }
+}

@@ -16,3 +16,63 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
         w[i] = __fmul_rn(ds, (float)(v - 32));
     }
 }
+
+// A slice: l = l0 .. l0 + 7 (l0 = 8 (k % 4)) of half h = k / 4 (k = s % 8, super-block s / 8): 8 bytes of
+// ql at 64h + l0 and 64h + 32 + l0, 8 of qh at 128 + 32h + l0; 32 weights, part p's at column
+// 128h + 32p + l, scale 8h + 2p + l0 / 16. Super-blocks are 2-byte aligned: words come from load_words_a2.
+#define SLICE_WEIGHTS 32
+struct Slice {
+    u32 ql[2][2], qh[2];
+    i8 sc[4];
+    u16 d;
+};
+
+__device__ __forceinline__ Slice load_slice(const u8* row, int s) {
+    const u8* b = row + 210 * (s >> 3);
+    int k = s & 7, h = k >> 2, l0 = 8 * (k & 3);
+    Slice sl;
+    load_words_a2(b + 64 * h + l0, sl.ql[0], 2);
+    load_words_a2(b + 64 * h + 32 + l0, sl.ql[1], 2);
+    load_words_a2(b + 128 + 32 * h + l0, sl.qh, 2);
+    const i8* sc = (const i8*)(b + 192 + 8 * h + (l0 >> 4));
+#pragma unroll
+    for (int p = 0; p < 4; ++p) sl.sc[p] = sc[2 * p];
+    sl.d = *(const u16*)(b + 208);
+    return sl;
+}
+
+template <int RPT, int TT>
+__device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
+                                          float (&acc)[RPT][TT]) {
+    int k = s & 7;
+    const float* xs = x + 256 * (s >> 3) + 128 * (k >> 2) + 8 * (k & 3);
+    float d[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) d[r] = half_to_float(sl[r].d);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        float w[RPT][8];
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            float ds = __fmul_rn(d[r], (float)sl[r].sc[p]);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                u32 q = ((sl[r].ql[p & 1][i] >> (4 * (p >> 1))) & 0x0F0F0F0Fu) | (((sl[r].qh[i] >> (2 * p)) & 0x03030303u) << 4);
+#pragma unroll
+                for (int b = 0; b < 4; ++b) w[r][4 * i + b] = __fmul_rn(ds, BYTE_FLOAT(q, b, 32.0f));
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            if (t < n) {
+                const float4* x4 = (const float4*)(xs + (i64)t * C + 32 * p);
+                float4 x0 = x4[0], x1 = x4[1];
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    DOT4(acc[r][t], w[r], 0, x0);
+                    DOT4(acc[r][t], w[r], 4, x1);
+                }
+            }
+        }
+    }
+}

@@ -41,7 +41,7 @@ class ReferenceKernels:
     def matmul(self, raw, qtype, x, out):
         out[:] = x.astype(np.float64) @ dequant(raw, qtype, x.shape[1]).T.astype(np.float64)
 
-    def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count):
+    def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=None):
         for slot, row, count in zip(tile_slot, tile_row, tile_count):
             w = dequant(raw[slot], qtype, x.shape[1]).astype(np.float64)
             out[row:row + count] = x[row:row + count].astype(np.float64) @ w.T
@@ -115,8 +115,33 @@ class NumpyRuntime:
     def to_host(self, dev, out=None, stream=None):
         return np.array(dev) if out is None else np.copyto(out, dev) or out
 
+    def pinned_empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def copy_to_host_async(self, host, dev, stream):
+        host[...] = dev
+
+    def copy_from_host_async(self, dev, host, stream):
+        dev[...] = host
+
     def stream(self):
         return None
+
+    def event(self, timing=False):
+        return NumpyEvent()
+
+    def elapsed(self, start, stop):
+        return 0.0
+
+
+class NumpyEvent:
+    done = True
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
 
 
 @pytest.fixture

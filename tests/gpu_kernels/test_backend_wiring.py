@@ -33,3 +33,69 @@ def test_gpu_backend_wiring_matches_cpu(gguf_models, numpy_runtime, reference_ke
         backend.kernels = reference_kernels
         got = score(Model(weights, backend, host=CpuBackend()))
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max(), err_msg=f"{fraction:.0%}")
+
+
+POISON = 7  # a prompt holding this token id makes the device's expert launches fail
+
+
+class FaultyBackend(GpuBackend):
+    """GpuBackend whose grouped expert launches fail (as a failed CUDA launch would) in a forward
+    pass whose tokens hold POISON."""
+
+    def embed(self, weight, token_ids):
+        self.armed = POISON in token_ids
+        return super().embed(weight, token_ids)
+
+    def submit_experts(self, *args, **kwargs):
+        if self.armed:
+            raise RuntimeError("CUDA error: unspecified launch failure (injected)")
+        return super().submit_experts(*args, **kwargs)
+
+
+def _serve(model, tokenizer, prompts):
+    from types import SimpleNamespace
+
+    from hybrid.engine import Engine
+    from hybrid.request import Request
+    from hybrid.sampling import SamplingParams
+
+    engine = Engine(SimpleNamespace(model=model, tokenizer=tokenizer, max_context=256), num_slots=2).start()
+    try:
+        handles = [engine.submit(Request(p, SamplingParams(max_tokens=4, temperature=0))) for p in prompts]
+        return [h.result() for h in handles], engine.stats.requests
+    finally:
+        engine.stop()
+
+
+def test_gpu_failure_fails_the_request_and_the_engine_keeps_serving(gguf_models, numpy_runtime, reference_kernels):
+    from hybrid.request import Failed, Finished
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    good = [3, 17, 42, 5, 99]
+    ref, _ = _serve(Model(weights, CpuBackend()), weights.tokenizer, [good])
+    backend = FaultyBackend(numpy_runtime, kv_tokens=512, resident=np.ones((c.num_layers, c.num_experts), bool))
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend())
+    results, counts = _serve(model, weights.tokenizer, [[POISON, 8, 9], good])
+    assert isinstance(results[0], Failed)
+    assert isinstance(results[1], Finished) and results[1].token_ids == ref[0].token_ids
+    assert counts == {"error": 1, "length": 1}
+    again, _ = _serve(model, weights.tokenizer, [good])  # the backend still serves after the failure
+    assert again[0].token_ids == ref[0].token_ids
+
+
+def test_gpu_backend_prefill_borrow_matches_cpu(gguf_models, numpy_runtime, reference_kernels):
+    """Nothing resident, a 48-token chunk: the cost model borrows experts into the device part."""
+    weights = load_model(gguf_models("kquant", "Q4_K_M")[0])
+    c = weights.config
+    tokens = list(np.resize(TOKENS, 48))
+    ref = Model(weights, CpuBackend())
+    backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=np.zeros((c.num_layers, c.num_experts), bool))
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend())
+    backend.borrow_bytes_per_second = 1e15  # copies cost nothing: every expert with pairs is borrowed
+    model.split.trace = []
+    got, want = (m.forward(Batch([SeqChunk(m.new_sequence(256), 0, np.asarray(tokens), "all")])) for m in (model, ref))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    assert all(t["borrowed"] > 0 for t in model.split.trace)

@@ -33,5 +33,5 @@ def test_plan_respects_cache_size_and_placement():
 def test_vram_too_small_names_the_numbers():
     with pytest.raises(VramError, match=r"500 MiB free.*dense weights 600 MiB"):
         plan(500 * MIB, 500 * MIB, 600 * MIB, 0, 0, 0, [MIB], 4)
-    with pytest.raises(VramError, match="resident experts need 800 MiB"):
+    with pytest.raises(VramError, match=r"resident experts.* need 800 MiB"):
         plan(500 * MIB, 500 * MIB, 0, 0, 0, 0, [200 * MIB], 4, resident=np.ones((1, 4), bool))

@@ -32,6 +32,23 @@ def test_dequant_rows_bit_exact_with_gguf(runtime, kernels, qtype):
     assert np.array_equal(runtime.to_host(out), ref, equal_nan=True)
 
 
+@pytest.mark.parametrize("decode_rows,lane_slices", [(1, 1), (2, 2), (4, 4)])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_matvec_tunings(runtime, reference_kernels, qtype, decode_rows, lane_slices):
+    """The one-token kernel at every tuning the benchmark sweeps (rows past the end, lanes past the slices)."""
+    from gpu_kernels.kernels import Kernels
+
+    rng = np.random.default_rng(int(qtype) + decode_rows)
+    raw = quant(rng, qtype, (67, 2048))  # [R, B]
+    x = rng.standard_normal((1, 2048)).astype(np.float32)  # [T, C]
+    out = runtime.empty((1, 67), np.float32)
+    Kernels(runtime, decode_rows=decode_rows, lane_slices=lane_slices).matmul(runtime.to_device(raw), qtype,
+                                                                              runtime.to_device(x), out)
+    ref = np.empty((1, 67), np.float32)
+    reference_kernels.matmul(raw, qtype, x, ref)
+    assert rel_err(runtime.to_host(out), ref) < 1e-5
+
+
 @pytest.mark.parametrize("num_tokens", [1, 19])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_matmul(runtime, kernels, reference_kernels, qtype, num_tokens):
@@ -45,20 +62,22 @@ def test_matmul(runtime, kernels, reference_kernels, qtype, num_tokens):
     assert rel_err(runtime.to_host(out), ref) < 1e-5
 
 
-@pytest.mark.parametrize("rows_per_expert", [[1, 0, 2, 1], [13, 1, 30, 9]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("rows_per_expert,tile_tokens", [([1, 0, 2, 1], 1), ([1, 0, 2, 1], 8), ([13, 1, 30, 9], 8)],
+                         ids=["decode", "decode-tiled", "prefill"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_moe_matmul_all_experts_in_one_launch(runtime, kernels, reference_kernels, qtype, rows_per_expert):
+def test_moe_matmul_all_experts_in_one_launch(runtime, kernels, reference_kernels, qtype, rows_per_expert,
+                                              tile_tokens):
     rng = np.random.default_rng(int(qtype) + 100)
-    raw = quant(rng, qtype, (4, 48, 512))  # [S, R, B]
+    raw = quant(rng, qtype, (4, 51, 768))  # [S, R, B]
     sizes = np.array(rows_per_expert)
     slots = np.flatnonzero(sizes)[::-1].copy()  # groups in another order than the slots
     row_starts = np.concatenate([[0], np.cumsum(sizes[slots])])
-    tiles = _work_tiles(row_starts, slots)  # [3, W]
-    x = rng.standard_normal((row_starts[-1], 512)).astype(np.float32)  # [N, C]
-    out = runtime.empty((len(x), 48), np.float32)
+    tiles = _work_tiles(row_starts, slots, tile_tokens)  # [3, W]
+    x = rng.standard_normal((row_starts[-1], 768)).astype(np.float32)  # [N, C]
+    out = runtime.empty((len(x), 51), np.float32)
     kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
-                       *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles])
-    ref = np.empty((len(x), 48), np.float32)
+                       *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles], tile_tokens=tile_tokens)
+    ref = np.empty((len(x), 51), np.float32)
     reference_kernels.moe_matmul(raw, qtype, x, ref, *tiles)
     assert rel_err(runtime.to_host(out), ref) < 1e-5
 

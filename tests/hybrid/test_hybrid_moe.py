@@ -17,22 +17,39 @@ TOKENS = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8, 77, 120, 19, 2, 45]
 
 
 class StandInDevice(CpuBackend):
-    """The device side of an ExpertSplit, on the CPU: submit runs the resident pairs in a worker thread."""
+    """The device side of an ExpertSplit, on the CPU: submit runs the resident (and borrowed) pairs
+    in a worker thread. borrow_bytes_per_second: a copy speed for the borrow cost model."""
 
     name = "stand-in"
+    time_experts = False
 
-    def __init__(self, resident):
+    def __init__(self, resident, prefill_borrow=False, borrow_bytes_per_second=1e9):
         self.requested = resident
+        self.prefill_borrow, self.borrow_bytes_per_second = prefill_borrow, borrow_bytes_per_second
         self.pool = ThreadPoolExecutor(1)
-        self.submitted = 0
+        self.submitted = self.borrowed = 0
 
     def place(self, model):
         self.resident = self.requested
 
-    def submit_experts(self, layer, x, ids, weights, groups):
+    def fetch_routing(self, ids, weights):
+        return ids, weights
+
+    def fetch_rows(self, x):
+        return x
+
+    def wait_rows(self, handle):
+        return handle
+
+    def synchronize(self):
+        pass
+
+    def submit_experts(self, layer, x, ids, weights, groups, borrowed=None):
         self.submitted += 1
-        return self.pool.submit(self.grouped_experts, x, weights, groups, layer.gate_exps, layer.up_exps,
-                                layer.down_exps)
+        parts = [g for g in (groups, borrowed) if g is not None and g.num_groups]
+        self.borrowed += 0 if borrowed is None else borrowed.num_groups
+        return self.pool.submit(lambda: sum(self.grouped_experts(x, weights, g, layer.gate_exps, layer.up_exps,
+                                                                 layer.down_exps) for g in parts))
 
     def wait_experts(self, pending):
         return pending.result()
@@ -66,12 +83,13 @@ def test_split_matches_cpu_path(gguf_models, target):
         assert (device.submitted > 0) == bool(mask.any()), name
 
 
-def _score(model):
+def _score(model, prompt_tokens=None):
     from hybrid.batch import Batch, SeqChunk
 
+    tokens = TOKENS if prompt_tokens is None else list(np.resize(TOKENS, prompt_tokens + 1))
     kv = model.new_sequence(256)
-    prefill = model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:-1]), "all")]))
-    decode = model.forward(Batch([SeqChunk(kv, kv.length, np.asarray(TOKENS[-1:]))]))
+    prefill = model.forward(Batch([SeqChunk(kv, 0, np.asarray(tokens[:-1]), "all")]))
+    decode = model.forward(Batch([SeqChunk(kv, kv.length, np.asarray(tokens[-1:]))]))
     return np.concatenate([prefill, decode])
 
 
@@ -98,3 +116,35 @@ def test_device_auto_falls_back_to_cpu(monkeypatch, caplog):
         select_backends("gpu")
     with pytest.raises(ValueError, match="expected one of"):
         select_backends("tpu")
+
+
+@pytest.mark.parametrize("share", [None, 0.5])
+def test_prefill_borrow_matches_cpu_path(gguf_models, monkeypatch, share):
+    """Non-resident experts borrowed by the device (cost model, or a fixed host share) give the same logits."""
+    if share is not None:
+        monkeypatch.setenv("STRATA_PREFILL_CPU_SHARE", str(share))
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    ref = _score(Model(weights, CpuBackend()), prompt_tokens=64)
+    device = StandInDevice(np.zeros((c.num_layers, c.num_experts), bool), prefill_borrow=True,
+                           borrow_bytes_per_second=1e15)
+    got = _score(Model(weights, device, host=CpuBackend()), prompt_tokens=64)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert device.borrowed > 0
+
+
+def test_borrow_cost_model():
+    from types import SimpleNamespace
+
+    from hybrid.moe import ExpertSplit
+
+    raw = np.zeros((4, 8, 100), np.uint8)  # [E, R, B]: 2400 bytes an expert
+    layer = SimpleNamespace(gate_exps=SimpleNamespace(shape=(4, 8, 64), raw=raw), up_exps=SimpleNamespace(raw=raw),
+                            down_exps=SimpleNamespace(raw=raw))
+    groups = PairGroups(np.arange(106), np.arange(4), np.array([0, 100, 101, 103, 106]))  # rows 100, 1, 2, 3
+    split = ExpertSplit(CpuBackend(), np.zeros((1, 4), bool), cpu_share=None)
+    split.host_flops = 6 * 64 * 8 * 1000.0  # 1 ms a row
+    assert split.plan_borrow(layer, groups, bytes_per_second=2400 / 0.010).tolist() == [False, True, True, True]
+    assert split.plan_borrow(layer, groups, bytes_per_second=2400 / 0.5).tolist() == [True] * 4  # copies too slow
+    split.cpu_share = 0.06  # the least-used experts up to 6 % of the rows stay on the host
+    assert split.plan_borrow(layer, groups, bytes_per_second=1.0).tolist() == [False, True, True, True]
