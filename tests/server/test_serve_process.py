@@ -39,7 +39,7 @@ def server(demo_path, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(command + ["serve", "--model", demo_path, "--parallel", "4", "--port", str(port),
-                                              "--api-key", API_KEY, "--max-context", "512"],
+                                              "--api-key", API_KEY, "--max-context", "4096"],
                                    stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -97,7 +97,8 @@ def test_four_concurrent_clients(client):
 
 
 def test_disconnect_mid_stream_frees_the_slot(client, server):
-    stream = client.completions.create(model=model_id(client), prompt="Hello", max_tokens=400, stream=True)
+    # long enough (seconds) that the request cannot finish before the disconnect is noticed
+    stream = client.completions.create(model=model_id(client), prompt="Hello", max_tokens=4000, stream=True)
     next(iter(stream))
     assert busy_slots(server)
     stream.close()
