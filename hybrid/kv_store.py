@@ -17,7 +17,7 @@ ARRAY_NAMES = {"f32": {"k", "v"}, "f16": {"k", "v"}, "int8": {"k", "k_scale", "v
 def encode(x, dtype):
     """x float32 [..., D] -> (data in STORAGE[dtype], scales [...] float32 for int8 else None)."""
     if dtype == "f32":
-        return np.asarray(x, dtype=np.float32), None
+        return x, None  # float32 already (a device array stays on its device)
     if dtype == "f16":
         return x.astype(np.float16).view(np.uint16), None
     if dtype == "bf16":

@@ -96,6 +96,19 @@ class DeviceSequenceKV(SequenceKV):
             v[:, : self.length] = self.v[:, : self.length]
         self.k, self.v = k, v
 
+    def export(self, n):
+        """Positions [0, n) as host float32 (k, v) [L, n, Hkv, D] (the conversation cache parks them in RAM)."""
+        return tuple(np.stack([self.runtime.to_host(layer[:n]) for layer in getattr(self, name)])
+                     for name in ("k", "v"))
+
+    def load(self, k, v):
+        n = k.shape[1]
+        self.reserve(n)
+        for layer in range(self.num_layers):  # [n, Hkv, D] slices are contiguous on the device
+            self.runtime.copy_from_host(self.k[layer, :n], np.ascontiguousarray(k[layer], dtype=np.float32))
+            self.runtime.copy_from_host(self.v[layer, :n], np.ascontiguousarray(v[layer], dtype=np.float32))
+        self.length = n
+
 
 class GpuBackend:
     """expert_cache_mib: None = all VRAM left ("auto"); resident: a placement's bool mask [L, E]

@@ -99,3 +99,25 @@ def test_gpu_backend_prefill_borrow_matches_cpu(gguf_models, numpy_runtime, refe
     got, want = (m.forward(Batch([SeqChunk(m.new_sequence(256), 0, np.asarray(tokens), "all")])) for m in (model, ref))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
     assert all(t["borrowed"] > 0 for t in model.split.trace)
+
+
+def test_device_kv_parks_in_host_ram_and_restores(gguf_models, numpy_runtime, reference_kernels):
+    """A device KV cache exports to host arrays for the conversation cache and loads them back."""
+    from hybrid.backends.gpu import DeviceSequenceKV
+    from hybrid.conversation_cache import ConversationCache, model_fingerprint
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=np.ones((3, 8), dtype=bool))
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend())
+    kv = model.new_sequence(256)
+    assert isinstance(kv, DeviceSequenceKV)
+    full = model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS), "all")]))
+    cache = ConversationCache(1 << 24, model_fingerprint(weights), block_tokens=8)
+    cache.park(TOKENS, kv)
+    assert all(type(a) is np.ndarray for a in cache.entries[0].arrays.values())
+    restored = model.new_sequence(256)
+    n = cache.restore(TOKENS + [1], restored)
+    assert n == 16
+    rest = model.forward(Batch([SeqChunk(restored, n, np.asarray(TOKENS[n:]), "all")]))
+    np.testing.assert_allclose(rest, full[n:], rtol=0, atol=1e-5 * np.abs(full).max())
