@@ -1,9 +1,10 @@
-"""Decode throughput of the CPU quant kernels vs DRAM read bandwidth.
+"""Decode and prefill throughput of the CPU quant kernels vs DRAM read bandwidth.
 
 For each format, builds random experts of one Qwen3-30B-A3B MoE layer (128 experts,
 gate/up projection R=768, C=2048) and times a decode step that reads every expert
-once: one moe_matmul call with 128 groups of one row, and (for comparison) a Python
-loop of 128 matvec calls. Throughput is weight bytes read per second. Enough layer
+once: one moe_matmul call with 128 groups of one row (float and int16 activations),
+and (for comparison) a Python loop of 128 matvec calls. Throughput is weight bytes
+read per second. Prefill: one moe_matmul of 64 tokens on each of 16 experts, GFLOP/s. Enough layer
 copies are cycled that the weights never sit in the last-level cache. DRAM read
 bandwidth is a parallel float32 sum over a large array, per thread count.
 
@@ -30,6 +31,7 @@ import cpu_kernels  # noqa: E402
 log = logging.getLogger("bench.cpu_kernels")
 
 NUM_EXPERTS, ROWS, COLS = 128, 768, 2048  # Qwen3-30B-A3B gate/up: [E, R, C]
+PREFILL_EXPERTS, PREFILL_TOKENS = 16, 64  # a 512-token prompt gives each of 8 of 64 experts ~64 tokens
 RESULTS = Path(__file__).parent / "results" / "cpu_kernels.md"
 
 
@@ -59,7 +61,8 @@ def dram_gbps(num_bytes, repeats):
 
 
 def decode_gbps(fmt, layers, repeats):
-    """(moe_matmul GB/s, matvec-loop GB/s) reading every expert of a layer once, cycling over layer copies."""
+    """(moe_matmul GB/s with float x, with int16 x, matvec-loop GB/s) reading every expert of a layer once,
+    cycling over layer copies."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((NUM_EXPERTS, COLS), dtype=np.float32)  # [N, C]: one token per expert
     out = np.empty((NUM_EXPERTS, ROWS), dtype=np.float32)  # [N, R]
@@ -67,8 +70,8 @@ def decode_gbps(fmt, layers, repeats):
     row_starts = np.arange(NUM_EXPERTS + 1, dtype=np.int64)  # [G+1]
     turn = iter(range(10**9))
 
-    def moe():
-        fmt.moe_matmul(layers[next(turn) % len(layers)], x, expert_ids, row_starts, out)
+    def moe(act_quant):
+        fmt.moe_matmul(layers[next(turn) % len(layers)], x, expert_ids, row_starts, out, act_quant=act_quant)
 
     def loop():
         raw = layers[next(turn) % len(layers)]
@@ -76,11 +79,22 @@ def decode_gbps(fmt, layers, repeats):
             fmt.matvec(raw[e], x[e], out[e])
 
     num_bytes = layers[0].nbytes
-    return num_bytes / median_seconds(moe, repeats) / 1e9, num_bytes / median_seconds(loop, repeats) / 1e9
+    moe_float, moe_int16 = (num_bytes / median_seconds(lambda: moe(mode), repeats) / 1e9 for mode in ("float", "int16"))
+    return moe_float, moe_int16, num_bytes / median_seconds(loop, repeats) / 1e9
+
+
+def prefill_gflops(fmt, layer, repeats):
+    """GFLOP/s of a prompt-sized moe_matmul: PREFILL_TOKENS tokens on each of PREFILL_EXPERTS experts."""
+    x = np.random.default_rng(2).standard_normal((PREFILL_EXPERTS * PREFILL_TOKENS, COLS), dtype=np.float32)
+    out = np.empty((len(x), ROWS), dtype=np.float32)
+    expert_ids = np.arange(PREFILL_EXPERTS, dtype=np.int64)
+    row_starts = np.arange(0, len(x) + 1, PREFILL_TOKENS, dtype=np.int64)
+    seconds = median_seconds(lambda: fmt.moe_matmul(layer, x, expert_ids, row_starts, out), repeats)
+    return 2 * len(x) * ROWS * COLS / seconds / 1e9
 
 
 def run(format_names, thread_counts, repeats, min_bytes):
-    """Rows of (format, threads, moe GB/s, loop GB/s, DRAM GB/s)."""
+    """Rows of (format, threads, moe float GB/s, moe int16 GB/s, loop GB/s, prefill GFLOP/s, DRAM GB/s)."""
     dram = {}
     for threads in thread_counts:
         numba.set_num_threads(threads)
@@ -98,9 +112,11 @@ def run(format_names, thread_counts, repeats, min_bytes):
         layers = [fmt.random_blocks(rng, (NUM_EXPERTS, ROWS, COLS), 0.02) for _ in range(num_copies)]
         for threads in thread_counts:
             numba.set_num_threads(threads)
-            moe, loop = decode_gbps(fmt, layers, repeats)
-            log.info("%s, %d thread(s): moe_matmul %.1f GB/s, matvec loop %.1f GB/s", name, threads, moe, loop)
-            rows.append((name, threads, moe, loop, dram[threads]))
+            moe_float, moe_int16, loop = decode_gbps(fmt, layers, repeats)
+            prefill = prefill_gflops(fmt, layers[0], repeats)
+            log.info("%s, %d thread(s): moe_matmul %.1f GB/s float x, %.1f GB/s int16 x, matvec loop %.1f GB/s, "
+                     "prefill %.1f GFLOP/s", name, threads, moe_float, moe_int16, loop, prefill)
+            rows.append((name, threads, moe_float, moe_int16, loop, prefill, dram[threads]))
         del layers
     return rows
 
@@ -112,13 +128,19 @@ def markdown(rows, repeats, min_bytes):
         f"{platform.processor() or platform.machine()}, {numba.config.NUMBA_NUM_THREADS} Numba threads available, "
         f"numba {numba.__version__}. One Qwen3-30B-A3B MoE layer: {NUM_EXPERTS} experts of [{ROWS}, {COLS}], "
         f"every expert read once per step; layer copies cycled over >= {min_bytes / 2**30:.1f} GiB. "
-        f"Median of {repeats} runs after a warm-up. GB/s = weight bytes read / time.",
+        f"Median of {repeats} runs after a warm-up. GB/s = weight bytes read / time. Decode: one token per "
+        "expert, x as float32 (STRATA_ACT_QUANT=float) or rounded to int16 per 32 values (int16, the default "
+        "where the CPU has AVX2; float formats have no integer path). Prefill: "
+        f"{PREFILL_TOKENS} tokens on each of {PREFILL_EXPERTS} experts, GFLOP/s = 2 x tokens x R x C / time.",
         "",
-        "| format | threads | moe_matmul GB/s | % of DRAM | matvec loop GB/s | DRAM read GB/s |",
-        "|---|---|---|---|---|---|",
+        "| format | threads | decode GB/s float x | decode GB/s int16 x | % of DRAM | matvec loop GB/s (default) "
+        "| prefill GFLOP/s | DRAM read GB/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, threads, moe, loop, dram in rows:
-        lines.append(f"| {name} | {threads} | {moe:.1f} | {100 * moe / dram:.0f}% | {loop:.1f} | {dram:.1f} |")
+    for name, threads, moe_float, moe_int16, loop, prefill, dram in rows:
+        best = max(moe_float, moe_int16)
+        lines.append(f"| {name} | {threads} | {moe_float:.1f} | {moe_int16:.1f} | {100 * best / dram:.0f}% | "
+                     f"{loop:.1f} | {prefill:.1f} | {dram:.1f} |")
     return "\n".join(lines) + "\n"
 
 

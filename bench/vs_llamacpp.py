@@ -30,6 +30,7 @@ log = logging.getLogger("bench.vs_llamacpp")
 RESULTS = Path(__file__).parent / "results" / "vs_llamacpp.md"
 ROOT = Path(__file__).resolve().parent.parent
 SHORT_PROMPT = 8
+WARM_PROMPT = 96  # past the CPU backend's serial-twin thresholds (attention, norms, swiglu)
 
 
 def token_ids(count, vocab_size, seed):
@@ -49,9 +50,12 @@ def strata_worker(model, threads, prompt_tokens, decode_tokens):
     def read(kv, ids, logits="last"):
         return llm.model.forward(Batch([SeqChunk(kv, kv.length, np.asarray(ids, dtype=np.int64), logits)]))
 
-    warm = llm.model.new_sequence(64)  # warm-up: every kernel compiled or loaded from Numba's cache
+    # Warm-up: every kernel compiled or loaded from Numba's cache, the parallel variants of the small
+    # ops included (a short prompt runs their serial twins; WARM_PROMPT tokens cross the thresholds).
+    warm = llm.model.new_sequence(SHORT_PROMPT + 1 + WARM_PROMPT)
     read(warm, token_ids(SHORT_PROMPT, vocab, 1))
     read(warm, token_ids(1, vocab, 1))
+    read(warm, token_ids(WARM_PROMPT, vocab, 1))
     prompt = token_ids(prompt_tokens, vocab, 2)
     kv = llm.model.new_sequence(prompt_tokens + 8)
     start = time.perf_counter()

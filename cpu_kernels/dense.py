@@ -13,14 +13,15 @@ branchy conversion would not:
                   Inf and NaN come out finite, which fastmath dot kernels may assume away anyway.
 
 Shape legend: R output rows, C columns, T tokens, E experts, N (token, expert) rows
-sorted by group, G groups, W work items, K unpacked rows.
+sorted by group, G groups, W work items, K unpacked rows (ROWS_PER_ITEM).
 """
 import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
 from .half import u32_as_f32
-from .tiles import ROWS_PER_ITEM, UNPACK_ROWS, dot_unpacked, work_items
+from .prefill import dot_tile, token_panels
+from .tiles import ROWS_PER_ITEM, work_items
 from .twins import serial_twin
 
 
@@ -37,7 +38,7 @@ HALF = (np.int32(112 << 23), np.int32(0x400), np.float32(2.0**-24))
 def moe_kernels(word_dtype, recipe):
     """The (parallel, serial) moe_matmul kernels of a format of `word_dtype` words widened by `recipe` (`shifted` or HALF)."""
     def kernel(compiled):
-        def moe_matmul(raws, x, expert_ids, row_starts, outs):
+        def moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):  # float formats: no integer path
             compiled(tuple(raw.view(word_dtype) for raw in raws), x, expert_ids, row_starts, recipe, outs)
         return moe_matmul
 
@@ -96,29 +97,30 @@ def _rows_dot(w, r0, r1, x, recipe, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, recipe, out, r0, t0, t1):
-    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's words w [R, C]."""
+def _tile(w, x, recipe, panels, out, item):
+    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's words w [R, C] and item (e, r0, t0, t1, s);
+    panels [S, C, 64]."""
+    r0, t0, t1 = item[1], item[2], item[3]
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], recipe, out[t0])
         return
-    buf = np.zeros((UNPACK_ROWS, x.shape[1]), dtype=np.float32)  # [K, C]
-    for k0 in range(r0, r1, UNPACK_ROWS):
-        num_rows = min(UNPACK_ROWS, r1 - k0)
-        for k in range(num_rows):
-            for c in range(w.shape[1]):
-                buf[k, c] = _value(w[k0 + k, c], recipe)
-        dot_unpacked(buf, num_rows, x, t0, t1, out, k0)
+    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
+    for r in range(r0, r1):
+        for c in range(w.shape[1]):
+            buf[r - r0, c] = _value(w[r, c], recipe)
+    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def _moe_matmul(words, x, expert_ids, row_starts, recipe, outs):
     """outs[k][rows of group g] = x[same rows] @ words[k][expert_ids[g]].T; words[k] [E, R, C], x [N, C], outs[k] [N, R]."""
-    items = work_items(expert_ids, row_starts, words[0].shape[0], words[0].shape[1])  # [W, 4]
+    items = work_items(expert_ids, row_starts, words[0].shape[0], words[0].shape[1])  # [W, 5]
+    panels = token_panels(x, items)  # [S, C, 64]
     num_items = items.shape[0]
     for i in prange(num_items * len(words)):
         k, j = i // num_items, i % num_items
-        _tile(words[k][items[j, 0]], x, recipe, outs[k], items[j, 1], items[j, 2], items[j, 3])
+        _tile(words[k][items[j, 0]], x, recipe, panels, outs[k], items[j])
 
 
 _moe_matmul_serial = serial_twin(_moe_matmul)

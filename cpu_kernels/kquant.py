@@ -1,14 +1,18 @@
 """Pieces shared by the K-quant formats (Q4_K, Q5_K, Q6_K): super-blocks of 256 weights.
 
-8-bit bit-field intrinsics and the packed 6-bit sub-block scales; the work split,
-checks and wrappers are in `tiles`.
+8-bit bit-field intrinsics and the packed 6-bit sub-block scales; the vector block code
+of the formats with (scale, min) sub-blocks (Q4_K, Q5_K), built once per quant layout
+by `vector_blocks`; the work split, checks and wrappers are in `tiles`.
 """
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core.extending import intrinsic
 
+from . import simd
 from .half import read_half
+from .simd import F32, I8, I32, I64
+from .target import int_dot_width
 
 QK_K = 256  # weights per super-block
 SUB = 32  # weights per sub-block of Q4_K / Q5_K (and per run of quant bytes in Q6_K)
@@ -75,3 +79,118 @@ def sub_scales(row, o, j):
     """(d * scale_j, dmin * min_j) of sub-block j of the Q4_K / Q5_K block at byte o (d, dmin, packed scales)."""
     sc, m = scale_min(row, o + 4, j)
     return read_half(row, o) * sc, read_half(row, o + 2) * m
+
+
+INT_DOT_WIDTH = int_dot_width()
+
+
+def _scales_mins(builder, q, o):
+    """The 8 sub-block (scale, min) 6-bit pairs of the block at byte o, unpacked as two <8 x i8> (scale_min)."""
+    packed = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 4)), simd.vec(I8, 16))  # bytes 4..19
+    low6 = simd.const_vec(I8, [63] * 4 + [15] * 4)
+    top2 = simd.const_vec(I8, [0] * 4 + [0x30] * 4)
+
+    def six_bits(low_lanes, low_shift, top_lanes):
+        low = builder.and_(builder.lshr(simd.lanes(builder, packed, low_lanes), simd.const_vec(I8, low_shift)), low6)
+        top = builder.shl(builder.lshr(simd.lanes(builder, packed, top_lanes), simd.splat_const(I8, 8, 6)),
+                          simd.splat_const(I8, 8, 4))
+        return builder.or_(low, builder.and_(top, top2))
+
+    scales = six_bits([0, 1, 2, 3, 8, 9, 10, 11], [0] * 8, [0, 1, 2, 3, 0, 1, 2, 3])
+    mins = six_bits([4, 5, 6, 7, 8, 9, 10, 11], [0] * 4 + [4] * 4, [4, 5, 6, 7, 4, 5, 6, 7])
+    return scales, mins
+
+
+def _scaled(builder, q, o, values, at):
+    """<8 x float> of the f16 at byte o + at times the 8 integers `values`."""
+    half = simd.load_half(builder, q, builder.add(o, ir.Constant(I64, at)))
+    return builder.fmul(builder.uitofp(values, simd.vec(F32, 8)), simd.splat(builder, half, 8), flags=simd.FAST)
+
+
+def sub_block_quants(low_offset, high_offset=None):
+    """quants(builder, q, o, elem) -> the 8 sub-blocks of the block at byte o as <32 x elem> (I8 or I16): 4-bit
+    quants from the bytes at low_offset (sub-block 2p in the low nibbles of bytes 32p.., 2p + 1 in the high
+    ones), plus, with high_offset, bit j of byte l there as bit 4 of weight l of sub-block j (Q5_K). The bytes
+    are widened before the nibbles are split: one widening per two sub-blocks instead of one each."""
+    def quants(builder, q, o, elem):
+        ty = simd.vec(elem, SUB)
+
+        def load(offset):
+            raw = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, offset)), simd.vec(I8, SUB))
+            return raw if elem == I8 else builder.zext(raw, ty)
+
+        def const(value):
+            return simd.splat_const(elem, SUB, value)
+
+        high = None if high_offset is None else load(high_offset)
+        out = []
+        for p in range(4):
+            packed = load(low_offset + SUB * p)
+            for k, nibbles in enumerate((builder.and_(packed, const(15)), builder.lshr(packed, const(4)))):
+                if high is not None:
+                    j = 2 * p + k
+                    nibbles = builder.or_(nibbles, builder.shl(builder.and_(builder.lshr(high, const(j)), const(1)),
+                                                               const(4)))
+                out.append(nibbles)
+        return out
+
+    return quants
+
+
+def vector_blocks(name, quants):
+    """(block, block_i16, weights) of a (scale, min) K-quant whose sub-block quants come from `quants`:
+
+    block(builder, q, o, b, xs, xsum, acc <32 x float>): acc += block b . x, the mins from the sub-block sums xsum;
+    block_i16(builder, q, o, b, xq, aux, acc <16 x float>): the same for int16 xq [C] and (scale dx, sum) pairs
+        aux [C/16]: per sub-block j one pmaddwd, converted and FMA'd with d * scale_j * dx_j;
+    weights(builder, q, o): the block as 8 (offset, <32 x float>) sub-blocks (d * scale_j) * q - dmin * min_j.
+    """
+    f32x8 = simd.vec(F32, 8)
+
+    def subtract_mins(builder, acc, min_terms):
+        """acc - min_terms [8] in acc's lanes 0-7."""
+        width = acc.type.count
+        spread = builder.shuffle_vector(min_terms, ir.Constant(f32x8, None),
+                                        simd.const_vec(I32, list(range(8)) + [8] * (width - 8)))
+        return builder.fsub(acc, spread, flags=simd.FAST)
+
+    def block(builder, q, o, b, xs, xsum, acc):
+        scale_values, min_values = _scales_mins(builder, q, o)
+        scales, mins = _scaled(builder, q, o, scale_values, 0), _scaled(builder, q, o, min_values, 2)
+        sums = simd.load_at(builder, xsum, builder.mul(b, ir.Constant(I64, 8)), f32x8)
+        acc = subtract_mins(builder, acc, builder.fmul(mins, sums, flags=simd.FAST))
+        xo = builder.mul(b, ir.Constant(I64, QK_K))
+        for j, values in enumerate(quants(builder, q, o, I8)):
+            xv = simd.load_at(builder, xs, builder.add(xo, ir.Constant(I64, SUB * j)), simd.vec(F32, SUB))
+            weights = builder.fmul(builder.uitofp(values, simd.vec(F32, SUB)), simd.lanes(builder, scales, [j] * SUB),
+                                   flags=simd.FAST)
+            acc = simd.fma(builder, weights, xv, acc)
+        return acc
+
+    def block_i16(builder, q, o, b, xq, aux, acc):
+        i16x = simd.vec(simd.I16, SUB)
+        scale_values, min_values = _scales_mins(builder, q, o)
+        pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
+        dx, sums = simd.lanes(builder, pairs, range(0, 16, 2)), simd.lanes(builder, pairs, range(1, 16, 2))
+        factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
+        acc = subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
+        xo = builder.mul(b, ir.Constant(I64, QK_K))
+        for j, values in enumerate(quants(builder, q, o, simd.I16)):
+            xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, SUB * j)), i16x)
+            dots = simd.madd_i16(builder, values, xv, INT_DOT_WIDTH)  # <16 x i32>
+            factor = simd.lanes(builder, factors, [j] * 16)
+            acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), factor, acc)
+        return acc
+
+    def weights(builder, q, o):
+        scale_values, min_values = _scales_mins(builder, q, o)
+        scales, mins = _scaled(builder, q, o, scale_values, 0), _scaled(builder, q, o, min_values, 2)
+        return [(SUB * j, builder.fsub(builder.fmul(builder.uitofp(values, simd.vec(F32, SUB)),
+                                                    simd.lanes(builder, scales, [j] * SUB), flags=simd.FAST),
+                                       simd.lanes(builder, mins, [j] * SUB), flags=simd.FAST))
+                for j, values in enumerate(quants(builder, q, o, I8))]
+
+    block.acc_type, block_i16.acc_type = simd.vec(F32, SUB), simd.vec(F32, 16)
+    for fn in (block, block_i16, weights):
+        fn.__name__ = f"{name}_{fn.__name__}"
+    return block, block_i16, weights

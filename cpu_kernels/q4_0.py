@@ -6,19 +6,26 @@ Block layout, bytes:
 weight = d * (q - 8)   (q in 0..15)
 
 Shape legend: R output rows, C columns, B bytes per row (C // 32 * 18), T tokens,
-E experts, N (token, expert) rows sorted by group, G groups, W work items, K unpacked rows.
+E experts, N (token, expert) rows sorted by group, G groups, W work items, K unpacked rows (ROWS_PER_ITEM),
+S token chunks.
 """
 import numpy as np
 from gguf import GGMLQuantizationType
+from llvmlite import ir
 from numba import njit, prange
 
+from . import simd
+from .act_quant import quantize_rows
 from .half import read_half
-from .simd import dot_q4_block
-from .tiles import ROWS_PER_ITEM, UNPACK_ROWS, dot_unpacked, format_api, random_scales, work_items
+from .prefill import dot_tile, token_panels
+from .simd import F32, I8, I16, I32, I64
+from .target import int_dot_width
+from .tiles import ROWS_PER_ITEM, format_api, random_scales, work_items
 
 QTYPE = GGMLQuantizationType.Q4_0
 BLOCK_SIZE = 32
 BLOCK_BYTES = 18
+INT_DOT_WIDTH = int_dot_width()
 
 
 @njit(nogil=True, cache=True)
@@ -34,47 +41,86 @@ def _unpack_row(row, dst):
             dst[xo + 16 + j] = d * np.float32(np.int32(q >> 4) - 8)
 
 
-@njit(inline="always", nogil=True, cache=True)
-def _block_dot(row, b, x):
-    """Block b of row [B] . x [C]: sum(q * x) as one vector op, then the scale."""
-    o = b * BLOCK_BYTES
-    return read_half(row, o) * dot_q4_block(row, o + 2, x, b * BLOCK_SIZE)
+def _quants(builder, q, o):
+    """The 32 quants of the block at byte o of row q, centered: <32 x i8> in -8..7, weights 0-15 then 16-31."""
+    packed = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), simd.vec(I8, 16))
+    low = builder.and_(packed, simd.splat_const(I8, 16, 15))
+    high = builder.lshr(packed, simd.splat_const(I8, 16, 4))
+    both = builder.shuffle_vector(low, high, simd.const_vec(I32, range(BLOCK_SIZE)))
+    return builder.sub(both, simd.splat_const(I8, BLOCK_SIZE, 8))
+
+
+def _weights(builder, q, o):
+    """The block at byte o of row q as one <32 x float>: d * (q - 8)."""
+    d = simd.splat(builder, simd.load_half(builder, q, o), BLOCK_SIZE)
+    return [(0, builder.fmul(builder.sitofp(_quants(builder, q, o), simd.vec(F32, BLOCK_SIZE)), d, flags=simd.FAST))]
+
+
+def _block(builder, q, o, b, xs, aux, acc):
+    """acc <32 x float> += d * float(q - 8) * x[32b:32b + 32] for the block at byte o of row q."""
+    f32x = simd.vec(F32, BLOCK_SIZE)
+    xv = simd.load_at(builder, xs, builder.mul(b, ir.Constant(I64, BLOCK_SIZE)), f32x)
+    prod = builder.fmul(builder.sitofp(_quants(builder, q, o), f32x), xv, flags=simd.FAST)
+    return simd.fma(builder, prod, simd.splat(builder, simd.load_half(builder, q, o), BLOCK_SIZE), acc)
+
+
+def _block_i16(builder, q, o, b, xq, aux, acc):
+    """acc <16 x float> += d * dx_b * ((q - 8) . xq[32b:32b + 32]): one pmaddwd, one conversion and FMA;
+    aux [C/16] of (dx, sum) pairs."""
+    i16x = simd.vec(I16, BLOCK_SIZE)
+    xv = simd.load_at(builder, xq, builder.mul(b, ir.Constant(I64, BLOCK_SIZE)), i16x)
+    dots = simd.madd_i16(builder, builder.sext(_quants(builder, q, o), i16x), xv, INT_DOT_WIDTH)  # <16 x i32>
+    dx = builder.load(builder.gep(aux, [builder.mul(b, ir.Constant(I64, 2))]))
+    scale = builder.fmul(simd.load_half(builder, q, o), dx, flags=simd.FAST)
+    return simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), simd.splat(builder, scale, 16), acc)
+
+
+_block.acc_type, _block_i16.acc_type = simd.vec(F32, BLOCK_SIZE), simd.vec(F32, 16)
+_unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, BLOCK_SIZE)
+_dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
+_dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot(w, r0, r1, x, out):
-    """out [R] rows r0:r1 = W[r0:r1] @ x [C]; 4 rows at a time keep 4 memory streams and FMA chains going."""
-    num_blocks = w.shape[1] // BLOCK_BYTES
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C]."""
     r = r0
-    while r + 4 <= r1:
-        a0 = a1 = a2 = a3 = np.float32(0)
-        for b in range(num_blocks):
-            a0 += _block_dot(w[r], b, x)
-            a1 += _block_dot(w[r + 1], b, x)
-            a2 += _block_dot(w[r + 2], b, x)
-            a3 += _block_dot(w[r + 3], b, x)
-        out[r], out[r + 1], out[r + 2], out[r + 3] = a0, a1, a2, a3
-        r += 4
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows(w, r, x, x, out)
+        r += simd.ROWS_IN_FLIGHT
     for rr in range(r, r1):
-        acc = np.float32(0)
-        for b in range(num_blocks):
-            acc += _block_dot(w[rr], b, x)
-        out[rr] = acc
+        _dot_row(w, rr, x, x, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, out, r0, t0, t1):
-    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B]."""
+def _rows_dot_i16(w, r0, r1, xq, aux, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] and (scale, sum) pairs aux [C/16]."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows_i16(w, r, xq, aux, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row_i16(w, rr, xq, aux, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, xq, xaux, panels, out, item, act_quant):
+    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s);
+    panels [S, C, 64]."""
+    r0, t0, t1 = item[1], item[2], item[3]
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    if t1 - t0 == 1 and act_quant:
+        _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])
+        return
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], out[t0])
         return
-    buf = np.zeros((UNPACK_ROWS, x.shape[1]), dtype=np.float32)  # [K, C]
-    for k0 in range(r0, r1, UNPACK_ROWS):
-        num_rows = min(UNPACK_ROWS, r1 - k0)
-        for k in range(num_rows):
-            _unpack_row(w[k0 + k], buf[k])
-        dot_unpacked(buf, num_rows, x, t0, t1, out, k0)
+    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
+    for r in range(r0, r1):
+        _unpack_row_fast(w, r, buf[r - r0])
+    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -84,13 +130,15 @@ def _dequantize(raw, out):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raws, x, expert_ids, row_starts, outs):
+def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 4]
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
+    panels = token_panels(x, items)  # [S, C, 64]
+    xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):
         k, j = i // num_items, i % num_items
-        _tile(raws[k][items[j, 0]], x, outs[k], items[j, 1], items[j, 2], items[j, 3])
+        _tile(raws[k][items[j, 0]], x, xq, xaux, panels, outs[k], items[j], act_quant)
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(

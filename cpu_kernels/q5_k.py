@@ -9,14 +9,18 @@ Block layout, bytes:
 weight = (d * scale_j) * q - dmin * min_j   (q in 0..31, sub-block j)
 
 Shape legend: R output rows, C columns, B bytes per row (C // 256 * 176), T tokens,
-E experts, N (token, expert) rows sorted by group, G groups, W work items.
+E experts, N (token, expert) rows sorted by group, G groups, W work items, K unpacked rows (ROWS_PER_ITEM),
+S token chunks.
 """
 import numpy as np
 from gguf import GGMLQuantizationType
 from numba import njit, prange
 
-from .kquant import QK_K, SUB, join_bits, sub_scales
-from .tiles import ROWS_PER_ITEM, format_api, random_weight, work_items
+from . import simd
+from .act_quant import quantize_rows
+from .kquant import QK_K, SUB, join_bits, sub_block_quants, sub_scales, vector_blocks
+from .prefill import dot_tile, token_panels
+from .tiles import ROWS_PER_ITEM, format_api, random_weight, sub_block_sums, work_items
 
 QTYPE = GGMLQuantizationType.Q5_K
 BLOCK_SIZE = QK_K
@@ -37,80 +41,78 @@ def _dequant_block(row, b, dst):
             dst[j * SUB + l] = ds * join_bits(row[qo + l], shift, row[o + _QH + l], j, 1) - dm
 
 
-@njit(inline="always", nogil=True, fastmath=True, cache=True)
-def _row_dot(row, x):
-    """row [B] . x [C], weights dequantized in registers: one reduction per super-block."""
-    acc = np.float32(0)
+@njit(nogil=True, cache=True)
+def _unpack_row(row, dst):
+    """row [B] -> dst f32 [C], rounded exactly as gguf does."""
     for b in range(row.shape[0] // BLOCK_BYTES):
-        o = b * BLOCK_BYTES
-        d0, m0 = sub_scales(row, o, 0)
-        d1, m1 = sub_scales(row, o, 1)
-        d2, m2 = sub_scales(row, o, 2)
-        d3, m3 = sub_scales(row, o, 3)
-        d4, m4 = sub_scales(row, o, 4)
-        d5, m5 = sub_scales(row, o, 5)
-        d6, m6 = sub_scales(row, o, 6)
-        d7, m7 = sub_scales(row, o, 7)
-        qo = o + _QS
-        xo = b * QK_K
-        s = np.float32(0)
-        for l in range(SUB):
-            h = row[o + _QH + l]  # bit 4 of weight l of every sub-block
-            q01 = row[qo + l]  # low bits of sub-blocks 0 (low nibble) and 1 (high nibble)
-            q23 = row[qo + SUB + l]
-            q45 = row[qo + 2 * SUB + l]
-            q67 = row[qo + 3 * SUB + l]
-            s += ((d0 * join_bits(q01, 0, h, 0, 1) - m0) * x[xo + l]
-                  + (d1 * join_bits(q01, 4, h, 1, 1) - m1) * x[xo + SUB + l]
-                  + (d2 * join_bits(q23, 0, h, 2, 1) - m2) * x[xo + 2 * SUB + l]
-                  + (d3 * join_bits(q23, 4, h, 3, 1) - m3) * x[xo + 3 * SUB + l]
-                  + (d4 * join_bits(q45, 0, h, 4, 1) - m4) * x[xo + 4 * SUB + l]
-                  + (d5 * join_bits(q45, 4, h, 5, 1) - m5) * x[xo + 5 * SUB + l]
-                  + (d6 * join_bits(q67, 0, h, 6, 1) - m6) * x[xo + 6 * SUB + l]
-                  + (d7 * join_bits(q67, 4, h, 7, 1) - m7) * x[xo + 7 * SUB + l])
-        acc += s
-    return acc
+        _dequant_block(row, b, dst[b * QK_K:(b + 1) * QK_K])
+
+
+_block, _block_i16, _weights = vector_blocks("q5_k", sub_block_quants(_QS, _QH))
+_unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, QK_K)
+_dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
+_dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, out, r0, t0, t1):
-    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's w [R, B]."""
+def _rows_dot(w, r0, r1, x, xsum, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C]; xsum [C/32] the sums of x over each 32-weight sub-block."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows(w, r, x, xsum, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row(w, rr, x, xsum, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _rows_dot_i16(w, r0, r1, xq, aux, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] and (scale, sum) pairs aux [C/16]."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows_i16(w, r, xq, aux, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row_i16(w, rr, xq, aux, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, xsum, xq, xaux, panels, out, item, act_quant):
+    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s);
+    xsum [N, C/32], panels [S, C, 64]."""
+    r0, t0, t1 = item[1], item[2], item[3]
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
-    if t1 - t0 == 1:
-        for r in range(r0, r1):
-            out[t0, r] = _row_dot(w[r], x[t0])
+    if t1 - t0 == 1 and act_quant:
+        _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])
         return
-    acc = np.zeros((r1 - r0, t1 - t0), dtype=np.float32)  # [rows, tokens]
-    buf = np.empty(QK_K, dtype=np.float32)  # one dequantized super-block, reused by every token
-    for b in range(w.shape[1] // BLOCK_BYTES):
-        xo = b * QK_K
-        for r in range(r0, r1):
-            _dequant_block(w[r], b, buf)
-            for t in range(t0, t1):
-                s = np.float32(0)
-                for l in range(QK_K):
-                    s += buf[l] * x[t, xo + l]
-                acc[r - r0, t - t0] += s
-    for t in range(t0, t1):
-        for r in range(r0, r1):
-            out[t, r] = acc[r - r0, t - t0]
+    if t1 - t0 == 1:
+        _rows_dot(w, r0, r1, x[t0], xsum[t0], out[t0])
+        return
+    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
+    for r in range(r0, r1):
+        _unpack_row_fast(w, r, buf[r - r0])
+    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def _dequantize(raw, out):
     for r in prange(raw.shape[0]):
-        for b in range(raw.shape[1] // BLOCK_BYTES):
-            _dequant_block(raw[r], b, out[r, b * QK_K:(b + 1) * QK_K])
+        _unpack_row(raw[r], out[r])
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raws, x, expert_ids, row_starts, outs):
+def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 4]
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
+    xsum = sub_block_sums(x)  # [N, C/32]
+    panels = token_panels(x, items)  # [S, C, 64]
+    xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):
         k, j = i // num_items, i % num_items
-        _tile(raws[k][items[j, 0]], x, outs[k], items[j, 1], items[j, 2], items[j, 3])
+        _tile(raws[k][items[j, 0]], x, xsum, xq, xaux, panels, outs[k], items[j], act_quant)
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(

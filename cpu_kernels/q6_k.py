@@ -8,7 +8,8 @@ Block layout, bytes (two halves h = 0, 1 of 128 weights; four runs i = 0..3 of 3
 weight = (d * scale_k) * q   (q in -32..31, k = weight index // 16)
 
 Shape legend: R output rows, C columns, B bytes per row (C // 256 * 210), T tokens,
-E experts, N (token, expert) rows sorted by group, G groups, W work items.
+E experts, N (token, expert) rows sorted by group, G groups, W work items, K unpacked rows (ROWS_PER_ITEM),
+S token chunks.
 """
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -16,9 +17,12 @@ from llvmlite import ir
 from numba import njit, prange
 
 from . import simd
+from .act_quant import quantize_rows
 from .half import read_half
 from .kquant import QK_K, SUB, join_bits
+from .prefill import dot_tile, token_panels
 from .simd import F32, I8, I64
+from .target import int_dot_width
 from .tiles import ROWS_PER_ITEM, format_api, random_weight, work_items
 
 QTYPE = GGMLQuantizationType.Q6_K
@@ -27,6 +31,7 @@ BLOCK_BYTES = 210
 _QH = 128  # offset of the high bits in a block
 _SC = 192  # offset of the scales
 _D = 208  # offset of d
+INT_DOT_WIDTH = int_dot_width()
 
 
 @njit(inline="always", nogil=True, cache=True)
@@ -57,38 +62,73 @@ def _dequant_block(row, b, dst):
                 dst[j * SUB + l] = ds * _q6(row[low + l], low_shift, row[high + l], high_shift)
 
 
-def _block(builder, q, o, b, xs, aux, acc):
-    """acc <32 x float> += block b (at byte o of row q) . x: per run of 32 weights, the 6-bit quants
-    joined from their nibble and 2 high bits, centered, times a <32 x float> of its two scales, FMA with x."""
-    f32x, i8x = simd.vec(F32, SUB), simd.vec(I8, SUB)
+def _scales(builder, q, o):
+    """The block's 16 scales times d, <16 x float>."""
+    d = simd.load_half(builder, q, builder.add(o, ir.Constant(I64, _D)))
+    scales = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, _SC)), simd.vec(I8, 16))
+    return builder.fmul(builder.sitofp(scales, simd.vec(F32, 16)), simd.splat(builder, d, 16), flags=simd.FAST)
+
+
+def _quants(builder, q, o):
+    """The block at byte o of row q as 8 runs of 32 quants, <32 x i8> in -32..31, each joined from its nibble and
+    2 high bits; run r = 4h + i holds weights 32r .. 32r + 31 and takes scales 2r, 2r + 1."""
+    i8x = simd.vec(I8, SUB)
 
     def const(value):
         return simd.splat_const(I8, SUB, value)
 
-    def at(offset):
-        return builder.add(o, ir.Constant(I64, offset))
-
-    d = simd.load_half(builder, q, at(_D))
-    scales = simd.load_at(builder, q, at(_SC), simd.vec(I8, 16))
-    scales = builder.fmul(builder.sitofp(scales, simd.vec(F32, 16)), simd.splat(builder, d, 16), flags=simd.FAST)
-    xo = builder.mul(b, ir.Constant(I64, QK_K))
+    runs = []
     for h in range(2):
-        low = simd.load_at(builder, q, at(64 * h), simd.vec(I8, 2 * SUB))
-        high = simd.load_at(builder, q, at(_QH + SUB * h), i8x)
+        low = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 64 * h)), simd.vec(I8, 2 * SUB))
+        high = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, _QH + SUB * h)), i8x)
         runs_low = (simd.lanes(builder, low, range(SUB)), simd.lanes(builder, low, range(SUB, 2 * SUB)))
         for i in range(4):
             nibble = runs_low[i % 2]
             nibble = builder.and_(nibble, const(15)) if i < 2 else builder.lshr(nibble, const(4))
             top = builder.and_(builder.lshr(high, const(2 * i)), const(3))
-            quants = builder.sub(builder.or_(nibble, builder.shl(top, const(4))), const(32))  # -32..31
-            run_scales = simd.lanes(builder, scales, [8 * h + 2 * i] * 16 + [8 * h + 2 * i + 1] * 16)
-            weights = builder.fmul(builder.sitofp(quants, f32x), run_scales, flags=simd.FAST)
-            xv = simd.load_at(builder, xs, builder.add(xo, ir.Constant(I64, 128 * h + SUB * i)), f32x)
-            acc = simd.fma(builder, weights, xv, acc)
+            runs.append(builder.sub(builder.or_(nibble, builder.shl(top, const(4))), const(32)))
+    return runs
+
+
+def _weights(builder, q, o):
+    """The block at byte o of row q as 8 <32 x float> runs: quants times a <32 x float> of the run's two scales."""
+    scales = _scales(builder, q, o)
+    return [(SUB * r, builder.fmul(builder.sitofp(quants, simd.vec(F32, SUB)),
+                                   simd.lanes(builder, scales, [2 * r] * 16 + [2 * r + 1] * 16), flags=simd.FAST))
+            for r, quants in enumerate(_quants(builder, q, o))]
+
+
+def _block_i16(builder, q, o, b, xq, aux, acc):
+    """acc <16 x float> += block b (at byte o of row q) . x for int16 xq [C] and (scale dx, sum) pairs aux [C/16]:
+    per run, one pmaddwd of the quants with xq (lanes 0-7 hold the first 16 weights, 8-15 the next 16), converted
+    and FMA'd with d * scale * dx."""
+    pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
+    dx = simd.lanes(builder, pairs, [2 * (k // 2) for k in range(16)])  # run k // 2's dx for scale k
+    factors = builder.fmul(_scales(builder, q, o), dx, flags=simd.FAST)  # [16]
+    xo = builder.mul(b, ir.Constant(I64, QK_K))
+    i16x = simd.vec(simd.I16, SUB)
+    for r, quants in enumerate(_quants(builder, q, o)):
+        xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, SUB * r)), i16x)
+        dots = simd.madd_i16(builder, builder.sext(quants, i16x), xv, INT_DOT_WIDTH)  # <16 x i32>
+        acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)),
+                       simd.lanes(builder, factors, [2 * r] * 8 + [2 * r + 1] * 8), acc)
+    return acc
+
+
+def _block(builder, q, o, b, xs, aux, acc):
+    """acc <32 x float> += block b (at byte o of row q) . x, one FMA per run of 32 weights."""
+    xo = builder.mul(b, ir.Constant(I64, QK_K))
+    for offset, weights in _weights(builder, q, o):
+        xv = simd.load_at(builder, xs, builder.add(xo, ir.Constant(I64, offset)), simd.vec(F32, SUB))
+        acc = simd.fma(builder, weights, xv, acc)
     return acc
 
 
 _block.acc_type = simd.vec(F32, SUB)
+_block_i16.acc_type = simd.vec(F32, 16)
+_dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
+_unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, QK_K)
 _dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 
@@ -105,26 +145,32 @@ def _rows_dot(w, r0, r1, x, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, out, r0, t0, t1):
-    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's w [R, B]."""
+def _rows_dot_i16(w, r0, r1, xq, aux, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] and (scale, sum) pairs aux [C/16]."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows_i16(w, r, xq, aux, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row_i16(w, rr, xq, aux, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, xq, xaux, panels, out, item, act_quant):
+    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s);
+    panels [S, C, 64]."""
+    r0, t0, t1 = item[1], item[2], item[3]
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    if t1 - t0 == 1 and act_quant:
+        _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])
+        return
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], out[t0])
         return
-    acc = np.zeros((r1 - r0, t1 - t0), dtype=np.float32)  # [rows, tokens]
-    buf = np.empty(QK_K, dtype=np.float32)  # one dequantized super-block, reused by every token
-    for b in range(w.shape[1] // BLOCK_BYTES):
-        xo = b * QK_K
-        for r in range(r0, r1):
-            _dequant_block(w[r], b, buf)
-            for t in range(t0, t1):
-                s = np.float32(0)
-                for l in range(QK_K):
-                    s += buf[l] * x[t, xo + l]
-                acc[r - r0, t - t0] += s
-    for t in range(t0, t1):
-        for r in range(r0, r1):
-            out[t, r] = acc[r - r0, t - t0]
+    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
+    for r in range(r0, r1):
+        _unpack_row_fast(w, r, buf[r - r0])
+    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -135,13 +181,15 @@ def _dequantize(raw, out):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raws, x, expert_ids, row_starts, outs):
+def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 4]
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
+    panels = token_panels(x, items)  # [S, C, 64]
+    xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):
         k, j = i // num_items, i % num_items
-        _tile(raws[k][items[j, 0]], x, outs[k], items[j, 1], items[j, 2], items[j, 3])
+        _tile(raws[k][items[j, 0]], x, xq, xaux, panels, outs[k], items[j], act_quant)
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(

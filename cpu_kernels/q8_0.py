@@ -6,7 +6,8 @@ Block layout, bytes:
 weight = d * q
 
 Shape legend: R output rows, C columns, B bytes per row (C // 32 * 34), T tokens,
-E experts, N (token, expert) rows sorted by group, G groups, W work items, K unpacked rows.
+E experts, N (token, expert) rows sorted by group, G groups, W work items, K unpacked rows (ROWS_PER_ITEM),
+S token chunks.
 """
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -14,13 +15,17 @@ from llvmlite import ir
 from numba import njit, prange
 
 from . import simd
+from .act_quant import quantize_rows
 from .half import read_half
+from .prefill import dot_tile, token_panels
 from .simd import I8, I64
-from .tiles import ROWS_PER_ITEM, UNPACK_ROWS, dot_unpacked, format_api, random_scales, work_items
+from .target import int_dot_width
+from .tiles import ROWS_PER_ITEM, format_api, random_scales, work_items
 
 QTYPE = GGMLQuantizationType.Q8_0
 BLOCK_SIZE = 32
 BLOCK_BYTES = 34
+INT_DOT_WIDTH = int_dot_width()
 
 
 @njit(nogil=True, cache=True)
@@ -43,7 +48,32 @@ def _block(builder, q, o, b, xs, aux, acc):
     return simd.fma(builder, prod, simd.splat(builder, d, BLOCK_SIZE), acc)
 
 
+def _weights(builder, q, o):
+    """The block at byte o of row q as one <32 x float>: d * float(quants)."""
+    f32x = simd.vec(simd.F32, BLOCK_SIZE)
+    d = simd.splat(builder, simd.load_half(builder, q, o), BLOCK_SIZE)
+    quants = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), simd.vec(I8, BLOCK_SIZE))
+    return [(0, builder.fmul(builder.sitofp(quants, f32x), d, flags=simd.FAST))]
+
+
 _block.acc_type = simd.vec(simd.F32, BLOCK_SIZE)
+
+
+def _block_i16(builder, q, o, b, xq, aux, acc):
+    """acc <16 x float> += d * dx_b * (quants . xq[32b:32b + 32]) for the block at byte o of row q: one pmaddwd
+    of the int16-widened quants with int16 x, then one int -> float conversion and FMA; aux [C/16] of (dx, sum)."""
+    quants = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), simd.vec(I8, BLOCK_SIZE))
+    xv = simd.load_at(builder, xq, builder.mul(b, ir.Constant(I64, BLOCK_SIZE)), simd.vec(simd.I16, BLOCK_SIZE))
+    dots = simd.madd_i16(builder, builder.sext(quants, simd.vec(simd.I16, BLOCK_SIZE)), xv, INT_DOT_WIDTH)  # <16 x i32>
+    dx = builder.load(builder.gep(aux, [builder.mul(b, ir.Constant(I64, 2))]))
+    scale = builder.fmul(simd.load_half(builder, q, o), dx, flags=simd.FAST)
+    return simd.fma(builder, builder.sitofp(dots, simd.vec(simd.F32, 16)), simd.splat(builder, scale, 16), acc)
+
+
+_block_i16.acc_type = simd.vec(simd.F32, 16)
+_dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
+_unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, BLOCK_SIZE)
 _dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 
@@ -60,18 +90,32 @@ def _rows_dot(w, r0, r1, x, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, out, r0, t0, t1):
-    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B]."""
+def _rows_dot_i16(w, r0, r1, xq, aux, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] and (scale, sum) pairs aux [C/16]."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows_i16(w, r, xq, aux, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row_i16(w, rr, xq, aux, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, xq, xaux, panels, out, item, act_quant):
+    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s);
+    panels [S, C, 64]."""
+    r0, t0, t1 = item[1], item[2], item[3]
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    if t1 - t0 == 1 and act_quant:
+        _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])
+        return
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], out[t0])
         return
-    buf = np.zeros((UNPACK_ROWS, x.shape[1]), dtype=np.float32)  # [K, C]
-    for k0 in range(r0, r1, UNPACK_ROWS):
-        num_rows = min(UNPACK_ROWS, r1 - k0)
-        for k in range(num_rows):
-            _unpack_row(w[k0 + k], buf[k])
-        dot_unpacked(buf, num_rows, x, t0, t1, out, k0)
+    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
+    for r in range(r0, r1):
+        _unpack_row_fast(w, r, buf[r - r0])
+    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -81,13 +125,15 @@ def _dequantize(raw, out):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raws, x, expert_ids, row_starts, outs):
+def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 4]
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
+    panels = token_panels(x, items)  # [S, C, 64]
+    xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):
         k, j = i // num_items, i % num_items
-        _tile(raws[k][items[j, 0]], x, outs[k], items[j, 1], items[j, 2], items[j, 3])
+        _tile(raws[k][items[j, 0]], x, xq, xaux, panels, outs[k], items[j], act_quant)
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(

@@ -4,66 +4,20 @@ Written as plain loops, a block dot nests a 32-step loop in the loop over blocks
 LLVM unrolls the inner loop and then vectorizes the block loop with gathers, ~10x
 slower than memory speed. Here a block is loaded as <32 x ...> vectors, so every
 block runs as a few wide instructions on any x86 level (SSE to AVX-512 legalize the
-same IR): `dot_q4_block` for one block, and `rows_dot_intrinsic`, from which the
-formats build whole-row loops over several rows at once with vector accumulators.
+same IR). The formats build from these pieces: `rows_dot_intrinsic`, whole-row dot
+loops over several rows at once with vector accumulators (one horizontal reduction
+per row; float x, or int16 x through `madd_i16`), and `unpack_row_intrinsic`, a row
+dequantized to float32 for prefill.
 
-Shape legend: C columns; `q` uint8 raw bytes, `x` float32 [C]; offsets are in elements.
+Shape legend: C columns; `q` uint8 raw bytes, `x` float32 or int16 [C]; offsets are in elements.
 """
 from llvmlite import ir
 from numba import types
 from numba.core.extending import intrinsic
 
-_LANES = 32
-_F32X = ir.VectorType(ir.FloatType(), _LANES)
-_I32X = ir.VectorType(ir.IntType(32), _LANES)
-FAST = _FAST = ("fast",)
+from .target import has_f16c
 
-
-def _lanes(first, count):
-    """Shuffle mask selecting lanes first .. first + count - 1."""
-    return ir.Constant(ir.VectorType(ir.IntType(32), count), list(range(first, first + count)))
-
-
-def _load(context, builder, aryty, ary, offset, vecty):
-    """Unaligned load of vecty from ary[offset:]."""
-    data = context.make_array(aryty)(context, builder, value=ary).data
-    ptr = builder.bitcast(builder.gep(data, [offset]), vecty.as_pointer())
-    return builder.load(ptr, align=1, typ=vecty)
-
-
-def _dot_x(context, builder, aryty, ary, offset, weights):
-    """sum(weights <32 x float> * x[offset:offset + 32]) by a tree of shuffles and adds."""
-    acc = builder.fmul(weights, _load(context, builder, aryty, ary, offset, _F32X), flags=_FAST)
-    width = _LANES
-    while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(acc, acc, _lanes(0, width))
-        hi = builder.shuffle_vector(acc, acc, _lanes(width, width))
-        acc = builder.fadd(lo, hi, flags=_FAST)
-    return builder.extract_element(acc, ir.Constant(ir.IntType(32), 0))
-
-
-@intrinsic
-def dot_q4_block(typingctx, q, qo, x, xo):
-    """sum((q[qo + j] & 15) - 8) * x[xo + j] + ((q[qo + j] >> 4) - 8) * x[xo + 16 + j] for j < 16) (a Q4_0 block, no scale)."""
-    sig = types.float32(q, qo, x, xo)
-
-    def codegen(context, builder, signature, args):
-        qary, qoff, xary, xoff = args
-        i8x16 = ir.VectorType(ir.IntType(8), _LANES // 2)
-        packed = _load(context, builder, signature.args[0], qary, qoff, i8x16)
-        lo = builder.and_(packed, ir.Constant(i8x16, 15))
-        hi = builder.lshr(packed, ir.Constant(i8x16, 4))
-        both = builder.shuffle_vector(lo, hi, _lanes(0, _LANES))  # low nibbles, then high nibbles
-        centered = builder.sub(builder.zext(both, _I32X), ir.Constant(_I32X, 8))
-        return _dot_x(context, builder, signature.args[2], xary, xoff, builder.sitofp(centered, _F32X))
-
-    return sig, codegen
-
-
-# Whole-row dots: one intrinsic loops over a row's blocks in LLVM IR with vector accumulators,
-# so the only horizontal reduction is at the end of the row. The format modules build their
-# row dots from these pieces.
+FAST = ("fast",)
 
 F32 = ir.FloatType()
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -92,7 +46,10 @@ def load_at(builder, base, offset, ty):
 
 
 def half_to_f32(builder, bits):
-    """An i16 IEEE half -> float, exact, integer ops only (no F16C needed, no float32 subnormals made)."""
+    """An i16 IEEE half -> float, exact: one vcvtph2ps where the target has F16C, else integer ops only
+    (no float32 subnormals made; ~10 instructions, which Q4_0 and Q8_0 pay once per 32 weights)."""
+    if has_f16c():
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
     h = builder.zext(bits, I32)
     mag = builder.and_(h, ir.Constant(I32, 0x7FFF))
     normal = builder.add(builder.shl(mag, ir.Constant(I32, 13)), ir.Constant(I32, 112 << 23))
@@ -123,13 +80,13 @@ def hsum(builder, v):
     width = v.type.count
     while width > 1:
         width //= 2
-        v = builder.fadd(lanes(builder, v, range(width)), lanes(builder, v, range(width, 2 * width)), flags=_FAST)
+        v = builder.fadd(lanes(builder, v, range(width)), lanes(builder, v, range(width, 2 * width)), flags=FAST)
     return builder.extract_element(v, ir.Constant(I32, 0))
 
 
 def fma(builder, a, b, acc):
     """acc + a * b with fast-math flags (LLVM fuses them where the target has FMA)."""
-    return builder.fadd(acc, builder.fmul(a, b, flags=_FAST), flags=_FAST)
+    return builder.fadd(acc, builder.fmul(a, b, flags=FAST), flags=FAST)
 
 
 def row_loop(builder, count, body, init):
@@ -198,3 +155,63 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
 
     impl.__name__ = f"{block_fn.__name__}_rows{num_rows}"
     return intrinsic(impl)
+
+
+def unpack_row_intrinsic(weights_fn, block_bytes, block_size):
+    """An intrinsic f(w uint8 [R, B], r, dst f32 [C]) -> None writing row r of W, dequantized, to dst.
+
+    weights_fn(builder, q, o) -> [(first weight, <n x float>), ...] gives the weights of the block at
+    byte o of row pointer q as vectors. Used by prefill, which unpacks a tile of rows once for many
+    tokens; the scalar dequantizers stay the bit-exact reference (fast-math may fuse a scale and a min).
+    """
+    from numba.core import cgutils
+
+    def impl(typingctx, w, r, dst):
+        if not (isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C" and contiguous(dst)):
+            return None
+        sig = types.void(w, r, dst)
+
+        def codegen(context, builder, signature, args):
+            wa = context.make_array(signature.args[0])(context, builder, value=args[0])
+            row_bytes = cgutils.unpack_tuple(builder, wa.shape)[1]
+            first = context.cast(builder, args[1], signature.args[1], types.int64)
+            q = builder.gep(wa.data, [builder.mul(first, row_bytes)])
+            out = data_ptr(context, builder, signature.args[2], args[2])
+            num_blocks = builder.udiv(row_bytes, ir.Constant(I64, block_bytes))
+
+            def step(b, accs):
+                o = builder.mul(b, ir.Constant(I64, block_bytes))
+                base = builder.gep(out, [builder.mul(b, ir.Constant(I64, block_size))])
+                for offset, values in weights_fn(builder, q, o):
+                    ptr = builder.bitcast(builder.gep(base, [ir.Constant(I64, offset)]), values.type.as_pointer())
+                    builder.store(values, ptr, align=4)
+                return accs
+
+            row_loop(builder, num_blocks, step, [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"{weights_fn.__name__}_unpack_row"
+    return intrinsic(impl)
+
+
+_PMADDWD = {32: "llvm.x86.avx512.pmaddw.d.512", 16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd"}
+
+
+def madd_i16(builder, a, b, width):
+    """<n x i16> a, b -> <n/2 x i32> of a[2i] * b[2i] + a[2i + 1] * b[2i + 1], as pmaddwd instructions of
+    `width` i16 lanes (32: AVX-512BW, 16: AVX2, 8: SSE2). LLVM does not form pmaddwd from the plain
+    sext-mul-add pattern (it emits vpmulld and shuffles), so the instruction is called by name."""
+    from numba.core import cgutils
+
+    n = a.type.count
+    fnty = ir.FunctionType(vec(I32, width // 2), [vec(I16, width)] * 2)
+    fn = cgutils.get_or_insert_function(builder.module, fnty, _PMADDWD[width])
+    parts = [builder.call(fn, [lanes(builder, a, range(k, k + width)), lanes(builder, b, range(k, k + width))])
+             for k in range(0, n, width)]
+    while len(parts) > 1:
+        m = parts[0].type.count
+        parts = [builder.shuffle_vector(parts[i], parts[i + 1], const_vec(I32, range(2 * m)))
+                 for i in range(0, len(parts), 2)]
+    return parts[0]

@@ -4,6 +4,7 @@
 AVX-only Ivy Bridge Xeons). `NUMBA_CPU_NAME` alone is not a floor: LLVM keeps the
 host's features (FMA stays on), so the feature list is set explicitly as well.
 """
+import functools
 import logging
 import os
 
@@ -28,6 +29,29 @@ def apply_isa_floor(floor=None):
         os.environ["NUMBA_CPU_NAME"] = cpu_name
         os.environ["NUMBA_CPU_FEATURES"] = features
     return floor
+
+
+@functools.cache
+def _target_features():
+    """The compile target's CPU features that kernels choose code by: {"avx512bw", "avx2", "f16c"} -> bool."""
+    import llvmlite.binding as ll
+
+    floor = (os.environ.get("STRATA_ISA_FLOOR") or "native").strip().lower()
+    if floor in ("avx", "avx2", "avx512"):  # Sandy Bridge has neither AVX2 nor F16C
+        return {"avx512bw": floor == "avx512", "avx2": floor != "avx", "f16c": floor != "avx"}
+    host = ll.get_host_cpu_features()
+    return {name: bool(host.get(name)) for name in ("avx512bw", "avx2", "f16c")}
+
+
+def int_dot_width():
+    """The widest pmaddwd of the compile target, in int16 lanes: 32 (AVX-512BW), 16 (AVX2) or 8 (SSE2)."""
+    features = _target_features()
+    return 32 if features["avx512bw"] else 16 if features["avx2"] else 8
+
+
+def has_f16c():
+    """Whether the compile target converts halves to float in one instruction (vcvtph2ps)."""
+    return _target_features()["f16c"]
 
 
 def set_threads(num_threads=None):

@@ -1,21 +1,21 @@
-"""Work split, prefill tile math, argument checks, random blocks and the public wrappers shared by every format.
+"""Work split, argument checks, random blocks and the public wrappers shared by every format.
 
-A work item is (expert, first row, first token, end token): ROWS_PER_ITEM output
-rows of one expert for at most TOKENS_PER_ITEM of its tokens. Decode items (one
+A work item is (expert, first row, first token, end token, token chunk): ROWS_PER_ITEM
+output rows of one expert for at most TOKENS_PER_ITEM of its tokens. Decode items (one
 token) dot each row straight from its blocks; prefill items unpack rows to float32
-once and dot them with every token of the item.
+once and multiply them with every token of the item (`prefill`).
 
 Shape legend: R output rows, C columns, B bytes per row, T tokens, E experts,
-N (token, expert) rows sorted by group, G groups, W work items, K = UNPACK_ROWS.
+N (token, expert) rows sorted by group, G groups, W work items.
 """
 import numpy as np
 from numba import njit
 
+from .act_quant import act_quant_code
 from .twins import serial_twin
 
 ROWS_PER_ITEM = 16  # output rows per parallel work item
-TOKENS_PER_ITEM = 32  # tokens per work item: their x rows stay in L2
-UNPACK_ROWS = 4  # rows unpacked to float together: each x load feeds 4 FMAs
+TOKENS_PER_ITEM = 64  # tokens per work item: each unpacked weight row serves up to 64 tokens
 
 ONE_EXPERT = np.zeros(1, dtype=np.int64)  # expert_ids of a plain matmul
 ONE_ROW = np.array([0, 1], dtype=np.int64)  # row_starts of a plain matvec
@@ -23,7 +23,8 @@ ONE_ROW = np.array([0, 1], dtype=np.int64)  # row_starts of a plain matvec
 
 @njit(nogil=True, cache=True)
 def work_items(expert_ids, row_starts, num_experts, num_rows):
-    """Split every group into (rows, tokens) tiles: [W, 4] of (expert, first row, first token, end token)."""
+    """Split every group into (rows, tokens) tiles: [W, 5] of (expert, first row, first token, end token,
+    token chunk), the token chunk numbering the distinct (first token, end token) ranges from 0."""
     num_row_blocks = (num_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     num_items = 0
     for g in range(expert_ids.shape[0]):
@@ -31,8 +32,9 @@ def work_items(expert_ids, row_starts, num_experts, num_rows):
             raise ValueError("moe_matmul: expert_ids out of range or row_starts decreasing")
         num_tokens = row_starts[g + 1] - row_starts[g]
         num_items += num_row_blocks * ((num_tokens + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM)
-    items = np.empty((num_items, 4), dtype=np.int64)  # [W, 4]
+    items = np.empty((num_items, 5), dtype=np.int64)  # [W, 5]
     i = 0
+    chunk = 0
     for g in range(expert_ids.shape[0]):
         for t0 in range(row_starts[g], row_starts[g + 1], TOKENS_PER_ITEM):
             t1 = min(t0 + TOKENS_PER_ITEM, row_starts[g + 1])
@@ -41,7 +43,9 @@ def work_items(expert_ids, row_starts, num_experts, num_rows):
                 items[i, 1] = rb * ROWS_PER_ITEM
                 items[i, 2] = t0
                 items[i, 3] = t1
+                items[i, 4] = chunk
                 i += 1
+            chunk += 1
     return items
 
 
@@ -57,25 +61,6 @@ def sub_block_sums(x):
                 s += x[n, c]
             out[n, j] = s
     return out
-
-
-@njit(inline="always", nogil=True, cache=True)
-def dot_unpacked(w, num_rows, x, t0, t1, out, r0):
-    """out[t0:t1, r0:r0 + num_rows] = x[t0:t1] @ w[:num_rows].T; w f32 [K, C] (rows past num_rows are ignored)."""
-    for t in range(t0, t1):
-        a0 = np.float32(0)
-        a1 = np.float32(0)
-        a2 = np.float32(0)
-        a3 = np.float32(0)
-        for c in range(w.shape[1]):
-            xc = x[t, c]
-            a0 += w[0, c] * xc
-            a1 += w[1, c] * xc
-            a2 += w[2, c] * xc
-            a3 += w[3, c] * xc
-        acc = (a0, a1, a2, a3)
-        for k in range(num_rows):
-            out[t, r0 + k] = acc[k]
 
 
 def num_cols(raw, block_size, block_bytes, name):
@@ -113,9 +98,10 @@ def format_api(name, block_size, block_bytes, unpack_rows, moe_kernel, moe_kerne
     """A format's public (dequantize, matvec, matmul, moe_matmul, moe_matmul_pair) around its two kernels.
 
     unpack_rows(raw uint8 [R, B], out f32 [R, C]) and moe_kernel(raws: tuple of raw [E, R, B],
-    x f32 [N, C], expert_ids int64 [G], row_starts int64 [G+1], outs: tuple of f32 [N, R]) get
-    checked arguments; moe_kernel runs every weight of the tuple in one parallel region.
+    x f32 [N, C], expert_ids int64 [G], row_starts int64 [G+1], outs: tuple of f32 [N, R], act_quant)
+    get checked arguments; moe_kernel runs every weight of the tuple in one parallel region.
     moe_kernel_serial (default: its serial twin) runs small matvecs without opening a region.
+    act_quant: how decode rows multiply, "int16" or "float" (act_quant module); None: STRATA_ACT_QUANT.
     """
     moe_kernel_serial = moe_kernel_serial or serial_twin(moe_kernel)
 
@@ -124,32 +110,32 @@ def format_api(name, block_size, block_bytes, unpack_rows, moe_kernel, moe_kerne
         check_dequantize(raw, out, block_size, block_bytes, name)
         unpack_rows(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
 
-    def matvec(raw, x, out, serial=False):
+    def matvec(raw, x, out, serial=False, act_quant=None):
         """out [R] = W @ x [C] for raw uint8 [R, B] (decode); serial: on the calling thread only (small weights)."""
         if serial:
             x, out = x.reshape(1, -1), out.reshape(1, -1)
             check_moe(raw.reshape(1, *raw.shape), x, ONE_EXPERT, ONE_ROW, out, block_size, block_bytes, name)
-            moe_kernel_serial((raw.reshape(1, *raw.shape),), x, ONE_EXPERT, ONE_ROW, (out,))
+            moe_kernel_serial((raw.reshape(1, *raw.shape),), x, ONE_EXPERT, ONE_ROW, (out,), act_quant_code(act_quant))
         else:
-            matmul(raw, x.reshape(1, -1), out.reshape(1, -1))
+            matmul(raw, x.reshape(1, -1), out.reshape(1, -1), act_quant)
 
-    def matmul(raw, x, out):
+    def matmul(raw, x, out, act_quant=None):
         """out [T, R] = x [T, C] @ W.T for raw uint8 [R, B] (prefill)."""
-        moe_matmul(raw.reshape(1, *raw.shape), x, ONE_EXPERT, np.array([0, x.shape[0]]), out)
+        moe_matmul(raw.reshape(1, *raw.shape), x, ONE_EXPERT, np.array([0, x.shape[0]]), out, act_quant)
 
-    def moe_matmul(raw, x, expert_ids, row_starts, out):
+    def moe_matmul(raw, x, expert_ids, row_starts, out, act_quant=None):
         """out[row_starts[g]:row_starts[g+1]] = x[same rows] @ W[expert_ids[g]].T; raw [E, R, B], x [N, C], out [N, R]."""
         check_moe(raw, x, expert_ids, row_starts, out, block_size, block_bytes, name)
-        moe_kernel((raw,), x, expert_ids, row_starts, (out,))
+        moe_kernel((raw,), x, expert_ids, row_starts, (out,), act_quant_code(act_quant))
 
-    def moe_matmul_pair(raw_a, raw_b, x, expert_ids, row_starts, out_a, out_b):
+    def moe_matmul_pair(raw_a, raw_b, x, expert_ids, row_starts, out_a, out_b, act_quant=None):
         """moe_matmul of two weights of one shape (an expert's gate and up) on the same rows, in one parallel region."""
         check_moe(raw_a, x, expert_ids, row_starts, out_a, block_size, block_bytes, name)
         check_moe(raw_b, x, expert_ids, row_starts, out_b, block_size, block_bytes, name)
         if raw_a.shape != raw_b.shape or raw_a.flags.writeable != raw_b.flags.writeable:
             raise ValueError(f"{name}.moe_matmul_pair: raw_a {raw_a.shape} and raw_b {raw_b.shape} differ in shape "
                              "or writeability")
-        moe_kernel((raw_a, raw_b), x, expert_ids, row_starts, (out_a, out_b))
+        moe_kernel((raw_a, raw_b), x, expert_ids, row_starts, (out_a, out_b), act_quant_code(act_quant))
 
     api = (dequantize, matvec, matmul, moe_matmul, moe_matmul_pair)
     for fn in api:

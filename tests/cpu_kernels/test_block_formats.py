@@ -22,8 +22,9 @@ def _dequant(fmt, raw):
     return gguf.quants.dequantize(raw, fmt.QTYPE).astype(np.float64)
 
 
-def _assert_close(got, ref):
-    assert np.abs(got - ref).max() <= REL_TOL * np.abs(ref).max()
+def _assert_close(got, ref, extra=0.0):
+    """got within REL_TOL of max|ref| of ref, plus `extra` (the int16 rounding bound of each output)."""
+    assert np.all(np.abs(got - ref) <= REL_TOL * np.abs(ref).max() + extra)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
@@ -39,32 +40,38 @@ def test_dequantize_matches_gguf_bitwise(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
 @pytest.mark.parametrize("num_tokens", [1, 40])
-def test_matmul_and_matvec_match_numpy(fmt, num_tokens):
+def test_matmul_and_matvec_match_numpy(fmt, num_tokens, act_quant, int16_rounding_bound):
     raw = _weights(fmt, (ROWS, COLS))
     raw.flags.writeable = False  # kernels must accept read-only (memory-mapped) weights
     x = np.random.default_rng(1).standard_normal((num_tokens, COLS), dtype=np.float32)  # [T, C]
-    ref = x.astype(np.float64) @ _dequant(fmt, raw).T  # [T, R]
+    w = _dequant(fmt, raw)  # [R, C]
+    ref = x.astype(np.float64) @ w.T  # [T, R]
+    extra = int16_rounding_bound(x, np.abs(w), act_quant) if num_tokens == 1 else 0.0  # prefill multiplies in float
     out = np.empty((num_tokens, ROWS), dtype=np.float32)
-    fmt.matmul(raw, x, out)
-    _assert_close(out, ref)
+    fmt.matmul(raw, x, out, act_quant=act_quant)
+    _assert_close(out, ref, extra)
     vec = np.empty(ROWS, dtype=np.float32)
-    fmt.matvec(raw, x[0], vec)
-    _assert_close(vec, ref[0])
+    fmt.matvec(raw, x[0], vec, act_quant=act_quant)
+    _assert_close(vec, ref[0], int16_rounding_bound(x[:1], np.abs(w), act_quant)[0])
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
-def test_moe_matmul_matches_numpy(fmt):
+def test_moe_matmul_matches_numpy(fmt, act_quant, int16_rounding_bound):
     raw = _weights(fmt, (5, ROWS, COLS))  # [E, R, B]
     expert_ids = np.array([3, 0, 4, 1, 3], dtype=np.int64)  # [G]; expert 3 twice
     sizes = [2, 0, 1, 35, 3]  # an empty group, a one-row group, one past a 32-token work item
     row_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [G+1]
     x = np.random.default_rng(2).standard_normal((row_starts[-1], COLS), dtype=np.float32)  # [N, C]
     out = np.full((row_starts[-1], ROWS), np.nan, dtype=np.float32)  # [N, R]
-    fmt.moe_matmul(raw, x, expert_ids, row_starts, out)
+    fmt.moe_matmul(raw, x, expert_ids, row_starts, out, act_quant=act_quant)
     weights = _dequant(fmt, raw)  # [E, R, C]
-    ref = np.concatenate([x[row_starts[g]:row_starts[g + 1]].astype(np.float64) @ weights[e].T
-                          for g, e in enumerate(expert_ids)])  # [N, R]
-    _assert_close(out, ref)
+    for g, e in enumerate(expert_ids):
+        rows = slice(row_starts[g], row_starts[g + 1])
+        if rows.start == rows.stop:
+            continue
+        ref = x[rows].astype(np.float64) @ weights[e].T
+        decode = row_starts[g + 1] - row_starts[g] == 1  # one-token groups take the decode dot
+        _assert_close(out[rows], ref, int16_rounding_bound(x[rows], np.abs(weights[e]), act_quant) if decode else 0.0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)

@@ -54,21 +54,23 @@ def test_dequantize_matches_gguf_on_random_bytes(fmt):
 
 
 @each_format
-def test_matvec_and_matmul(fmt):
+def test_matvec_and_matmul(fmt, act_quant, int16_rounding_bound):
     raw = weight(fmt, (R, C), 2)
-    x = np.random.default_rng(3).standard_normal((40, C)).astype(np.float32)  # [T, C]
+    x = np.random.default_rng(3).standard_normal((70, C)).astype(np.float32)  # [T, C]
     ref, bound = reference(fmt, raw, x)  # [T, R]
+    w_abs = np.abs(gguf.quants.dequantize(raw, fmt.QTYPE).astype(np.float64))  # [R, C]
+    decode_bound = bound[0] + int16_rounding_bound(x[:1], w_abs, act_quant)[0]
     out = np.empty(R, dtype=np.float32)
-    fmt.matvec(raw, x[0], out)
-    assert_close(out, ref[0], bound[0])
-    for num_tokens in (1, 40):  # decode, and prefill past one 32-token tile
+    fmt.matvec(raw, x[0], out, act_quant=act_quant)
+    assert_close(out, ref[0], decode_bound)
+    for num_tokens in (1, 40, 70):  # decode, prefill past one 32-token pass, past one 64-token item
         out = np.empty((num_tokens, R), dtype=np.float32)
-        fmt.matmul(raw, x[:num_tokens], out)
-        assert_close(out, ref[:num_tokens], bound[:num_tokens])
+        fmt.matmul(raw, x[:num_tokens], out, act_quant=act_quant)
+        assert_close(out, ref[:num_tokens], decode_bound if num_tokens == 1 else bound[:num_tokens])
 
 
 @each_format
-def test_moe_matmul(fmt):
+def test_moe_matmul(fmt, act_quant, int16_rounding_bound):
     num_experts = 5
     raw = weight(fmt, (num_experts, R, C), 4)  # [E, R, B]
     group_sizes = [3, 0, 1, 35, 2]  # an empty group, a 1-row (decode) group, one past a 32-token tile
@@ -76,10 +78,13 @@ def test_moe_matmul(fmt):
     row_starts = np.concatenate([[0], np.cumsum(group_sizes)]).astype(np.int64)  # [G+1]
     x = np.random.default_rng(5).standard_normal((row_starts[-1], C)).astype(np.float32)  # [N, C]
     out = np.full((len(x), R), np.nan, dtype=np.float32)  # [N, R]
-    fmt.moe_matmul(raw, x, expert_ids, row_starts, out)
+    fmt.moe_matmul(raw, x, expert_ids, row_starts, out, act_quant=act_quant)
     for g, e in enumerate(expert_ids):
         rows = slice(row_starts[g], row_starts[g + 1])
         ref, bound = reference(fmt, raw[e], x[rows])
+        if group_sizes[g] == 1:  # the decode dot
+            w_abs = np.abs(gguf.quants.dequantize(raw[e], fmt.QTYPE).astype(np.float64))
+            bound = bound + int16_rounding_bound(x[rows], w_abs, act_quant)
         assert_close(out[rows], ref, bound)
 
 
