@@ -31,16 +31,34 @@ def apply_isa_floor(floor=None):
     return floor
 
 
+CHOSEN_FEATURES = ("avx512bw", "avx2", "f16c")
+# Features of the CPU names a target may be set to with an empty feature list (Sandy Bridge has none).
+NAMED_CPU_FEATURES = {
+    "sandybridge": set(),
+    "ivybridge": {"f16c"},
+    "haswell": {"avx2", "f16c"},
+    "skylake": {"avx2", "f16c"},
+    "skylake-avx512": {"avx512bw", "avx2", "f16c"},
+}
+
+
 @functools.cache
 def _target_features():
-    """The compile target's CPU features that kernels choose code by: {"avx512bw", "avx2", "f16c"} -> bool."""
+    """The compile target's CPU features that kernels choose code by: {"avx512bw", "avx2", "f16c"} -> bool.
+
+    Read from what Numba will compile for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, however they were
+    set), not from the host: code for a feature the target lacks does not compile.
+    """
     import llvmlite.binding as ll
 
-    floor = (os.environ.get("STRATA_ISA_FLOOR") or "native").strip().lower()
-    if floor in ("avx", "avx2", "avx512"):  # Sandy Bridge has neither AVX2 nor F16C
-        return {"avx512bw": floor == "avx512", "avx2": floor != "avx", "f16c": floor != "avx"}
-    host = ll.get_host_cpu_features()
-    return {name: bool(host.get(name)) for name in ("avx512bw", "avx2", "f16c")}
+    name, features = os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES")
+    if features:  # an explicit "+avx2,-avx512bw,..." list
+        enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    elif name and name != "host":
+        enabled = NAMED_CPU_FEATURES.get(name.lower(), set())  # unknown names: the portable path
+    else:
+        enabled = {f for f, on in ll.get_host_cpu_features().items() if on}
+    return {f: f in enabled for f in CHOSEN_FEATURES}
 
 
 def int_dot_width():

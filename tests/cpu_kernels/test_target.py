@@ -29,8 +29,10 @@ print(config.CPU_NAME, repr(config.CPU_FEATURES), "fma" if "vfmadd" in asm else 
 
 
 def test_floor_names_map_to_numba_settings(monkeypatch):
-    monkeypatch.delenv("NUMBA_CPU_NAME", raising=False)
-    monkeypatch.delenv("NUMBA_CPU_FEATURES", raising=False)
+    # setenv first, so that the teardown removes what apply_isa_floor writes into os.environ
+    # (left behind, it would make later subprocesses compile for Sandy Bridge)
+    monkeypatch.setenv("NUMBA_CPU_NAME", "placeholder")
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "placeholder")
     assert apply_isa_floor("avx") == "avx"
     assert os.environ["NUMBA_CPU_NAME"] == "sandybridge" and os.environ["NUMBA_CPU_FEATURES"] == ""
 
@@ -69,3 +71,18 @@ def test_threads_setting(monkeypatch):
             set_threads(0)
     finally:
         numba.set_num_threads(before)
+
+
+def test_numba_target_set_directly_picks_code_it_can_compile(tmp_path):
+    """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set without STRATA_ISA_FLOOR: kernels follow Numba's target,
+    not the host (AVX-512 code for a Sandy Bridge target crashes LLVM)."""
+    env = {**os.environ, "NUMBA_CPU_NAME": "sandybridge", "NUMBA_CPU_FEATURES": "",
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("STRATA_ISA_FLOOR", None)
+    probe = PROBE + "\nfrom cpu_kernels import q4_k\n" + (
+        "raw = q4_k.random_blocks(rng, (9, 512), 0.05); w = np.empty((9, 512), np.float32); q4_k.dequantize(raw, w)\n"
+        "x = rng.standard_normal(512).astype(np.float32); out = np.empty(9, np.float32); q4_k.matvec(raw, x, out)\n"
+        "assert np.allclose(out, w @ x, rtol=1e-3, atol=1e-3)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert tuple(proc.stdout.split()) == ("sandybridge", "''", "no-fma")
