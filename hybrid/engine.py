@@ -10,11 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import Batch, SeqChunk
-from .errors import RequestError
 from .expert_usage import ExpertUsage
-from .request import Delta, Failed, Finished, RequestHandle, StopFilter, timings
+from .request import Delta, Failed, Finished, RequestHandle, StopFilter, check_prompt, timings
 from .sampling import Sampler
-from .scheduler import DEFAULT_DECODE_SHARE, DEFAULT_STEP_TOKENS, Scheduler, SlotState
+from .scheduler import DEFAULT_DECODE_SHARE, DEFAULT_STEP_TOKENS, Scheduler
 from .tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ class Engine:
     def submit(self, request):
         """Queue `request`; raises RequestError (bad prompt or parameters) or QueueFull."""
         request.params.validate()
-        self._check_prompt(request.prompt_ids)
+        check_prompt(request.prompt_ids, self.max_context, self.model.config.vocab_size)
         handle = RequestHandle(request)
         live = _Live(handle, Sampler(request.params), IncrementalDecoder(self.tokenizer),
                      StopFilter(request.params.stop))
@@ -94,16 +93,6 @@ class Engine:
             self._live[request.request_id] = live
             self._lock.notify_all()
         return handle
-
-    def _check_prompt(self, ids):
-        if not ids:
-            raise RequestError("the prompt is empty")
-        if len(ids) >= self.max_context:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
-        vocab_size = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
     def cancel(self, request_id):
         """Cancel a queued or running request; its slot is freed at the next step."""

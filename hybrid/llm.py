@@ -8,11 +8,10 @@ import numpy as np
 from .backends import select_backends
 from .backends.gpu import DEFAULT_RESERVE_MIB
 from .batch import Batch, SeqChunk
-from .errors import RequestError
 from .expert_usage import ExpertUsage
 from .formats import load_model
 from .model import Model
-from .request import StopFilter, timings
+from .request import StopFilter, check_prompt, end_reason, timings
 from .residency import resident_choice
 from .sampling import Sampler, SamplingParams
 from .tokenizer import IncrementalDecoder
@@ -87,13 +86,7 @@ class LLM:
 
     def _prompt_ids(self, prompt):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise RequestError("the prompt is empty")
-        if len(ids) >= self.max_context:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        check_prompt(ids, self.max_context, self.config.vocab_size)
         return ids
 
     def _prefill(self, ids, kv, logits="last"):
@@ -134,19 +127,19 @@ class LLM:
 
     def _decode(self, logits, kv, params):
         sampler, decoder, stops = Sampler(params), IncrementalDecoder(self.tokenizer), StopFilter(params.stop)
-        eos = set() if params.ignore_eos else set(self.tokenizer.eos_ids)
         out_ids, text = [], ""
         while True:
             token = sampler(logits)
             out_ids.append(token)
-            if token in eos:
-                return out_ids, text + stops.flush(), "stop"
+            reason = end_reason(token, len(out_ids), kv.length, params, self.tokenizer.eos_ids, self.max_context)
+            if reason == "stop":  # an end token: not part of the text
+                return out_ids, text + stops.flush(), reason
             piece, stopped = stops.push(decoder.push(token))
             text += piece
             if stopped:
                 return out_ids, text, "stop"
-            if len(out_ids) >= params.max_tokens or kv.length >= self.max_context:
-                return out_ids, text + stops.flush(), "length"
+            if reason == "length":
+                return out_ids, text + stops.flush(), reason
             step = Batch([SeqChunk(kv, kv.length, np.asarray([token], dtype=np.int64))])
             logits = self.model.forward(step)[0]
 

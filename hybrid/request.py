@@ -9,6 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from .errors import RequestError
 from .sampling import SamplingParams
 
 
@@ -79,6 +80,28 @@ class RequestHandle:
         for event in self:
             if not isinstance(event, Delta):
                 return event
+
+
+def check_prompt(ids, max_context, vocab_size):
+    """A prompt's token ids can be read: not empty, shorter than the context, inside the vocabulary."""
+    if not ids:
+        raise RequestError("the prompt is empty")
+    if len(ids) >= max_context:
+        raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {max_context}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+
+
+def end_reason(token_id, num_generated, num_cached, params, eos_ids, max_context):
+    """Why generation ends after sampling `token_id`: "stop" (an end token), "length", or None (go on).
+
+    num_cached: positions whose K/V are computed (the new token's are not yet)."""
+    if token_id in eos_ids and not params.ignore_eos:
+        return "stop"
+    if num_generated >= params.max_tokens or num_cached >= max_context:
+        return "length"
+    return None
 
 
 def timings(prompt_n, prompt_s, predicted_n, predicted_s, cache_n=0):

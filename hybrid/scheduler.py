@@ -22,6 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .request import end_reason
+
 log = logging.getLogger(__name__)
 
 DEFAULT_DECODE_SHARE = 0.8
@@ -193,12 +195,8 @@ class Scheduler:
     def append_token(self, slot, token_id):
         """Append a sampled token; returns the finish reason when it ends the request, else None."""
         slot.output_ids.append(token_id)
-        params = slot.request.params
-        if token_id in self.eos_ids and not params.ignore_eos:
-            return "stop"
-        if len(slot.output_ids) >= params.max_tokens or slot.num_cached >= self.max_context:
-            return "length"
-        return None
+        return end_reason(token_id, len(slot.output_ids), slot.num_cached, slot.request.params, self.eos_ids,
+                          self.max_context)
 
     def finish(self, slot, reason):
         slot.state, slot.finish_reason = SlotState.DONE, reason
