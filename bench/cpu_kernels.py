@@ -2,15 +2,16 @@
 
 For each format, builds random experts of one Qwen3-30B-A3B MoE layer (128 experts,
 gate/up projection R=768, C=2048) and times a decode step that reads every expert
-once: one moe_matmul call with 128 groups of one row (float and int16 activations),
+once: one moe_matmul call with 128 groups of one row (float, int16 and, where the format has
+int8 dots and the CPU VNNI, int8 activations),
 and (for comparison) a Python loop of 128 matvec calls. Throughput is weight bytes
 read per second. Prefill: one moe_matmul of 64 tokens on each of 16 experts, GFLOP/s. Enough layer
 copies are cycled that the weights never sit in the last-level cache. DRAM read
 bandwidth is a parallel float32 sum over a large array, per thread count.
 
-    python bench/cpu_kernels.py [--threads 1,2] [--formats q8_0,q4_k] [--repeats 7]
+    python bench/cpu_kernels.py [--threads 1,2] [--formats q8_0,q4_k] [--repeats 7] [--no-prefill]
 
-Writes the table to bench/results/cpu_kernels.md.
+Writes the table to bench/results/cpu_kernels.md (or --out).
 """
 import argparse
 import logging
@@ -27,6 +28,7 @@ from numba import njit, prange
 # This script shares the package's name: drop its folder from the path so the import finds the package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 import cpu_kernels  # noqa: E402
+from cpu_kernels.target import vnni_width  # noqa: E402
 
 log = logging.getLogger("bench.cpu_kernels")
 
@@ -60,9 +62,10 @@ def dram_gbps(num_bytes, repeats):
     return a.nbytes / median_seconds(lambda: _parallel_sum(a), repeats) / 1e9
 
 
-def decode_gbps(fmt, layers, repeats):
-    """(moe_matmul GB/s with float x, with int16 x, matvec-loop GB/s) reading every expert of a layer once,
-    cycling over layer copies."""
+def decode_gbps(fmt, layers, repeats, modes):
+    """({mode: moe_matmul GB/s} for the act_quant modes, matvec-loop GB/s) reading every expert of a layer once,
+    cycling over layer copies. The modes are timed in turn, `repeats` rounds of one run each (the median per
+    mode), so that load from other jobs falls on all of them alike."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((NUM_EXPERTS, COLS), dtype=np.float32)  # [N, C]: one token per expert
     out = np.empty((NUM_EXPERTS, ROWS), dtype=np.float32)  # [N, R]
@@ -79,8 +82,16 @@ def decode_gbps(fmt, layers, repeats):
             fmt.matvec(raw[e], x[e], out[e])
 
     num_bytes = layers[0].nbytes
-    moe_float, moe_int16 = (num_bytes / median_seconds(lambda: moe(mode), repeats) / 1e9 for mode in ("float", "int16"))
-    return moe_float, moe_int16, num_bytes / median_seconds(loop, repeats) / 1e9
+    times = {mode: [] for mode in modes}
+    for mode in modes:
+        moe(mode)  # compile or load, warm
+    for _ in range(repeats):
+        for mode in modes:
+            start = time.perf_counter()
+            moe(mode)
+            times[mode].append(time.perf_counter() - start)
+    moe_gbps = {mode: num_bytes / float(np.median(t)) / 1e9 for mode, t in times.items()}
+    return moe_gbps, num_bytes / median_seconds(loop, repeats) / 1e9
 
 
 def prefill_gflops(fmt, layer, repeats):
@@ -93,8 +104,9 @@ def prefill_gflops(fmt, layer, repeats):
     return 2 * len(x) * ROWS * COLS / seconds / 1e9
 
 
-def run(format_names, thread_counts, repeats, min_bytes):
-    """Rows of (format, threads, moe float GB/s, moe int16 GB/s, loop GB/s, prefill GFLOP/s, DRAM GB/s)."""
+def run(format_names, thread_counts, repeats, min_bytes, prefill=True):
+    """Rows of (format, threads, moe float GB/s, moe int16 GB/s, moe int8 GB/s or None, loop GB/s,
+    prefill GFLOP/s or None, DRAM GB/s)."""
     dram = {}
     for threads in thread_counts:
         numba.set_num_threads(threads)
@@ -110,13 +122,14 @@ def run(format_names, thread_counts, repeats, min_bytes):
         log.info("%s: building %d layer copies of %.0f MB", name, num_copies, layer_bytes / 1e6)
         rng = np.random.default_rng(0)
         layers = [fmt.random_blocks(rng, (NUM_EXPERTS, ROWS, COLS), 0.02) for _ in range(num_copies)]
+        modes = ("float", "int16", "int8") if hasattr(fmt, "_rows_dot_i8") and vnni_width() else ("float", "int16")
         for threads in thread_counts:
             numba.set_num_threads(threads)
-            moe_float, moe_int16, loop = decode_gbps(fmt, layers, repeats)
-            prefill = prefill_gflops(fmt, layers[0], repeats)
-            log.info("%s, %d thread(s): moe_matmul %.1f GB/s float x, %.1f GB/s int16 x, matvec loop %.1f GB/s, "
-                     "prefill %.1f GFLOP/s", name, threads, moe_float, moe_int16, loop, prefill)
-            rows.append((name, threads, moe_float, moe_int16, loop, prefill, dram[threads]))
+            moe, loop = decode_gbps(fmt, layers, repeats, modes)
+            gflops = prefill_gflops(fmt, layers[0], repeats) if prefill else None
+            log.info("%s, %d thread(s): moe_matmul GB/s %s, matvec loop %.1f GB/s, prefill %s GFLOP/s", name, threads,
+                     ", ".join(f"{v:.1f} {k} x" for k, v in moe.items()), loop, gflops)
+            rows.append((name, threads, moe["float"], moe["int16"], moe.get("int8"), loop, gflops, dram[threads]))
         del layers
     return rows
 
@@ -128,19 +141,22 @@ def markdown(rows, repeats, min_bytes):
         f"{platform.processor() or platform.machine()}, {numba.config.NUMBA_NUM_THREADS} Numba threads available, "
         f"numba {numba.__version__}. One Qwen3-30B-A3B MoE layer: {NUM_EXPERTS} experts of [{ROWS}, {COLS}], "
         f"every expert read once per step; layer copies cycled over >= {min_bytes / 2**30:.1f} GiB. "
-        f"Median of {repeats} runs after a warm-up. GB/s = weight bytes read / time. Decode: one token per "
-        "expert, x as float32 (STRATA_ACT_QUANT=float) or rounded to int16 per 32 values (int16, the default "
-        "where the CPU has AVX2; float formats have no integer path). Prefill: "
+        f"Median of {repeats} runs after a warm-up (decode modes alternating). GB/s = weight bytes read / time. "
+        "Decode: one token per expert, x as float32 (STRATA_ACT_QUANT=float), rounded to int16 per 32 values "
+        "(int16, the default where the CPU has AVX2; float formats have no integer path) or to int8 per 32 values "
+        "(int8, opt-in, VNNI; Q8_0, Q4_K, Q5_K, Q6_K). Prefill: "
         f"{PREFILL_TOKENS} tokens on each of {PREFILL_EXPERTS} experts, GFLOP/s = 2 x tokens x R x C / time.",
         "",
-        "| format | threads | decode GB/s float x | decode GB/s int16 x | % of DRAM | matvec loop GB/s (default) "
-        "| prefill GFLOP/s | DRAM read GB/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| format | threads | decode GB/s float x | decode GB/s int16 x | decode GB/s int8 x | % of DRAM "
+        "| matvec loop GB/s (default) | prefill GFLOP/s | DRAM read GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, threads, moe_float, moe_int16, loop, prefill, dram in rows:
-        best = max(moe_float, moe_int16)
-        lines.append(f"| {name} | {threads} | {moe_float:.1f} | {moe_int16:.1f} | {100 * best / dram:.0f}% | "
-                     f"{loop:.1f} | {prefill:.1f} | {dram:.1f} |")
+    for name, threads, moe_float, moe_int16, moe_int8, loop, prefill, dram in rows:
+        best = max(moe_float, moe_int16, moe_int8 or 0.0)
+        int8 = "-" if moe_int8 is None else f"{moe_int8:.1f}"
+        gflops = "-" if prefill is None else f"{prefill:.1f}"
+        lines.append(f"| {name} | {threads} | {moe_float:.1f} | {moe_int16:.1f} | {int8} | {100 * best / dram:.0f}% | "
+                     f"{loop:.1f} | {gflops} | {dram:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,14 +166,17 @@ def main():
     parser.add_argument("--formats", default="", help="comma-separated formats (default: all in cpu_kernels.FORMATS)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--gib", type=float, default=1.5, help="bytes cycled per measurement, in GiB (beat the LLC)")
+    parser.add_argument("--no-prefill", action="store_true", help="decode columns only")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the table goes")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     thread_counts = [int(t) for t in args.threads.split(",")]
     format_names = {f.strip().lower() for f in args.formats.split(",") if f.strip()}
     min_bytes = int(args.gib * 2**30)
-    table = markdown(run(format_names, thread_counts, args.repeats, min_bytes), args.repeats, min_bytes)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(table)
+    rows = run(format_names, thread_counts, args.repeats, min_bytes, prefill=not args.no_prefill)
+    table = markdown(rows, args.repeats, min_bytes)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(table)
     print(table)
 
 

@@ -60,8 +60,10 @@ def overlap_rows(label, trace):
     cpu = np.array([t["cpu_s"] for t in trace]) * 1e3
     gpu = np.array([t["gpu_s"] for t in trace]) * 1e3
     step = np.array([t["step_s"] for t in trace]) * 1e3
+    queue = np.array([t["queue_s"] for t in trace]) * 1e3
     ratio = step / np.maximum(np.maximum(cpu, gpu), 1e-9)
-    return [f"| {label} | {trace[0]['tokens']} | {cpu.mean():.3f} | {gpu.mean():.3f} | {step.mean():.3f} | "
+    return [f"| {label} | {trace[0]['tokens']} | {cpu.mean():.3f} | {gpu.mean():.3f} | {queue.mean():.3f} | "
+            f"{step.mean():.3f} | "
             f"{np.median(ratio):.2f} | {np.percentile(ratio, 90):.2f} | "
             f"{np.mean([t['borrowed'] for t in trace]):.1f} |"]
 
@@ -73,6 +75,8 @@ def main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--borrow-share", type=int, default=50, help="resident share of the prefill runs")
+    p.add_argument("--profile-share", type=int, default=None,
+                   help="also profile (cProfile) a 16-token decode at this resident share and log the top functions")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     size_gb = os.path.getsize(args.model) / 1e9
@@ -87,6 +91,8 @@ def main(argv=None):
         rate = decode_rate(llm, args.decode_tokens)
         decode.append(f"| {share} | {rate:.1f} |")
         log.info(decode[-1])
+        if share == args.profile_share:
+            log.info("decode profile at %d %% resident:\n%s", share, profiled(lambda: decode_rate(llm, 16)))
         if 0 < share < 100:
             for in_thread in (True, False):
                 llm.model.split.host_thread = in_thread
@@ -112,9 +118,11 @@ def main(argv=None):
              "## Overlap of the hybrid MoE step, mean per layer", "",
              "CPU busy: the host experts; GPU busy: the device part's kernels (CUDA events), borrowed copies "
              "included; step: the whole ExpertSplit.run after the device is idle (routing copy, grouping, both "
-             "parts, combine). Target: step <= 1.15 x max(CPU, GPU).", "",
-             "| run | tokens | CPU busy ms | GPU busy ms | step ms | step / max median | p90 | borrowed experts |",
-             "|---|---|---|---|---|---|---|---|", *overlap, ""]
+             "parts, combine); queuing: host time spent launching the device part (inside GPU busy). "
+             "Target: step <= 1.15 x max(CPU, GPU).", "",
+             "| run | tokens | CPU busy ms | GPU busy ms | queuing ms | step ms | step / max median | p90 | "
+             "borrowed experts |",
+             "|---|---|---|---|---|---|---|---|---|", *overlap, ""]
     RESULTS.write_text("\n".join(lines))
     log.info("wrote %s\n%s", RESULTS, "\n".join(lines))
     return 0
@@ -130,6 +138,19 @@ def prefill_rows(llm, num_tokens, share):
         log.info("prefill %d tokens at %d %% resident, borrow %s: %s", num_tokens, share, borrow, rows[-1])
     llm.model.backend.prefill_borrow = True
     return rows
+
+
+def profiled(run, top=30):
+    """The `top` functions of run() by own time, as pstats prints them."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def model_config(path):

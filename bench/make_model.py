@@ -7,6 +7,16 @@ shares one direction, and each layer's router gives its experts a Zipf-like
 bias along it (a different expert order per layer), so expert profiles look
 like real ones (a few hot experts per layer, a long tail).
 
+Layers also differ in how skewed they are, as in real MoE models: layer l's
+bias strength s (expert of rank r gets a logit offset of about -s*log(r)) is one
+of the values evenly spaced over --router-skew LO,HI, dealt to the layers in a
+seeded random order (deterministic for a --seed). With the default 0,3 the top
+quarter of a layer's experts takes from ~45 % (nearly flat) to ~90 % (a few
+experts take most routings) of its routings (64 experts, top-8, 16 layers);
+`--router-skew 1.5` gives every layer the same strength. The token embedding is
+written as Q8_0 (F16 for odd widths) when the main type has no encoder (K-quants:
+random blocks would lose the shared direction the router bias reads).
+
     python bench/make_model.py --type Q4_K_M -o /tmp/bench-q4km.gguf            # ~1.5 GB
     python bench/make_model.py --type Q8_0 --layers 48 -o /tmp/bench-16g.gguf   # ~16 GB variant
 """
@@ -16,6 +26,7 @@ import os
 import sys
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,11 +35,12 @@ from hybrid.arch.base import expected_shape  # noqa: E402
 from hybrid.arch.qwen3moe import SPEC  # noqa: E402
 from hybrid.demo_tokenizer import build_demo_tokenizer  # noqa: E402
 from hybrid.formats.gguf_writer import write_gguf  # noqa: E402
-from hybrid.formats.synthetic import type_for  # noqa: E402
+from hybrid.formats.synthetic import GGUF_QUANTIZERS, type_for  # noqa: E402
 from hybrid.formats.weights import ModelConfig  # noqa: E402
 
-ROUTER_SKEW = 3.0  # router bias strength: the top 25 % of a layer's experts get ~55 % of its routings
-SHARED_DIRECTION_WEIGHT = 0.5  # share of each embedding row along the common direction
+DEFAULT_ROUTER_SKEW = (0.0, 3.0)  # per-layer router bias strengths, LO..HI: Zipf-like exponents
+SHARED_DIRECTION_WEIGHT = 0.1  # share of each embedding row along the common direction (small: tokens stay apart)
+SHARED_COS = SHARED_DIRECTION_WEIGHT / np.hypot(SHARED_DIRECTION_WEIGHT, 1 - SHARED_DIRECTION_WEIGHT)  # of a row, d
 
 
 def model_config(args, vocab_size):
@@ -43,16 +55,19 @@ def model_config(args, vocab_size):
 class TensorMaker:
     """Builds each tensor's raw bytes when the writer asks for it (one tensor in RAM at a time)."""
 
-    def __init__(self, config, target, seed):
+    def __init__(self, config, target, seed, router_skew=DEFAULT_ROUTER_SKEW):
         self.config, self.target, self.seed = config, target, seed
         rng = np.random.default_rng(seed)
         self.direction = rng.standard_normal(config.hidden_size).astype(np.float32)
         self.direction /= np.linalg.norm(self.direction)  # [H] shared by every token embedding
+        self.skews = layer_skews(router_skew, config.num_layers, rng)  # [L]
 
     def tensors(self):
         for index, name in enumerate(SPEC.required_tensor_names(self.config)):
             shape = expected_shape(name, self.config)
             qtype = type_for(name, shape, self.target)
+            if name == "token_embd.weight" and qtype not in GGUF_QUANTIZERS:
+                qtype = Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16  # K-quants are written as random blocks
             yield name, qtype, shape, (lambda n=name, s=shape, q=qtype, i=index: self.raw(n, s, q, i))
 
     def raw(self, name, shape, qtype, index):
@@ -63,29 +78,49 @@ class TensorMaker:
             values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             return values.view(np.uint8)
         if name.endswith("ffn_gate_inp.weight"):
-            return self.router(rng, shape).view(np.uint8)
+            layer = int(name.split(".")[1])  # blk.{layer}.ffn_gate_inp.weight
+            return self.router(rng, shape, self.skews[layer]).view(np.uint8)
         if name == "token_embd.weight":
             return self.embedding(rng, shape, qtype)
         return format_for(qtype).random_blocks(rng, shape, 1.0 / np.sqrt(shape[-1]))
 
-    def router(self, rng, shape):
+    def router(self, rng, shape, skew):
         """[E, H]: noise plus a per-expert bias along the shared direction, Zipf-like in a per-layer order."""
         num_experts, hidden = shape
         ranks = rng.permutation(num_experts) + 1  # a different hot set per layer
-        bias = -ROUTER_SKEW * np.log(ranks) * np.sqrt(hidden)
-        noise = rng.standard_normal(shape) / np.sqrt(hidden)
+        bias = -skew * np.log(ranks) / SHARED_COS  # [E]: along d, a normed token (norm ~sqrt(H)) gets ~-skew*log(rank)
+        noise = rng.standard_normal(shape) / np.sqrt(hidden)  # a logit noise of ~unit variance per token
         return (noise + bias[:, None] * self.direction[None, :] / np.sqrt(hidden)).astype(np.float32)
 
     def embedding(self, rng, shape, qtype):
         from hybrid.formats.synthetic import encode
 
         values = rng.standard_normal(shape).astype(np.float32) * (1 - SHARED_DIRECTION_WEIGHT)
-        values += SHARED_DIRECTION_WEIGHT * np.sqrt(shape[-1]) * self.direction[None, :]  # same norm as the noise
+        values += SHARED_DIRECTION_WEIGHT * np.sqrt(shape[-1]) * self.direction[None, :]  # [V, H]
         return encode("token_embd.weight", values, qtype, rng).raw
 
 
+def layer_skews(router_skew, num_layers, rng):
+    """float [L]: LO..HI evenly spaced, in a random order drawn from rng (the same range each run)."""
+    lo, hi = router_skew
+    return lo + (hi - lo) * rng.permutation(num_layers) / max(num_layers - 1, 1)
+
+
+def router_skew_range(text):
+    """'LO,HI' or one value S (every layer S) -> (LO, HI), both >= 0."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI or one number, got {text!r}") from None
+    if len(values) == 1:
+        values = values * 2
+    if len(values) != 2 or not 0 <= values[0] <= values[1] or not np.isfinite(values).all():
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 0 <= LO <= HI, got {text!r}")
+    return values
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-o", "--output", required=True, help="GGUF file to write")
     p.add_argument("--type", default="Q4_K_M", choices=["Q8_0", "Q4_K_M", "Q6_K"], help="weight types")
     p.add_argument("--layers", type=int, default=16)
@@ -98,6 +133,9 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router-skew", type=router_skew_range, default=DEFAULT_ROUTER_SKEW, metavar="LO,HI",
+                   help="router bias strength per layer, spread evenly over LO..HI in a seeded order; one "
+                        "number: every layer the same (default %s)" % ",".join(f"{v:g}" for v in DEFAULT_ROUTER_SKEW))
     return p.parse_args(argv)
 
 
@@ -106,7 +144,7 @@ def main(argv=None):
     args = parse_args(argv)
     tokenizer = build_demo_tokenizer()
     config = model_config(args, tokenizer.vocab_size)
-    maker = TensorMaker(config, args.type, args.seed)
+    maker = TensorMaker(config, args.type, args.seed, args.router_skew)
     tensors = list(maker.tensors())
     bar = tqdm(total=len(tensors), desc=f"writing {os.path.basename(args.output)}", unit="tensor")
 

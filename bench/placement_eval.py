@@ -12,10 +12,15 @@ second, each expert cache of the same VRAM budget serves the same prompts:
 - dynamic: `--expert-cache dynamic`, from the plan, and from the same count per layer without a profile.
 
 Measured: the decode (and prefill) hit rate, each step's routings against the mask it ran with,
-and decode / prefill tok/s. Writes placement.json (numbers) and placement.md (a table).
+and decode / prefill tok/s. Each of `--rounds` rounds runs every configuration once (a fresh
+engine each time), in an order rotated and reversed from round to round so that none always runs
+first or after the same one; the table gives the median speeds over the rounds with their range,
+each median decode speed over uniform's, the hit rates (a range marked "varied" if a round gave
+another), and each configuration's resident experts per layer. Writes placement.json (numbers,
+every run) and placement.md (the table).
 
     python bench/placement_eval.py --out-dir /tmp/pe                  # makes the model first
-    python bench/placement_eval.py --model m.gguf --device cpu --prompts 6 --decode 4   # a dry run
+    python bench/placement_eval.py --model m.gguf --device cpu --prompts 6 --decode 4 --rounds 2   # a dry run
 """
 import argparse
 import json
@@ -71,7 +76,7 @@ def make_llm(args, **cache):
 
 
 def evaluate(args, name, prompts, **cache):
-    """One expert cache on the held-out prompts: hit rates and speeds."""
+    """One run of one expert cache on the held-out prompts: hit rates, speeds, resident experts per layer."""
     t0 = time.perf_counter()
     llm = make_llm(args, **cache)
     run_prompts(llm, prompts[:1], 4, seed=999)  # warm-up (kernel compiles, first touches)
@@ -80,24 +85,24 @@ def evaluate(args, name, prompts, **cache):
     if residency is not None:
         residency.routed = {"prefill": 0, "decode": 0}
         residency.hits = {"prefill": 0, "decode": 0}
+    resident = getattr(llm.model.backend, "resident", None)
+    mask = cache.get("resident") if resident is None else resident  # the CPU dry run: the mask it would hold
+    per_layer = None if mask is None else np.asarray(mask).sum(axis=1).tolist()  # at the start of the run
     timing = run_prompts(llm, prompts, args.decode, seed=1000)
-    usage, resident = llm.model.usage, getattr(llm.model.backend, "resident", None)
+    usage = llm.model.usage
     if residency is not None:
         hit = {p: residency.hit_rate(p) for p in ("decode", "prefill")}
-    elif resident is not None:
-        hit = {p: usage.hit_rate(resident, p) for p in ("decode", "prefill")}
-    else:  # the CPU dry run: the mask it would have held
-        hit = {p: usage.hit_rate(cache["resident"], p) if "resident" in cache else None for p in ("decode", "prefill")}
-    row = {"name": name, "hit_rate_decode": hit["decode"], "hit_rate_prefill": hit["prefill"],
+    else:
+        hit = {p: None if mask is None else usage.hit_rate(mask, p) for p in ("decode", "prefill")}
+    run = {"hit_rate_decode": hit["decode"], "hit_rate_prefill": hit["prefill"],
            "decode_tok_s": 1e3 * timing["predicted_n"] / timing["predicted_ms"],
            "prefill_tok_s": 1e3 * timing["prompt_n"] / timing["prompt_ms"], "decode_tokens": timing["predicted_n"],
-           "prompt_tokens": timing["prompt_n"],
-           "resident": int(resident.sum()) if resident is not None else int(np.sum(cache.get("resident", 0))),
-           "seconds": time.perf_counter() - t0}
+           "prompt_tokens": timing["prompt_n"], "resident": None if mask is None else int(np.sum(mask)),
+           "resident_per_layer": per_layer, "seconds": time.perf_counter() - t0}
     if residency is not None:
-        row.update(swaps=residency.swaps_landed)
-    log.info("%s: %s", name, json.dumps(row))
-    return row, usage
+        run.update(swaps=residency.swaps_landed)
+    log.info("%s: %s", name, json.dumps(run))
+    return run
 
 
 def profile_half(args, prompts):
@@ -106,16 +111,64 @@ def profile_half(args, prompts):
     return llm.model.usage.to_profile(model_id(llm.weights), source="placement_eval first half"), llm.weights
 
 
-def write_table(path, result):
-    rows = result["rows"]
-    lines = [f"| expert cache | resident | decode hit rate | prefill hit rate | decode tok/s | prefill tok/s |",
-             "|---|---|---|---|---|---|"]
+def round_order(names, round_index):
+    """Round r starts at the r-th configuration and alternates direction, so that each configuration
+    runs early and late, after each of the others."""
+    order = names[round_index % len(names):] + names[:round_index % len(names)]
+    return order[::-1] if round_index % 2 else order
+
+
+def summarize(name, runs):
+    """One table row from a configuration's runs: medians and ranges of the speeds, the hit rates
+    (one value when every round gave the same, else the list)."""
+    row = {"name": name, "rounds": len(runs), "resident": runs[0]["resident"],
+           "resident_per_layer": runs[0]["resident_per_layer"], "runs": runs}
+    for key in ("decode_tok_s", "prefill_tok_s"):
+        values = [r[key] for r in runs]
+        row[key] = float(np.median(values))
+        row[f"{key}_range"] = [min(values), max(values)]
+    for key in ("hit_rate_decode", "hit_rate_prefill"):
+        values = [r[key] for r in runs]
+        row[key] = values[0] if all(v == values[0] for v in values) else values
+    return row
+
+
+def summarize_all(names, runs):
+    rows = [summarize(n, runs[n]) for n in names if runs[n]]
+    uniform = next((r for r in rows if r["name"] == "uniform"), None)
     for r in rows:
-        pct = lambda v: "n/a" if v is None else f"{100 * v:.1f} %"  # noqa: E731
-        lines.append(f"| {r['name']} | {r['resident']} | {pct(r['hit_rate_decode'])} | {pct(r['hit_rate_prefill'])} "
-                     f"| {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.0f} |")
+        r["decode_vs_uniform"] = None if uniform is None else r["decode_tok_s"] / uniform["decode_tok_s"]
+    return rows
+
+
+def write_table(path, result):
+    def pct(v):
+        if v is None or (isinstance(v, list) and None in v):
+            return "n/a"
+        if isinstance(v, list):  # differed between rounds
+            return f"{100 * min(v):.2f}-{100 * max(v):.2f} % (varied)"
+        return f"{100 * v:.2f} %"
+
+    lines = ["| expert cache | resident | rounds | decode hit rate | prefill hit rate | decode tok/s median (min-max) "
+             "| decode vs uniform | prefill tok/s median (min-max) |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        (dlo, dhi), (plo, phi) = r["decode_tok_s_range"], r["prefill_tok_s_range"]
+        ratio = "n/a" if r["decode_vs_uniform"] is None else f"{r['decode_vs_uniform']:.3f}"
+        lines.append(f"| {r['name']} | {r['resident']} | {r['rounds']} | {pct(r['hit_rate_decode'])} "
+                     f"| {pct(r['hit_rate_prefill'])} | {r['decode_tok_s']:.1f} ({dlo:.1f}-{dhi:.1f}) | {ratio} "
+                     f"| {r['prefill_tok_s']:.0f} ({plo:.0f}-{phi:.0f}) |")
+    lines += ["", "Resident experts per layer at the start of a run (layer 0 first):", ""]
+    for r in result["rows"]:
+        if r["resident_per_layer"] is not None:
+            lines.append(f"- {r['name']}: {' '.join(map(str, r['resident_per_layer']))}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def save(out_dir, result):
+    with open(os.path.join(out_dir, "placement.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    write_table(os.path.join(out_dir, "placement.md"), result)
 
 
 def parse_args(argv=None):
@@ -132,8 +185,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", default="", help="comma-separated configurations to leave out")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of every configuration, in a rotated, alternating order per round; the table gives "
+                        "the median speeds (default 3)")
     p.add_argument("--deadline-s", type=float, default=None,
-                   help="start no configuration after this many seconds from the start")
+                   help="start no run after this many seconds from the start (the rounds done so far are kept)")
     p.add_argument("--out-dir", default=".", help="where placement.json, placement.md and the profile go")
     return p.parse_args(argv)
 
@@ -141,6 +197,8 @@ def parse_args(argv=None):
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     args = parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: need at least 1")
     start = time.perf_counter()
     os.makedirs(args.out_dir, exist_ok=True)
     args.model = args.model or os.path.join(args.out_dir, "placement-model.gguf")
@@ -175,19 +233,21 @@ def main(argv=None):
     skip = set(filter(None, args.skip.split(",")))
     result = {"model": os.path.basename(args.model), "device": args.device, "num_slots": num_slots,
               "num_experts_total": c.num_layers * c.num_experts, "prompts": len(prompts), "decode": args.decode,
+              "rounds": args.rounds,
               "profile_tokens": {"prefill": profile.tokens_prefill, "decode": profile.tokens_decode},
               "predicted": {"plan": predicted.predicted, **predicted.baselines}, "rows": []}
-    for name, options in configs:
-        if name in skip:
-            continue
+    configs = {n: o for n, o in configs if n not in skip}
+    names, runs = list(configs), {n: [] for n in configs}
+    schedule = [name for r in range(args.rounds) for name in round_order(names, r)]
+    save(args.out_dir, result)
+    for i, name in enumerate(schedule):
         if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
-            log.warning("deadline: %s and later configurations not run", name)
+            log.warning("deadline: %d of %d runs made; round %d stopped before %s", i, len(schedule),
+                        i // len(names) + 1, name)
             break
-        row, _ = evaluate(args, name, held_out, **options)
-        result["rows"].append(row)
-        with open(os.path.join(args.out_dir, "placement.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        write_table(os.path.join(args.out_dir, "placement.md"), result)
+        runs[name].append(evaluate(args, name, held_out, **configs[name]))
+        result["rows"] = summarize_all(names, runs)
+        save(args.out_dir, result)
     print(open(os.path.join(args.out_dir, "placement.md")).read())
 
 

@@ -1,7 +1,8 @@
-"""Single-thread row-dot throughput of one quant format, from DRAM and from L2, float and int16 x.
+"""Single-thread row-dot throughput of one quant format, from DRAM and from L2, float, int16 and int8 x.
 
 Times the decode dot loops (`_rows_dot`: weights x one float32 activation row; `_rows_dot_i16`:
-the same with x rounded to int16 per 32 values, STRATA_ACT_QUANT=int16) over one ~600 MB matrix
+the same with x rounded to int16 per 32 values, STRATA_ACT_QUANT=int16; `_rows_dot_i8`, where the
+format has one: x rounded to int8, STRATA_ACT_QUANT=int8, VNNI) over one ~600 MB matrix
 (from DRAM) and over one 768 x 1024 matrix read 300 times (from L2), in GB/s of weight bytes.
 The gap between the two says whether a format is memory- or compute-bound on this core.
 
@@ -15,7 +16,7 @@ import numpy as np
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from cpu_kernels import FORMATS  # noqa: E402
-from cpu_kernels.act_quant import ACT_QUANTS, quantize_rows  # noqa: E402
+from cpu_kernels.act_quant import ACT_QUANTS, quantize_rows, quantize_rows_i8  # noqa: E402
 from cpu_kernels.tiles import sub_block_sums, work_items  # noqa: E402
 
 ROWS, COLS = 768, 1024
@@ -32,7 +33,11 @@ def main(name):
     out = np.empty(big.shape[0], dtype=np.float32)
     float_args = (x[0], sub_block_sums(x)[0]) if name in ("q4_k", "q5_k") else (x[0],)
     small = big[:ROWS].copy()
-    for mode, dot, args in (("float", fmt._rows_dot, float_args), ("int16", fmt._rows_dot_i16, (xq[0], aux[0]))):
+    modes = [("float", fmt._rows_dot, float_args), ("int16", fmt._rows_dot_i16, (xq[0], aux[0]))]
+    if hasattr(fmt, "_rows_dot_i8"):
+        x8, aux8 = quantize_rows_i8(x, decode, ACT_QUANTS["int8"], name in ("q4_k", "q5_k"))
+        modes.append(("int8", fmt._rows_dot_i8, (x8[0], aux8[0])))
+    for mode, dot, args in modes:
         dot(small, 0, ROWS, *args, out)  # compile
         best = 0.0
         for _ in range(3):

@@ -137,12 +137,43 @@ def sub_block_quants(low_offset, high_offset=None):
     return quants
 
 
-def vector_blocks(name, quants):
-    """(block, block_i16, weights) of a (scale, min) K-quant whose sub-block quants come from `quants`:
+def sub_block_pairs(low_offset, high_offset=None):
+    """pairs(builder, q, o) -> [(j0, j1, <64 x i8>)]: the sub-blocks of the block at byte o two at a time, as
+    sub_block_quants lays them out, from one 64-byte load per four: (0, 2) and (1, 3) from the low and high
+    nibbles of bytes 0..63, then (4, 6) and (5, 7); int8 x stores its sub-blocks in that order
+    (act_quant.NIBBLE_ORDER)."""
+    def pairs(builder, q, o):
+        def const(value):
+            return simd.splat_const(I8, 2 * SUB, value)
+
+        high = None
+        if high_offset is not None:
+            high = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, high_offset)), simd.vec(I8, SUB))
+            high = simd.concat(builder, high, high)
+        out = []
+        for h in range(2):
+            packed = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, low_offset + 2 * SUB * h)),
+                                  simd.vec(I8, 2 * SUB))
+            for k, nibbles in enumerate((builder.and_(packed, const(15)), builder.lshr(packed, const(4)))):
+                j0, j1 = 4 * h + k, 4 * h + k + 2
+                if high is not None:
+                    bits = builder.and_(simd.word_lshr(builder, high, [j0] * 16 + [j1] * 16), const(1))
+                    nibbles = builder.or_(nibbles, builder.shl(bits, const(4)))
+                out.append((j0, j1, nibbles))
+        return out
+
+    return pairs
+
+
+def vector_blocks(name, quants, pairs):
+    """(block, block_i16, block_i8, weights) of a (scale, min) K-quant whose sub-block quants come from `quants`
+    (and `pairs`, sub_block_pairs):
 
     block(builder, q, o, b, xs, xsum, acc <32 x float>): acc += block b . x, the mins from the sub-block sums xsum;
     block_i16(builder, q, o, b, xq, aux, acc <16 x float>): the same for int16 xq [C] and (scale dx, sum) pairs
         aux [C/16]: per sub-block j one pmaddwd, converted and FMA'd with d * scale_j * dx_j;
+    block_i8(builder, q, o, b, xq, aux, acc <16 x float>): the same for int8 xq [C] in NIBBLE_ORDER: per pair of
+        sub-blocks one vpdpbusd (the quants are unsigned already), converted and FMA'd;
     weights(builder, q, o): the block as 8 (offset, <32 x float>) sub-blocks (d * scale_j) * q - dmin * min_j.
     """
     f32x8 = simd.vec(F32, 8)
@@ -182,6 +213,21 @@ def vector_blocks(name, quants):
             acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), factor, acc)
         return acc
 
+    def block_i8(builder, q, o, b, xq, aux, acc):
+        scale_values, min_values = _scales_mins(builder, q, o)
+        dx_sums = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
+        dx, sums = simd.lanes(builder, dx_sums, range(0, 16, 2)), simd.lanes(builder, dx_sums, range(1, 16, 2))
+        factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
+        acc = subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
+        xo = builder.mul(b, ir.Constant(I64, QK_K))
+        zeros = ir.Constant(simd.vec(I32, 16), None)
+        for i, (j0, j1, values) in enumerate(pairs(builder, q, o)):
+            xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, 2 * SUB * i)), simd.vec(I8, 2 * SUB))
+            dots = simd.dot_u8i8(builder, zeros, values, xv)  # <16 x i32>: lanes 0-7 sub-block j0, 8-15 j1
+            factor = simd.lanes(builder, factors, [j0] * 8 + [j1] * 8)
+            acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), factor, acc)
+        return acc
+
     def weights(builder, q, o):
         scale_values, min_values = _scales_mins(builder, q, o)
         scales, mins = _scaled(builder, q, o, scale_values, 0), _scaled(builder, q, o, min_values, 2)
@@ -190,7 +236,7 @@ def vector_blocks(name, quants):
                                        simd.lanes(builder, mins, [j] * SUB), flags=simd.FAST))
                 for j, values in enumerate(quants(builder, q, o, I8))]
 
-    block.acc_type, block_i16.acc_type = simd.vec(F32, SUB), simd.vec(F32, 16)
-    for fn in (block, block_i16, weights):
+    block.acc_type, block_i16.acc_type, block_i8.acc_type = simd.vec(F32, SUB), simd.vec(F32, 16), simd.vec(F32, 16)
+    for fn in (block, block_i16, block_i8, weights):
         fn.__name__ = f"{name}_{fn.__name__}"
-    return block, block_i16, weights
+    return block, block_i16, block_i8, weights

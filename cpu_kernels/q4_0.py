@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import njit, prange
 
 from . import simd
-from .act_quant import quantize_rows
+from .act_quant import quantize_rows, without_int8
 from .half import read_half
 from .prefill import dot_tile, token_panels
 from .simd import F32, I8, I16, I32, I64
@@ -134,7 +134,7 @@ def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
     panels = token_panels(x, items)  # [S, C, 64]
-    xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
+    xq, xaux = quantize_rows(x, items, without_int8(act_quant))  # [N, C], [N, C/16] (empty unless int16 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):
         k, j = i // num_items, i % num_items

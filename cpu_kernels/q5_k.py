@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType
 from numba import njit, prange
 
 from . import simd
-from .act_quant import quantize_rows
-from .kquant import QK_K, SUB, join_bits, sub_block_quants, sub_scales, vector_blocks
+from .act_quant import INT8, quantize_rows, quantize_rows_i8
+from .kquant import QK_K, SUB, join_bits, sub_block_pairs, sub_block_quants, sub_scales, vector_blocks
 from .prefill import dot_tile, token_panels
 from .tiles import ROWS_PER_ITEM, format_api, random_weight, sub_block_sums, work_items
 
@@ -48,12 +48,15 @@ def _unpack_row(row, dst):
         _dequant_block(row, b, dst[b * QK_K:(b + 1) * QK_K])
 
 
-_block, _block_i16, _weights = vector_blocks("q5_k", sub_block_quants(_QS, _QH))
+_block, _block_i16, _block_i8, _weights = vector_blocks("q5_k", sub_block_quants(_QS, _QH),
+                                                      sub_block_pairs(_QS, _QH))
 _unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, QK_K)
 _dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 _dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
+_dot_rows_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, 1)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -79,11 +82,26 @@ def _rows_dot_i16(w, r0, r1, xq, aux, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, xsum, xq, xaux, panels, out, item, act_quant):
+def _rows_dot_i8(w, r0, r1, xq, aux, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int8 xq [C] (sub-blocks in NIBBLE_ORDER) and (scale, sum)
+    pairs aux [C/16]."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows_i8(w, r, xq, aux, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row_i8(w, rr, xq, aux, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, xsum, xq, xaux, x8, x8aux, panels, out, item, act_quant):
     """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s);
-    xsum [N, C/32], panels [S, C, 64]."""
+    xsum [N, C/32], panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    if t1 - t0 == 1 and act_quant == INT8:
+        _rows_dot_i8(w, r0, r1, x8[t0], x8aux[t0], out[t0])
+        return
     if t1 - t0 == 1 and act_quant:
         _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])
         return
@@ -109,10 +127,11 @@ def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     xsum = sub_block_sums(x)  # [N, C/32]
     panels = token_panels(x, items)  # [S, C, 64]
     xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
+    x8, x8aux = quantize_rows_i8(x, items, act_quant, True)  # [N, C], [N, C/16] (empty unless int8 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):
         k, j = i // num_items, i % num_items
-        _tile(raws[k][items[j, 0]], x, xsum, xq, xaux, panels, outs[k], items[j], act_quant)
+        _tile(raws[k][items[j, 0]], x, xsum, xq, xaux, x8, x8aux, panels, outs[k], items[j], act_quant)
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(

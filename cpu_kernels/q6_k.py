@@ -17,7 +17,7 @@ from llvmlite import ir
 from numba import njit, prange
 
 from . import simd
-from .act_quant import quantize_rows
+from .act_quant import INT8, quantize_rows, quantize_rows_i8
 from .half import read_half
 from .kquant import QK_K, SUB, join_bits
 from .prefill import dot_tile, token_panels
@@ -115,6 +115,34 @@ def _block_i16(builder, q, o, b, xq, aux, acc):
     return acc
 
 
+def _block_i8(builder, q, o, b, xq, aux, acc):
+    """acc <16 x float> += block b (at byte o of row q) . x for int8 xq [C] and (scale dx, sum) pairs aux [C/16]:
+    per two runs (64 weights, 4 scales) one 64-byte load of nibbles shared with the next two runs, the 2-bit tops
+    shifted out of 16-bit words, one vpdpbusd of the unsigned quants (q + 32, the shared 32 * x taken off),
+    converted and FMA'd with d * scale * dx (lanes 4k..4k + 3 hold scale k's 16 weights)."""
+    dx_sums = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
+    dx = simd.lanes(builder, dx_sums, [2 * (k // 2) for k in range(16)])  # run k // 2's dx for scale k
+    factors = builder.fmul(_scales(builder, q, o), dx, flags=simd.FAST)  # [16]
+    xo = builder.mul(b, ir.Constant(I64, QK_K))
+    i8x = simd.vec(I8, 2 * SUB)
+
+    def const(value):
+        return simd.splat_const(I8, 2 * SUB, value)
+
+    for h in range(2):
+        low = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 64 * h)), i8x)
+        high = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, _QH + SUB * h)), simd.vec(I8, SUB))
+        high = simd.concat(builder, high, high)
+        for m, nibbles in enumerate((builder.and_(low, const(15)), builder.lshr(low, const(4)))):
+            top = builder.and_(simd.word_lshr(builder, high, [4 * m] * 16 + [4 * m + 2] * 16), const(3))
+            quants = builder.or_(nibbles, builder.shl(top, const(4)))  # runs 4h + 2m, 4h + 2m + 1; 0..63
+            xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, 128 * h + 64 * m)), i8x)
+            dots = simd.dot_offset_u8i8(builder, quants, xv, 32)  # <16 x i32>
+            factor = simd.lanes(builder, factors, [8 * h + 4 * m + lane // 4 for lane in range(16)])
+            acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), factor, acc)
+    return acc
+
+
 def _block(builder, q, o, b, xs, aux, acc):
     """acc <32 x float> += block b (at byte o of row q) . x, one FMA per run of 32 weights."""
     xo = builder.mul(b, ir.Constant(I64, QK_K))
@@ -125,7 +153,9 @@ def _block(builder, q, o, b, xs, aux, acc):
 
 
 _block.acc_type = simd.vec(F32, SUB)
-_block_i16.acc_type = simd.vec(F32, 16)
+_block_i16.acc_type = _block_i8.acc_type = simd.vec(F32, 16)
+_dot_rows_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, 1)
 _dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
 _unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, QK_K)
@@ -156,11 +186,25 @@ def _rows_dot_i16(w, r0, r1, xq, aux, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, xq, xaux, panels, out, item, act_quant):
+def _rows_dot_i8(w, r0, r1, xq, aux, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int8 xq [C] and (scale, sum) pairs aux [C/16]."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows_i8(w, r, xq, aux, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row_i8(w, rr, xq, aux, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, xq, xaux, x8, x8aux, panels, out, item, act_quant):
     """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s);
-    panels [S, C, 64]."""
+    panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    if t1 - t0 == 1 and act_quant == INT8:
+        _rows_dot_i8(w, r0, r1, x8[t0], x8aux[t0], out[t0])
+        return
     if t1 - t0 == 1 and act_quant:
         _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])
         return
@@ -186,10 +230,11 @@ def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
     panels = token_panels(x, items)  # [S, C, 64]
     xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
+    x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):
         k, j = i // num_items, i % num_items
-        _tile(raws[k][items[j, 0]], x, xq, xaux, panels, outs[k], items[j], act_quant)
+        _tile(raws[k][items[j, 0]], x, xq, xaux, x8, x8aux, panels, outs[k], items[j], act_quant)
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(

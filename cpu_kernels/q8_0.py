@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import njit, prange
 
 from . import simd
-from .act_quant import quantize_rows
+from .act_quant import INT8, quantize_rows, quantize_rows_i8
 from .half import read_half
 from .prefill import dot_tile, token_panels
 from .simd import I8, I64
@@ -71,6 +71,45 @@ def _block_i16(builder, q, o, b, xq, aux, acc):
 
 
 _block_i16.acc_type = simd.vec(simd.F32, 16)
+
+
+def _blocks_i8(builder, quants, xv, scales, acc):
+    """acc <16 x float> += scales * (quants . xv) for <64 x i8> quants and int8 x of two blocks: one vpdpbusd
+    of the quants biased to unsigned (q + 128, the shared 128 * x taken off), one conversion and FMA."""
+    biased = builder.xor(quants, simd.splat_const(I8, 2 * BLOCK_SIZE, 0x80))
+    dots = simd.dot_offset_u8i8(builder, biased, xv, 0x80)  # <16 x i32>, lanes 0-7 block b, 8-15 block b + 1
+    return simd.fma(builder, builder.sitofp(dots, simd.vec(simd.F32, 16)), scales, acc)
+
+
+def _block_i8(builder, q, o, b, xq, aux, acc):
+    """acc <16 x float> += blocks b and b + 1 (at bytes o and o + 34 of row q) . x for int8 xq [C] and (scale dx,
+    sum) pairs aux [C/16]."""
+    i8x = simd.vec(I8, BLOCK_SIZE)
+    quants = simd.concat(builder, *(simd.load_at(builder, q, builder.add(o, ir.Constant(I64, at)), i8x)
+                                    for at in (2, BLOCK_BYTES + 2)))
+    xv = simd.load_at(builder, xq, builder.mul(b, ir.Constant(I64, BLOCK_SIZE)), simd.vec(I8, 2 * BLOCK_SIZE))
+    dx = simd.lanes(builder, simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 2)), simd.vec(simd.F32, 4)),
+                    [0, 2])
+    d = simd.load_halves(builder, q, [o, builder.add(o, ir.Constant(I64, BLOCK_BYTES))])
+    scales = simd.lanes(builder, builder.fmul(d, dx, flags=simd.FAST), [0] * 8 + [1] * 8)
+    return _blocks_i8(builder, quants, xv, scales, acc)
+
+
+def _block_i8_tail(builder, q, o, b, xq, aux, acc):
+    """_block_i8 of the row's last block b alone (odd block counts): the upper 32 lanes zero."""
+    i8x = simd.vec(I8, BLOCK_SIZE)
+    zeros = ir.Constant(i8x, None)
+    quants = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), i8x)
+    xv = simd.load_at(builder, xq, builder.mul(b, ir.Constant(I64, BLOCK_SIZE)), i8x)
+    dx = builder.load(builder.gep(aux, [builder.mul(b, ir.Constant(I64, 2))]))
+    scale = builder.fmul(simd.load_half(builder, q, o), dx, flags=simd.FAST)
+    return _blocks_i8(builder, simd.concat(builder, quants, zeros), simd.concat(builder, xv, zeros),
+                      simd.splat(builder, scale, 16), acc)
+
+
+_block_i8.acc_type, _block_i8.blocks_per_step, _block_i8.tail = simd.vec(simd.F32, 16), 2, _block_i8_tail
+_dot_rows_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
+_dot_row_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, 1)
 _dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
 _unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, BLOCK_SIZE)
@@ -101,11 +140,25 @@ def _rows_dot_i16(w, r0, r1, xq, aux, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, xq, xaux, panels, out, item, act_quant):
+def _rows_dot_i8(w, r0, r1, xq, aux, out):
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int8 xq [C] and (scale, sum) pairs aux [C/16]."""
+    r = r0
+    while r + simd.ROWS_IN_FLIGHT <= r1:
+        _dot_rows_i8(w, r, xq, aux, out)
+        r += simd.ROWS_IN_FLIGHT
+    for rr in range(r, r1):
+        _dot_row_i8(w, rr, xq, aux, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _tile(w, x, xq, xaux, x8, x8aux, panels, out, item, act_quant):
     """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s);
-    panels [S, C, 64]."""
+    panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
     r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    if t1 - t0 == 1 and act_quant == INT8:
+        _rows_dot_i8(w, r0, r1, x8[t0], x8aux[t0], out[t0])
+        return
     if t1 - t0 == 1 and act_quant:
         _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])
         return
@@ -130,10 +183,11 @@ def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
     panels = token_panels(x, items)  # [S, C, 64]
     xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
+    x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):
         k, j = i // num_items, i % num_items
-        _tile(raws[k][items[j, 0]], x, xq, xaux, panels, outs[k], items[j], act_quant)
+        _tile(raws[k][items[j, 0]], x, xq, xaux, x8, x8aux, panels, outs[k], items[j], act_quant)
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(

@@ -6,16 +6,16 @@ slower than memory speed. Here a block is loaded as <32 x ...> vectors, so every
 block runs as a few wide instructions on any x86 level (SSE to AVX-512 legalize the
 same IR). The formats build from these pieces: `rows_dot_intrinsic`, whole-row dot
 loops over several rows at once with vector accumulators (one horizontal reduction
-per row; float x, or int16 x through `madd_i16`), and `unpack_row_intrinsic`, a row
-dequantized to float32 for prefill.
+per row; float x, int16 x through `madd_i16`, or int8 x through `dot_u8i8`), and
+`unpack_row_intrinsic`, a row dequantized to float32 for prefill.
 
-Shape legend: C columns; `q` uint8 raw bytes, `x` float32 or int16 [C]; offsets are in elements.
+Shape legend: C columns; `q` uint8 raw bytes, `x` float32, int16 or int8 [C]; offsets are in elements.
 """
 from llvmlite import ir
 from numba import types
 from numba.core.extending import intrinsic
 
-from .target import has_f16c
+from .target import has_f16c, vnni_width
 
 FAST = ("fast",)
 
@@ -64,6 +64,22 @@ def load_half(builder, byte_base, offset):
     return half_to_f32(builder, load_at(builder, byte_base, offset, I16))
 
 
+def load_halves(builder, byte_base, offsets):
+    """<len(offsets) x float> of the little-endian halves at byte `offsets` (i64 values) of an i8 pointer:
+    one vcvtph2ps for all of them where the target has F16C."""
+    if not has_f16c():
+        return _gather(builder, [load_half(builder, byte_base, o) for o in offsets], F32)
+    bits = _gather(builder, [load_at(builder, byte_base, o, I16) for o in offsets], I16)
+    return builder.fpext(builder.bitcast(bits, vec(ir.HalfType(), len(offsets))), vec(F32, len(offsets)))
+
+
+def _gather(builder, scalars, elem):
+    v = ir.Constant(vec(elem, len(scalars)), None)
+    for i, s in enumerate(scalars):
+        v = builder.insert_element(v, s, ir.Constant(I32, i))
+    return v
+
+
 def splat(builder, value, n):
     """A scalar float broadcast to <n x float>."""
     v = builder.insert_element(ir.Constant(vec(F32, 1), [0.0]), value, ir.Constant(I32, 0))
@@ -73,6 +89,11 @@ def splat(builder, value, n):
 def lanes(builder, v, indices):
     """<len(indices) x T> of v's lanes `indices`."""
     return builder.shuffle_vector(v, v, const_vec(I32, indices))
+
+
+def concat(builder, a, b):
+    """The vector a followed by b (same type)."""
+    return builder.shuffle_vector(a, b, const_vec(I32, range(2 * a.type.count)))
 
 
 def hsum(builder, v):
@@ -115,10 +136,11 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
 
     block_fn(builder, q, o, b, xs, aux, acc) -> acc adds block b (at byte o of row pointer q) to
     the row's vector accumulator; xs and aux are float pointers (aux: per-format side data, such
-    as sub-block sums of x; formats without it ignore it). Reading num_rows rows per loop keeps
-    that many memory streams going at once: one row at a time, a dot loop consumes its stream too
-    slowly for the prefetchers and reaches less than half the DRAM bandwidth (Q8_0, one core:
-    5.5 GB/s one row at a time, 12 GB/s four rows at a time, 15 GB/s from L2; software prefetch
+    as sub-block sums of x; formats without it ignore it). A block_fn with `blocks_per_step` = n adds
+    blocks b .. b + n - 1 per call; its `tail` adds the row's last (num_blocks % n) blocks one at a time.
+    Reading num_rows rows per loop keeps that many memory streams going at once: one row at a time, a dot
+    loop consumes its stream too slowly for the prefetchers and reaches less than half the DRAM bandwidth
+    (Q8_0, one core: 5.5 GB/s one row at a time, 12 GB/s four rows at a time, 15 GB/s from L2; software prefetch
     added nothing over four streams).
     """
     from numba.core import cgutils
@@ -145,7 +167,19 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
                 o = builder.mul(b, ir.Constant(I64, block_bytes))
                 return [block_fn(builder, q, o, b, xs, aux_ptr, acc) for q, acc in zip(rows, accs)]
 
-            accs = row_loop(builder, num_blocks, step, [ir.Constant(acc_ty, None)] * num_rows)
+            per_step = ir.Constant(I64, getattr(block_fn, "blocks_per_step", 1))
+            num_steps = builder.udiv(num_blocks, per_step)
+            accs = row_loop(builder, num_steps, lambda i, accs: step(builder.mul(i, per_step), accs),
+                            [ir.Constant(acc_ty, None)] * num_rows)
+            if hasattr(block_fn, "tail"):  # the last num_blocks % blocks_per_step blocks, one at a time
+                done = builder.mul(num_steps, per_step)
+
+                def tail(i, accs):
+                    b = builder.add(done, i)
+                    o = builder.mul(b, ir.Constant(I64, block_bytes))
+                    return [block_fn.tail(builder, q, o, b, xs, aux_ptr, acc) for q, acc in zip(rows, accs)]
+
+                accs = row_loop(builder, builder.sub(num_blocks, done), tail, accs)
             for k, acc in enumerate(accs):
                 total = block_fn.finish(builder, acc) if hasattr(block_fn, "finish") else hsum(builder, acc)
                 builder.store(total, builder.gep(outp, [builder.add(first, ir.Constant(I64, k))]))
@@ -215,3 +249,49 @@ def madd_i16(builder, a, b, width):
         parts = [builder.shuffle_vector(parts[i], parts[i + 1], const_vec(I32, range(2 * m)))
                  for i in range(0, len(parts), 2)]
     return parts[0]
+
+
+_VPDPBUSD = {64: "llvm.x86.avx512.vpdpbusd.512", 32: "llvm.x86.avx512.vpdpbusd.256"}
+
+
+def dot_u8i8(builder, acc, a, b):
+    """<n x i32> acc + the sums of 4 products a[4i + k] * b[4i + k], a <4n x i8> read as unsigned, b as signed:
+    vpdpbusd instructions of vnni_width() bytes (AVX-512 VNNI: 64, AVX-VNNI: 32; LLVM does not form them from
+    the plain pattern). Targets without VNNI get that plain pattern (correct, slow; act_quant sends them to
+    the int16 dot, so it only has to compile)."""
+    from numba.core import cgutils
+
+    n = acc.type.count
+    width = vnni_width()
+    if not width:
+        i32x = vec(I32, 4 * n)
+        prods = builder.mul(builder.zext(a, i32x), builder.sext(b, i32x))
+        for k in range(4):
+            acc = builder.add(acc, lanes(builder, prods, range(k, 4 * n, 4)))
+        return acc
+    lanes_per_call = width // 4
+    fnty = ir.FunctionType(vec(I32, lanes_per_call), [vec(I32, lanes_per_call)] * 3)
+    fn = cgutils.get_or_insert_function(builder.module, fnty, _VPDPBUSD[width])
+    a32, b32 = (builder.bitcast(v, vec(I32, n)) for v in (a, b))
+    parts = [builder.call(fn, [lanes(builder, v, range(k, k + lanes_per_call)) for v in (acc, a32, b32)])
+             for k in range(0, n, lanes_per_call)]
+    while len(parts) > 1:
+        parts = [concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def dot_offset_u8i8(builder, a, b, offset):
+    """<n/4 x i32> sums of 4 products (a[4i + k] - offset) * b[4i + k] for a <n x i8> read as unsigned and b
+    as signed: two dot_u8i8, the first (-offset * b, the second's start) the same for every row of a dot loop
+    (LLVM computes it once per block for all rows)."""
+    zeros = ir.Constant(vec(I32, a.type.count // 4), None)
+    shift = dot_u8i8(builder, zeros, splat_const(I8, a.type.count, offset), b)
+    return dot_u8i8(builder, builder.sub(zeros, shift), a, b)
+
+
+def word_lshr(builder, v, shifts):
+    """<n x i8> v shifted right as n/2 16-bit words by `shifts` (one per word, < 8): one vpsrlvw (x86 has no
+    byte shifts). Bits s..7 of each byte land in bits 0..7 - s; the top s bits of a word's low byte come from
+    its high byte, so the caller keeps at most 8 - s bits."""
+    words = builder.bitcast(v, vec(I16, v.type.count // 2))
+    return builder.bitcast(builder.lshr(words, const_vec(I16, shifts)), v.type)

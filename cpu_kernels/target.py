@@ -31,20 +31,21 @@ def apply_isa_floor(floor=None):
     return floor
 
 
-CHOSEN_FEATURES = ("avx512bw", "avx2", "f16c")
+CHOSEN_FEATURES = ("avx512bw", "avx512vl", "avx512vnni", "avxvnni", "avx2", "f16c")
 # Features of the CPU names a target may be set to with an empty feature list (Sandy Bridge has none).
 NAMED_CPU_FEATURES = {
     "sandybridge": set(),
     "ivybridge": {"f16c"},
     "haswell": {"avx2", "f16c"},
     "skylake": {"avx2", "f16c"},
-    "skylake-avx512": {"avx512bw", "avx2", "f16c"},
+    "skylake-avx512": {"avx512bw", "avx512vl", "avx2", "f16c"},
+    "cascadelake": {"avx512bw", "avx512vl", "avx512vnni", "avx2", "f16c"},
 }
 
 
 @functools.cache
 def _target_features():
-    """The compile target's CPU features that kernels choose code by: {"avx512bw", "avx2", "f16c"} -> bool.
+    """The compile target's CPU features that kernels choose code by: {"avx512bw", ..., "f16c"} -> bool.
 
     Read from what Numba will compile for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, however they were
     set), not from the host: code for a feature the target lacks does not compile.
@@ -65,6 +66,15 @@ def int_dot_width():
     """The widest pmaddwd of the compile target, in int16 lanes: 32 (AVX-512BW), 16 (AVX2) or 8 (SSE2)."""
     features = _target_features()
     return 32 if features["avx512bw"] else 16 if features["avx2"] else 8
+
+
+def vnni_width():
+    """The widest vpdpbusd (u8 x s8 dot into int32) of the compile target, in bytes: 64 (AVX-512 VNNI),
+    32 (AVX-VNNI, or AVX-512 VNNI with VL), or 0 where the target has none."""
+    features = _target_features()
+    if features["avx512vnni"] and features["avx512bw"]:
+        return 64
+    return 32 if features["avxvnni"] or (features["avx512vnni"] and features["avx512vl"]) else 0
 
 
 def has_f16c():

@@ -103,12 +103,14 @@ class _Swap:
 
 
 class ExpertCache:
-    """Per layer, device arrays gate [n_l, F, B], up [n_l, F, B], down [n_l, H, B]; slot_of int32 [L, E] (-1: not here).
+    """Per layer, device arrays gate [n_l, F, B], up [n_l, F, B], down [n_l, H, B]; slot_of int32 [L, E] (-1: not here)
+    and its device copy slot_map, which decode kernels read to find the resident pairs themselves.
 
-    `resident` is updated in place by swaps (the ExpertSplit reads the same array)."""
+    `resident` is updated in place by swaps (the ExpertSplit reads the same array); slot_map follows
+    in the order of `stream` (the model's), so kernels queued before a change see the old slots."""
 
-    def __init__(self, runtime, layers, resident):
-        self.rt, self.host_layers = runtime, layers
+    def __init__(self, runtime, layers, resident, stream=None):
+        self.rt, self.host_layers, self.stream = runtime, layers, stream
         self.resident = resident  # [L, E]
         self.slot_of = np.full(resident.shape, -1, dtype=np.int32)  # [L, E]
         self.layers = []
@@ -117,6 +119,7 @@ class ExpertCache:
             self.slot_of[layer.index, experts] = np.arange(len(experts), dtype=np.int32)
             self.layers.append(tuple(self._upload(runtime, t, experts)
                                      for t in (layer.gate_exps, layer.up_exps, layer.down_exps)))
+        self.slot_map = runtime.to_device(self.slot_of)  # [L, E]
         self.pending = []  # [_Swap] in flight
         self._copy_stream = None
         self._staging = []  # free pinned buffers
@@ -130,6 +133,7 @@ class ExpertCache:
             raise ValueError(f"swap at layer {layer}: expert {out_expert} must be resident and {in_expert} not")
         self.slot_of[layer, out_expert] = -1
         self.resident[layer, out_expert] = False
+        self._publish(layer, stream)
         w = self.host_layers[layer]
         sources = [np.ascontiguousarray(t.raw[in_expert]) for t in (w.gate_exps, w.up_exps, w.down_exps)]
         staging = self._staging_buffer(sum(a.nbytes for a in sources))
@@ -158,10 +162,15 @@ class ExpertCache:
                 continue
             self.slot_of[swap.layer, swap.in_expert] = swap.slot
             self.resident[swap.layer, swap.in_expert] = True
+            self._publish(swap.layer, self.stream)
             self._staging.append(swap.staging)
             landed.append((swap.layer, swap.out_expert, swap.in_expert))
         self.pending = waiting
         return landed
+
+    def _publish(self, layer, stream):
+        """Queue the copy of slot_of[layer] into the device slot map on `stream`."""
+        self.rt.copy_from_host(self.slot_map[layer], self.slot_of[layer].copy(), stream)
 
     def _staging_buffer(self, nbytes):
         for i, buffer in enumerate(self._staging):

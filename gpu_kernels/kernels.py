@@ -29,6 +29,7 @@ class Kernels:
         self.rt, self.stream = runtime, stream
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices = decode_rows, lane_slices
+        self._functions = {}  # (qtype, kernel name) -> compiled function
 
     def _threads(self, work, cap=MAX_THREADS):
         """A power-of-two block size: enough for `work` items, at least one warp, at most `cap`."""
@@ -38,9 +39,12 @@ class Kernels:
         return self.rt.compile("ops", module_source("ops"), OPS_KERNELS)[name]
 
     def _mm(self, qtype, name):
-        mod = module_name(qtype)
-        source = f"#define DECODE_ROWS {self.decode_rows}\n" + module_source(mod)
-        return self.rt.compile(f"{mod}_r{self.decode_rows}", source, MATMUL_KERNELS)[name]
+        key = (qtype, name)
+        if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
+            mod = module_name(qtype)
+            source = f"#define DECODE_ROWS {self.decode_rows}\n" + module_source(mod)
+            self._functions[key] = self.rt.compile(f"{mod}_r{self.decode_rows}", source, MATMUL_KERNELS)[name]
+        return self._functions[key]
 
     def _launch(self, fn, grid, block, args, shared_mem=0):
         self.rt.launch(fn, grid, (block,), args, shared_mem=shared_mem, stream=self.stream)
@@ -125,6 +129,17 @@ class Kernels:
         """out [N, H]: out[i] = x[order[i] // k]; order int32 [N]."""
         self._launch(self._ops("gather_rows"), (len(order),), self._threads(x.shape[1]),
                      (x, order, out, np.int32(k), np.int32(x.shape[1])))
+
+    def decode_tiles(self, ids, slot_map, tiles):
+        """One token's routing ids int32 [1, K] and slot_map int32 [E] -> tiles int32 [4, K] (see ops.cu)."""
+        k = ids.shape[1]
+        self._launch(self._ops("decode_tiles"), (1,), self._threads(k), (ids, slot_map, np.int32(k), tiles))
+
+    def add_into(self, out, src):
+        """out += src, elementwise over contiguous arrays of one size."""
+        n = out.size
+        self._launch(self._ops("add_into"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
+                     (out, src, np.int64(n)))
 
     def combine_rows(self, expert_out, row_of_pair, weights, k, out):
         """out [T, H] = per token the weighted sum of its pair rows held in expert_out [N, H]."""

@@ -80,6 +80,11 @@ class CupyRuntime:
         rt = self.cp.cuda.runtime
         rt.memcpyAsync(dev.data.ptr, host.ctypes.data, host.nbytes, rt.memcpyHostToDevice, _ptr(stream))
 
+    def copy_on_device_async(self, dst, src, stream):
+        """Queue a copy of the contiguous device array `src` into the contiguous `dst` (same bytes) on `stream`."""
+        rt = self.cp.cuda.runtime
+        rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, _ptr(stream))
+
     def stream(self):
         """A stream of its own that still orders with the legacy default stream, so CuPy work that
         runs there (allocation copies, other threads) never races the model's kernels."""
@@ -107,7 +112,7 @@ class CupyRuntime:
 
     def launch(self, function, grid, block, args, shared_mem=0, stream=None):
         """Run `function` on `grid` x `block` threads; args: device arrays and NumPy scalars."""
-        if stream is None:
+        if stream is None or stream == self.cp.cuda.get_current_stream():  # entering `with stream` costs more
             function(grid, block, args, shared_mem=shared_mem)
         else:
             with stream:

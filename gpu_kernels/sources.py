@@ -17,7 +17,8 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
     Q.Q6_K: ("q6_k.cuh",),
 }
 
-OPS_KERNELS = ("rmsnorm", "rope_neox", "attention", "swiglu", "route_topk", "gather_rows", "combine_rows")
+OPS_KERNELS = ("rmsnorm", "rope_neox", "attention", "swiglu", "route_topk", "gather_rows", "combine_rows",
+               "decode_tiles", "add_into")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "dequant_rows")
 
 

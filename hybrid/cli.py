@@ -17,6 +17,57 @@ def _cache_mib(text):
     return value
 
 
+DYNAMIC_FLAGS = {"decay": float, "margin": float, "min_score": float, "max_swaps": int, "max_pending": int}
+
+
+def _dynamic_value(field, kind):
+    """argparse type of --dynamic-FIELD: a `kind` within placement.dynamic.SETTING_LIMITS."""
+    from placement.dynamic import SETTING_LIMITS
+
+    valid, what = SETTING_LIMITS[field]
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    return parse
+
+
+def _add_dynamic_options(p):
+    from placement.dynamic import DynamicSettings
+
+    g = p.add_argument_group("dynamic expert cache (with --expert-cache dynamic; placement/dynamic.py)")
+    helps = {"decay": "per-step decay of an expert's usage score, in (0, 1]",
+             "margin": "hysteresis: a newcomer's score must exceed (1 + MARGIN) x the evicted expert's ...",
+             "min_score": "... plus this many (decayed) routings",
+             "max_swaps": "swaps started per step, over all layers",
+             "max_pending": "swaps in flight at once (pinned staging buffers)"}
+    for field, kind in DYNAMIC_FLAGS.items():
+        flag = "--dynamic-" + field.replace("_", "-")
+        g.add_argument(flag, dest=f"dynamic_{field}", type=_dynamic_value(field, kind), default=None,
+                       metavar=field.upper(),
+                       help=f"{helps[field]} (default {getattr(DynamicSettings, field)})")
+
+
+def dynamic_settings(args):
+    """The DynamicSettings of the --dynamic-* flags (None when none is given); ValueError when one is
+    given without --expert-cache dynamic."""
+    from placement.dynamic import DynamicSettings
+
+    given = {f: getattr(args, f"dynamic_{f}") for f in DYNAMIC_FLAGS if getattr(args, f"dynamic_{f}") is not None}
+    if not given:
+        return None
+    if args.expert_cache != "dynamic":
+        flags = ", ".join("--dynamic-" + f.replace("_", "-") for f in given)
+        raise ValueError(f"{flags}: only with --expert-cache dynamic (got --expert-cache {args.expert_cache})")
+    return DynamicSettings(**given)
+
+
 def _add_device_options(p):
     from .backends import DEVICES
     from .backends.gpu import DEFAULT_RESERVE_MIB
@@ -43,13 +94,14 @@ def _add_device_options(p):
                    help="expert profile (`strata profile`) to plan the expert cache from at start-up")
     p.add_argument("--no-prefill-borrow", dest="prefill_borrow", action="store_false",
                    help="never copy non-resident experts to the GPU for large prompt chunks (prefill borrow)")
+    _add_dynamic_options(p)
 
 
 def device_options(args):
     """The LLM keyword arguments of the device options."""
     return dict(device=args.device, expert_cache_mib=args.expert_cache_mib, vram_reserve_mib=args.vram_reserve_mib,
                 placement=args.placement, profile=args.profile, expert_cache=args.expert_cache,
-                prefill_borrow=args.prefill_borrow, kv=args.kv)
+                dynamic=dynamic_settings(args), prefill_borrow=args.prefill_borrow, kv=args.kv)
 
 
 def _add_generate(sub):

@@ -98,6 +98,8 @@ class Model:
             x += attention_block(be, self.spec.attention, layer, h, batch)
             h = be.rmsnorm(x, layer.ffn_norm, eps)
             x += moe_block(be, self.spec.moe, layer, h, self.split, self.usage)
+        if self.split is not None and self.usage is not None:
+            self.split.finish_step(be, self.usage)
         if self.residency is not None:
             self.residency.after_step(self.usage)
         for chunk in batch.chunks:

@@ -3,7 +3,9 @@
 With an `ExpertSplit`, each (token, expert) pair runs where its expert lives: pairs of resident
 experts as one grouped launch on the device backend, the others on the host backend at the
 same time: the host part starts in a worker thread, the device part is queued meanwhile, then
-both are waited for and combined. Prefill borrow: for a large chunk, a
+both are waited for and combined. A decode token (one row) never makes the calling thread wait
+for the device: the device finds its resident pairs from the routing it holds, while the worker
+fetches the routing and runs the others. Prefill borrow: for a large chunk, a
 non-resident expert many tokens use may be cheaper to copy to the device and run there; a cost
 model (`plan_borrow`) from the device's measured copy speed and the host's measured expert speed
 decides per expert, balancing the two sides. STRATA_PREFILL_CPU_SHARE (0..1) instead keeps that
@@ -12,6 +14,7 @@ Shape legend: T tokens, H hidden, E experts, K experts per token, N pairs, G exp
 F expert width.
 """
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +24,10 @@ import numpy as np
 BORROW_MIN_TOKENS = 32  # chunks of fewer tokens never borrow
 HOST_FLOPS_DEFAULT = 2e11  # the host's expert FLOP/s until measured
 HOST_FLOPS_MIN_ROWS = 256  # host calls of at least this many pair rows update the measured speed
+# Python's thread switch interval while a split is alive. The host part's worker needs the GIL for
+# a moment between its compiled calls while the calling thread queues the device part in Python;
+# at the default 5 ms each such hand-over could wait for the whole queuing, serialising the two.
+GIL_SWITCH_S = 5e-5
 
 
 @dataclass
@@ -51,7 +58,8 @@ class ExpertSplit:
 
     resident: bool [L, E], the experts the device holds (updated in place by a dynamic cache).
     cpu_share: see the module note (None: STRATA_PREFILL_CPU_SHARE, unset = the cost model alone).
-    trace: set to a list to record per layer {layer, tokens, cpu_s, gpu_s, step_s, borrowed}.
+    trace: set to a list to record per layer {layer, tokens, cpu_s, gpu_s, queue_s, step_s, borrowed}
+    (queue_s: host time spent queuing the device part).
     host_thread: run the host part in a worker thread while the device part is queued (else the
     device part is queued first and the host part runs in the calling thread).
     """
@@ -63,12 +71,20 @@ class ExpertSplit:
         self.trace = None
         self.host_thread = True
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts")
+        self._deferred = []  # (layer, queued routing copy) to record at finish_step
+        if sys.getswitchinterval() > GIL_SWITCH_S:
+            sys.setswitchinterval(GIL_SWITCH_S)
 
-    def run(self, device, layer, h, ids, weights):
+    def run(self, device, layer, h, ids, weights, usage=None):
+        """The layer's expert mixture [T, H]; `usage` (an ExpertUsage) records the routing."""
         if self.trace is not None:
             device.synchronize()  # time this layer's expert work alone
+        if len(h) == 1 and hasattr(device, "submit_decode_experts"):
+            return self._run_decode(device, layer, h, ids, weights, usage)
         t0 = time.perf_counter()
         ids_host, weights_host = device.fetch_routing(ids, weights)  # [T, K] each
+        if usage is not None:
+            usage.record(layer.index, ids_host)
         groups = PairGroups(*self.host.group_pairs(ids_host, self.resident.shape[1]))
         on_device = self.resident[layer.index][groups.expert_ids]  # [G]
         device_groups, host_groups = groups.select(on_device), groups.select(~on_device)
@@ -79,10 +95,12 @@ class ExpertSplit:
         host_part, rows = None, device.fetch_rows(h) if host_groups.num_groups else None  # [T, H] queued
         if rows is not None and self.host_thread:  # the host starts first: queuing the device part takes time
             host_part = self._pool.submit(self._run_host, layer, device.wait_rows(rows), weights_host, host_groups)
-        pending = None
+        pending, queue_s = None, 0.0
         try:
             if device_groups.num_groups or (borrowed is not None and borrowed.num_groups):
+                t_queue = time.perf_counter()
                 pending = device.submit_experts(layer, h, ids, weights, device_groups, borrowed)
+                queue_s = time.perf_counter() - t_queue
         finally:
             host_out, cpu_s = host_part.result() if host_part is not None else (None, 0.0)
         if rows is not None and not self.host_thread:
@@ -94,9 +112,66 @@ class ExpertSplit:
             device.synchronize()
             gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
             self.trace.append(dict(layer=layer.index, tokens=len(ids_host), cpu_s=cpu_s, gpu_s=gpu_s,
-                                   step_s=time.perf_counter() - t0,
+                                   queue_s=queue_s, step_s=time.perf_counter() - t0,
                                    borrowed=0 if borrowed is None else borrowed.num_groups))
         return out
+
+    def _run_decode(self, device, layer, h, ids, weights, usage):
+        """One token: the device resolves which of its pairs are resident from the routing it holds,
+        so the calling thread only queues; the worker fetches the routing and runs the rest."""
+        t0 = time.perf_counter()
+        if self.resident[layer.index].all():  # nothing for the host: no wait for the routing at all
+            if usage is not None:
+                self._deferred.append((layer.index, device.queue_ids(ids, f"ids.{layer.index}")))
+            pending = device.submit_decode_experts(layer, h, ids, weights)
+            if self.trace is not None:
+                device.synchronize()
+                self.trace.append(dict(layer=layer.index, tokens=1, cpu_s=0.0, queue_s=0.0, borrowed=0,
+                                       gpu_s=device.expert_seconds(pending) if device.time_experts else 0.0,
+                                       step_s=time.perf_counter() - t0))
+            return device.wait_experts(pending)
+        routing = device.queue_routing(ids, weights, h)
+        host_part = self._pool.submit(self._run_host_decode, device, layer, routing, usage) if self.host_thread else None
+        pending, queue_s = None, 0.0
+        try:
+            if self.resident[layer.index].any():
+                t_queue = time.perf_counter()
+                pending = device.submit_decode_experts(layer, h, ids, weights)
+                queue_s = time.perf_counter() - t_queue
+        finally:
+            if host_part is not None:
+                host_out, cpu_s = host_part.result()
+        if host_part is None:  # inline: the device part is queued, so it runs while this thread computes
+            host_out, cpu_s = self._run_host_decode(device, layer, routing, usage)
+        out = device.wait_experts(pending) if pending is not None else device.zeros_like(h)  # [1, H]
+        if host_out is not None:
+            out = device.add_from_host(out, host_out)
+        if self.trace is not None:
+            device.synchronize()
+            gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
+            self.trace.append(dict(layer=layer.index, tokens=1, cpu_s=cpu_s, gpu_s=gpu_s, queue_s=queue_s,
+                                   step_s=time.perf_counter() - t0, borrowed=0))
+        return out
+
+    def finish_step(self, device, usage):
+        """After a forward step's layers: record the routings of the fully resident layers, whose
+        copies were queued without a wait."""
+        for layer_index, handle in self._deferred:
+            usage.record(layer_index, device.wait_ids(handle))
+        self._deferred = []
+
+    def _run_host_decode(self, device, layer, routing, usage):
+        """(out [1, H] or None, seconds): the token's non-resident pairs, in the worker thread."""
+        ids_host, weights_host, x = device.wait_routing(routing)  # [1, K], [1, K], [1, H]
+        if usage is not None:
+            usage.record(layer.index, ids_host)
+        experts = ids_host[0].astype(np.int64)  # [K]
+        slots = np.flatnonzero(~self.resident[layer.index][experts])  # pair slots j the host runs
+        if len(slots) == 0:
+            return None, 0.0
+        order = slots[np.argsort(experts[slots], kind="stable")]  # [N], by expert; a token routes each expert once
+        groups = PairGroups(order, experts[order], np.arange(len(order) + 1))
+        return self._run_host(layer, x, weights_host, groups)
 
     def _run_host(self, layer, x, weights, groups):
         """(out [T, H], seconds): the host's pairs, in the split's worker thread (Numba releases the GIL)."""
@@ -153,8 +228,8 @@ def moe_block(backend, spec, layer, h, split=None, usage=None):
     """h [T, H] (normed hidden) -> expert mixture [T, H]; `usage`: an ExpertUsage that records the routing."""
     router_logits = backend.linear(layer.router, h)  # [T, E]
     ids, weights = backend.route(router_logits, layer.num_experts_per_tok, layer.norm_topk_prob)  # [T, K]
+    if split is not None:
+        return split.run(backend, layer, h, ids, weights, usage)  # the split records from its host copy of ids
     if usage is not None:
         usage.record(layer.index, backend.to_host(ids))
-    if split is None:
-        return backend.experts(h, ids, weights, layer.gate_exps, layer.up_exps, layer.down_exps)  # [T, H]
-    return split.run(backend, layer, h, ids, weights)
+    return backend.experts(h, ids, weights, layer.gate_exps, layer.up_exps, layer.down_exps)  # [T, H]

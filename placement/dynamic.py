@@ -17,6 +17,15 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
+SETTING_LIMITS = {  # DynamicSettings field: (test of a value, what the value must be)
+    "decay": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "margin": (lambda v: 0.0 <= v < float("inf"), ">= 0"),
+    "min_score": (lambda v: 0.0 <= v < float("inf"), ">= 0"),
+    "max_swaps": (lambda v: v >= 1, "an integer >= 1"),
+    "max_pending": (lambda v: v >= 1, "an integer >= 1"),
+}
+
+
 @dataclass(frozen=True)
 class DynamicSettings:
     decay: float = 0.98  # per step: a routing's weight halves in ~34 steps
@@ -24,6 +33,12 @@ class DynamicSettings:
     min_score: float = 2.0  # ... plus this many (decayed) routings
     max_swaps: int = 2  # swaps started per step, over all layers
     max_pending: int = 8  # swaps in flight at once (pinned staging buffers)
+
+    def __post_init__(self):
+        for name, (valid, what) in SETTING_LIMITS.items():
+            value = getattr(self, name)
+            if name.startswith("max_") and not isinstance(value, (int, np.integer)) or not valid(value):
+                raise ValueError(f"DynamicSettings.{name}: must be {what}, got {value!r}")
 
 
 class SwapPolicy:

@@ -77,6 +77,7 @@ __device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, cons
                                                 const int* tile_count, int R, int C, i64 row_bytes, int tpr) {
     int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * RPT, w = blockIdx.y;
     int row0 = tile_row[w], n = tile_count[w];
+    if (n <= 0) return;  // a decode pair whose expert is not resident (decode_tiles): nothing to read
     float acc[RPT][TT];
     group_rows_dot<RPT, TT>(raw + (i64)tile_slot[w] * R * row_bytes, row_bytes, R, r0, x + (i64)row0 * C, C, n,
                             tpr, acc);

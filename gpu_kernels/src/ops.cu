@@ -143,3 +143,23 @@ extern "C" __global__ void combine_rows(const float* expert_out, const int* row_
         out[(i64)t * H + d] = acc;
     }
 }
+
+// One decode token's work tiles from the routing held on the device, so the host never reads it
+// to queue the resident experts. ids [K] (the token's experts), slot_map [E] (slot of each
+// resident expert, -1 if not) -> tiles int32 [4, K]: slot, pair row j, row count (1 if resident,
+// else 0: the matmul skips it), row of pair j for combine_rows (j, or -1). grid (1), block >= K.
+extern "C" __global__ void decode_tiles(const int* ids, const int* slot_map, int K, int* tiles) {
+    int j = threadIdx.x;
+    if (j >= K) return;
+    int slot = slot_map[ids[j]];
+    tiles[j] = slot < 0 ? 0 : slot;
+    tiles[K + j] = j;
+    tiles[2 * K + j] = slot < 0 ? 0 : 1;
+    tiles[3 * K + j] = slot < 0 ? -1 : j;
+}
+
+// out [n] += src [n]. grid (ceil(n / blockDim)).
+extern "C" __global__ void add_into(float* out, const float* src, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] += src[i];
+}

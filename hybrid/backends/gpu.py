@@ -82,11 +82,18 @@ class _Staging:
 
 
 class DeviceSequenceKV(SequenceKV):
-    """SequenceKV whose K and V [L, S, Hkv, D] live in VRAM."""
+    """SequenceKV whose K and V [L, S, Hkv, D] live in VRAM; writes are copies queued on `stream`."""
 
-    def __init__(self, runtime, *args):
-        self.runtime = runtime
+    def __init__(self, runtime, stream, *args):
+        self.runtime, self.stream = runtime, stream
         super().__init__(*args)
+
+    def write(self, layer, start, k, v):
+        """k, v: device float32 [n, Hkv, D] for positions [start, start + n): one queued copy each (a
+        slice assignment would go through an elementwise kernel and cost more host time)."""
+        n = k.shape[0]
+        for cache, x in ((self.k, k), (self.v, v)):
+            self.runtime.copy_on_device_async(cache[layer, start:start + n], x, self.stream)
 
     def _allocate(self, capacity):
         shape = (self.num_layers, capacity, self.num_kv_heads, self.head_dim)
@@ -136,6 +143,7 @@ class GpuBackend:
         self._dev = {}  # id(host weight) -> (device copy, host weight)
         self._positions = (None, None)  # (host positions, device copy) of the last batch
         self._inv_freq = {}  # (theta, D) -> RoPE frequencies f32 [D/2] on the device
+        self._decode = None  # scratch of submit_decode_experts, made at its first call
 
     # -- placement -------------------------------------------------------------------------
 
@@ -157,7 +165,7 @@ class GpuBackend:
                                           self.cache_bytes, self.requested_resident)
         for w in unique.values():
             self._dev[id(w)] = (self.rt.to_device(np.ascontiguousarray(w.raw if isinstance(w, QuantTensor) else w)), w)
-        self.cache = ExpertCache(self.rt, model.layers, self.resident)
+        self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
         self.borrow_bytes_per_second = self._measure_upload()
         log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s", self.name, self.rt.device_name,
                  self.rt.name, self.rt.warp_size, self.budget.describe(), self.borrow_bytes_per_second / 1e9)
@@ -179,7 +187,7 @@ class GpuBackend:
     def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens, dtype="f32"):
         if dtype != "f32":
             raise ValueError(f"KV dtype {dtype} is not available on the GPU yet (only f32)")
-        return DeviceSequenceKV(self.rt, num_layers, num_kv_heads, head_dim, max_tokens)
+        return DeviceSequenceKV(self.rt, self.stream, num_layers, num_kv_heads, head_dim, max_tokens)
 
     def _weight(self, host):
         return self._dev[id(host)][0]
@@ -294,6 +302,67 @@ class GpuBackend:
             pending.stop.record(self.stream)
         return pending
 
+    def queue_routing(self, ids, weights, x):
+        """Queue host copies of one step's routing ids [T, K], weights [T, K] and rows x [T, H];
+        wait_routing(handle) returns them (any thread may wait: the wait releases the GIL)."""
+        ids_host, _ = self.staging.download("ids", ids, self.stream)
+        weights_host, _ = self.staging.download("weights", weights, self.stream)
+        rows, done = self.staging.download("rows_to_host", x, self.stream)
+        return ids_host, weights_host, rows, done
+
+    def queue_ids(self, ids, tag):
+        """Queue a host copy of routing ids [T, K] through pinned buffer `tag`; wait_ids(handle) returns it."""
+        return self.staging.download(tag, ids, self.stream)
+
+    def wait_ids(self, handle):
+        view, done = handle
+        done.synchronize()
+        return view
+
+    def wait_routing(self, handle):
+        ids_host, weights_host, rows, done = handle
+        done.synchronize()
+        return ids_host, weights_host, rows
+
+    def submit_decode_experts(self, layer, x, ids, weights):
+        """Queue one token's resident pairs (x [1, H], ids int32 [1, K], weights [1, K] on the device):
+        a kernel finds them from the routing and the cache's slot map, so nothing is read back and
+        the launches reuse fixed scratch. Returns a pending part for wait_experts."""
+        k, hidden, width = ids.shape[1], x.shape[1], layer.gate_exps.shape[1]
+        s = self._decode_scratch(k, hidden, width)
+        pending = _Pending(None)
+        if self.time_experts:
+            pending.start = self.rt.event(timing=True)
+            pending.start.record(self.stream)
+        kn = self.kernels
+        kn.decode_tiles(ids, self.cache.slot_map[layer.index], s["tiles"])
+        tile_args = (s["tiles"][0], s["tiles"][1], s["tiles"][2])
+        kn.gather_rows(x, s["order"], k, s["xs"])
+        slabs = self.cache.layers[layer.index]
+        kn.moe_matmul(slabs[0], layer.gate_exps.qtype, s["xs"], s["gate"], *tile_args, 1)
+        kn.moe_matmul(slabs[1], layer.up_exps.qtype, s["xs"], s["up"], *tile_args, 1)
+        kn.swiglu(s["gate"], s["up"], s["gate"])
+        kn.moe_matmul(slabs[2], layer.down_exps.qtype, s["gate"], s["down"], *tile_args, 1)
+        pending.out = self.rt.empty(x.shape, np.float32)  # [1, H]
+        kn.combine_rows(s["down"], s["tiles"][3], weights, k, pending.out)
+        if self.time_experts:
+            pending.stop = self.rt.event(timing=True)
+            pending.stop.record(self.stream)
+        return pending
+
+    def _decode_scratch(self, k, hidden, width):
+        """Device arrays of one decode token's expert pairs, kept between calls: pair order [K]
+        (all rows of token 0), tiles int32 [4, K], xs / down [K, H], gate / up [K, F]. Zeroed once: the rows
+        of non-resident pairs are skipped by the matmuls and keep finite values for the SwiGLU."""
+        key = (k, hidden, width)
+        if self._decode is None or self._decode[0] != key:
+            e = self.rt.zeros
+            scratch = dict(order=self.rt.to_device(np.arange(k, dtype=np.int32)), tiles=e((4, k), np.int32),
+                           xs=e((k, hidden), np.float32), gate=e((k, width), np.float32),
+                           up=e((k, width), np.float32), down=e((k, hidden), np.float32))
+            self._decode = (key, scratch)
+        return self._decode[1]
+
     def _pair_layout(self, parts, num_pair_slots, tile_tokens):
         """Device int32 arrays, one upload: pair order [N] (the parts' pairs one after another),
         row of each of the T*K pairs [T*K] (-1: not here), and per part its tiles (slot, row, count)."""
@@ -342,7 +411,7 @@ class GpuBackend:
 
     def add_from_host(self, out, host_part):
         """out [T, H] (device) += host_part [T, H] (host), queued through a pinned buffer."""
-        out += self.staging.upload("host_part", host_part, self.stream)
+        self.kernels.add_into(out, self.staging.upload("host_part", host_part, self.stream))
         return out
 
 

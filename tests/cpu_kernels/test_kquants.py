@@ -54,12 +54,12 @@ def test_dequantize_matches_gguf_on_random_bytes(fmt):
 
 
 @each_format
-def test_matvec_and_matmul(fmt, act_quant, int16_rounding_bound):
+def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound):
     raw = weight(fmt, (R, C), 2)
     x = np.random.default_rng(3).standard_normal((70, C)).astype(np.float32)  # [T, C]
     ref, bound = reference(fmt, raw, x)  # [T, R]
     w_abs = np.abs(gguf.quants.dequantize(raw, fmt.QTYPE).astype(np.float64))  # [R, C]
-    decode_bound = bound[0] + int16_rounding_bound(x[:1], w_abs, act_quant)[0]
+    decode_bound = bound[0] + act_rounding_bound(x[:1], w_abs, act_quant)[0]
     out = np.empty(R, dtype=np.float32)
     fmt.matvec(raw, x[0], out, act_quant=act_quant)
     assert_close(out, ref[0], decode_bound)
@@ -70,7 +70,7 @@ def test_matvec_and_matmul(fmt, act_quant, int16_rounding_bound):
 
 
 @each_format
-def test_moe_matmul(fmt, act_quant, int16_rounding_bound):
+def test_moe_matmul(fmt, act_quant, act_rounding_bound):
     num_experts = 5
     raw = weight(fmt, (num_experts, R, C), 4)  # [E, R, B]
     group_sizes = [3, 0, 1, 35, 2]  # an empty group, a 1-row (decode) group, one past a 32-token tile
@@ -84,7 +84,7 @@ def test_moe_matmul(fmt, act_quant, int16_rounding_bound):
         ref, bound = reference(fmt, raw[e], x[rows])
         if group_sizes[g] == 1:  # the decode dot
             w_abs = np.abs(gguf.quants.dequantize(raw[e], fmt.QTYPE).astype(np.float64))
-            bound = bound + int16_rounding_bound(x[rows], w_abs, act_quant)
+            bound = bound + act_rounding_bound(x[rows], w_abs, act_quant)
         assert_close(out[rows], ref, bound)
 
 

@@ -84,10 +84,19 @@ class ReferenceKernels:
     def gather_rows(self, x, order, k, out):
         out[:] = x[order // k]
 
+    def decode_tiles(self, ids, slot_map, tiles):
+        slots = slot_map[ids[0]]  # [K]
+        k = len(slots)
+        tiles[:] = [np.maximum(slots, 0), np.arange(k), slots >= 0, np.where(slots >= 0, np.arange(k), -1)]
+
+    def add_into(self, out, src):
+        out += src
+
     def combine_rows(self, expert_out, row_of_pair, weights, k, out):
         rows = row_of_pair.reshape(out.shape[0], k)
         w = np.where(rows >= 0, weights.reshape(rows.shape), 0.0)  # [T, K]
-        out[:] = np.einsum("tk,tkh->th", w, expert_out[np.maximum(rows, 0)])
+        held = np.where((rows >= 0)[..., None], expert_out[np.maximum(rows, 0)], 0.0)  # [T, K, H]: skipped rows
+        out[:] = np.einsum("tk,tkh->th", w, held)  # may hold anything (the kernel never reads them)
 
 
 class NumpyRuntime:
@@ -123,6 +132,9 @@ class NumpyRuntime:
 
     def copy_from_host_async(self, dev, host, stream):
         dev[...] = host
+
+    def copy_on_device_async(self, dst, src, stream):
+        dst[...] = src
 
     def stream(self):
         return None

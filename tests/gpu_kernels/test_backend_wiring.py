@@ -51,6 +51,11 @@ class FaultyBackend(GpuBackend):
             raise RuntimeError("CUDA error: unspecified launch failure (injected)")
         return super().submit_experts(*args, **kwargs)
 
+    def submit_decode_experts(self, *args, **kwargs):
+        if self.armed:
+            raise RuntimeError("CUDA error: unspecified launch failure (injected)")
+        return super().submit_decode_experts(*args, **kwargs)
+
 
 def _serve(model, tokenizer, prompts):
     from types import SimpleNamespace
@@ -121,3 +126,49 @@ def test_device_kv_parks_in_host_ram_and_restores(gguf_models, numpy_runtime, re
     assert n == 16
     rest = model.forward(Batch([SeqChunk(restored, n, np.asarray(TOKENS[n:]), "all")]))
     np.testing.assert_allclose(rest, full[n:], rtol=0, atol=1e-5 * np.abs(full).max())
+
+
+def test_swaps_keep_the_device_slot_map_in_step(gguf_models, numpy_runtime, reference_kernels):
+    """Decode finds resident pairs from the device's slot map: a swap takes both experts out of it at
+    once, its landing puts the newcomer in, and the model's logits stay the CPU engine's throughout."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    resident = np.zeros((c.num_layers, c.num_experts), bool)
+    resident[:, :3] = True
+    backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=resident)
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend())
+    ref = score(Model(weights, CpuBackend()))
+    cache = backend.cache
+    cache.begin_swap(1, 0, 5, backend.stream)
+    assert cache.slot_map[1, 0] == -1 and cache.slot_map[1, 5] == -1
+    np.testing.assert_array_equal(cache.slot_map, cache.slot_of)
+    np.testing.assert_allclose(score(model), ref, rtol=0, atol=2e-4 * np.abs(ref).max())  # mid-swap
+    assert cache.poll() == [(1, 0, 5)]
+    assert cache.slot_map[1, 5] == 0 and resident[1, 5] and not resident[1, 0]
+    np.testing.assert_array_equal(cache.slot_map, cache.slot_of)
+    np.testing.assert_allclose(score(model), ref, rtol=0, atol=2e-4 * np.abs(ref).max())  # after landing
+
+
+def test_split_records_the_usage_of_the_plain_path(gguf_models, numpy_runtime, reference_kernels):
+    """Every layer's routing reaches the ExpertUsage once, also from fully resident layers, whose
+    decode routing is copied without a wait and recorded at the end of the step."""
+    from hybrid.expert_usage import ExpertUsage
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    mask = np.random.default_rng(0).random((c.num_layers, c.num_experts)) < 0.5
+    mask[0] = True  # a fully resident layer
+
+    def recorded(model):
+        model.usage = ExpertUsage.for_config(c)
+        score(model)
+        return model.usage
+
+    ref = recorded(Model(weights, CpuBackend()))
+    backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=mask)
+    backend.kernels = reference_kernels
+    got = recorded(Model(weights, backend, host=CpuBackend()))
+    assert got.tokens_decode == ref.tokens_decode == 1 and got.tokens_prefill == ref.tokens_prefill
+    for name in ("prefill", "decode", "coactivation"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)

@@ -5,6 +5,7 @@ plus stand-in events), so swaps really copy expert bytes into slots: logits must
 """
 import importlib.util
 import os
+import re
 
 import numpy as np
 import pytest
@@ -260,3 +261,114 @@ def test_llm_options(gguf_models, tmp_path, monkeypatch):
     assert len(set(dynamic.model.backend.resident.sum(axis=1))) == 1  # the same count in every layer
     out = dynamic.generate(TOKENS, max_tokens=4, temperature=0)
     assert len(out.token_ids) == 4
+
+
+# -- the --dynamic-* flags, and the hit-rate gauge of /metrics -----------------------------------
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch):
+    """LLM's backends: the stand-in GPU (its expert cache over NumPy) and the CPU."""
+    import hybrid.llm as llm_module
+
+    def fake_select(device, **options):
+        return gpu_backend(**{k: v for k, v in options.items() if k in ("expert_cache_mib", "resident")}), CpuBackend()
+
+    monkeypatch.setattr(llm_module, "select_backends", fake_select)
+
+
+def test_dynamic_flags_reach_the_engines_settings(gguf_models, stand_in_gpu):
+    from hybrid.cli import build_parser, device_options
+    from hybrid.llm import LLM
+    from server.serve import build
+
+    path = gguf_models("small", "Q8_0")[0]
+    flags = ["--device", "gpu", "--expert-cache", "dynamic", "--expert-cache-mib", "0.15", "--dynamic-decay", "0.9",
+             "--dynamic-margin", "0.25", "--dynamic-min-score", "0.5", "--dynamic-max-swaps", "5",
+             "--dynamic-max-pending", "3"]
+    want = DynamicSettings(decay=0.9, margin=0.25, min_score=0.5, max_swaps=5, max_pending=3)
+    generate = build_parser().parse_args(["generate", "--model", path, *flags])
+    assert LLM(path, max_context=256, **device_options(generate)).model.residency.policy.settings == want
+    serve = build_parser().parse_args(["serve", "--model", path, *flags])
+    _, engine = build(path, max_context=256, device_options=device_options(serve))
+    try:
+        assert engine.model.residency.policy.settings == want
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--dynamic-decay", "1.5", r"in \(0, 1\], got 1.5"), ("--dynamic-decay", "0", r"in \(0, 1\], got 0"),
+    ("--dynamic-margin", "-1", ">= 0, got -1"), ("--dynamic-min-score", "nan", ">= 0, got nan"),
+    ("--dynamic-max-swaps", "0", "an integer >= 1, got 0"),
+    ("--dynamic-max-pending", "2.5", "an integer >= 1, got '2.5'")])
+def test_bad_dynamic_flags_name_the_flag(flag, value, message, capsys):
+    from hybrid.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--expert-cache", "dynamic", flag, value])
+    assert exit_info.value.code == 2
+    assert re.search(f"argument {flag}: must be {message}", capsys.readouterr().err)
+
+
+def test_dynamic_flags_need_the_dynamic_cache(capsys):
+    from hybrid.cli import main
+
+    assert main(["generate", "--dynamic-margin", "1", "--dynamic-max-swaps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--dynamic-margin, --dynamic-max-swaps: only with --expert-cache dynamic" in err
+
+
+def test_dynamic_settings_refuse_bad_values():
+    with pytest.raises(ValueError, match=r"DynamicSettings.decay: must be in \(0, 1\], got 1.5"):
+        DynamicSettings(decay=1.5)
+    with pytest.raises(ValueError, match="DynamicSettings.max_swaps: must be an integer >= 1, got 1.5"):
+        DynamicSettings(max_swaps=1.5)
+
+
+def _gauge(client, phase):
+    """strata_expert_cache_hit_rate{phase} from /metrics (None when not exported) and the routings counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = client.simulate_get("/metrics").text
+    samples = {(s.name, s.labels.get("phase")): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}
+    return samples.get(("strata_expert_cache_hit_rate", phase)), samples[("strata_expert_routings_total", phase)]
+
+
+@pytest.mark.parametrize("mode", ["auto", "dynamic"])
+def test_metrics_hit_rate_moves_with_traffic(gguf_models, stand_in_gpu, tmp_path, mode):
+    from falcon.testing import TestClient
+
+    from hybrid.engine import Engine
+    from hybrid.llm import LLM
+    from server import create_app
+
+    path = gguf_models("small", "Q8_0")[0]
+    weights = load_model(path)
+    c = weights.config
+    placement = str(tmp_path / "placement.json")
+    _placement(model_id(weights), c.num_layers, c.num_experts,
+               [(layer, e) for layer in range(c.num_layers) for e in range(3)]).save(placement)
+    llm = LLM(path, device="gpu", max_context=256, placement=placement, expert_cache=mode)
+    engine = Engine(llm).start()
+    try:
+        client = TestClient(create_app(engine, "tiny"))
+        assert _gauge(client, "decode") == (None, 0)  # no routing yet: no hit rate
+        seen = []
+        for prompt in (TOKENS, TOKENS[::-1][:9], [200, 201, 202]):
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            assert client.simulate_post("/v1/completions", json=body).status_code == 200
+            hit_rate, routings = _gauge(client, "decode")
+            usage = engine.usage
+            if mode == "auto":  # the fixed mask: the share of the recorded routings on resident experts
+                want = usage.decode[llm.model.backend.resident].sum() / usage.decode.sum()
+            else:  # counted against each step's mask as experts swap in
+                want = llm.model.residency.hits["decode"] / llm.model.residency.routed["decode"]
+            assert routings == usage.decode.sum() > (seen[-1][1] if seen else 0)
+            assert 0 < hit_rate < 1 and hit_rate == pytest.approx(want)
+            seen.append((hit_rate, routings))
+        assert len({h for h, _ in seen}) == len(seen)  # it moved with every request
+        if mode == "dynamic":
+            assert llm.model.residency.swaps_landed > 0
+    finally:
+        engine.stop()
