@@ -132,9 +132,15 @@ class ConversationCache:
         self.stats.restored_tokens += n
         return n
 
-    def park(self, token_ids, seq_kv):
-        """Keep the KV of `token_ids` (positions [0, n) of `seq_kv`)."""
-        ids = np.asarray(token_ids[: seq_kv.length], dtype=np.int64)
+    def park(self, token_ids, seq_kv, whole_blocks=False):
+        """Keep the KV of `token_ids` (positions [0, n) of `seq_kv`).
+
+        whole_blocks: keep only whole blocks, for a request that ended early (cancelled or failed): a
+        restore never uses a partial block, and the conversation will not be extended from its end.
+        """
+        n = min(len(token_ids), seq_kv.length)
+        ids = np.asarray(token_ids[: n // self.block_tokens * self.block_tokens if whole_blocks else n],
+                         dtype=np.int64)
         if len(ids) < self.block_tokens:
             return
         for entry in self.entries:

@@ -55,14 +55,16 @@ class Engine:
     """`llm`: a `hybrid.LLM` (or anything with `.model`, `.tokenizer`, `.max_context`)."""
 
     def __init__(self, llm, num_slots=1, max_queue=64, decode_share=DEFAULT_DECODE_SHARE,
-                 max_step_tokens=DEFAULT_STEP_TOKENS, conversation_cache=None):
+                 max_step_tokens=DEFAULT_STEP_TOKENS, conversation_cache=None, clock=time.perf_counter):
         self.model, self.tokenizer, self.max_context = llm.model, llm.tokenizer, llm.max_context
         self.conversations = conversation_cache
+        self.clock = clock
         self.usage = llm.model.usage = ExpertUsage.for_config(llm.model.config)  # always on while serving
         self.scheduler = Scheduler(num_slots, lambda: self.model.new_sequence(self.max_context), self.max_context,
                                    eos_ids=self.tokenizer.eos_ids, max_queue=max_queue, decode_share=decode_share,
-                                   max_step_tokens=max_step_tokens,
-                                   restore_prefix=conversation_cache.restore if conversation_cache else None)
+                                   max_step_tokens=max_step_tokens, clock=clock,
+                                   restore_prefix=conversation_cache.restore if conversation_cache else None,
+                                   park=self._park if conversation_cache else None)
         self.stats = EngineStats()
         self._live = {}  # request_id -> _Live
         self._lock = threading.Condition()
@@ -127,20 +129,24 @@ class Engine:
                 time.sleep(0.1)
 
     def step(self):
-        """One batched forward step; returns False when there was nothing to run."""
+        """One batched forward step; returns False when there was nothing to run.
+
+        The decode share rule is fed the time of the whole step (scheduling and sampling too): that is
+        what the decoding slots wait for between two tokens, not only the forward pass.
+        """
+        t0 = self.clock()
         with self._lock:
             step = self.scheduler.schedule()
             for request in step.cancelled:
                 self._end(request.request_id, None, "cancelled")
         if not step.chunks:
             return False
-        t0 = time.perf_counter()
         logits = self._forward(step.chunks)
-        elapsed = time.perf_counter() - t0
         with self._lock:
+            self._postprocess(step.chunks, logits)
+            elapsed = self.clock() - t0
             self.scheduler.record(step, elapsed)
             self.stats.record_step(step, elapsed)
-            self._postprocess(step.chunks, logits)
         return True
 
     def _forward(self, chunks):
@@ -162,8 +168,8 @@ class Engine:
     def _postprocess(self, chunks, logits):
         for chunk, row in zip(chunks, logits):
             slot = chunk.slot
-            if row is _FAILED:
-                self._fail(slot, "the forward pass failed for this request")
+            if row is _FAILED:  # a model or device error: the KV of this slot may be invalid, not parked
+                self._fail(slot, "the forward pass failed for this request", keep_kv=False)
                 continue
             try:
                 self.scheduler.advance(chunk)
@@ -189,14 +195,16 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(slot, reason)
             self._end(slot.request.request_id, slot, reason)
-            if self.conversations is not None:
-                self.conversations.park(list(slot.request.prompt_ids) + slot.output_ids, slot.kv)
             self.scheduler.release(slot)
 
-    def _fail(self, slot, message):
+    def _fail(self, slot, message, keep_kv=True):
         self.scheduler.finish(slot, "error")
         self._end(slot.request.request_id, None, "error", message)
-        self.scheduler.release(slot)
+        self.scheduler.release(slot, keep_kv)
+
+    def _park(self, token_ids, kv, finish_reason):
+        """Scheduler callback: a finished conversation is parked whole, one that ended early in whole blocks."""
+        self.conversations.park(token_ids, kv, whole_blocks=finish_reason not in ("stop", "length"))
 
     def _end(self, request_id, slot, reason, message=None):
         """Push the final event of a request and forget it; `slot` is None when it did not finish normally."""
@@ -208,7 +216,7 @@ class Engine:
         if slot is None:
             live.handle.events.put(Finished(reason, live.text, [], len(live.handle.request.prompt_ids), {}))
             return
-        now = time.perf_counter()
+        now = self.clock()
         t = timings(len(slot.request.prompt_ids) - slot.cache_n, slot.prompt_finished - slot.prompt_started,
                     len(slot.output_ids), now - slot.prompt_finished, cache_n=slot.cache_n)
         log.info("request %s done (%s): prompt %d tokens read in %.0f ms (%.1f tok/s), %d restored, %d tokens in "

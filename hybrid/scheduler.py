@@ -5,19 +5,28 @@ decoding slot plus at most one prompt chunk (of the prompt admitted first).
 
 The decode share rule: while decoding slots wait on a prompt read, prompt
 chunks may add at most `decode_step * (1 / decode_share - 1)` seconds per
-step on average, where `decode_step` is the measured time of a step that only
-decodes. Each decoding slot gets one token per step, so over a few steps it
+step on average, where `decode_step` is the measured time of a whole step
+that only decodes (schedule, forward, sampling: all the decoding slots wait
+for). Each decoding slot gets one token per step, so over a few steps it
 keeps at least `decode_share` of the rate it has when nobody reads a prompt.
 Every step earns that allowance as credit; a step with a chunk spends the
-time the chunk added (measured). A chunk is as large as the credit pays for
-at the measured cost per prompt token, and at least `min_chunk` tokens (or
-the rest of the prompt): when the credit does not cover that, the step only
-decodes and the credit grows. So chunks stay large enough to amortize their
-fixed cost, and the prompt always moves. With no slot decoding, a chunk
-takes the whole step budget.
+time the chunk added (measured); a debt is paid back by the next steps even
+when no prompt waits, and nothing is saved while none waits.
+
+Chunk size: a chunk costs a fixed part (every expert its tokens touch is
+read once per step, however few tokens use it) plus a part per token, so
+small chunks read slowly: on a CPU MoE a 16-token chunk can cost 5x per
+token what a 512-token one does. The sizer fits `cost(n) = a + b * n` to
+the chunks it measured and takes the smallest chunk that reads at least
+`CHUNK_EFFICIENCY` of the speed of a full-budget one (larger when the credit
+pays for more); it waits, decoding only, until the credit pays for that
+chunk. So the read gets the whole time the share leaves, spent in chunks
+large enough to use it well. With no slot decoding, a chunk takes the whole
+step budget.
 """
 import enum
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -85,6 +94,65 @@ def _ema(old, new, alpha=0.3):
     return new if old is None else (1 - alpha) * old + alpha * new
 
 
+CHUNK_EFFICIENCY = 0.9  # a chunk reads at least this fraction of the speed of a full-budget chunk
+# Weight of the newest decode-only step in `decode_s`. Chunks are charged against `decode_s` and run when
+# the credit it earns suffices, so a fast-moving average would charge the chunks that follow a slow
+# decode step too little (a bias of up to 2x with 30 % step-time noise); 0.1 keeps it a few percent.
+DECODE_ALPHA = 0.1
+
+
+class ChunkCost:
+    """Seconds a prompt chunk of n tokens adds to a decoding step: `a + b * n`, fitted over recent chunks.
+
+    Exponentially weighted least squares, so the fit follows a cost that drifts (attention grows with
+    the chunk's position). While the sizes seen are too alike to tell `a` from `b`, `line()` is None
+    and the cost is taken as proportional to n (the pessimistic choice for chunks larger than those seen).
+    """
+
+    def __init__(self, decay=0.9, min_spread=0.2):
+        self.decay, self.min_spread = decay, min_spread
+        self.weight = self.sum_n = self.sum_nn = self.sum_s = self.sum_ns = 0.0
+
+    @property
+    def known(self):
+        return self.weight > 0
+
+    @property
+    def mean_n(self):
+        return self.sum_n / self.weight
+
+    def add(self, n, extra_s):
+        d = self.decay
+        self.weight, self.sum_n, self.sum_nn = d * self.weight + 1, d * self.sum_n + n, d * self.sum_nn + n * n
+        self.sum_s, self.sum_ns = d * self.sum_s + extra_s, d * self.sum_ns + n * extra_s
+
+    def line(self):
+        """(a >= 0, b > 0), or None while the sizes seen spread too little (or the cost falls with n)."""
+        w, mean_n = self.weight, self.mean_n
+        var_n = self.sum_nn / w - mean_n**2
+        if var_n < (self.min_spread * mean_n) ** 2:
+            return None
+        b = (self.sum_ns / w - mean_n * self.sum_s / w) / var_n
+        if b <= 0:
+            return None
+        a = self.sum_s / w - b * mean_n
+        return (a, b) if a >= 0 else (0.0, max(self.sum_s / self.sum_n, 1e-9))  # no fixed part seen
+
+    def predict(self, n):
+        line = self.line()
+        if line is None:
+            return max(self.sum_s / self.sum_n, 0.0) * n
+        return line[0] + line[1] * n
+
+    def affordable(self, credit_s, limit):
+        """The most tokens (<= limit) whose predicted cost fits in `credit_s`."""
+        line = self.line()
+        a, b = line if line is not None else (0.0, self.sum_s / self.sum_n)
+        if b <= 0:
+            return limit if credit_s >= a else 0
+        return max(0, min(limit, int((credit_s - a) / b)))
+
+
 class ChunkSizer:
     """The prompt chunk size of each step under the decode share rule (see the module docstring)."""
 
@@ -93,39 +161,54 @@ class ChunkSizer:
             raise ValueError(f"decode share must be in (0, 1], got {decode_share}")
         self.decode_share, self.max_step_tokens, self.min_chunk = decode_share, max_step_tokens, min_chunk
         self.decode_s = None  # seconds of a step that only decodes
-        self.prompt_token_s = None  # extra seconds per prompt token of a step that also decodes
-        self.credit_s = 0.0  # prompt-read time earned by the steps since the last chunk, less what it spent
+        self.cost = ChunkCost()  # extra seconds of a step that also reads a chunk
+        self.credit_s = 0.0  # prompt-read time earned by the steps so far, less what chunks spent
 
     def size(self, num_decode, num_left):
         """Prompt tokens for this step; 0 means decode only and let the credit grow."""
         if num_decode == 0:
             return min(num_left, self.max_step_tokens)
-        limit = min(num_left, self.max_step_tokens - num_decode)
-        if self.decode_s is None or self.prompt_token_s is None:
-            return min(limit, self.min_chunk)  # a first chunk to measure its cost
-        n = min(int(self.credit_s / self.prompt_token_s), limit)
-        return n if n >= min(self.min_chunk, limit) else 0
+        full = self.max_step_tokens - num_decode
+        if self.decode_s is None:
+            return 0  # first a step that only decodes: the time chunks are weighed against
+        if not self.cost.known:
+            return min(num_left, full, self.min_chunk)  # a first chunk to measure its cost
+        n = min(num_left, max(self.target(full), self.cost.affordable(self.credit_s, full)))
+        return n if self.cost.predict(n) <= self.credit_s else 0
+
+    def target(self, full):
+        """The smallest chunk reading at >= CHUNK_EFFICIENCY of a `full` chunk's speed n / cost(n)."""
+        line = self.cost.line()
+        if line is None:  # try twice the sizes seen: the cost of a larger chunk tells the fixed part apart
+            return min(full, max(self.min_chunk, 2 * math.ceil(self.cost.mean_n)))
+        a, b = line
+        n = CHUNK_EFFICIENCY * full * a / (a + (1 - CHUNK_EFFICIENCY) * b * full)
+        return min(full, max(self.min_chunk, math.ceil(n)))
 
     def record(self, num_decode, num_prompt, prompt_waiting, elapsed_s):
-        if not num_decode or not prompt_waiting:
-            self.credit_s = 0.0
         if not num_decode:
+            self.credit_s = 0.0  # nobody decodes: no share to keep
             return
         if not num_prompt:
-            self.decode_s = _ema(self.decode_s, elapsed_s)
+            self.decode_s = _ema(self.decode_s, elapsed_s, DECODE_ALPHA)
         elif self.decode_s is not None:
-            extra_s = max(elapsed_s - self.decode_s, 0.0)
-            self.prompt_token_s = _ema(self.prompt_token_s, max(extra_s, 1e-6) / num_prompt)
+            extra_s = elapsed_s - self.decode_s
+            self.cost.add(num_prompt, extra_s)
             self.credit_s -= extra_s
-        if prompt_waiting and self.decode_s is not None:
+        if self.decode_s is not None:
             self.credit_s += self.decode_s * (1 / self.decode_share - 1)
+        if not prompt_waiting:
+            self.credit_s = min(self.credit_s, 0.0)  # pay back a debt, save nothing
 
 
 class Scheduler:
     def __init__(self, num_slots, new_sequence, max_context, eos_ids=(), max_queue=64,
                  decode_share=DEFAULT_DECODE_SHARE, max_step_tokens=DEFAULT_STEP_TOKENS, clock=time.perf_counter,
-                 restore_prefix=None):
-        """restore_prefix(prompt_ids, kv) -> tokens restored: fills a new slot's KV from parked conversations."""
+                 restore_prefix=None, park=None):
+        """restore_prefix(prompt_ids, kv) -> tokens restored: fills a new slot's KV from parked conversations.
+
+        park(token_ids, kv, finish_reason): keeps the KV of an ending request's computed positions (token_ids).
+        """
         if num_slots < 1:
             raise ValueError(f"the number of slots must be >= 1, got {num_slots}")
         if max_step_tokens <= num_slots:
@@ -136,7 +219,7 @@ class Scheduler:
         self.eos_ids = frozenset(eos_ids)
         self.sizer = ChunkSizer(decode_share, max_step_tokens)
         self.clock = clock
-        self.restore_prefix = restore_prefix
+        self.restore_prefix, self.park = restore_prefix, park
 
     def add(self, request):
         if len(self.queue) >= self.max_queue:
@@ -201,5 +284,12 @@ class Scheduler:
     def finish(self, slot, reason):
         slot.state, slot.finish_reason = SlotState.DONE, reason
 
-    def release(self, slot):
+    def release(self, slot, keep_kv=True):
+        """Free the slot, first parking the KV it computed unless `keep_kv` is False (the KV may be invalid).
+
+        A cancelled or failed request parks too: its prompt prefix read so far is not read again on a retry.
+        """
+        if keep_kv and self.park is not None and slot.num_cached:
+            computed = (list(slot.request.prompt_ids) + slot.output_ids)[: slot.num_cached]
+            self.park(computed, slot.kv, slot.finish_reason)
         slot.state, slot.request = SlotState.IDLE, None

@@ -1,6 +1,7 @@
 """The conversation cache: restored KV gives the logits of a full read; budgets, eviction order, spill."""
 import logging
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hybrid.batch import Batch, SeqChunk
 from hybrid.conversation_cache import ConversationCache, model_fingerprint
 from hybrid.engine import Engine
 from hybrid.kv_store import bytes_per_token
-from hybrid.request import Request
+from hybrid.request import Failed, Request
 from hybrid.sampling import SamplingParams
 
 BLOCK = 16
@@ -194,3 +195,79 @@ def test_reads_of_evicted_conversations_are_counted(llm):
     cache.park(b, read(llm, b)[0])  # a is evicted
     assert cache.restore(a + [1], llm.model.new_sequence(512)) == 0
     assert cache.stats.reread_tokens == 64
+
+
+class SpyModel:
+    """The model, keeping the logits rows of every forward pass; raises while `failing` is set."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+        self.rows, self.failing = [], False
+
+    def new_sequence(self, max_tokens):
+        return self.model.new_sequence(max_tokens)
+
+    def forward(self, batch):
+        if self.failing:
+            raise RuntimeError("device error")
+        out = self.model.forward(batch)
+        self.rows.append(out)
+        return out
+
+
+def hand_stepped_engine(llm, **kwargs):
+    spy = SpyModel(llm.model)
+    cache = cache_for(llm)
+    fake = SimpleNamespace(model=spy, tokenizer=llm.tokenizer, max_context=llm.max_context)
+    return Engine(fake, num_slots=1, conversation_cache=cache, **kwargs), spy, cache
+
+
+def run_until_idle(engine):
+    while engine.scheduler.has_work():
+        engine.step()
+
+
+@pytest.mark.parametrize("num_prompt,max_step_tokens,steps_before_cancel,parked", [
+    (70, 512, 3, 64),  # cancelled while decoding: 70 prompt + 2 generated positions, parked in whole blocks
+    (100, 32, 2, 64),  # cancelled partway through a chunked prompt read: the 64 tokens read so far
+])
+def test_a_cancelled_request_parks_what_it_read_and_a_retry_restores_it(llm, num_prompt, max_step_tokens,
+                                                                         steps_before_cancel, parked):
+    prompt = conversation(np.random.default_rng(10), llm, num_prompt)
+    engine, spy, cache = hand_stepped_engine(llm, max_step_tokens=max_step_tokens)
+    first = engine.submit(greedy(prompt, n=50))
+    for _ in range(steps_before_cancel):
+        engine.step()
+    engine.cancel(first.request_id)
+    assert not engine.step()  # drops the request, parks its slot
+    assert first.result().finish_reason == "cancelled"
+    assert [e.num_tokens for e in cache.entries] == [parked]
+    num_rows = len(spy.rows)
+    retry = engine.submit(greedy(prompt, n=1))
+    run_until_idle(engine)
+    result = retry.result()
+    assert result.timings["cache_n"] == 64 and result.timings["prompt_n"] == num_prompt - 64
+    ours = next(rows for rows in spy.rows[num_rows:] if len(rows))[0]  # the retry's last prompt position
+    ref = read(llm, prompt)[1][-1]
+    assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 1e-4  # f32 store, as above
+    assert result.token_ids == [int(np.argmax(ref))]
+
+
+def test_a_request_failed_by_the_model_is_not_parked_one_failed_after_it_is(llm):
+    prompt = conversation(np.random.default_rng(11), llm, 100)
+    engine, spy, cache = hand_stepped_engine(llm, max_step_tokens=32)
+    handle = engine.submit(greedy(prompt))
+    engine.step()
+    spy.failing = True  # the device fails mid-read: the slot's KV may be invalid
+    engine.step()
+    assert isinstance(handle.result(), Failed) and cache.entries == []
+    spy.failing = False
+    handle = engine.submit(greedy(prompt[:70]))
+
+    def broken_sampler(logits):
+        raise ValueError("a sampling bug")
+
+    engine._live[handle.request_id].sampler = broken_sampler
+    run_until_idle(engine)  # the prompt is read, then sampling fails: its KV is valid
+    assert isinstance(handle.result(), Failed)
+    assert [e.num_tokens for e in cache.entries] == [64]

@@ -2,6 +2,8 @@
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from hybrid.engine import Engine
 from hybrid.request import Delta, Failed, Finished, Request
 from hybrid.sampling import SamplingParams
@@ -56,3 +58,43 @@ def test_cancel_frees_the_slot(llm):
         assert engine.stats.requests == {"cancelled": 1}
     finally:
         engine.stop()
+
+
+class SteppedClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class SlowModel(PoisonedModel):
+    """The forward pass takes `seconds` on `clock`."""
+
+    def __init__(self, model, clock, seconds):
+        super().__init__(model)
+        self.clock, self.seconds = clock, seconds
+
+    def forward(self, batch):
+        self.clock.now += self.seconds
+        return self.model.forward(batch)
+
+
+def test_the_decode_share_is_fed_the_time_of_the_whole_step(llm):
+    """Decoding slots wait for sampling and bookkeeping too, not only the forward pass."""
+    clock = SteppedClock()
+    fake = SimpleNamespace(model=SlowModel(llm.model, clock, 0.2), tokenizer=llm.tokenizer,
+                           max_context=llm.max_context)
+    engine = Engine(fake, num_slots=1, clock=clock)  # stepped by hand, no loop thread
+    postprocess = engine._postprocess
+
+    def slow_postprocess(chunks, logits):
+        clock.now += 0.1
+        postprocess(chunks, logits)
+
+    engine._postprocess = slow_postprocess
+    engine.submit(greedy_request(llm.tokenizer.encode("Hi"), max_tokens=3))
+    engine.step()  # the prompt, nobody decoding
+    assert engine.scheduler.sizer.decode_s is None
+    engine.step()  # a decode-only step
+    assert engine.scheduler.sizer.decode_s == pytest.approx(0.3)
