@@ -68,6 +68,7 @@ class Engine:
         self.stats = EngineStats()
         self._live = {}  # request_id -> _Live
         self._lock = threading.Condition()
+        self._last_end = None  # when the last step ended, while steps run back to back
         self._thread = None
         self._stopping = False
 
@@ -119,6 +120,7 @@ class Engine:
         while True:
             with self._lock:
                 while not self._stopping and not self.scheduler.has_work():
+                    self._last_end = None  # idle: the wait is nobody's step time
                     self._lock.wait()
                 if self._stopping:
                     return
@@ -131,20 +133,24 @@ class Engine:
     def step(self):
         """One batched forward step; returns False when there was nothing to run.
 
-        The decode share rule is fed the time of the whole step (scheduling and sampling too): that is
-        what the decoding slots wait for between two tokens, not only the forward pass.
+        The decode share rule is fed the time of the whole step (scheduling and sampling too) and, when
+        steps run back to back, the gap since the last one ended (lock hand-overs to the HTTP threads):
+        that is what the decoding slots wait for between two tokens, not only the forward pass.
         """
         t0 = self.clock()
+        start = t0 if self._last_end is None else self._last_end
         with self._lock:
             step = self.scheduler.schedule()
             for request in step.cancelled:
                 self._end(request.request_id, None, "cancelled")
         if not step.chunks:
+            self._last_end = None
             return False
         logits = self._forward(step.chunks)
         with self._lock:
             self._postprocess(step.chunks, logits)
-            elapsed = self.clock() - t0
+            self._last_end = self.clock()
+            elapsed = self._last_end - start
             self.scheduler.record(step, elapsed)
             self.stats.record_step(step, elapsed)
         return True

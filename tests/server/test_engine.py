@@ -98,3 +98,16 @@ def test_the_decode_share_is_fed_the_time_of_the_whole_step(llm):
     assert engine.scheduler.sizer.decode_s is None
     engine.step()  # a decode-only step
     assert engine.scheduler.sizer.decode_s == pytest.approx(0.3)
+
+
+def test_the_gap_between_back_to_back_steps_counts_as_step_time(llm):
+    """Time between two steps (lock hand-overs, streaming threads) delays the decoding slots too."""
+    clock = SteppedClock()
+    fake = SimpleNamespace(model=SlowModel(llm.model, clock, 0.2), tokenizer=llm.tokenizer,
+                           max_context=llm.max_context)
+    engine = Engine(fake, num_slots=1, clock=clock)  # stepped by hand: steps run back to back
+    engine.submit(greedy_request(llm.tokenizer.encode("Hi"), max_tokens=4))
+    engine.step()  # the prompt
+    clock.now += 0.05
+    engine.step()  # a decode-only step: 0.05 s gap + 0.2 s forward
+    assert engine.scheduler.sizer.decode_s == pytest.approx(0.25)
