@@ -11,6 +11,8 @@ per row; float x, int16 x through `madd_i16`, or int8 x through `dot_u8i8`), and
 
 Shape legend: C columns; `q` uint8 raw bytes, `x` float32, int16 or int8 [C]; offsets are in elements.
 """
+import os
+
 from llvmlite import ir
 from numba import types
 from numba.core.extending import intrinsic
@@ -128,6 +130,20 @@ def contiguous(*arys):
 
 
 ROWS_IN_FLIGHT = 4  # rows one dot loop reads side by side: each is a sequential stream the L2 prefetcher follows
+# While a dot loop reads rows r .. r + 3 it prefetches the same bytes of the rows PREFETCH_GROUPS groups on
+# (STRATA_PREFETCH_GROUPS, 0 = off). Measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5):
+# Q8_0 7.7 -> 28 GB/s, Q6_K 6.2 -> 27 GB/s (now their L2 rate), Q4_K 20 -> 22 (compute-bound either way).
+PREFETCH_GROUPS = int(os.environ.get("STRATA_PREFETCH_GROUPS") or 2)
+CACHE_LINE = 64
+
+
+def prefetch(builder, ptr):
+    """A read prefetch of the line at i8 pointer `ptr` into all cache levels (never faults)."""
+    from numba.core import cgutils
+
+    fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), I32, I32, I32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+    builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
@@ -140,8 +156,9 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
     blocks b .. b + n - 1 per call; its `tail` adds the row's last (num_blocks % n) blocks one at a time.
     Reading num_rows rows per loop keeps that many memory streams going at once: one row at a time, a dot
     loop consumes its stream too slowly for the prefetchers and reaches less than half the DRAM bandwidth
-    (Q8_0, one core: 5.5 GB/s one row at a time, 12 GB/s four rows at a time, 15 GB/s from L2; software prefetch
-    added nothing over four streams).
+    (Q8_0, one core of an earlier host: 5.5 GB/s one row at a time, 12 GB/s four rows at a time, 15 GB/s from
+    L2). Where the hardware prefetchers still fall behind (Zen 5: Q8_0 at a quarter of its L2 rate), the loop
+    also prefetches the rows PREFETCH_GROUPS groups on, clamped to W's last row so it never reads another tensor.
     """
     from numba.core import cgutils
 
@@ -163,8 +180,22 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
             num_blocks = builder.udiv(row_bytes, ir.Constant(I64, block_bytes))
             acc_ty = block_fn.acc_type
 
+            num_w_rows = cgutils.unpack_tuple(builder, wa.shape)[0]
+            last_row = builder.sub(num_w_rows, ir.Constant(I64, 1))
+            later = []  # the rows PREFETCH_GROUPS groups on, clamped to W's last row (never another tensor's)
+            for k in range(num_rows if PREFETCH_GROUPS else 0):
+                row = builder.add(first, ir.Constant(I64, k + num_rows * PREFETCH_GROUPS))
+                row = builder.select(builder.icmp_signed(">", row, last_row), last_row, row)
+                later.append(builder.gep(wa.data, [builder.mul(row, row_bytes)]))
+
+            step_bytes = block_bytes * getattr(block_fn, "blocks_per_step", 1)
+            lines = [ir.Constant(I64, k) for k in range(0, step_bytes, CACHE_LINE)]  # every line a step reads
+
             def step(b, accs):
                 o = builder.mul(b, ir.Constant(I64, block_bytes))
+                for q in later:
+                    for line in lines:
+                        prefetch(builder, builder.gep(q, [builder.add(o, line)]))
                 return [block_fn(builder, q, o, b, xs, aux_ptr, acc) for q, acc in zip(rows, accs)]
 
             per_step = ir.Constant(I64, getattr(block_fn, "blocks_per_step", 1))
