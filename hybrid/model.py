@@ -93,6 +93,8 @@ class Model:
         x = be.embed(self.token_embd, batch.token_ids)  # [T, H]
         if self.usage is not None:
             self.usage.begin(batch)
+        if self.split is not None:
+            self.split.begin_step()
         for layer in self.layers:
             h = be.rmsnorm(x, layer.attn_norm, eps)
             x += attention_block(be, self.spec.attention, layer, h, batch)

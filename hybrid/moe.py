@@ -108,12 +108,8 @@ class ExpertSplit:
         out = device.wait_experts(pending) if pending is not None else device.zeros_like(h)  # [T, H]
         if host_out is not None:
             out = device.add_from_host(out, host_out)
-        if self.trace is not None:
-            device.synchronize()
-            gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
-            self.trace.append(dict(layer=layer.index, tokens=len(ids_host), cpu_s=cpu_s, gpu_s=gpu_s,
-                                   queue_s=queue_s, step_s=time.perf_counter() - t0,
-                                   borrowed=0 if borrowed is None else borrowed.num_groups))
+        self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s,
+                     0 if borrowed is None else borrowed.num_groups)
         return out
 
     def _run_decode(self, device, layer, h, ids, weights, usage):
@@ -124,11 +120,7 @@ class ExpertSplit:
             if usage is not None:
                 self._deferred.append((layer.index, device.queue_ids(ids, f"ids.{layer.index}")))
             pending = device.submit_decode_experts(layer, h, ids, weights)
-            if self.trace is not None:
-                device.synchronize()
-                self.trace.append(dict(layer=layer.index, tokens=1, cpu_s=0.0, queue_s=0.0, borrowed=0,
-                                       gpu_s=device.expert_seconds(pending) if device.time_experts else 0.0,
-                                       step_s=time.perf_counter() - t0))
+            self._traced(device, layer, 1, t0, pending)
             return device.wait_experts(pending)
         routing = device.queue_routing(ids, weights, h)
         host_part = self._pool.submit(self._run_host_decode, device, layer, routing, usage) if self.host_thread else None
@@ -146,12 +138,21 @@ class ExpertSplit:
         out = device.wait_experts(pending) if pending is not None else device.zeros_like(h)  # [1, H]
         if host_out is not None:
             out = device.add_from_host(out, host_out)
-        if self.trace is not None:
-            device.synchronize()
-            gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
-            self.trace.append(dict(layer=layer.index, tokens=1, cpu_s=cpu_s, gpu_s=gpu_s, queue_s=queue_s,
-                                   step_s=time.perf_counter() - t0, borrowed=0))
+        self._traced(device, layer, 1, t0, pending, cpu_s, queue_s)
         return out
+
+    def _traced(self, device, layer, tokens, t0, pending, cpu_s=0.0, queue_s=0.0, borrowed=0):
+        """With a trace on, append this layer's timings (after the device is done with it)."""
+        if self.trace is None:
+            return
+        device.synchronize()
+        gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
+        self.trace.append(dict(layer=layer.index, tokens=tokens, cpu_s=cpu_s, gpu_s=gpu_s, queue_s=queue_s,
+                               step_s=time.perf_counter() - t0, borrowed=borrowed))
+
+    def begin_step(self):
+        """Before a forward step's layers: drop routing copies a failed step left unrecorded."""
+        self._deferred = []
 
     def finish_step(self, device, usage):
         """After a forward step's layers: record the routings of the fully resident layers, whose
