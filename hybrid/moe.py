@@ -158,7 +158,7 @@ class ExpertSplit:
         """After a forward step's layers: record the routings of the fully resident layers, whose
         copies were queued without a wait."""
         for layer_index, handle in self._deferred:
-            usage.record(layer_index, device.wait_ids(handle))
+            usage.record(layer_index, device.wait_rows(handle))
         self._deferred = []
 
     def _run_host_decode(self, device, layer, routing, usage):

@@ -311,13 +311,8 @@ class GpuBackend:
         return ids_host, weights_host, rows, done
 
     def queue_ids(self, ids, tag):
-        """Queue a host copy of routing ids [T, K] through pinned buffer `tag`; wait_ids(handle) returns it."""
+        """Queue a host copy of routing ids [T, K] through pinned buffer `tag`; wait_rows(handle) returns it."""
         return self.staging.download(tag, ids, self.stream)
-
-    def wait_ids(self, handle):
-        view, done = handle
-        done.synchronize()
-        return view
 
     def wait_routing(self, handle):
         ids_host, weights_host, rows, done = handle

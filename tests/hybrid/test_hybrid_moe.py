@@ -60,9 +60,6 @@ class StandInDevice(CpuBackend):
     def queue_ids(self, ids, tag):
         return ids.copy()
 
-    def wait_ids(self, handle):
-        return handle
-
     def submit_decode_experts(self, layer, x, ids, weights):
         """The token's resident pairs, found from the routing as the device kernel finds them."""
         self.submitted += 1
