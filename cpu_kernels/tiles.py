@@ -19,6 +19,7 @@ TOKENS_PER_ITEM = 64  # tokens per work item: each unpacked weight row serves up
 
 ONE_EXPERT = np.zeros(1, dtype=np.int64)  # expert_ids of a plain matmul
 ONE_ROW = np.array([0, 1], dtype=np.int64)  # row_starts of a plain matvec
+KERNELS = {}  # format module name: (moe_kernel, moe_kernel_serial), as format_api got them
 
 
 @njit(nogil=True, cache=True)
@@ -77,6 +78,15 @@ def check_dequantize(raw, out, block_size, block_bytes, name):
         raise ValueError(f"{name}.dequantize: out {out.dtype} {out.shape} should be float32 {(*raw.shape[:-1], cols)}")
 
 
+def kernels_of(fmt, raw):
+    """(moe_kernel, moe_kernel_serial, C) of format module `fmt` for a weight raw [E, R, B] checked once here,
+    for callers that then pass their own consistent x, groups and outs on every call (the decode hot path)."""
+    cols = num_cols(raw, fmt.BLOCK_SIZE, fmt.BLOCK_BYTES, fmt.__name__)
+    if raw.ndim != 3:
+        raise ValueError(f"{fmt.__name__}: raw {raw.shape} is not [E, R, B]")
+    return (*KERNELS[fmt.__name__], cols)
+
+
 def check_moe(raw, x, expert_ids, row_starts, out, block_size, block_bytes, name):
     """Raise unless the moe_matmul arguments have consistent shapes and dtypes."""
     cols = num_cols(raw, block_size, block_bytes, name)
@@ -104,6 +114,7 @@ def format_api(name, block_size, block_bytes, unpack_rows, moe_kernel, moe_kerne
     act_quant: how decode rows multiply, "int16" or "float" (act_quant module); None: STRATA_ACT_QUANT.
     """
     moe_kernel_serial = moe_kernel_serial or serial_twin(moe_kernel)
+    KERNELS[name] = (moe_kernel, moe_kernel_serial)
 
     def dequantize(raw, out):
         """raw uint8 [..., B] -> out f32 [..., C], bit-exact with gguf.quants.dequantize."""

@@ -75,6 +75,8 @@ class Model:
         self.output_norm = np.ascontiguousarray(weights["output_norm.weight"].dequantize())
         tied = self.config.tie_word_embeddings
         self.output = self.token_embd if tied else weights["output.weight"]
+        if host is not None:
+            host.place(self)  # first: the host's weight copies (CPU experts) are what the device uploads from
         backend.place(self)
         self.split = None if host is None else ExpertSplit(host, backend.resident)
         self.usage = None  # an ExpertUsage (hybrid/expert_usage.py) to record each layer's routing

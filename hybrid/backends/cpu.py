@@ -5,25 +5,71 @@ run as the serial twins of their kernels: a parallel region costs more to open t
 take, and far more when other processes hold the cores. A layer's experts
 run as two parallel regions, gate and up together, then down.
 
+The weights are read from copies in huge pages, not from the mapped file (`place`). The hot path
+calls the format kernels directly: each weight's raw bytes are checked once (`_WeightKernels`,
+cached per weight), the activations, groups and outputs are the backend's own, and
+STRATA_ACT_QUANT is read once per backend (at its first weight), so a call pays for the Numba
+dispatch alone.
+
 Shape legend: T tokens, H hidden, R output rows, C input columns, nH heads,
 D head dim, E experts, K top-k, N (token, expert) pairs, F expert FFN width.
 """
+import logging
+import os
+
 import numpy as np
 
 from cpu_kernels import activation, attention, format_for, moe_combine, rmsnorm, rope, routing
+from cpu_kernels.act_quant import act_quant_code
+from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
 from ..kv_cache import SequenceKV
 
+log = logging.getLogger(__name__)
+
+COPY_MAX_FREE_SHARE = 0.5  # file-mapped weights are copied while they take at most this share of the free memory
 SERIAL_MAX_ELEMENTS = 1 << 15  # elementwise ops on at most this many values run serially
 SERIAL_MAX_ATTENTION = 1 << 20  # attention of at most this many query-key-dim products runs serially
 SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many weight bytes runs serially
 
 
+class _WeightKernels:
+    """A weight's (parallel, serial) moe kernels and its raw as [E, R, B], checked once (per raw array)."""
+
+    def __init__(self, weight):
+        self.weight, self.raw = weight, weight.raw  # held: the cache's id() key stays this weight's
+        self.raws = (weight.raw if weight.raw.ndim == 3 else weight.raw.reshape(1, *weight.raw.shape),)
+        self.parallel, self.serial, self.cols = kernels_of(format_for(weight.qtype), self.raws[0])
+
+
 class CpuBackend:
     name = "cpu"
 
+    act_quant = None  # the kernels' act_quant code, from STRATA_ACT_QUANT at the first weight's use
+    _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
+
+    def _kernels_of(self, weight):
+        if self._kernels is None:
+            self._kernels, self.act_quant = {}, act_quant_code(None)
+        found = self._kernels.get(id(weight))
+        if found is None or found.weight is not weight or found.raw is not weight.raw:  # new, or raw replaced
+            found = self._kernels[id(weight)] = _WeightKernels(weight)
+        return found
+
     def place(self, model):
-        """Nothing to place: the CPU reads the weights where they are."""
+        """Copy the file-mapped (read-only) weights into NumPy's own memory, which NumPy backs with transparent
+        huge pages: a 1-thread decode read its experts at ~7 GB/s from 4 KiB file pages, ~23 GB/s from 2 MiB
+        pages (TLB misses; bench/results/cpu_decode_profile.md). Left mapped where the copies would take over
+        COPY_MAX_FREE_SHARE of the free memory."""
+        mapped = [t for t in model.weights.tensors.values() if not t.raw.flags.writeable]
+        size = sum(t.raw.nbytes for t in mapped)
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if size > COPY_MAX_FREE_SHARE * free:
+            log.info("weights stay memory-mapped (%.0f MiB, %.0f MiB free): decode reads them through 4 KiB pages",
+                     size / 2**20, free / 2**20)
+            return
+        for tensor in mapped:
+            tensor.raw = np.array(tensor.raw)
 
     def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens, dtype="f32"):
         return SequenceKV(num_layers, num_kv_heads, head_dim, max_tokens, dtype=dtype)
@@ -36,12 +82,15 @@ class CpuBackend:
 
     def linear(self, weight, x):
         """x [T, C] @ weight[R, C].T -> [T, R]."""
-        fmt = format_for(weight.qtype)
-        out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-        if x.shape[0] == 1:
-            fmt.matvec(weight.raw, x[0], out[0], serial=weight.raw.nbytes <= SERIAL_MAX_WEIGHT_BYTES)
-        else:
-            fmt.matmul(weight.raw, x, out)
+        kernels = self._kernels_of(weight)
+        num_tokens = x.shape[0]
+        if x.ndim != 2 or x.shape[1] != kernels.cols or x.dtype != np.float32:
+            raise ValueError(f"linear {weight.name}: x {x.dtype} {x.shape} should be float32 [T, {kernels.cols}]")
+        out = np.empty((num_tokens, weight.shape[0]), dtype=np.float32)  # [T, R]
+        serial = num_tokens == 1 and weight.raw.nbytes <= SERIAL_MAX_WEIGHT_BYTES
+        row_starts = ONE_ROW if num_tokens == 1 else np.array([0, num_tokens], dtype=np.int64)
+        (kernels.serial if serial else kernels.parallel)(
+            kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), self.act_quant)
         return out
 
     def embed(self, weight, token_ids):
@@ -99,15 +148,20 @@ class CpuBackend:
         (moe_combine.gather_rows_serial if small else moe_combine.gather_rows)(x, order, k, xs)
         gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
         up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
-        fmt = format_for(gate_exps.qtype)
-        if up_exps.qtype == gate_exps.qtype and up_exps.raw.shape == gate_exps.raw.shape:
-            fmt.moe_matmul_pair(gate_exps.raw, up_exps.raw, xs, expert_ids, row_starts, gate, up)
+        gate_k, up_k, down_k = (self._kernels_of(w) for w in (gate_exps, up_exps, down_exps))
+        if x.dtype != np.float32 or (gate_k.cols, up_k.cols, down_k.cols) != (hidden, hidden, width) \
+                or up_exps.shape[1] != width or down_exps.shape[1] != hidden:
+            raise ValueError(f"experts: x {x.dtype} {x.shape} and {gate_exps.name} {gate_exps.shape}, "
+                             f"{up_exps.name} {up_exps.shape}, {down_exps.name} {down_exps.shape} do not fit")
+        if up_exps.qtype == gate_exps.qtype and up_exps.raw.shape == gate_exps.raw.shape \
+                and up_exps.raw.flags.writeable == gate_exps.raw.flags.writeable:  # one type: one tuple
+            gate_k.parallel(gate_k.raws + up_k.raws, xs, expert_ids, row_starts, (gate, up), self.act_quant)
         else:
-            fmt.moe_matmul(gate_exps.raw, xs, expert_ids, row_starts, gate)
-            format_for(up_exps.qtype).moe_matmul(up_exps.raw, xs, expert_ids, row_starts, up)
+            gate_k.parallel(gate_k.raws, xs, expert_ids, row_starts, (gate,), self.act_quant)
+            up_k.parallel(up_k.raws, xs, expert_ids, row_starts, (up,), self.act_quant)
         (activation.swiglu_serial if small else activation.swiglu)(gate, up, gate)
         down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
-        format_for(down_exps.qtype).moe_matmul(down_exps.raw, gate, expert_ids, row_starts, down)
+        down_k.parallel(down_k.raws, gate, expert_ids, row_starts, (down,), self.act_quant)
         out = np.zeros((num_tokens, hidden), dtype=np.float32)
         scatter = moe_combine.scatter_add_weighted_serial if small else moe_combine.scatter_add_weighted
         scatter(down, order, np.ascontiguousarray(weights).reshape(-1), k, out)
