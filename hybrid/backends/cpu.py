@@ -18,6 +18,7 @@ import logging
 import os
 
 import numpy as np
+from tqdm import tqdm
 
 from cpu_kernels import activation, attention, format_for, moe_combine, rmsnorm, rope, routing
 from cpu_kernels.act_quant import act_quant_code
@@ -28,9 +29,22 @@ from ..kv_cache import SequenceKV
 log = logging.getLogger(__name__)
 
 COPY_MAX_FREE_SHARE = 0.5  # file-mapped weights are copied while they take at most this share of the free memory
+PROGRESS_MIN_BYTES = 1 << 30  # copies of at least this many bytes show a progress bar
 SERIAL_MAX_ELEMENTS = 1 << 15  # elementwise ops on at most this many values run serially
 SERIAL_MAX_ATTENTION = 1 << 20  # attention of at most this many query-key-dim products runs serially
 SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many weight bytes runs serially
+
+
+def _available_bytes():
+    """Memory the system can hand out (free + reclaimable page cache: MemAvailable), else its free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class _WeightKernels:
@@ -63,13 +77,16 @@ class CpuBackend:
         COPY_MAX_FREE_SHARE of the free memory."""
         mapped = [t for t in model.weights.tensors.values() if not t.raw.flags.writeable]
         size = sum(t.raw.nbytes for t in mapped)
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = _available_bytes()
         if size > COPY_MAX_FREE_SHARE * free:
-            log.info("weights stay memory-mapped (%.0f MiB, %.0f MiB free): decode reads them through 4 KiB pages",
-                     size / 2**20, free / 2**20)
+            log.info("weights stay memory-mapped (%.0f MiB, %.0f MiB available): decode reads them through 4 KiB "
+                     "pages", size / 2**20, free / 2**20)
             return
-        for tensor in mapped:
-            tensor.raw = np.array(tensor.raw)
+        with tqdm(total=size, unit="B", unit_scale=True, desc="weights into RAM", disable=size < PROGRESS_MIN_BYTES,
+                  leave=False) as bar:
+            for tensor in mapped:
+                tensor.raw = np.array(tensor.raw)
+                bar.update(tensor.raw.nbytes)
 
     def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens, dtype="f32"):
         return SequenceKV(num_layers, num_kv_heads, head_dim, max_tokens, dtype=dtype)
