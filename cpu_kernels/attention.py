@@ -1,7 +1,10 @@
-"""Causal grouped-query attention of one sequence segment against its KV cache.
+"""Causal grouped-query attention of one sequence segment against its paged KV cache.
 
-The cache holds positions 0..start_pos+T-1; query t sits at position start_pos+t
-and attends to keys 0..start_pos+t. Query head h reads kv head h // (Hq // Hkv).
+The cache is a pool of blocks of BT positions; position j of the sequence sits in
+pool block table[j // BT], row j % BT. Query t sits at position start_pos+t and
+attends to keys key_lo..start_pos+t (key_lo > 0 leaves out a prefix that is
+attended elsewhere: the partial result then comes with its log-sum-exp, `lse`,
+for a merge). Query head h reads kv head h // (Hq // Hkv).
 
 The cache may hold K/V as float32, as f16 or bf16 bits, or as int8 with one
 float32 scale per (position, kv head) (see `load_row`); rows are widened to
@@ -13,7 +16,7 @@ the partial softmaxes merged, as flash-decoding does; the split count depends
 only on the shapes, so results do not depend on the thread count.
 
 Shape legend: T tokens, Hq query heads, Hkv kv heads, G = Hq // Hkv, D head dim,
-S cache positions, P key splits.
+NB pool blocks, BT positions per block, nb blocks of the sequence, P key splits.
 """
 import numpy as np
 from numba import njit, prange, types
@@ -22,43 +25,44 @@ from numba.extending import overload
 from .half import half_bits_to_f32, u32_as_f32
 from .twins import serial_twin
 
-NO_SCALES = np.ones((1, 1), dtype=np.float32)  # the scales argument of caches that have none
+NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)  # the scales argument of caches that have none
+NO_LSE = np.empty((0, 0), dtype=np.float32)  # the lse argument when the caller wants none
 
 
-def load_row(cache, scales, j, kv, buf):
-    """Row [D] of kv head `kv` at position j as float32 (a view for float32 caches, else decoded into buf).
+def load_row(cache, scales, block, row, kv, buf):
+    """Row [D] of kv head `kv` at (pool block, row) as float32 (a view for float32 caches, else decoded into buf).
 
     The storage is told by the cache's dtype: float32; uint16 = f16 bits; int16 = bf16 bits
-    (an int16 array so that Numba can tell them from f16 by type); int8 = q * scales[j, kv].
+    (an int16 array so that Numba can tell them from f16 by type); int8 = q * scales[block, row, kv].
     """
     raise NotImplementedError("only called from Numba kernels")
 
 
 @overload(load_row, jit_options={"fastmath": True})
-def _load_row(cache, scales, j, kv, buf):
+def _load_row(cache, scales, block, row, kv, buf):
     dtype = cache.dtype
     if dtype == types.float32:
-        return lambda cache, scales, j, kv, buf: cache[j, kv]
+        return lambda cache, scales, block, row, kv, buf: cache[block, row, kv]
 
     if dtype == types.uint16:
-        def f16(cache, scales, j, kv, buf):
+        def f16(cache, scales, block, row, kv, buf):
             for d in range(buf.size):
-                buf[d] = half_bits_to_f32(cache[j, kv, d])
+                buf[d] = half_bits_to_f32(cache[block, row, kv, d])
             return buf
         return f16
 
     if dtype == types.int16:
-        def bf16(cache, scales, j, kv, buf):
+        def bf16(cache, scales, block, row, kv, buf):
             for d in range(buf.size):
-                buf[d] = u32_as_f32(np.uint32(np.uint16(cache[j, kv, d])) << np.uint32(16))
+                buf[d] = u32_as_f32(np.uint32(np.uint16(cache[block, row, kv, d])) << np.uint32(16))
             return buf
         return bf16
 
     if dtype == types.int8:
-        def int8(cache, scales, j, kv, buf):
-            s = scales[j, kv]
+        def int8(cache, scales, block, row, kv, buf):
+            s = scales[block, row, kv]
             for d in range(buf.size):
-                buf[d] = np.float32(cache[j, kv, d]) * s
+                buf[d] = np.float32(cache[block, row, kv, d]) * s
             return buf
         return int8
 
@@ -74,14 +78,16 @@ def num_key_splits(num_items, max_keys):
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _partial(q, k_cache, v_cache, k_scale, v_scale, t, kv, j0, j1, scale, acc, stats):
+def _partial(q, k_cache, v_cache, k_scale, v_scale, table, t, kv, j0, j1, scale, acc, stats):
     """Keys j0..j1-1 for the G heads of kv head `kv`: acc [G, D] = sum exp(s - max) v, stats [G, 2] = (max, sum)."""
     group, head_dim = acc.shape
+    block_tokens = k_cache.shape[1]
     q_rows = q[t, kv * group:(kv + 1) * group]  # [G, D]
     scores = np.empty((group, j1 - j0), dtype=np.float32)  # [G, keys]
     buf = np.empty(head_dim, dtype=np.float32)  # a decoded K or V row
     for j in range(j1 - j0):
-        k_row = load_row(k_cache, k_scale, j0 + j, kv, buf)  # [D]
+        pos = j0 + j
+        k_row = load_row(k_cache, k_scale, table[pos // block_tokens], pos % block_tokens, kv, buf)  # [D]
         for g in range(group):
             dot = np.float32(0.0)
             for d in range(head_dim):
@@ -100,7 +106,8 @@ def _partial(q, k_cache, v_cache, k_scale, v_scale, t, kv, j0, j1, scale, acc, s
         stats[g, 1] = total
     acc[:] = 0.0
     for j in range(j1 - j0):
-        v_row = load_row(v_cache, v_scale, j0 + j, kv, buf)  # [D]
+        pos = j0 + j
+        v_row = load_row(v_cache, v_scale, table[pos // block_tokens], pos % block_tokens, kv, buf)  # [D]
         for g in range(group):
             p = scores[g, j]
             for d in range(head_dim):
@@ -108,12 +115,15 @@ def _partial(q, k_cache, v_cache, k_scale, v_scale, t, kv, j0, j1, scale, acc, s
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def attention(q, k_cache, v_cache, start_pos, scale, out, k_scale=NO_SCALES, v_scale=NO_SCALES):
-    """q [T, Hq, D], k_cache/v_cache [S, Hkv, D] (k_scale/v_scale [S, Hkv] for int8 caches) -> out [T, Hq, D]."""
+def attention(q, k_cache, v_cache, table, start_pos, key_lo, key_hi, scale, out, lse=NO_LSE, k_scale=NO_SCALES,
+              v_scale=NO_SCALES):
+    """q [T, Hq, D], k_cache/v_cache [NB, BT, Hkv, D] through table int32 [nb] (k_scale/v_scale [NB, BT, Hkv]
+    for int8 caches) -> out [T, Hq, D] over keys key_lo..min(start_pos+t, key_hi-1); lse [T, Hq] too unless
+    it is NO_LSE (an empty key range gives out 0 and lse -inf)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    num_splits = num_key_splits(num_tokens * num_kv_heads, start_pos + num_tokens)
+    num_splits = num_key_splits(num_tokens * num_kv_heads, max(min(start_pos + num_tokens, key_hi) - key_lo, 1))
     acc = np.empty((num_tokens, num_kv_heads, num_splits, group, head_dim), dtype=np.float32)  # [T, Hkv, P, G, D]
     stats = np.empty((num_tokens, num_kv_heads, num_splits, group, 2), dtype=np.float64)  # [T, Hkv, P, G, 2]
     scale32 = np.float32(scale)
@@ -122,38 +132,68 @@ def attention(q, k_cache, v_cache, start_pos, scale, out, k_scale=NO_SCALES, v_s
         kv = (item // num_splits) % num_kv_heads
         rank = item // (num_splits * num_kv_heads)
         t = rank // 2 if rank % 2 == 0 else num_tokens - 1 - rank // 2  # zigzag: balances causal work
-        num_keys = start_pos + t + 1
-        j0 = s * num_keys // num_splits
-        j1 = (s + 1) * num_keys // num_splits
+        num_keys = max(min(start_pos + t + 1, key_hi) - key_lo, 0)
+        j0 = key_lo + s * num_keys // num_splits
+        j1 = key_lo + (s + 1) * num_keys // num_splits
         if j1 > j0:
-            _partial(q, k_cache, v_cache, k_scale, v_scale, t, kv, j0, j1, scale32, acc[t, kv, s], stats[t, kv, s])
+            _partial(q, k_cache, v_cache, k_scale, v_scale, table, t, kv, j0, j1, scale32, acc[t, kv, s],
+                     stats[t, kv, s])
         else:
             stats[t, kv, s, :, 1] = 0.0  # empty split
+    want_lse = lse.shape[0] > 0
     for th in prange(num_tokens * num_q_heads):
         t = th // num_q_heads
         h = th % num_q_heads
-        _merge(acc[t, h // group, :, h % group], stats[t, h // group, :, h % group], out[t, h])
+        total_lse = _merge(acc[t, h // group, :, h % group], stats[t, h // group, :, h % group], out[t, h])
+        if want_lse:
+            lse[t, h] = total_lse
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def _merge(acc, stats, out):
-    """acc [P, D], stats [P, 2] of one head's key splits -> out [D], the normalized softmax average."""
+    """acc [P, D], stats [P, 2] of one head's key splits -> out [D], the normalized softmax average;
+    returns the log-sum-exp of the scores (-inf, and out 0, when every split is empty)."""
     num_splits, head_dim = acc.shape
-    best = stats[0, 0]  # split 0 always holds key 0
-    for s in range(1, num_splits):
+    best, found = 0.0, False  # no infinities here: fastmath assumes there are none
+    for s in range(num_splits):
         if stats[s, 1] > 0.0:
-            best = max(best, stats[s, 0])
+            best = stats[s, 0] if not found else max(best, stats[s, 0])
+            found = True
+    for d in range(head_dim):
+        out[d] = 0.0
+    if not found:
+        return np.float32(-np.inf)
     total = 0.0
     for s in range(num_splits):
         if stats[s, 1] > 0.0:
             total += stats[s, 1] * np.exp(stats[s, 0] - best)
-    for d in range(head_dim):
-        out[d] = 0.0
     for s in range(num_splits):
         if stats[s, 1] > 0.0:
             w = np.float32(np.exp(stats[s, 0] - best) / total)
             for d in range(head_dim):
                 out[d] += w * acc[s, d]  # [D]
+    return np.float32(best + np.log(total))
+
+
+@njit(parallel=True, nogil=True, cache=True)  # not fastmath: an lse may be -inf
+def merge_partials(out_a, lse_a, out_b, lse_b, out):
+    """out [T, Hq, D] = the softmax average over the union of two disjoint key sets, from each set's
+    partial result out_x [T, Hq, D] and log-sum-exp lse_x [T, Hq]; out may be out_a."""
+    num_tokens, num_heads, head_dim = out.shape
+    for th in prange(num_tokens * num_heads):
+        t = th // num_heads
+        h = th % num_heads
+        a, b = lse_a[t, h], lse_b[t, h]
+        best = max(a, b)
+        wa = np.float32(0.0) if a == -np.inf else np.float32(np.exp(a - best))
+        wb = np.float32(0.0) if b == -np.inf else np.float32(np.exp(b - best))
+        total = wa + wb
+        if total == 0.0:
+            out[t, h, :] = 0.0
+            continue
+        wa, wb = wa / total, wb / total
+        for d in range(head_dim):
+            out[t, h, d] = wa * out_a[t, h, d] + wb * out_b[t, h, d]
 
 
 attention_serial = serial_twin(attention)

@@ -2,12 +2,15 @@
 
 Device arrays are the runtime's (CuPy). Shape legend: T tokens, H hidden, R output rows,
 C columns, B bytes per row, nH heads, D head dim, Hq / Hkv query / kv heads, S cache positions,
-E experts, K top-k, N pair rows, W work tiles, M gathered rows.
+E experts, K top-k, N pair rows, W work tiles, M gathered rows; paged KV: NB pool blocks, BT positions
+a block, nS stage blocks, nb logical blocks.
 """
+from dataclasses import dataclass
+
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .sources import MATMUL_KERNELS, OPS_KERNELS, module_name, module_source
+from .sources import KV_KERNELS, MATMUL_KERNELS, OPS_KERNELS, kv_module_name, module_name, module_source
 
 TILE_TOKENS = 8  # common.cuh's TILE_TOKENS: tokens per work tile of the tiled matmuls
 UNIT_WEIGHTS = {Q.F32: 1, Q.F16: 1, Q.BF16: 1, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
@@ -16,20 +19,66 @@ MAX_THREADS = 256
 MATMUL_THREADS = 256  # a matmul block: groups of `tpr` lanes, each on its own rows
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
 LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
+PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
+PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
+PA_MAX_ROWS = 16  # query rows (token, head) of a tiled block, sharing each K/V tile it loads
+PA_MAX_HEAD_DIM = 256  # shared memory stays under 48 KiB up to here
+PD_KEYS = 32  # kv.cu's PD_KEYS: keys a tile of the one-token kernel
+PD_MAX_ROWS = 8  # heads of a one-token block
+PD_MAX_HEAD_DIM = 128  # the one-token kernel's lane groups hold 4 values a lane, 32 lanes at most
+SPLIT_BLOCKS = 512  # keys are split (flash-decoding) until a launch has about this many blocks
+SPLIT_MIN_KEYS = 256  # fewest keys a split takes
+MAX_SPLITS = 64
 
 
 def _pow2_at_least(n):
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-class Kernels:
-    """decode_rows, lane_slices: tuning of the matmuls (the benchmark sweeps them)."""
+@dataclass(frozen=True)
+class AttentionPlan:
+    """A paged attention launch: which kernel, its rows (token, query head) a block and its key splits."""
 
-    def __init__(self, runtime, stream=None, decode_rows=DECODE_ROWS, lane_slices=LANE_SLICES):
+    kernel: str  # "paged_attention_1" (one token) or "paged_attention" (tiles of rows)
+    rows: int  # rows a block, of one kv head's T * G
+    width: int  # lanes a key (one-token) or keys a tile (tiled)
+    num_tiles: int  # blocks over a kv head's rows
+    splits: int  # key splits (1: the kernel writes `out` itself)
+    split_keys: int  # keys a split
+    shared_mem: int  # bytes
+
+
+def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_size=32, max_splits=MAX_SPLITS):
+    """The paged attention launch over T tokens of G query heads a kv head and `num_keys` keys (those
+    of the longest row). One token: its G heads share each K/V row in registers; more: tiles of rows
+    share K/V tiles in shared memory. Keys split while the blocks are few (decode, long contexts)."""
+    if num_tokens == 1 and head_dim <= 4 * min(32, warp_size):
+        kernel, rows = "paged_attention_1", min(PD_MAX_ROWS, _pow2_at_least(group))
+        width, tile_keys, num_tiles = max(8, _pow2_at_least(-(-head_dim // 4))), PD_KEYS, -(-group // rows)
+        shared = rows * PD_KEYS + 5 * rows + PA_THREADS // width * rows * head_dim
+    else:
+        kernel, rows = "paged_attention", min(PA_MAX_ROWS, PA_OUTS * PA_THREADS // head_dim, num_tokens * group)
+        width = tile_keys = 32 if head_dim <= 128 else 16
+        num_tiles = -(-num_tokens * group // rows)
+        shared = rows * head_dim + tile_keys * (2 * head_dim + 1) + rows * tile_keys + 3 * rows
+    blocks, num_keys = num_tiles * num_kv_heads, max(int(num_keys), 1)
+    splits = min(max_splits, -(-SPLIT_BLOCKS // blocks), num_keys // SPLIT_MIN_KEYS)
+    split_keys = -(-num_keys // max(1, splits) // tile_keys) * tile_keys if splits > 1 else num_keys
+    return AttentionPlan(kernel, rows, width, num_tiles, -(-num_keys // split_keys), split_keys, 4 * shared)
+
+
+class Kernels:
+    """decode_rows, lane_slices: tuning of the matmuls (the benchmark sweeps them); max_splits: most key
+    splits of paged_attention (1: none)."""
+
+    def __init__(self, runtime, stream=None, decode_rows=DECODE_ROWS, lane_slices=LANE_SLICES,
+                 max_splits=MAX_SPLITS):
         self.rt, self.stream = runtime, stream
         self.warp = runtime.warp_size
-        self.decode_rows, self.lane_slices = decode_rows, lane_slices
-        self._functions = {}  # (qtype, kernel name) -> compiled function
+        self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
+        self._functions = {}  # (qtype or KV dtype, kernel name) -> compiled function
+        self._dummy = None  # stands in for an absent array argument
+        self._split_out = self._split_lse = None  # paged_attention's partial results, grown as needed
 
     def _threads(self, work, cap=MAX_THREADS):
         """A power-of-two block size: enough for `work` items, at least one warp, at most `cap`."""
@@ -45,6 +94,28 @@ class Kernels:
             source = f"#define DECODE_ROWS {self.decode_rows}\n" + module_source(mod)
             self._functions[key] = self.rt.compile(f"{mod}_r{self.decode_rows}", source, MATMUL_KERNELS)[name]
         return self._functions[key]
+
+    def _kv(self, kv_dtype, name):
+        key = (kv_dtype, name)
+        if key not in self._functions:
+            mod = kv_module_name(kv_dtype)
+            self._functions[key] = self.rt.compile(mod, module_source(mod), KV_KERNELS)[name]
+        return self._functions[key]
+
+    def _or_dummy(self, array):
+        if array is not None:
+            return array
+        if self._dummy is None:
+            self._dummy = self.rt.zeros((4,), np.float32)
+        return self._dummy
+
+    def _split_buffers(self, num_values, num_rows):
+        """Device scratch for the splits' partial outputs [S, T, Hq, D] and lse [S, T, Hq], flat."""
+        if self._split_out is None or self._split_out.size < num_values:
+            self._split_out = self.rt.empty((num_values,), np.float32)
+        if self._split_lse is None or self._split_lse.size < num_rows:
+            self._split_lse = self.rt.empty((num_rows,), np.float32)
+        return self._split_out, self._split_lse
 
     def _launch(self, fn, grid, block, args, shared_mem=0):
         self.rt.launch(fn, grid, (block,), args, shared_mem=shared_mem, stream=self.stream)
@@ -110,6 +181,62 @@ class Kernels:
                      (q, k_cache, v_cache, out, np.int32(num_q_heads), np.int32(k_cache.shape[1]),
                       np.int32(head_dim), np.int32(start), np.float32(scale)),
                      shared_mem=(head_dim + 2 * threads) * 4)
+
+    def paged_attention(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out,
+                        lse=None, stage=None):
+        """out [T, Hq, D] = causal GQA attention of q [T, Hq, D] (query t at position start + t) over keys
+        [key_lo, start + t + 1) of the paged cache k_pool / v_pool [NB, BT, Hkv, D] (k_scale / v_scale
+        [NB, BT, Hkv] for int8, else None) through table int32 [nb]; logical blocks with table < 0 come
+        from stage = (k_stage, v_stage, k_stage_scale, v_stage_scale) [nS, BT, Hkv(, D)] (scales None
+        unless int8). lse [T, Hq], when given, gets each row's log-sum-exp (-inf with no key), for
+        attn_merge. Arrays contiguous, each starting 16-byte aligned."""
+        num_tokens, num_q_heads, head_dim = q.shape
+        _, block_tokens, num_kv_heads, _ = k_pool.shape
+        if head_dim > PA_MAX_HEAD_DIM or num_q_heads % num_kv_heads:
+            raise ValueError(f"paged_attention: q {q.shape} against a KV pool {k_pool.shape}: head dim at most "
+                             f"{PA_MAX_HEAD_DIM}, query heads a multiple of kv heads")
+        if num_tokens == 0:
+            return
+        group = num_q_heads // num_kv_heads
+        plan = attention_plan(num_tokens, group, num_kv_heads, head_dim, start + num_tokens - key_lo, self.warp,
+                              self.max_splits)
+        num_rows = num_tokens * num_q_heads
+        if plan.splits == 1:
+            target, target_lse, want_lse = out, self._or_dummy(lse), int(lse is not None)
+        else:
+            target, target_lse = self._split_buffers(plan.splits * num_rows * head_dim, plan.splits * num_rows)
+            want_lse = 1
+        k_stage, v_stage, k_stage_scale, v_stage_scale = (None,) * 4 if stage is None else stage
+        tokens = () if plan.kernel == "paged_attention_1" else (np.int32(num_tokens),)
+        args = (q, k_pool, v_pool, *map(self._or_dummy, (k_scale, v_scale)), table,
+                *map(self._or_dummy, (k_stage, v_stage, k_stage_scale, v_stage_scale)), target, target_lse,
+                np.int32(want_lse), *tokens, np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim),
+                np.int32(block_tokens), np.int32(start), np.int32(key_lo), np.float32(scale), np.int32(plan.rows),
+                np.int32(plan.width), np.int32(plan.split_keys))
+        self._launch(self._kv(kv_dtype, plan.kernel), (plan.num_tiles, num_kv_heads, plan.splits), PA_THREADS, args,
+                     shared_mem=plan.shared_mem)
+        if plan.splits > 1:
+            self._launch(self._kv(kv_dtype, "paged_attention_merge"), (num_rows,), self._threads(head_dim),
+                         (target, target_lse, out, self._or_dummy(lse), np.int32(lse is not None),
+                          np.int32(plan.splits), np.int32(num_rows), np.int32(head_dim)), shared_mem=4 * plan.splits)
+
+    def kv_write(self, kv_dtype, x, pool, scale, table, start):
+        """Encode rows x [n, Hkv, D] f32 of positions start .. start + n - 1 into pool [NB, BT, Hkv, D]
+        through table int32 [nb] (pool blocks only); scale [NB, BT, Hkv] gets int8's row scales (else None)."""
+        num_rows, num_kv_heads, head_dim = x.shape
+        if num_rows == 0:
+            return
+        threads = self._threads(head_dim)
+        self._launch(self._kv(kv_dtype, "kv_write"), (num_rows * num_kv_heads,), threads,
+                     (x, pool, self._or_dummy(scale), table, np.int32(start), np.int32(num_kv_heads),
+                      np.int32(head_dim), np.int32(pool.shape[1])), shared_mem=threads * 4)
+
+    def attn_merge(self, out_a, lse_a, out_b, lse_b, out):
+        """out [T, Hq, D] = merge of two attentions over disjoint keys, (out_a, lse_a) and (out_b, lse_b)
+        (lse [T, Hq]); out may alias out_a or out_b."""
+        num_tokens, num_q_heads, head_dim = out.shape
+        self._launch(self._ops("attn_merge"), (num_tokens * num_q_heads,), self._threads(head_dim),
+                     (out_a, lse_a, out_b, lse_b, out, np.int32(head_dim)))
 
     def swiglu(self, gate, up, out):
         """out = silu(gate) * up, elementwise; out may alias gate or up."""

@@ -1,8 +1,8 @@
 """The CUDA/HIP C sources of the kernels, assembled into compilable modules.
 
-A module is "ops" (norms, RoPE, attention, SwiGLU, routing, row moves) or one per quant format
-(its header + the matmul kernels). Sources need no headers, so NVRTC and hiprtc compile them
-as they are, with or without a GPU.
+A module is "ops" (norms, RoPE, attention, SwiGLU, routing, row moves), one per quant format
+(its header + the matmul kernels) or one per KV storage type ("kv_<type>": the paged KV kernels).
+Sources need no headers, so NVRTC and hiprtc compile them as they are, with or without a GPU.
 """
 from functools import lru_cache
 from pathlib import Path
@@ -17,26 +17,39 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
     Q.Q6_K: ("q6_k.cuh",),
 }
 
-OPS_KERNELS = ("rmsnorm", "rope_neox", "attention", "swiglu", "route_topk", "gather_rows", "combine_rows",
-               "decode_tiles", "add_into")
+OPS_KERNELS = ("rmsnorm", "rope_neox", "attention", "attn_merge", "swiglu", "route_topk", "gather_rows",
+               "combine_rows", "decode_tiles", "add_into")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "dequant_rows")
+KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type
+KV_KERNELS = ("paged_attention", "paged_attention_1", "paged_attention_merge", "kv_write")
 
 
 def module_name(qtype=None):
     return "ops" if qtype is None else f"matmul_{Q(qtype).name.lower()}"
 
 
+def kv_module_name(kv_dtype):
+    if kv_dtype not in KV_DEFINES:
+        raise ValueError(f"KV dtype must be one of {', '.join(KV_DEFINES)}, got {kv_dtype!r}")
+    return f"kv_{kv_dtype}"
+
+
 def all_modules():
     """Every module: (name, kernel names)."""
-    return [(module_name(), OPS_KERNELS)] + [(module_name(q), MATMUL_KERNELS) for q in FORMAT_HEADERS]
+    return ([(module_name(), OPS_KERNELS)] + [(module_name(q), MATMUL_KERNELS) for q in FORMAT_HEADERS]
+            + [(kv_module_name(d), KV_KERNELS) for d in KV_DEFINES])
 
 
 @lru_cache(maxsize=None)
 def module_source(name):
-    """The full source of module `name` ("ops" or "matmul_<type>")."""
+    """The full source of module `name` ("ops", "matmul_<type>" or "kv_<type>")."""
+    prefix = ""
     if name == "ops":
         files = ("common.cuh", "ops.cu")
+    elif name.startswith("kv_"):
+        prefix = f"#define {KV_DEFINES[name.removeprefix('kv_')]}\n"
+        files = ("common.cuh", "kv.cu")
     else:
         qtype = Q[name.removeprefix("matmul_").upper()]
         files = ("common.cuh", *FORMAT_HEADERS[qtype], "matmul.cu")
-    return "\n".join(f"// ---- {f}\n" + (SRC / f).read_text() for f in files)
+    return prefix + "\n".join(f"// ---- {f}\n" + (SRC / f).read_text() for f in files)

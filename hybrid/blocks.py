@@ -21,6 +21,5 @@ def attention_block(backend, spec, layer, h, batch):
     scale = 1.0 / np.sqrt(d)
     for chunk, (lo, hi) in zip(batch.chunks, batch.row_ranges):
         chunk.kv.write(layer.index, chunk.start, k[lo:hi], v[lo:hi])
-        backend.attention(q[lo:hi], chunk.kv.k[layer.index], chunk.kv.v[layer.index], chunk.start, scale,
-                          out[lo:hi], *chunk.kv.scales(layer.index))
+        backend.attention(q[lo:hi], chunk.kv, layer.index, chunk.start, scale, out[lo:hi])
     return backend.linear(layer.attn_output, out.reshape(num_tokens, hq * d))  # [T, H]

@@ -70,13 +70,19 @@ def dynamic_settings(args):
 
 def _add_device_options(p):
     from .backends import DEVICES
-    from .backends.gpu import DEFAULT_RESERVE_MIB
+    from .backends.gpu import DEFAULT_RESERVE_MIB, KV_HOST_ATTENTION
     from .kv_store import KV_DTYPES
     from .residency import EXPERT_CACHE_MODES
 
     p.add_argument("--kv", choices=KV_DTYPES, default="f32",
                    help="KV cache encoding: f32 (exact, default), f16 / bf16 (half the bytes, ~1e-3 / ~1e-2 off), "
-                        "int8 with per-token, per-head scales (a quarter, ~1e-2 off); CPU only for now")
+                        "int8 with per-token, per-head scales (a quarter, ~1e-2 off)")
+    p.add_argument("--kv-resident", type=int, default=None, metavar="N",
+                   help="GPU: keep only the newest N tokens of each slot's KV in VRAM (rounded up to 64-token "
+                        "blocks), the older ones in pinned RAM (default: all in VRAM)")
+    p.add_argument("--kv-host-attention", choices=KV_HOST_ATTENTION, default="cpu",
+                   help="with --kv-resident: who attends the KV in RAM: cpu (the host, while the GPU attends "
+                        "the VRAM part; default) or gpu (copied to VRAM layer by layer)")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model runs: auto (the GPU when usable, else the CPU), gpu, cpu (default auto)")
     p.add_argument("--expert-cache-mib", type=_cache_mib, default=None, metavar="N|auto",
@@ -101,7 +107,8 @@ def device_options(args):
     """The LLM keyword arguments of the device options."""
     return dict(device=args.device, expert_cache_mib=args.expert_cache_mib, vram_reserve_mib=args.vram_reserve_mib,
                 placement=args.placement, profile=args.profile, expert_cache=args.expert_cache,
-                dynamic=dynamic_settings(args), prefill_borrow=args.prefill_borrow, kv=args.kv)
+                dynamic=dynamic_settings(args), prefill_borrow=args.prefill_borrow, kv=args.kv,
+                kv_resident=args.kv_resident, kv_host_attention=args.kv_host_attention)
 
 
 def _add_generate(sub):

@@ -1,76 +1,199 @@
-"""Per-sequence KV storage.
+"""Paged KV storage: one pool of fixed-size blocks per model, a block table per sequence.
 
-Shape legend: L layers, S capacity in positions, Hkv kv heads, D head dim.
-Each sequence owns contiguous K and V of [L, S, Hkv, D] that grow by doubling
-up to the context limit, in the encoding `dtype` names (hybrid.kv_store): f32
-by default (exact), f16 / bf16 (half the bytes) or int8 with per-token,
-per-head scales (a quarter).
+Shape legend: L layers, NB pool blocks, BT positions per block, Hkv kv heads, D head dim, n positions.
+The pool holds K and V as [L, NB, BT, Hkv, D] in the encoding `dtype` names (hybrid.kv_store): f32
+by default (exact), f16 / bf16 (half the bytes) or int8 with per-token, per-head scales [L, NB, BT, Hkv]
+(a quarter). Position j of a sequence lives in pool block table[j // BT], row j % BT. A sequence
+takes blocks as it grows and gives them back when it is cut or dropped, so sequences share one
+budget and nothing is copied as they grow. Host pools live in anonymous memory reserved without
+committing it (pages are backed as they are written); a pool without a limit doubles when it runs
+out (a copy), one with a limit (`max_blocks`, the user's budget) refuses with a RequestError.
 """
+import logging
+import mmap
+import weakref
+
 import numpy as np
 
 from . import kv_store
 from .errors import RequestError
 
+log = logging.getLogger(__name__)
 
-class SequenceKV:
-    def __init__(self, num_layers, num_kv_heads, head_dim, max_tokens, initial_capacity=256, dtype="f32"):
+BLOCK_TOKENS = 64  # positions per block; the conversation cache restores in blocks of the same size
+RESERVE_MIN_BYTES = 1 << 21  # host arrays from this size on are reserved mappings (committed on first write)
+
+
+def host_array(shape, dtype):
+    """An uninitialized host array whose pages are committed only when written (large ones: an anonymous
+    mapping without swap reservation, asked for huge pages)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if nbytes < RESERVE_MIN_BYTES:
+        return np.empty(shape, dtype)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    region = mmap.mmap(-1, nbytes, flags=flags)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(region, dtype=dtype).reshape(shape)
+
+
+def blocks_for(num_tokens, block_tokens=BLOCK_TOKENS):
+    return -(-int(num_tokens) // block_tokens)
+
+
+class KVPool:
+    """The blocks of every sequence of a model. `allocate(shape, dtype)` makes its arrays (host memory by
+    default; a device backend passes its own, and a fixed size)."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype="f32", num_blocks=16, max_blocks=None,
+                 block_tokens=BLOCK_TOKENS, allocate=host_array, where="RAM"):
         if dtype not in kv_store.KV_DTYPES:
             raise ValueError(f"KV dtype must be one of {', '.join(kv_store.KV_DTYPES)}, got {dtype!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.max_tokens, self.dtype = max_tokens, dtype
-        self.length = 0  # positions whose K/V are written
+        self.dtype, self.block_tokens, self.max_blocks, self.where = dtype, block_tokens, max_blocks, where
+        self._allocate = allocate
         self.k = self.v = self.k_scale = self.v_scale = None
-        self._allocate(min(initial_capacity, max_tokens))
+        self.num_blocks = 0
+        self._free = []  # block ids, the lowest last (taken first: used memory stays compact)
+        self._grow(num_blocks if max_blocks is None else min(num_blocks, max_blocks))
 
     @property
-    def capacity(self):
-        return self.k.shape[1]
+    def bytes_per_block(self):
+        return kv_store.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype) \
+            * self.block_tokens
 
-    def _allocate(self, capacity):
-        shape = (self.num_layers, capacity, self.num_kv_heads, self.head_dim)
+    @property
+    def nbytes(self):
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def blocks_free(self):
+        return len(self._free)
+
+    def _grow(self, num_blocks):
+        shape = (self.num_layers, num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim)
         storage = kv_store.STORAGE[self.dtype]
-        arrays = {"k": np.empty(shape, storage), "v": np.empty(shape, storage)}  # [L, S, Hkv, D]
+        arrays = {"k": self._allocate(shape, storage), "v": self._allocate(shape, storage)}  # [L, NB, BT, Hkv, D]
         if self.dtype == "int8":
-            arrays.update(k_scale=np.empty(shape[:3], np.float32), v_scale=np.empty(shape[:3], np.float32))
+            arrays.update(k_scale=self._allocate(shape[:4], np.float32), v_scale=self._allocate(shape[:4], np.float32))
         for name, array in arrays.items():
             old = getattr(self, name)
             if old is not None:
-                array[:, : self.length] = old[:, : self.length]
+                array[:, : self.num_blocks] = old
             setattr(self, name, array)
+        self._free = list(range(num_blocks - 1, self.num_blocks - 1, -1)) + self._free
+        self.num_blocks = num_blocks
+
+    def take(self, count):
+        """`count` free block ids; grows an unlimited pool, else RequestError when too few are free."""
+        if count > len(self._free):
+            if self.max_blocks is not None:
+                need = count - len(self._free)
+                if self.num_blocks + need > self.max_blocks:
+                    raise RequestError(
+                        f"KV cache full: {count} more blocks of {self.block_tokens} tokens needed, "
+                        f"{len(self._free)} of {self.max_blocks} free ({self.nbytes / 2**20:.0f} MiB in {self.where}); "
+                        f"raise the KV budget or lower --parallel / --max-context")
+                self._grow(min(self.max_blocks, max(self.num_blocks + need, 2 * self.num_blocks)))
+            else:
+                self._grow(max(self.num_blocks + count, 2 * self.num_blocks))
+        return [self._free.pop() for _ in range(count)]
+
+    def give(self, blocks):
+        self._free.extend(sorted(blocks, reverse=True))
+
+    def layer(self, layer):
+        """(k, v, k_scale, v_scale) of one layer: [NB, BT, Hkv, D] x2 and [NB, BT, Hkv] x2 (None unless int8)."""
+        if self.dtype == "int8":
+            return self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
+        return self.k[layer], self.v[layer], None, None
+
+
+def _give_back(pool, blocks):
+    pool.give(blocks)
+    blocks.clear()
+
+
+class SequenceKV:
+    """One sequence's positions [0, length) in `pool`, at most max_tokens of them. Its blocks go back to
+    the pool when it is cut (`truncate`) or dropped."""
+
+    def __init__(self, pool, max_tokens):
+        self.pool, self.max_tokens = pool, max_tokens
+        self.dtype, self.num_layers = pool.dtype, pool.num_layers
+        self.num_kv_heads, self.head_dim, self.block_tokens = pool.num_kv_heads, pool.head_dim, pool.block_tokens
+        self.length = 0  # positions whose K/V are written
+        self.table = np.zeros(blocks_for(max_tokens, self.block_tokens), dtype=np.int32)  # [nb] pool block ids
+        self.host_blocks = 0  # leading blocks kept outside the pool (a device sequence's RAM part)
+        self.blocks = []  # the pool blocks held, in position order: table[host_blocks:][:len(blocks)]
+        self._release = weakref.finalize(self, _give_back, pool, self.blocks)
+
+    @property
+    def capacity(self):
+        return (self.host_blocks + len(self.blocks)) * self.block_tokens
 
     def reserve(self, num_tokens):
         """Make room for positions [0, num_tokens)."""
         if num_tokens > self.max_tokens:
             raise RequestError(f"context overflow: {num_tokens} tokens exceed the context of {self.max_tokens}")
-        if num_tokens > self.capacity:
-            self._allocate(min(self.max_tokens, max(num_tokens, 2 * self.capacity)))
+        need = blocks_for(num_tokens, self.block_tokens) - self.host_blocks - len(self.blocks)
+        if need > 0:
+            self._add_blocks(self.pool.take(need))
+
+    def _add_blocks(self, blocks):
+        first = self.host_blocks + len(self.blocks)
+        self.blocks.extend(blocks)
+        self.table[first:first + len(blocks)] = blocks
+        self.table_changed()
+
+    def table_changed(self):
+        """Called when the table's entries change (a device sequence uploads it)."""
+
+    def commit(self, length):
+        """Positions [0, length) are written (after a forward step)."""
+        self.length = length
+
+    def _slots(self, start, n):
+        """(pool block, row) int arrays [n] of positions [start, start + n)."""
+        positions = np.arange(start, start + n)
+        return self.table[positions // self.block_tokens], positions % self.block_tokens
 
     def write(self, layer, start, k, v):
         """k, v: float32 [n, Hkv, D] for positions [start, start + n)."""
-        n = k.shape[0]
+        blocks, rows = self._slots(start, k.shape[0])
         for name, x in (("k", k), ("v", v)):
             data, scale = kv_store.encode(x, self.dtype)
-            getattr(self, name)[layer, start : start + n] = data
+            getattr(self.pool, name)[layer, blocks, rows] = data
             if scale is not None:
-                getattr(self, f"{name}_scale")[layer, start : start + n] = scale
-
-    def scales(self, layer):
-        """The extra attention arguments of this encoding: (k_scale, v_scale) [S, Hkv] for int8, else ()."""
-        return (self.k_scale[layer], self.v_scale[layer]) if self.dtype == "int8" else ()
+                getattr(self.pool, f"{name}_scale")[layer, blocks, rows] = scale
 
     def export(self, n):
         """Positions [0, n) as float32 (k, v) [L, n, Hkv, D]."""
-        scales = {"k": self.k_scale, "v": self.v_scale}
-        return tuple(kv_store.decode(getattr(self, name)[:, :n], None if scales[name] is None else scales[name][:, :n])
-                     for name in ("k", "v"))
+        blocks, rows = self._slots(0, n)
+        out = []
+        for name in ("k", "v"):
+            scale = getattr(self.pool, f"{name}_scale")
+            out.append(kv_store.decode(getattr(self.pool, name)[:, blocks, rows],
+                                       None if scale is None else scale[:, blocks, rows]))
+        return tuple(out)
 
     def load(self, k, v):
         """Float32 (k, v) [L, n, Hkv, D] become positions [0, n)."""
         n = k.shape[1]
+        self.truncate(0)
         self.reserve(n)
         for layer in range(self.num_layers):
             self.write(layer, 0, k[layer], v[layer])
         self.length = n
 
     def truncate(self, length):
+        """Keep positions [0, length); the blocks past them go back to the pool."""
         self.length = min(self.length, length)
+        keep = blocks_for(self.length, self.block_tokens)
+        self.host_blocks = min(self.host_blocks, keep)
+        keep_pool = keep - self.host_blocks
+        if keep_pool < len(self.blocks):
+            dropped = self.blocks[keep_pool:]
+            del self.blocks[keep_pool:]
+            self.pool.give(dropped)
+            self.table_changed()

@@ -38,11 +38,13 @@ class LLM:
     ExpertProfile or its file: planned at start-up for the room left), or `resident` (a bool mask
     [L, E]); expert_cache "dynamic" swaps experts while serving (placement/dynamic.py, with
     `dynamic`: its DynamicSettings). prefill_borrow: large prompt chunks may run non-resident
-    experts on the GPU (hybrid/moe.py)."""
+    experts on the GPU (hybrid/moe.py). kv: the KV encoding; kv_resident / kv_host_attention: see
+    GpuBackend (only the newest kv_resident positions of a sequence in VRAM)."""
 
     def __init__(self, model_path=None, device="cpu", threads=None, max_context=None, expert_cache_mib=None,
                  vram_reserve_mib=DEFAULT_RESERVE_MIB, resident=None, kv_sequences=1, placement=None, profile=None,
-                 expert_cache="auto", dynamic=None, prefill_borrow=True, kv="f32"):
+                 expert_cache="auto", dynamic=None, prefill_borrow=True, kv="f32", kv_resident=None,
+                 kv_host_attention="cpu"):
         from cpu_kernels.target import set_threads
 
         if model_path is None:
@@ -61,16 +63,17 @@ class LLM:
         elif resident is None:
             resident = resident_choice(self.weights, placement, profile, expert_cache, kv_sequences, self.max_context)
         backend, host = select_backends(device, expert_cache_mib=expert_cache_mib, vram_reserve_mib=vram_reserve_mib,
-                                        kv_tokens=kv_sequences * self.max_context, chunk_tokens=PREFILL_CHUNK,
-                                        resident=resident, prefill_borrow=prefill_borrow)
+                                        kv_sequences=kv_sequences, max_context=self.max_context,
+                                        chunk_tokens=PREFILL_CHUNK, resident=resident, prefill_borrow=prefill_borrow,
+                                        kv_dtype=kv, kv_resident=kv_resident, kv_host_attention=kv_host_attention)
         self.device = backend.name
-        if kv != "f32" and self.device != "cpu":
-            raise ValueError(f"--kv {kv}: the {self.device} backend keeps its KV cache in f32 only")
-        self.model = Model(self.weights, backend, host, kv_dtype=kv)
+        if kv_resident is not None and self.device == "cpu":
+            log.warning("--kv-resident does nothing on the CPU: the whole KV is in RAM")
+        self.model = Model(self.weights, backend, host, kv_dtype=kv, kv_tokens=kv_sequences * self.max_context)
         if expert_cache == "dynamic":
             self._start_dynamic(dynamic)
-        log.info("model %s on %s, %d CPU threads, context %d", self.weights.source, self.device, self.threads,
-                 self.max_context)
+        log.info("model %s on %s, %d CPU threads, context %d; %s", self.weights.source, self.device, self.threads,
+                 self.max_context, backend.describe_kv(self.model.kv_pool, self.max_context))
 
     def _start_dynamic(self, settings):
         from placement.dynamic import DynamicResidency, DynamicSettings

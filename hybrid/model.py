@@ -60,9 +60,10 @@ def _layer_weights(weights, index):
 
 
 class Model:
-    """host: with a device backend, the backend that runs the non-resident experts (hybrid MoE)."""
+    """host: with a device backend, the backend that runs the non-resident experts (hybrid MoE).
+    kv_tokens: KV positions the pool is first made for (all sequences together; a host pool grows past it)."""
 
-    def __init__(self, weights, backend, host=None, kv_dtype="f32"):
+    def __init__(self, weights, backend, host=None, kv_dtype="f32", kv_tokens=None):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"KV dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.weights = weights
@@ -79,13 +80,14 @@ class Model:
             host.place(self)  # first: the host's weight copies (CPU experts) are what the device uploads from
         backend.place(self)
         self.split = None if host is None else ExpertSplit(host, backend.resident)
+        c = self.config
+        self.kv_pool = backend.new_kv_pool(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype,
+                                           kv_tokens or c.context_length)
         self.usage = None  # an ExpertUsage (hybrid/expert_usage.py) to record each layer's routing
         self.residency = None  # a dynamic expert cache (placement/dynamic.py), told after each step's layers
 
     def new_sequence(self, max_tokens=None):
-        c = self.config
-        return self.backend.new_kv(c.num_layers, c.num_kv_heads, c.head_dim, max_tokens or c.context_length,
-                                   dtype=self.kv_dtype)
+        return self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)
 
     def forward(self, batch):
         """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache."""
@@ -107,7 +109,7 @@ class Model:
         if self.residency is not None:
             self.residency.after_step(self.usage)
         for chunk in batch.chunks:
-            chunk.kv.length = chunk.start + len(chunk.token_ids)
+            chunk.kv.commit(chunk.start + len(chunk.token_ids))
         if len(batch.logit_rows) == 0:
             return np.empty((0, self.config.vocab_size), dtype=np.float32)
         x = be.take_rows(x, batch.logit_rows)  # [T_out, H]

@@ -21,18 +21,11 @@ def model_id(llm):
 
 
 def log_budget(llm, parallel, max_queue):
-    from hybrid.kv_store import bytes_per_token
-
-    c = llm.config
     model_bytes = sum(t.raw.nbytes for t in llm.weights.tensors.values())
     copied = sum(t.raw.nbytes for t in llm.weights.tensors.values() if t.raw.flags.writeable)
     held = "in RAM" if copied == model_bytes else "mapped from the file" if not copied else "partly in RAM"
-    kv_dtype = llm.model.kv_dtype
-    kv_bytes = bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype) * llm.max_context
-    where = "RAM" if llm.device == "cpu" else "VRAM"
-    log.info("memory: model %.1f MiB (%s); KV %s in %s: %.1f MiB per slot at the full context of %d tokens "
-             "(grows with use) x %d slots = %.1f MiB; queue limit %d requests",
-             model_bytes / MIB, held, kv_dtype, where, kv_bytes / MIB, llm.max_context, parallel, parallel * kv_bytes / MIB,
+    log.info("memory: model %.1f MiB (%s); %s (blocks taken as used) x %d slots; queue limit %d requests",
+             model_bytes / MIB, held, llm.model.backend.describe_kv(llm.model.kv_pool, llm.max_context), parallel,
              max_queue)
 
 

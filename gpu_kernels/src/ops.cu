@@ -77,6 +77,20 @@ extern "C" __global__ void attention(const float* q, const float* k, const float
     if (tid < D) out[(i64)blockIdx.x * D + tid] = acc / l;
 }
 
+// out [T, Hq, D] = two partial attentions over disjoint keys, (out_a, lse_a) and (out_b, lse_b)
+// (lse [T, Hq]), merged: weights exp(lse - max); a side with lse -inf is not read (both: out 0).
+// out may alias out_a or out_b. grid (T * Hq).
+extern "C" __global__ void attn_merge(const float* out_a, const float* lse_a, const float* out_b, const float* lse_b,
+                                      float* out, int D) {
+    float la = lse_a[blockIdx.x], lb = lse_b[blockIdx.x], m = fmaxf(la, lb);
+    float wa = la == NEG_INF ? 0.0f : expf(la - m), wb = lb == NEG_INF ? 0.0f : expf(lb - m);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        i64 i = (i64)blockIdx.x * D + d;
+        float a = wa > 0.0f ? wa * out_a[i] : 0.0f, b = wb > 0.0f ? wb * out_b[i] : 0.0f;
+        out[i] = wa + wb > 0.0f ? (a + b) / (wa + wb) : 0.0f;
+    }
+}
+
 // out [n] = silu(gate) * up; out may alias gate or up.
 extern "C" __global__ void swiglu(const float* gate, const float* up, float* out, i64 n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -24,7 +24,7 @@ from cpu_kernels import activation, attention, format_for, moe_combine, rmsnorm,
 from cpu_kernels.act_quant import act_quant_code
 from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
-from ..kv_cache import SequenceKV
+from ..kv_cache import KVPool, SequenceKV, blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,17 @@ class CpuBackend:
                 tensor.raw = np.array(tensor.raw)
                 bar.update(tensor.raw.nbytes)
 
-    def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens, dtype="f32"):
-        return SequenceKV(num_layers, num_kv_heads, head_dim, max_tokens, dtype=dtype)
+    def new_kv_pool(self, num_layers, num_kv_heads, head_dim, dtype, num_tokens):
+        """The model's KV pool in RAM: room for num_tokens positions reserved (committed as written); it
+        grows if more sequences than planned are alive at once."""
+        return KVPool(num_layers, num_kv_heads, head_dim, dtype, num_blocks=blocks_for(num_tokens))
+
+    def new_kv(self, pool, max_tokens):
+        return SequenceKV(pool, max_tokens)
+
+    def describe_kv(self, pool, max_tokens):
+        per_slot = pool.bytes_per_block * blocks_for(max_tokens, pool.block_tokens)
+        return f"KV {pool.dtype} in RAM: {per_slot / 2**20:.1f} MiB per slot at {max_tokens} tokens"
 
     def take_rows(self, x, rows):
         return np.ascontiguousarray(x[rows])
@@ -130,12 +139,10 @@ class CpuBackend:
         """In place over x [T, nH, D]."""
         _small_or_parallel(x.size, rope.rope_neox_serial, rope.rope_neox)(x, positions, theta, x)
 
-    def attention(self, q, k_cache, v_cache, start, scale, out, *scales):
-        """scales: (k_scale, v_scale) [S, Hkv] of an int8 cache, else none."""
-        num_tokens, num_heads, head_dim = q.shape
-        work = num_tokens * (start + num_tokens) * num_heads * head_dim
-        kernel = attention.attention_serial if work <= SERIAL_MAX_ATTENTION else attention.attention
-        kernel(q, k_cache, v_cache, start, scale, out, *scales)
+    def attention(self, q, kv, layer, start, scale, out):
+        """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D]."""
+        k, v, k_scale, v_scale = kv.pool.layer(layer)
+        paged_attention(q, k, v, k_scale, v_scale, kv.table, start, 0, start + q.shape[0], scale, out)
 
     def route(self, router_logits, k, normalize):
         num_tokens = router_logits.shape[0]
@@ -183,6 +190,16 @@ class CpuBackend:
         scatter = moe_combine.scatter_add_weighted_serial if small else moe_combine.scatter_add_weighted
         scatter(down, order, np.ascontiguousarray(weights).reshape(-1), k, out)
         return out
+
+
+def paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None):
+    """cpu_kernels.attention over pool arrays k, v [NB, BT, Hkv, D] (scales [NB, BT, Hkv] or None), keys
+    [key_lo, key_hi) of the causal range; serial when the work is small."""
+    num_tokens, num_heads, head_dim = q.shape
+    work = num_tokens * max(min(start + num_tokens, key_hi) - key_lo, 0) * num_heads * head_dim
+    kernel = attention.attention_serial if work <= SERIAL_MAX_ATTENTION else attention.attention
+    scales = () if k_scale is None else (k_scale, v_scale)
+    kernel(q, k, v, table, start, key_lo, key_hi, scale, out, attention.NO_LSE if lse is None else lse, *scales)
 
 
 def _small_or_parallel(num_elements, serial, parallel):

@@ -22,11 +22,14 @@ from gpu_kernels.expert_cache import MIB, ExpertCache, expert_bytes, plan
 from gpu_kernels.kernels import TILE_TOKENS, Kernels
 
 from ..formats.weights import QuantTensor
-from ..kv_cache import SequenceKV
+from .. import kv_store
+from ..kv_cache import BLOCK_TOKENS, KVPool, SequenceKV, blocks_for
+from .cpu import paged_attention as host_paged_attention
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE_MIB = 512
+KV_HOST_ATTENTION = ("cpu", "gpu")  # who attends the RAM part of a --kv-resident sequence
 PCIE_PROBE_BYTES = 64 << 20  # the pinned host -> device copy timed at start-up
 
 
@@ -82,50 +85,144 @@ class _Staging:
 
 
 class DeviceSequenceKV(SequenceKV):
-    """SequenceKV whose K and V [L, S, Hkv, D] live in VRAM; writes are copies queued on `stream`."""
+    """SequenceKV in a VRAM pool, its block table mirrored on the device; writes are kernels queued on the
+    backend's stream. With `resident_tokens` only the newest blocks stay in VRAM: after each step the
+    blocks beyond resident_tokens (rounded up to blocks) plus the one being filled move, oldest first,
+    to this sequence's part in pinned RAM (`host`: [L, cap, BT, Hkv, D] per array, position order), and
+    their table entries become -1 (the kernels read such a block from the stage, block for block)."""
 
-    def __init__(self, runtime, stream, *args):
-        self.runtime, self.stream = runtime, stream
-        super().__init__(*args)
+    def __init__(self, backend, pool, max_tokens, resident_tokens=None):
+        self.backend = backend
+        super().__init__(pool, max_tokens)
+        self.resident_blocks = None if resident_tokens is None else blocks_for(resident_tokens, self.block_tokens)
+        self.host = {}  # name -> pinned array [L, cap, BT, Hkv, D] (scales [L, cap, BT, Hkv])
+        self._host_copied = None  # event after the last queued copy into `host`
+        self._table_dev = None
+
+    def table_changed(self):
+        self._table_dev = None
+
+    def device_table(self):
+        """The block table on the device (uploaded, through the stream, when it changed)."""
+        if self._table_dev is None:
+            used = max(1, self.host_blocks + len(self.blocks))
+            self._table_dev = self.backend.staging.upload("kv_table", self.table[:used], self.backend.stream)
+        return self._table_dev
+
+    def arrays(self, layer):
+        """(k, v, k_scale, v_scale) of `layer` in the pool (scales None unless int8)."""
+        return self.pool.layer(layer)
 
     def write(self, layer, start, k, v):
-        """k, v: device float32 [n, Hkv, D] for positions [start, start + n): one queued copy each (a
-        slice assignment would go through an elementwise kernel and cost more host time)."""
-        n = k.shape[0]
-        for cache, x in ((self.k, k), (self.v, v)):
-            self.runtime.copy_on_device_async(cache[layer, start:start + n], x, self.stream)
+        """k, v: device float32 [n, Hkv, D] for positions [start, start + n) (all in pool blocks)."""
+        kp, vp, ks, vs = self.pool.layer(layer)
+        table = self.device_table()
+        self.backend.kernels.kv_write(self.dtype, k, kp, ks, table, start)
+        self.backend.kernels.kv_write(self.dtype, v, vp, vs, table, start)
 
-    def _allocate(self, capacity):
-        shape = (self.num_layers, capacity, self.num_kv_heads, self.head_dim)
-        k, v = self.runtime.empty(shape, np.float32), self.runtime.empty(shape, np.float32)  # [L, S, Hkv, D]
-        if self.k is not None:
-            k[:, : self.length] = self.k[:, : self.length]
-            v[:, : self.length] = self.v[:, : self.length]
-        self.k, self.v = k, v
+    def commit(self, length):
+        self.length = length
+        if self.resident_blocks is not None and len(self.blocks) > self.resident_blocks:
+            self._evict(len(self.blocks) - self.resident_blocks)
+
+    def _names(self):
+        return ("k", "v", "k_scale", "v_scale") if self.dtype == "int8" else ("k", "v")
+
+    def _evict(self, count):
+        """Queue copies of the oldest `count` pool blocks into the RAM part and give the blocks back (later
+        writes to them are queued after these copies on the same stream)."""
+        rt, stream, first = self.backend.rt, self.backend.stream, self.host_blocks
+        self._host_room(first + count)
+        moved = self.blocks[:count]
+        for name in self._names():
+            pool, host = getattr(self.pool, name), self.host[name]
+            for layer in range(self.num_layers):
+                for i, block in enumerate(moved):
+                    rt.copy_to_host_async(host[layer, first + i], pool[layer, block], stream)
+        self._host_copied = rt.event()
+        self._host_copied.record(stream)
+        del self.blocks[:count]
+        self.pool.give(moved)
+        self.table[first:first + count] = -1
+        self.host_blocks += count
+        self.table_changed()
+
+    def _host_room(self, num_blocks):
+        """Grow the pinned RAM part to at least num_blocks blocks (doubling), keeping what it holds."""
+        have = next(iter(self.host.values())).shape[1] if self.host else 0
+        if num_blocks <= have:
+            return
+        capacity = min(blocks_for(self.max_tokens, self.block_tokens), max(num_blocks, 2 * have, 16))
+        self.wait_host()
+        for name in self._names():
+            pool = getattr(self.pool, name)
+            grown = self.backend.rt.pinned_empty((self.num_layers, capacity) + tuple(pool.shape[2:]), pool.dtype)
+            if have:
+                grown[:, :self.host_blocks] = self.host[name][:, :self.host_blocks]
+            self.host[name] = grown
+
+    def wait_host(self):
+        """Wait until every queued copy into the RAM part has landed."""
+        if self._host_copied is not None:
+            self._host_copied.synchronize()
+
+    def host_layer(self, layer):
+        """(k, v, k_scale, v_scale) of `layer` in the RAM part: [cap, BT, Hkv, D] (scales [cap, BT, Hkv] or None)."""
+        return tuple(self.host[name][layer] if name in self.host else None for name in ("k", "v", "k_scale", "v_scale"))
 
     def export(self, n):
         """Positions [0, n) as host float32 (k, v) [L, n, Hkv, D] (the conversation cache parks them in RAM)."""
-        return tuple(np.stack([self.runtime.to_host(layer[:n]) for layer in getattr(self, name)])
-                     for name in ("k", "v"))
+        num_blocks = blocks_for(n, self.block_tokens)
+        from_host = min(self.host_blocks, num_blocks)
+        pool_blocks = np.asarray(self.blocks[:num_blocks - from_host], dtype=np.int64)
+        self.wait_host()
+        parts = {}
+        for name in self._names():
+            pool = getattr(self.pool, name)
+            held = self.host[name][:, :from_host] if from_host else np.empty((self.num_layers, 0) + pool.shape[2:],
+                                                                                pool.dtype)
+            fresh = self.backend.rt.to_host(pool[:, self.backend.rt.to_device(pool_blocks)], stream=self.backend.stream) if len(pool_blocks) \
+                else held[:, :0]
+            both = np.concatenate([held, fresh], axis=1)  # [L, blocks, BT, ...]
+            parts[name] = both.reshape((self.num_layers, -1) + both.shape[3:])[:, :n]
+        return tuple(kv_store.decode(parts[name], parts.get(f"{name}_scale")) for name in ("k", "v"))
 
     def load(self, k, v):
+        """Float32 (k, v) [L, n, Hkv, D] become positions [0, n); with a resident window, written window by
+        window so that VRAM never holds more than the window and a step."""
         n = k.shape[1]
-        self.reserve(n)
-        for layer in range(self.num_layers):  # [n, Hkv, D] slices are contiguous on the device
-            self.runtime.copy_from_host(self.k[layer, :n], np.ascontiguousarray(k[layer], dtype=np.float32))
-            self.runtime.copy_from_host(self.v[layer, :n], np.ascontiguousarray(v[layer], dtype=np.float32))
-        self.length = n
+        self.truncate(0)
+        step = n if self.resident_blocks is None else max(1, self.resident_blocks) * self.block_tokens
+        rt = self.backend.rt
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            self.reserve(hi)
+            for layer in range(self.num_layers):
+                self.write(layer, lo, rt.to_device(np.ascontiguousarray(k[layer, lo:hi], dtype=np.float32)),
+                           rt.to_device(np.ascontiguousarray(v[layer, lo:hi], dtype=np.float32)))
+            self.commit(hi)
 
 
 class GpuBackend:
     """expert_cache_mib: None = all VRAM left ("auto"); resident: a placement's bool mask [L, E]
-    (default: fill the cache layer by layer); kv_tokens: KV positions to budget for (all sequences);
-    prefill_borrow: let large chunks run non-resident experts here (copied in per chunk)."""
+    (default: fill the cache layer by layer); the KV pool in VRAM holds kv_sequences sequences of
+    max_context positions in kv_dtype, or with kv_resident only their newest kv_resident positions (and a
+    chunk), the rest in pinned RAM, attended by `kv_host_attention` ("cpu": the host attends it while
+    the GPU attends the VRAM part, the parts merged by log-sum-exp; "gpu": it is copied to a stage in
+    VRAM, layer by layer, and attended there); prefill_borrow: let large chunks run non-resident
+    experts here (copied in per chunk)."""
 
     name = "gpu"
 
-    def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_tokens=4096,
-                 chunk_tokens=512, resident=None, prefill_borrow=True):
+    def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
+                 max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
+                 kv_resident=None, kv_host_attention="cpu"):
+        if kv_dtype not in kv_store.KV_DTYPES:
+            raise ValueError(f"KV dtype must be one of {', '.join(kv_store.KV_DTYPES)}, got {kv_dtype!r}")
+        if kv_host_attention not in KV_HOST_ATTENTION:
+            raise ValueError(f"kv_host_attention must be one of {', '.join(KV_HOST_ATTENTION)}, got {kv_host_attention!r}")
+        if kv_resident is not None and kv_resident < 1:
+            raise ValueError(f"--kv-resident {kv_resident}: keep at least one token in VRAM")
         self.rt = runtime
         self.stream = runtime.stream()  # made current at every embed: CuPy's own array operations run there too
         self.kernels = Kernels(runtime, self.stream)
@@ -136,7 +233,11 @@ class GpuBackend:
         self._borrow_slots = {}  # projection name -> device slots [n, R, B] of the borrowed experts
         self.cache_bytes = None if expert_cache_mib is None else int(expert_cache_mib * MIB)
         self.reserve = int(vram_reserve_mib * MIB)
-        self.kv_tokens, self.chunk_tokens = kv_tokens, chunk_tokens
+        self.kv_sequences, self.max_context, self.chunk_tokens = kv_sequences, max_context, chunk_tokens
+        self.kv_dtype, self.kv_resident, self.kv_host_attention = kv_dtype, kv_resident, kv_host_attention
+        self.kv_pool = None  # made by place()
+        self._stage = {}  # name -> device array [nS, BT, Hkv, D]: RAM parts copied in ("gpu" host attention)
+        self._identity = np.arange(1, dtype=np.int32)  # the table of a RAM part: block b at b
         self.requested_resident = resident
         self.resident = None  # bool [L, E], set by place()
         self.budget = None
@@ -156,7 +257,9 @@ class GpuBackend:
                       layer.router] + [v for v in (layer.attn_q_norm, layer.attn_k_norm) if v is not None]
         unique = {id(w): w for w in dense}
         dense_bytes = sum(w.nbytes for w in unique.values())
-        kv = 2 * c.num_layers * self.kv_tokens * c.num_kv_heads * c.head_dim * 4
+        per_block = kv_store.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype) * BLOCK_TOKENS
+        kv_blocks = self.kv_sequences * self.vram_blocks_per_sequence()
+        kv = kv_blocks * per_block + self._stage_bytes(c)
         scratch = self.chunk_tokens * 4 * (c.vocab_size + 8 * c.hidden_size + 2 * c.num_heads * c.head_dim
                                            + c.num_experts_per_tok * (3 * c.moe_intermediate_size + 2 * c.hidden_size))
         free, total = self.rt.memory_info()
@@ -165,6 +268,8 @@ class GpuBackend:
                                           self.cache_bytes, self.requested_resident)
         for w in unique.values():
             self._dev[id(w)] = (self.rt.to_device(np.ascontiguousarray(w.raw if isinstance(w, QuantTensor) else w)), w)
+        self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, num_blocks=kv_blocks,
+                              max_blocks=kv_blocks, allocate=self.rt.empty, where="VRAM")
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
         self.borrow_bytes_per_second = self._measure_upload()
         log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s", self.name, self.rt.device_name,
@@ -184,10 +289,37 @@ class GpuBackend:
             best = min(best, time.perf_counter() - t0)
         return PCIE_PROBE_BYTES / best
 
-    def new_kv(self, num_layers, num_kv_heads, head_dim, max_tokens, dtype="f32"):
-        if dtype != "f32":
-            raise ValueError(f"KV dtype {dtype} is not available on the GPU yet (only f32)")
-        return DeviceSequenceKV(self.rt, self.stream, num_layers, num_kv_heads, head_dim, max_tokens)
+    def vram_blocks_per_sequence(self):
+        """KV blocks a sequence may hold in VRAM: all of max_context, or the resident window + a chunk + one."""
+        if self.kv_resident is None:
+            return blocks_for(self.max_context)
+        return min(blocks_for(self.max_context), blocks_for(self.kv_resident) + blocks_for(self.chunk_tokens) + 1)
+
+    def _stage_bytes(self, c):
+        """VRAM for one layer's RAM part of the longest sequence, when the GPU attends RAM parts."""
+        if self.kv_resident is None or self.kv_host_attention != "gpu":
+            return 0
+        per_layer = kv_store.bytes_per_token(1, c.num_kv_heads, c.head_dim, self.kv_dtype)
+        return blocks_for(self.max_context) * BLOCK_TOKENS * per_layer
+
+    def new_kv_pool(self, num_layers, num_kv_heads, head_dim, dtype, num_tokens):
+        """The pool place() made (its size comes from the VRAM budget, not from num_tokens)."""
+        if dtype != self.kv_dtype:
+            raise ValueError(f"KV dtype {dtype}: this GPU backend was made for {self.kv_dtype}")
+        return self.kv_pool
+
+    def new_kv(self, pool, max_tokens):
+        return DeviceSequenceKV(self, pool, max_tokens, self.kv_resident)
+
+    def describe_kv(self, pool, max_tokens):
+        per_block = pool.bytes_per_block
+        text = (f"KV {pool.dtype} in VRAM: {self.vram_blocks_per_sequence() * per_block / 2**20:.1f} MiB per slot, "
+                f"pool {pool.num_blocks} blocks of {pool.block_tokens} tokens ({pool.nbytes / 2**20:.0f} MiB)")
+        if self.kv_resident is not None:
+            ram = max(0, blocks_for(max_tokens) - blocks_for(self.kv_resident)) * per_block
+            text += (f"; newest {self.kv_resident} tokens resident, the rest in pinned RAM: up to {ram / 2**20:.1f} MiB "
+                     f"per slot at {max_tokens} tokens, attended on the {self.kv_host_attention}")
+        return text
 
     def _weight(self, host):
         return self._dev[id(host)][0]
@@ -229,8 +361,54 @@ class GpuBackend:
             self._inv_freq[key] = self.rt.to_device(inv_freq_f32(theta, x.shape[-1]))  # [D/2]
         self.kernels.rope_neox(x, self._positions[1], self._inv_freq[key])
 
-    def attention(self, q, k_cache, v_cache, start, scale, out):
-        self.kernels.attention(q, k_cache, v_cache, start, scale, out)
+    def attention(self, q, kv, layer, start, scale, out):
+        """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D]."""
+        k, v, k_scale, v_scale = kv.arrays(layer)
+        table, ram_keys = kv.device_table(), kv.host_blocks * kv.block_tokens
+        if ram_keys == 0:
+            self.kernels.paged_attention(kv.dtype, q, k, v, k_scale, v_scale, table, start, 0, scale, out)
+        elif self.kv_host_attention == "gpu":
+            self.kernels.paged_attention(kv.dtype, q, k, v, k_scale, v_scale, table, start, 0, scale, out,
+                                         stage=self._stage_ram_part(kv, layer))
+        else:
+            self._attention_split(q, kv, layer, start, scale, out, ram_keys)
+
+    def _stage_ram_part(self, kv, layer):
+        """(k, v, k_scale, v_scale) stage arrays [nS, BT, Hkv, D] holding the sequence's RAM part of `layer`,
+        copied in on the stream (scales None unless int8)."""
+        used = kv.host_blocks
+        stage = []
+        for name, host in zip(("k", "v", "k_scale", "v_scale"), kv.host_layer(layer)):
+            if host is None:
+                stage.append(None)
+                continue
+            buf = self._stage.get(name)
+            if buf is None or buf.shape[0] < used or buf.shape[1:] != host.shape[1:]:
+                buf = self._stage[name] = self.rt.empty((max(used, blocks_for(self.max_context)),) + host.shape[1:],
+                                                        host.dtype)
+            self.rt.copy_from_host_async(buf[:used], host[:used], self.stream)
+            stage.append(buf)
+        return tuple(stage)
+
+    def _attention_split(self, q, kv, layer, start, scale, out, ram_keys):
+        """The GPU attends the VRAM part while the host attends the RAM part of q's keys; the two partial
+        results are merged on the GPU by their log-sum-exp."""
+        k, v, k_scale, v_scale = kv.arrays(layer)
+        num_tokens, num_heads = q.shape[:2]
+        q_host, q_copied = self.staging.download("attn_q", q, self.stream)
+        out_dev = self.rt.empty(q.shape, np.float32)  # [T, Hq, D]
+        lse_dev = self.rt.empty((num_tokens, num_heads), np.float32)  # [T, Hq]
+        self.kernels.paged_attention(kv.dtype, q, k, v, k_scale, v_scale, kv.device_table(), start, ram_keys,
+                                     scale, out_dev, lse=lse_dev)
+        q_copied.synchronize()  # after the RAM part's copies too: they were queued before
+        if len(self._identity) < kv.host_blocks:
+            self._identity = np.arange(max(kv.host_blocks, 2 * len(self._identity)), dtype=np.int32)
+        out_host = np.empty(q.shape, np.float32)
+        lse_host = np.empty((num_tokens, num_heads), np.float32)
+        host_paged_attention(q_host, *kv.host_layer(layer), self._identity, start, 0, ram_keys, scale, out_host,
+                             lse_host)
+        self.kernels.attn_merge(out_dev, lse_dev, self.staging.upload("attn_out_host", out_host, self.stream),
+                                self.staging.upload("attn_lse_host", lse_host, self.stream), out)
 
     def route(self, router_logits, k, normalize):
         num_tokens = router_logits.shape[0]

@@ -91,8 +91,9 @@ def test_serial_twins_match_parallel_kernels():
     moe_combine.scatter_add_weighted_serial(rows[0], order, wts[0].reshape(-1), 4, outs[1])
     _close(outs[0], outs[1])
     q = rng.standard_normal((2, 4, 16)).astype(np.float32)
-    k, v = rng.standard_normal((2, 5, 2, 16)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, 5, 2, 16)).astype(np.float32)  # one pool block of 5 positions each
+    table = np.zeros(1, dtype=np.int32)
     a, b = np.empty_like(q), np.empty_like(q)
-    attention.attention(q, k, v, 3, 0.25, a)
-    attention.attention_serial(q, k, v, 3, 0.25, b)
+    attention.attention(q, k, v, table, 3, 0, 5, 0.25, a)
+    attention.attention_serial(q, k, v, table, 3, 0, 5, 0.25, b)
     _close(a, b)

@@ -121,7 +121,8 @@ def test_attention_matches_reference(num_tokens, start_pos, cache_len, num_q_hea
     v_cache[start_pos + num_tokens:] = np.nan
     scale = head_dim ** -0.5
     out = np.empty_like(q)
-    attention(q, k_cache, v_cache, start_pos, scale, out)
+    one_block = np.zeros(1, dtype=np.int32)  # the whole cache as one pool block (paging: test_attention_kv.py)
+    attention(q, k_cache[None], v_cache[None], one_block, start_pos, 0, start_pos + num_tokens, scale, out)
     expected = attention_reference(q, k_cache, v_cache, start_pos, scale)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 

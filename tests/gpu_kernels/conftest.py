@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import format_for
+from hybrid import kv_store
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +34,20 @@ def dequant(raw, qtype, num_cols):
 
 def silu(x):
     return x / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+def paged_rows(pool, pool_scale, stage, stage_scale, table, positions):
+    """Rows of `positions` [n] of a paged cache (pool [NB, BT, Hkv, D] through table, stage for table < 0),
+    decoded to float32 [n, Hkv, D]."""
+    block_tokens = pool.shape[1]
+    blocks, offsets = positions // block_tokens, positions % block_tokens
+    slots = table[blocks]
+    rows = np.empty((len(positions), *pool.shape[2:]), np.float32)
+    for held, data, scale, index in ((slots >= 0, pool, pool_scale, slots), (slots < 0, stage, stage_scale, blocks)):
+        if held.any():
+            at = (index[held], offsets[held])
+            rows[held] = kv_store.decode(data[at], None if scale is None else scale[at])
+    return rows
 
 
 class ReferenceKernels:
@@ -69,6 +84,48 @@ class ReferenceKernels:
                 s = k_cache[keys, h // group].astype(np.float64) @ q[t, h] * scale
                 p = np.exp(s - s.max())
                 out[t, h] = p @ v_cache[keys, h // group] / p.sum()
+
+    def paged_attention(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out,
+                        lse=None, stage=None):
+        num_tokens, num_q_heads, head_dim = q.shape
+        num_kv_heads = k_pool.shape[2]
+        group = num_q_heads // num_kv_heads
+        positions = np.arange(key_lo, start + num_tokens)  # [n]
+        k_stage, v_stage, k_stage_scale, v_stage_scale = (None,) * 4 if stage is None else stage
+        k = paged_rows(k_pool, k_scale, k_stage, k_stage_scale, table, positions).astype(np.float64)  # [n, Hkv, D]
+        v = paged_rows(v_pool, v_scale, v_stage, v_stage_scale, table, positions).astype(np.float64)
+        qh = q.astype(np.float64).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+        s = qh.reshape(num_kv_heads, num_tokens * group, head_dim) @ k.transpose(1, 2, 0) * scale  # [Hkv, T*G, n]
+        causal = positions[None, :] <= start + np.arange(num_tokens)[:, None]  # [T, n]
+        s = np.where(np.repeat(causal, group, axis=0), s, -np.inf)
+        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        m = np.where(np.isfinite(m), m, 0.0)  # rows without a key: p = 0, total = 0
+        p = np.exp(s - m)
+        total = p.sum(axis=-1, keepdims=True)  # [Hkv, T*G, 1]
+        o = (p @ v.transpose(1, 0, 2)) / np.where(total > 0, total, 1.0)  # [Hkv, T*G, D]
+        out[:] = o.reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3).reshape(q.shape)
+        if lse is not None:
+            with np.errstate(divide="ignore"):
+                row_lse = (m + np.log(total))[..., 0]  # [Hkv, T*G]
+            lse[:] = row_lse.reshape(num_kv_heads, num_tokens, group).transpose(1, 0, 2).reshape(lse.shape)
+
+    def kv_write(self, kv_dtype, x, pool, scale, table, start):
+        positions = start + np.arange(x.shape[0])
+        block_tokens = pool.shape[1]
+        at = (table[positions // block_tokens], positions % block_tokens)
+        data, row_scale = kv_store.encode(x, kv_dtype)
+        pool[at] = data
+        if row_scale is not None:
+            scale[at] = row_scale
+
+    def attn_merge(self, out_a, lse_a, out_b, lse_b, out):
+        m = np.maximum(lse_a, lse_b)
+        m = np.where(np.isfinite(m), m, 0.0)
+        w_a, w_b = np.exp(lse_a - m)[..., None], np.exp(lse_b - m)[..., None]  # [T, Hq, 1]; -inf: 0
+        a = np.where(w_a > 0, w_a * out_a, 0.0)
+        b = np.where(w_b > 0, w_b * out_b, 0.0)
+        total = w_a + w_b
+        out[:] = np.where(total > 0, (a + b) / np.where(total > 0, total, 1.0), 0.0)
 
     def swiglu(self, gate, up, out):
         out[:] = silu(gate) * up

@@ -29,7 +29,7 @@ def test_gpu_backend_wiring_matches_cpu(gguf_models, numpy_runtime, reference_ke
     ref = score(Model(weights, CpuBackend()))
     rng = np.random.default_rng(0)
     for fraction in (0.0, 0.5, 1.0):
-        backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=rng.random((c.num_layers, c.num_experts)) < fraction)
+        backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=rng.random((c.num_layers, c.num_experts)) < fraction)
         backend.kernels = reference_kernels
         got = score(Model(weights, backend, host=CpuBackend()))
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max(), err_msg=f"{fraction:.0%}")
@@ -79,7 +79,7 @@ def test_gpu_failure_fails_the_request_and_the_engine_keeps_serving(gguf_models,
     c = weights.config
     good = [3, 17, 42, 5, 99]
     ref, _ = _serve(Model(weights, CpuBackend()), weights.tokenizer, [good])
-    backend = FaultyBackend(numpy_runtime, kv_tokens=512, resident=np.ones((c.num_layers, c.num_experts), bool))
+    backend = FaultyBackend(numpy_runtime, max_context=512, resident=np.ones((c.num_layers, c.num_experts), bool))
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
     results, counts = _serve(model, weights.tokenizer, [[POISON, 8, 9], good])
@@ -96,7 +96,7 @@ def test_gpu_backend_prefill_borrow_matches_cpu(gguf_models, numpy_runtime, refe
     c = weights.config
     tokens = list(np.resize(TOKENS, 48))
     ref = Model(weights, CpuBackend())
-    backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=np.zeros((c.num_layers, c.num_experts), bool))
+    backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=np.zeros((c.num_layers, c.num_experts), bool))
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
     backend.borrow_bytes_per_second = 1e15  # copies cost nothing: every expert with pairs is borrowed
@@ -112,7 +112,7 @@ def test_device_kv_parks_in_host_ram_and_restores(gguf_models, numpy_runtime, re
     from hybrid.conversation_cache import ConversationCache, model_fingerprint
 
     weights = load_model(gguf_models("small", "Q8_0")[0])
-    backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=np.ones((3, 8), dtype=bool))
+    backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=np.ones((3, 8), dtype=bool))
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
     kv = model.new_sequence(256)
@@ -135,7 +135,7 @@ def test_swaps_keep_the_device_slot_map_in_step(gguf_models, numpy_runtime, refe
     c = weights.config
     resident = np.zeros((c.num_layers, c.num_experts), bool)
     resident[:, :3] = True
-    backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=resident)
+    backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=resident)
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
     ref = score(Model(weights, CpuBackend()))
@@ -166,9 +166,69 @@ def test_split_records_the_usage_of_the_plain_path(gguf_models, numpy_runtime, r
         return model.usage
 
     ref = recorded(Model(weights, CpuBackend()))
-    backend = GpuBackend(numpy_runtime, kv_tokens=256, resident=mask)
+    backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=mask)
     backend.kernels = reference_kernels
     got = recorded(Model(weights, backend, host=CpuBackend()))
     assert got.tokens_decode == ref.tokens_decode == 1 and got.tokens_prefill == ref.tokens_prefill
     for name in ("prefill", "decode", "coactivation"):
         np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
+
+
+def _long_score(model, tokens, chunk):
+    """Logits of `tokens` read `chunk` at a time, then two decode steps."""
+    kv, read = model.new_sequence(512), len(tokens) - 2
+    out = [model.forward(Batch([SeqChunk(kv, lo, np.asarray(tokens[lo:min(lo + chunk, read)]), "all")]))
+           for lo in range(0, read, chunk)]
+    for t in tokens[len(tokens) - 2:]:
+        out.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([t]))])))
+    return np.concatenate(out), kv
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("resident_tokens,host_attention", [(None, "cpu"), (64, "cpu"), (100, "gpu")])
+def test_device_kv_encodings_and_resident_window(gguf_models, numpy_runtime, reference_kernels, kv_dtype,
+                                                 resident_tokens, host_attention):
+    """The device KV in each encoding, all in VRAM or with only the newest blocks there (the rest in RAM,
+    attended by the host and merged, or staged back to the device), gives the CPU engine's logits with
+    the same encoding; the blocks past the window really left VRAM."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    tokens = list(np.resize(TOKENS, 300))
+    want, _ = _long_score(Model(weights, CpuBackend(), kv_dtype=kv_dtype), tokens, 48)
+    backend = GpuBackend(numpy_runtime, max_context=512, chunk_tokens=48, kv_dtype=kv_dtype,
+                         kv_resident=resident_tokens, kv_host_attention=host_attention,
+                         resident=np.random.default_rng(1).random((c.num_layers, c.num_experts)) < 0.5)
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend(), kv_dtype=kv_dtype)
+    got, kv = _long_score(model, tokens, 48)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    if resident_tokens is not None:
+        window = -(-resident_tokens // 64)
+        assert len(kv.blocks) == window and kv.host_blocks == -(-300 // 64) - window
+        assert (kv.table[:kv.host_blocks] == -1).all()
+        assert backend.kv_pool.num_blocks == backend.vram_blocks_per_sequence() < -(-512 // 64)
+        k, _ = kv.export(300)
+        assert k.shape == (c.num_layers, 300, c.num_kv_heads, c.head_dim) and np.isfinite(k).all()
+
+
+def test_device_kv_resident_restores_a_long_conversation_window_by_window(gguf_models, numpy_runtime,
+                                                                         reference_kernels):
+    """Loading a parked conversation longer than the VRAM window goes through the window: the pool never
+    runs out, and the restored sequence continues as the original would."""
+    from hybrid.conversation_cache import ConversationCache, model_fingerprint
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    tokens = list(np.resize(TOKENS, 260))
+    backend = GpuBackend(numpy_runtime, max_context=512, chunk_tokens=64, kv_resident=64,
+                         resident=np.ones((3, 8), dtype=bool))
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend())
+    full, kv = _long_score(model, tokens, 64)
+    cache = ConversationCache(1 << 26, model_fingerprint(weights), block_tokens=64)
+    cache.park(tokens, kv)
+    del kv
+    restored = model.new_sequence(512)
+    n = cache.restore(tokens + [1], restored)
+    assert n == 256 and restored.host_blocks == 3
+    rest = model.forward(Batch([SeqChunk(restored, n, np.asarray(tokens[n:]), "all")]))
+    np.testing.assert_allclose(rest, full[n:], rtol=0, atol=1e-4 * np.abs(full).max())

@@ -4,7 +4,6 @@ import pytest
 
 import hybrid
 from hybrid.cli import main as cli_main
-from hybrid.kv_cache import SequenceKV
 
 IDS = np.random.default_rng(11).integers(0, 1000, 90).tolist()
 
@@ -32,22 +31,6 @@ def test_coarse_kv_close_except_where_routing_flips(gguf_models, f32_logits, kv,
     per_position = np.max(np.abs(ours - f32_logits), axis=1) / np.max(np.abs(f32_logits), axis=1)
     assert np.median(per_position) <= typical
     assert np.mean(ours.argmax(axis=1) == f32_logits.argmax(axis=1)) >= 0.9
-
-
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "int8"])
-def test_sequence_kv_grows_and_exports(dtype):
-    rng = np.random.default_rng(0)
-    kv = SequenceKV(2, 2, 16, 1000, initial_capacity=8, dtype=dtype)
-    k, v = (rng.standard_normal((2, 20, 2, 16)).astype(np.float32) for _ in range(2))
-    kv.load(k[:, :5], v[:, :5])
-    kv.reserve(20)  # grows past its first capacity, keeping what it holds
-    for layer in range(2):
-        kv.write(layer, 5, k[layer, 5:], v[layer, 5:])
-    kv.length = 20
-    k_out, v_out = kv.export(20)
-    tol = {"f32": 0, "f16": 1e-3, "bf16": 8e-3, "int8": 8e-3}[dtype]
-    np.testing.assert_allclose(k_out, k, rtol=0, atol=tol * np.abs(k).max())
-    np.testing.assert_allclose(v_out, v, rtol=0, atol=tol * np.abs(v).max())
 
 
 def test_cli_kv_option(gguf_models, capsys):

@@ -60,7 +60,7 @@ class StandInRuntime(_fixtures.NumpyRuntime):
 
 
 def gpu_backend(**options):
-    backend = GpuBackend(StandInRuntime(), kv_tokens=256, **options)
+    backend = GpuBackend(StandInRuntime(), max_context=256, kv_sequences=2, **options)
     backend.kernels = _fixtures.ReferenceKernels()
     return backend
 
