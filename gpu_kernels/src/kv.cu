@@ -332,7 +332,7 @@ __device__ __forceinline__ void score_keys(const float (&qv)[R][4], const float 
 // Online softmax step of R rows over the tile's scores sc [R][PD_KEYS] (left as probabilities): from
 // the running max and sum prev [2][R] to next [2][R], each row's rescale of its earlier sums in cs [R].
 __device__ __forceinline__ void softmax_rows(float* sc, float* cs, const float* prev, float* next, int R) {
-    for (int e = threadIdx.x; e < R * PD_KEYS; e += blockDim.x) {  // PD_KEYS lanes a row, all in each
+    for (int e = threadIdx.x; e < R * PD_KEYS; e += blockDim.x) {  // a row's PD_KEYS lanes loop together
         int r = e / PD_KEYS;
         float m_old = prev[r], s = sc[e];
         float new_m = fmaxf(m_old, group_max(s, PD_KEYS));

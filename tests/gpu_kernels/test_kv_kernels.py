@@ -132,7 +132,7 @@ def test_paged_attention(runtime, kernels, reference_kernels, kv_dtype, case, he
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [24, 96, 256])  # rows read value by value (int8 at 24), 16-key tiles (256)
+@pytest.mark.parametrize("head_dim", [24, 30, 96, 256])  # 30: rows read value by value; 256: 16-key tiles
 @pytest.mark.parametrize("case", [(1, 2000, 0, 3, 64), (37, 300, 150, 3, 16)], ids=["decode", "prefill"])
 @pytest.mark.parametrize("kv_dtype", kv_store.KV_DTYPES)
 def test_paged_attention_head_dims(runtime, kernels, reference_kernels, kv_dtype, case, head_dim):
@@ -164,6 +164,7 @@ def test_paged_attention_splits_agree(runtime, kernels, num_tokens, start):
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # f16 inf, on purpose
 @pytest.mark.parametrize("kv_dtype", kv_store.KV_DTYPES)
 def test_kv_write_bit_exact(runtime, kernels, reference_kernels, kv_dtype):
     """Positions 37 .. 186 (from mid-block, over several shuffled blocks) of rows with zeros, huge, tiny and
@@ -209,7 +210,7 @@ def test_attn_merge(runtime, kernels, reference_kernels):
     assert rel_err(got, ref) < 1e-6
 
 
-def check_split_at(kern, runtime, kv_dtype, rng, num_tokens, split, group=4):
+def split_and_merge(kern, runtime, kv_dtype, rng, num_tokens, split, group=4):
     """Attention over [0, start + t + 1) == the merge of [0, split) (token by token) and [split, start + t + 1)."""
     start = 900
     cache, _, _ = make_cache(rng, kv_dtype, start + num_tokens, 2, 64, 16, 3)
@@ -229,11 +230,34 @@ def check_split_at(kern, runtime, kv_dtype, rng, num_tokens, split, group=4):
 @pytest.mark.parametrize("num_tokens", [1, 8])
 @pytest.mark.parametrize("kv_dtype", kv_store.KV_DTYPES)
 def test_merge_of_key_ranges_is_whole_attention(runtime, kernels, kv_dtype, num_tokens):
-    whole, merged = check_split_at(kernels, runtime, kv_dtype, np.random.default_rng(num_tokens), num_tokens, 333)
+    whole, merged = split_and_merge(kernels, runtime, kv_dtype, np.random.default_rng(num_tokens), num_tokens, 333)
     assert rel_err(merged, whole) < 1e-5
 
 
-# The references, without a GPU: they drive GpuBackend's Python side in CI, so they are checked here.
+# Without a GPU: the launch plans fit the kernels; the references (they drive GpuBackend's Python side
+# in CI) are right.
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37, 512])
+@pytest.mark.parametrize("head_dim", [8, 24, 96, 128, 200, 256])
+@pytest.mark.parametrize("group", [1, 3, 4, 16])
+def test_attention_plan_fits_the_kernels(num_tokens, head_dim, group):
+    from gpu_kernels.kernels import PA_OUTS, PA_THREADS, PD_KEYS, attention_plan
+
+    for num_keys in (-5, 1, 255, 700, 5000, 40000):
+        plan = attention_plan(num_tokens, group, 4, head_dim, num_keys)
+        assert plan.shared_mem <= 48 << 10
+        assert plan.splits * plan.split_keys >= num_keys and (plan.splits - 1) * plan.split_keys < max(num_keys, 1)
+        assert plan.num_tiles * plan.rows >= num_tokens * group
+        if plan.kernel == "paged_attention_1":  # R heads, lanes of 4 values: R <= LG <= 32, 4 LG >= D
+            keys_a_group = PD_KEYS * plan.width / PA_THREADS  # kv.cu's PD_MAX_KPG = 8 at most
+            assert num_tokens == 1 and plan.rows in (1, 2, 4, 8) and plan.rows <= plan.width <= 32
+            assert 4 * plan.width >= head_dim and keys_a_group in (1, 2, 4, 8)
+        else:  # kv.cu's PA_ROWS_PER_THREAD = 4 rows a key lane, PA_OUTS values a thread
+            assert plan.width in (16, 32) and plan.rows <= PA_THREADS // plan.width * 4
+            assert plan.rows * head_dim <= PA_OUTS * PA_THREADS
+        if plan.splits > 1:
+            assert plan.split_keys % (PD_KEYS if plan.kernel == "paged_attention_1" else plan.width) == 0
 
 
 def dense_attention(q, k, v, start, key_lo, scale):
@@ -291,6 +315,6 @@ def test_reference_attn_merge_skips_empty_sides(reference_kernels):
 
 @pytest.mark.parametrize("num_tokens", [1, 8])
 def test_reference_merge_of_key_ranges_is_whole_attention(reference_kernels, num_tokens):
-    whole, merged = check_split_at(reference_kernels, None, "int8", np.random.default_rng(num_tokens), num_tokens,
+    whole, merged = split_and_merge(reference_kernels, None, "int8", np.random.default_rng(num_tokens), num_tokens,
                                    333)
     assert np.abs(merged - whole).max() < 1e-6
