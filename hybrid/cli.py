@@ -80,9 +80,9 @@ def _add_device_options(p):
     p.add_argument("--kv-resident", type=int, default=None, metavar="N",
                    help="GPU: keep only the newest N tokens of each slot's KV in VRAM (rounded up to 64-token "
                         "blocks), the older ones in pinned RAM (default: all in VRAM)")
-    p.add_argument("--kv-host-attention", choices=KV_HOST_ATTENTION, default="cpu",
-                   help="with --kv-resident: who attends the KV in RAM: cpu (the host, while the GPU attends "
-                        "the VRAM part; default) or gpu (copied to VRAM layer by layer)")
+    p.add_argument("--kv-host-attention", choices=KV_HOST_ATTENTION, default="gpu",
+                   help="with --kv-resident: who attends the KV in RAM: gpu (copied to VRAM layer by layer; "
+                        "default, faster over PCIe 5) or cpu (the host, while the GPU attends the VRAM part)")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model runs: auto (the GPU when usable, else the CPU), gpu, cpu (default auto)")
     p.add_argument("--expert-cache-mib", type=_cache_mib, default=None, metavar="N|auto",

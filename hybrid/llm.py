@@ -44,7 +44,7 @@ class LLM:
     def __init__(self, model_path=None, device="cpu", threads=None, max_context=None, expert_cache_mib=None,
                  vram_reserve_mib=DEFAULT_RESERVE_MIB, resident=None, kv_sequences=1, placement=None, profile=None,
                  expert_cache="auto", dynamic=None, prefill_borrow=True, kv="f32", kv_resident=None,
-                 kv_host_attention="cpu"):
+                 kv_host_attention="gpu"):
         from cpu_kernels.target import set_threads
 
         if model_path is None:
