@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE_MIB = 512
 KV_HOST_ATTENTION = ("gpu", "cpu")  # who attends the RAM part of a --kv-resident sequence (the first: the default,
-# 2.4-3.5x the decode speed and 9-40x the prompt speed of "cpu" on the H200 host: bench/results/kv_resident.md)
+# 2.3-3.9x the decode speed and 12-41x the prompt speed of "cpu" on the H200 host: bench/results/kv_resident.md)
 PCIE_PROBE_BYTES = 64 << 20  # the pinned host -> device copy timed at start-up
 
 
