@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import Batch, SeqChunk
+from .errors import RequestError
 from .expert_usage import ExpertUsage
 from .request import Delta, Failed, Finished, RequestHandle, StopFilter, check_prompt, timings
 from .sampling import Sampler
@@ -159,10 +160,13 @@ class Engine:
         """Logits per chunk (None for a chunk that asks none or that failed alone)."""
         try:
             return self._run(chunks)
-        except Exception:
+        except Exception as exc:
             if len(chunks) == 1:
-                log.exception("request %s failed in the forward pass", chunks[0].slot.request.request_id)
-                return [_FAILED]
+                if isinstance(exc, RequestError):  # this request's own limit (e.g. the KV budget): no trace
+                    log.warning("request %s failed: %s", chunks[0].slot.request.request_id, exc)
+                else:
+                    log.exception("request %s failed in the forward pass", chunks[0].slot.request.request_id)
+                return [_Failed(exc)]
             return [self._forward([c])[0] for c in chunks]  # find the failing request: one chunk at a time
 
     def _run(self, chunks):
@@ -174,8 +178,10 @@ class Engine:
     def _postprocess(self, chunks, logits):
         for chunk, row in zip(chunks, logits):
             slot = chunk.slot
-            if row is _FAILED:  # a model or device error: the KV of this slot may be invalid, not parked
-                self._fail(slot, "the forward pass failed for this request", keep_kv=False)
+            if isinstance(row, _Failed):  # a model or device error: the KV of this slot may be invalid, not parked
+                message = str(row.error) if isinstance(row.error, RequestError) else \
+                    "the forward pass failed for this request"
+                self._fail(slot, message, keep_kv=False)
                 continue
             try:
                 self.scheduler.advance(chunk)
@@ -233,4 +239,8 @@ class Engine:
         live.handle.events.put(Finished(reason, live.text, list(slot.output_ids), len(slot.request.prompt_ids), t))
 
 
-_FAILED = object()  # marks the logits of a chunk whose forward pass failed
+@dataclass
+class _Failed:
+    """Stands for the logits of a chunk whose forward pass failed."""
+
+    error: Exception

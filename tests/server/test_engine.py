@@ -43,6 +43,39 @@ def test_a_failing_request_does_not_take_the_engine_down(llm):
         engine.stop()
 
 
+class LimitedKVModel(PoisonedModel):
+    """The model's sequences share a KV pool of `blocks` blocks."""
+
+    def __init__(self, model, blocks):
+        from hybrid.kv_cache import KVPool
+
+        super().__init__(model)
+        c = model.config
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=blocks, max_blocks=blocks)
+
+    def new_sequence(self, max_tokens):
+        return self.model.backend.new_kv(self.pool, max_tokens)
+
+
+def test_a_full_kv_budget_fails_only_the_request_that_needs_more(llm):
+    """Two slots share 3 blocks of 64 tokens: a 150-token prompt takes them all, so a request that comes
+    while it runs gets an error that names the KV budget; the first finishes as it would alone."""
+    fake = SimpleNamespace(model=LimitedKVModel(llm.model, 3), tokenizer=llm.tokenizer, max_context=llm.max_context)
+    engine = Engine(fake, num_slots=2).start()
+    try:
+        long_ids = list(range(20, 170))
+        first = engine.submit(greedy_request(long_ids, max_tokens=30))
+        assert isinstance(first.next_event(timeout=60), Delta)
+        second = engine.submit(greedy_request([5, 6, 8]))
+        failed = second.result()
+        assert isinstance(failed, Failed) and "KV cache full" in failed.message and "0 of 3 free" in failed.message
+        result = first.result()
+        assert isinstance(result, Finished)
+        assert result.token_ids == llm.generate(long_ids, max_tokens=30, temperature=0).token_ids
+    finally:
+        engine.stop()
+
+
 def test_cancel_frees_the_slot(llm):
     engine = Engine(llm, num_slots=1).start()
     try:
