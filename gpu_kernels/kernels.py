@@ -173,15 +173,6 @@ class Kernels:
         self._launch(self._ops("rope_neox"), (num_tokens,), self._threads(num_heads * head_dim // 2),
                      (x, positions, inv_freq, np.int32(num_heads), np.int32(head_dim)))
 
-    def attention(self, q, k_cache, v_cache, start, scale, out):
-        """q [T, Hq, D], k_cache / v_cache [S, Hkv, D] -> out [T, Hq, D], causal from position `start`."""
-        num_tokens, num_q_heads, head_dim = q.shape
-        threads = max(self._threads(start + num_tokens), _pow2_at_least(head_dim))
-        self._launch(self._ops("attention"), (num_tokens * num_q_heads,), threads,
-                     (q, k_cache, v_cache, out, np.int32(num_q_heads), np.int32(k_cache.shape[1]),
-                      np.int32(head_dim), np.int32(start), np.float32(scale)),
-                     shared_mem=(head_dim + 2 * threads) * 4)
-
     def paged_attention(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out,
                         lse=None, stage=None):
         """out [T, Hq, D] = causal GQA attention of q [T, Hq, D] (query t at position start + t) over keys

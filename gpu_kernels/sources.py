@@ -1,6 +1,6 @@
 """The CUDA/HIP C sources of the kernels, assembled into compilable modules.
 
-A module is "ops" (norms, RoPE, attention, SwiGLU, routing, row moves), one per quant format
+A module is "ops" (norms, RoPE, attention merge, SwiGLU, routing, row moves), one per quant format
 (its header + the matmul kernels) or one per KV storage type ("kv_<type>": the paged KV kernels).
 Sources need no headers, so NVRTC and hiprtc compile them as they are, with or without a GPU.
 """
@@ -17,7 +17,7 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
     Q.Q6_K: ("q6_k.cuh",),
 }
 
-OPS_KERNELS = ("rmsnorm", "rope_neox", "attention", "attn_merge", "swiglu", "route_topk", "gather_rows",
+OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",
                "combine_rows", "decode_tiles", "add_into")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "dequant_rows")
 KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type

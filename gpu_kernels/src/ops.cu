@@ -1,4 +1,4 @@
-// The forward pass's other ops: RMSNorm, NeoX RoPE, causal GQA attention, SwiGLU, router softmax
+// The forward pass's other ops: RMSNorm, NeoX RoPE, the merge of two attention parts, SwiGLU, router softmax
 // top-k, and moving rows between token order and expert-sorted pair order.
 //
 // Shape legend: T tokens, H hidden (or head dim for per-head norms), nH heads, D head dim,
@@ -31,50 +31,6 @@ extern "C" __global__ void rope_neox(float* x, const i64* positions, const float
         xt[h * D + i] = x1 * c - x2 * s;
         xt[h * D + i + half] = x2 * c + x1 * s;
     }
-}
-
-// Causal GQA attention with an online softmax over key tiles of blockDim keys.
-// q [T, Hq, D], k / v [S, Hkv, D] (positions 0 .. start+T-1 written), out [T, Hq, D];
-// query t sits at position start + t. grid (T * Hq), blockDim >= D; shared: D + 2 * blockDim floats.
-extern "C" __global__ void attention(const float* q, const float* k, const float* v, float* out,
-                                     int Hq, int Hkv, int D, int start, float scale) {
-    extern __shared__ float sh[];
-    float* qs = sh;                    // [D]
-    float* p = sh + D;                 // [blockDim] this tile's probabilities
-    float* red = sh + D + blockDim.x;  // [blockDim]
-    int t = blockIdx.x / Hq, h = blockIdx.x % Hq, kvh = h / (Hq / Hkv), tid = threadIdx.x;
-    i64 kv_stride = (i64)Hkv * D;
-    const float* qrow = q + (i64)blockIdx.x * D;
-    if (tid < D) qs[tid] = qrow[tid];
-    __syncthreads();
-    int num_keys = start + t + 1;
-    float m = NEG_INF, l = 0.0f, acc = 0.0f;
-    for (int j0 = 0; j0 < num_keys; j0 += blockDim.x) {
-        int j = j0 + tid;
-        float s = NEG_INF;
-        if (j < num_keys) {
-            const float* krow = k + j * kv_stride + (i64)kvh * D;
-            float dot = 0.0f;
-            for (int d = 0; d < D; ++d) dot += qs[d] * krow[d];
-            s = dot * scale;
-        }
-        float new_m = fmaxf(m, block_max(s, red));
-        float pj = j < num_keys ? expf(s - new_m) : 0.0f;
-        p[tid] = pj;
-        float tile_sum = block_sum(pj, red);
-        float corr = expf(m - new_m);
-        l = l * corr + tile_sum;
-        if (tid < D) {
-            float a = acc * corr;
-            int n = min((int)blockDim.x, num_keys - j0);
-            const float* vcol = v + (i64)j0 * kv_stride + (i64)kvh * D + tid;
-            for (int jj = 0; jj < n; ++jj) a += p[jj] * vcol[jj * kv_stride];
-            acc = a;
-        }
-        m = new_m;
-        __syncthreads();
-    }
-    if (tid < D) out[(i64)blockIdx.x * D + tid] = acc / l;
 }
 
 // out [T, Hq, D] = two partial attentions over disjoint keys, (out_a, lse_a) and (out_b, lse_b)

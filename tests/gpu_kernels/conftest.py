@@ -75,16 +75,6 @@ class ReferenceKernels:
         x1, x2 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
         x[..., :half], x[..., half:] = x1 * c - x2 * s, x2 * c + x1 * s
 
-    def attention(self, q, k_cache, v_cache, start, scale, out):
-        num_tokens, num_q_heads, _ = q.shape
-        group = num_q_heads // k_cache.shape[1]
-        for t in range(num_tokens):
-            keys = slice(0, start + t + 1)
-            for h in range(num_q_heads):
-                s = k_cache[keys, h // group].astype(np.float64) @ q[t, h] * scale
-                p = np.exp(s - s.max())
-                out[t, h] = p @ v_cache[keys, h // group] / p.sum()
-
     def paged_attention(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out,
                         lse=None, stage=None):
         num_tokens, num_q_heads, head_dim = q.shape

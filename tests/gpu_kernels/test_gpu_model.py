@@ -54,3 +54,33 @@ def test_vram_too_small_for_dense_weights(runtime, gguf_models):
     path, _ = gguf_models("small", "Q8_0")
     with pytest.raises(VramError, match="too little for dense weights"):
         LLM(path, device="gpu", vram_reserve_mib=10**9)
+
+
+LONG = np.resize(PROMPT, 300).tolist()
+
+
+def chunked_score(llm, ids, chunk):
+    """Logits at every position, reading `chunk` tokens a step (so later chunks attend a RAM part)."""
+    from hybrid.batch import Batch, SeqChunk
+
+    kv = llm.model.new_sequence(llm.max_context)
+    return np.concatenate([llm.model.forward(Batch([SeqChunk(kv, lo, np.asarray(ids[lo:lo + chunk]), "all")]))
+                           for lo in range(0, len(ids), chunk)])
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "int8"])
+@pytest.mark.parametrize("resident_tokens,host_attention", [(None, "gpu"), (64, "gpu"), (100, "cpu")])
+def test_gpu_kv_encodings_and_window_match_cpu(runtime, gguf_models, kv, resident_tokens, host_attention):
+    """Each KV encoding on the GPU, all in VRAM or with a window (the RAM part copied in, or attended on
+    the CPU), scores a 300-token prompt as the CPU engine with the same encoding, and decodes the same
+    greedy tokens."""
+    path, _ = gguf_models("small", "Q8_0")
+    cpu = LLM(path, device="cpu", max_context=512, kv=kv)
+    ref = cpu.score(LONG)
+    ref_tokens = cpu.generate(LONG, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+    gpu = LLM(path, device="gpu", max_context=512, kv=kv, kv_resident=resident_tokens,
+              kv_host_attention=host_attention, resident=masks(3, 8)["50%"])
+    got = chunked_score(gpu, LONG, 48)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err <= 2e-3, f"rel err {err:.2e}"
+    assert gpu.generate(LONG, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens

@@ -108,23 +108,6 @@ def test_rope_neox_matches_cpu_kernel(runtime, kernels, head_dim, theta):
     assert np.abs(runtime.to_host(dev) - ref).max() < 2e-5
 
 
-@pytest.mark.parametrize("num_tokens,start", [(1, 0), (1, 700), (37, 0), (37, 300)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_attention_causal_gqa(runtime, kernels, reference_kernels, num_tokens, start, head_dim):
-    rng = np.random.default_rng(num_tokens + start + head_dim)
-    hq, hkv, capacity = 8, 2, start + num_tokens + 5
-    q = rng.standard_normal((num_tokens, hq, head_dim)).astype(np.float32)
-    k = rng.standard_normal((capacity, hkv, head_dim)).astype(np.float32)
-    v = rng.standard_normal((capacity, hkv, head_dim)).astype(np.float32)
-    k[start + num_tokens:] = v[start + num_tokens:] = np.nan  # unwritten positions must not be read
-    scale = head_dim ** -0.5
-    out = runtime.empty(q.shape, np.float32)
-    kernels.attention(runtime.to_device(q), runtime.to_device(k), runtime.to_device(v), start, scale, out)
-    ref = np.empty_like(q)
-    reference_kernels.attention(q, k, v, start, scale, ref)
-    assert rel_err(runtime.to_host(out), ref) < 1e-5
-
-
 def test_swiglu(runtime, kernels, reference_kernels):
     rng = np.random.default_rng(5)
     gate = (10 * rng.standard_normal((13, 300))).astype(np.float32)
