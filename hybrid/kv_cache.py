@@ -5,38 +5,22 @@ The pool holds K and V as [L, NB, BT, Hkv, D] in the encoding `dtype` names (hyb
 by default (exact), f16 / bf16 (half the bytes) or int8 with per-token, per-head scales [L, NB, BT, Hkv]
 (a quarter). Position j of a sequence lives in pool block table[j // BT], row j % BT. A sequence
 takes blocks as it grows and gives them back when it is cut or dropped, so sequences share one
-budget and nothing is copied as they grow. Host pools live in anonymous memory reserved without
-committing it (pages are backed as they are written); a pool without a limit doubles when it runs
+budget and nothing is copied as they grow. Host pools live in anonymous mappings reserved without
+committing them (hybrid/host_memory.py: pages are backed as they are written); a pool without a limit doubles when it runs
 out (a copy), one with a limit (`max_blocks`, the user's budget) refuses with a RequestError.
 """
 import logging
-import mmap
 import weakref
 
 import numpy as np
 
 from . import kv_store
 from .errors import RequestError
+from .host_memory import host_array
 
 log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 64  # positions per block; the conversation cache restores in blocks of the same size
-RESERVE_MIN_BYTES = 1 << 21  # host arrays from this size on are reserved mappings (committed on first write)
-
-
-def host_array(shape, dtype):
-    """An uninitialized host array whose pages are committed only when written (large ones: an anonymous
-    mapping without swap reservation, asked for huge pages)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if nbytes < RESERVE_MIN_BYTES:
-        return np.empty(shape, dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-    region = mmap.mmap(-1, nbytes, flags=flags)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(region, dtype=dtype).reshape(shape)
-
-
 def blocks_for(num_tokens, block_tokens=BLOCK_TOKENS):
     return -(-int(num_tokens) // block_tokens)
 

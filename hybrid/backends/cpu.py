@@ -24,6 +24,7 @@ from cpu_kernels import activation, attention, format_for, moe_combine, rmsnorm,
 from cpu_kernels.act_quant import act_quant_code
 from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
+from ..host_memory import huge_page_copy
 from ..kv_cache import KVPool, SequenceKV, blocks_for
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,9 @@ class CpuBackend:
         return found
 
     def place(self, model):
-        """Copy the file-mapped (read-only) weights into NumPy's own memory, which NumPy backs with transparent
-        huge pages: a 1-thread decode read its experts at ~7 GB/s from 4 KiB file pages, ~23 GB/s from 2 MiB
-        pages (TLB misses; bench/results/cpu_decode_profile.md). Left mapped where the copies would take over
+        """Copy the file-mapped (read-only) weights into anonymous memory advised for transparent huge pages
+        (hybrid/host_memory.py): a 1-thread decode read its experts at ~7 GB/s from 4 KiB file pages, ~23 GB/s
+        from 2 MiB pages (TLB misses; bench/results/cpu_decode_profile.md). Left mapped where the copies would take over
         COPY_MAX_FREE_SHARE of the free memory."""
         mapped = [t for t in model.weights.tensors.values() if not t.raw.flags.writeable]
         size = sum(t.raw.nbytes for t in mapped)
@@ -85,7 +86,7 @@ class CpuBackend:
         with tqdm(total=size, unit="B", unit_scale=True, desc="weights into RAM", disable=size < PROGRESS_MIN_BYTES,
                   leave=False) as bar:
             for tensor in mapped:
-                tensor.raw = np.array(tensor.raw)
+                tensor.raw = huge_page_copy(tensor.raw)
                 bar.update(tensor.raw.nbytes)
 
     def new_kv_pool(self, num_layers, num_kv_heads, head_dim, dtype, num_tokens):

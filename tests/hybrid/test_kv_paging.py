@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hybrid.errors import RequestError
-from hybrid.kv_cache import BLOCK_TOKENS, KVPool, SequenceKV, host_array
+from hybrid.host_memory import host_array
+from hybrid.kv_cache import BLOCK_TOKENS, KVPool, SequenceKV
 
 L, HKV, D = 2, 2, 16
 
