@@ -154,7 +154,7 @@ class DeviceSequenceKV(SequenceKV):
         if num_blocks <= have:
             return
         capacity = min(blocks_for(self.max_tokens, self.block_tokens), max(num_blocks, 2 * have, 16))
-        self.wait_host()
+        self.backend.synchronize()  # queued copies into and out of the old arrays are done before they are freed
         for name in self._names():
             pool = getattr(self.pool, name)
             grown = self.backend.rt.pinned_empty((self.num_layers, capacity) + tuple(pool.shape[2:]), pool.dtype)
