@@ -25,6 +25,14 @@ def blocks_for(num_tokens, block_tokens=BLOCK_TOKENS):
     return -(-int(num_tokens) // block_tokens)
 
 
+def vram_blocks(max_context, kv_resident=None, chunk_tokens=512):
+    """KV blocks one sequence may hold in VRAM: all of max_context, or with a resident window of kv_resident
+    tokens the window + a prompt chunk + one (a chunk may straddle a block boundary)."""
+    if kv_resident is None:
+        return blocks_for(max_context)
+    return min(blocks_for(max_context), blocks_for(kv_resident) + blocks_for(chunk_tokens) + 1)
+
+
 class KVPool:
     """The blocks of every sequence of a model. `allocate(shape, dtype)` makes its arrays (host memory by
     default; a device backend passes its own, and a fixed size)."""

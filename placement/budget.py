@@ -103,12 +103,17 @@ class GpuBudget:
                 "slot_mib": self.slot_bytes / MIB}
 
 
-def gpu_budget(sizes, gpu, num_gpus, total_bytes, layers, num_slots, max_context, kv_dtype, reserve_bytes):
-    """The budget of GPU `gpu` of `num_gpus` holding `layers` (a range)."""
+def gpu_budget(sizes, gpu, num_gpus, total_bytes, layers, num_slots, max_context, kv_dtype, reserve_bytes,
+               kv_resident=None):
+    """The budget of GPU `gpu` of `num_gpus` holding `layers` (a range); with kv_resident, each slot keeps
+    only that window of its KV in VRAM (the engine's --kv-resident)."""
+    from hybrid.kv_cache import BLOCK_TOKENS, vram_blocks
+
     dense = sum(sizes.layer_dense_bytes[i] for i in layers)
     dense += sizes.embed_bytes if gpu == 0 else 0
     dense += sizes.head_bytes if gpu == num_gpus - 1 else 0
-    kv = num_slots * max_context * len(layers) * sizes.kv_bytes_per_token(kv_dtype)
+    kv_tokens = max_context if kv_resident is None else vram_blocks(max_context, kv_resident) * BLOCK_TOKENS
+    kv = num_slots * kv_tokens * len(layers) * sizes.kv_bytes_per_token(kv_dtype)
     slot = max((sizes.expert_bytes[i] for i in layers), default=0)
     return GpuBudget(gpu, int(total_bytes), int(reserve_bytes), int(dense), int(kv), sizes.scratch_bytes(num_slots),
                      layers.start, layers.stop, int(slot))

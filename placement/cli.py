@@ -39,6 +39,8 @@ def _add_plan(sub):
     p.add_argument("--parallel", type=int, default=1, help="slots served at once; the planned decode batch")
     p.add_argument("--max-context", type=int, default=None, help="context per slot (default: the model's)")
     p.add_argument("--kv", choices=sorted(KV_BYTES), default="f16", help="KV cache type (default f16)")
+    p.add_argument("--kv-resident", type=int, default=None, metavar="N",
+                   help="plan for an engine that keeps only the newest N tokens of each slot's KV in VRAM")
     p.add_argument("--vram-reserve-mib", type=float, default=1024.0, help="headroom kept per GPU (default 1024)")
     p.add_argument("--layer-split", default="auto",
                    help="auto, or the first layer of each GPU after the first (e.g. 24 for 2 GPUs)")
@@ -146,7 +148,7 @@ def _run_plan(args):
     profile.check_model(weights.config.num_layers, weights.config.num_experts, model_id(weights))
     max_context = min(args.max_context or weights.config.context_length, weights.config.context_length)
     budgets = Budgets(_parse_gpu_mib(args.gpu_mib), args.parallel, max_context, args.kv, args.vram_reserve_mib,
-                      _parse_layer_split(args.layer_split))
+                      _parse_layer_split(args.layer_split), args.kv_resident)
     placement = plan(profile, ModelSizes.from_weights(weights), budgets, Speeds(args.cpu_gbps, args.gpu_gbps))
     placement.model_id = model_id(weights)
     placement.save(args.output)

@@ -49,6 +49,7 @@ class Budgets:
     kv_dtype: str = "f16"
     reserve_mib: float = 1024.0
     layer_split: object = "auto"  # "auto", or the first layer of each GPU after the first (tuple of ints)
+    kv_resident: int = None  # tokens of each slot's KV kept in VRAM (--kv-resident), None: all
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def _plan_split(cost, sizes, budgets, ranges):
     gpu_budgets, used = [], []
     for gpu, layers in enumerate(ranges):
         budget = gpu_budget(sizes, gpu, len(ranges), budgets.gpu_mib[gpu] * MIB, layers, budgets.num_slots,
-                            budgets.max_context, budgets.kv_dtype, budgets.reserve_mib * MIB)
+                            budgets.max_context, budgets.kv_dtype, budgets.reserve_mib * MIB, budgets.kv_resident)
         check_fits(budget, budgets.num_slots, budgets.max_context, budgets.kv_dtype)
         planned = cost.plan_layers(layers, budget.expert_slots)
         mask |= fill_slots(planned, cost.p, layers, budget.expert_slots - int(planned.sum()))

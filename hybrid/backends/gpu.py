@@ -23,7 +23,7 @@ from gpu_kernels.kernels import TILE_TOKENS, Kernels
 
 from ..formats.weights import QuantTensor
 from .. import kv_store
-from ..kv_cache import BLOCK_TOKENS, KVPool, SequenceKV, blocks_for
+from ..kv_cache import BLOCK_TOKENS, KVPool, SequenceKV, blocks_for, vram_blocks
 from .cpu import paged_attention as host_paged_attention
 
 log = logging.getLogger(__name__)
@@ -291,10 +291,8 @@ class GpuBackend:
         return PCIE_PROBE_BYTES / best
 
     def vram_blocks_per_sequence(self):
-        """KV blocks a sequence may hold in VRAM: all of max_context, or the resident window + a chunk + one."""
-        if self.kv_resident is None:
-            return blocks_for(self.max_context)
-        return min(blocks_for(self.max_context), blocks_for(self.kv_resident) + blocks_for(self.chunk_tokens) + 1)
+        """KV blocks a sequence may hold in VRAM (hybrid.kv_cache.vram_blocks)."""
+        return vram_blocks(self.max_context, self.kv_resident, self.chunk_tokens)
 
     def _stage_bytes(self, c):
         """VRAM for one layer's RAM part of the longest sequence, when the GPU attends RAM parts."""

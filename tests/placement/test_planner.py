@@ -80,6 +80,21 @@ def test_one_gpu_budget_and_predictions(make_profile, make_sizes):
     assert 0 < p["hit_rate"] <= 1
 
 
+def test_kv_window_leaves_room_for_more_experts(make_profile, make_sizes):
+    """With --kv-resident the KV budget is the window (+ a chunk) per slot: 4 slots x 100000 tokens do
+    not fit, 4 slots with a 1000-token window do, with that KV in the budget."""
+    from placement.budget import gpu_budget
+
+    sizes = make_sizes()
+    with pytest.raises(BudgetError, match="KV"):
+        plan(make_profile(), sizes, Budgets((ONE_GPU_MIB + 400,), 4, 100_000, "f16", reserve_mib=0))
+    placement = plan(make_profile(), sizes, Budgets((ONE_GPU_MIB + 400,), 4, 100_000, "f16", reserve_mib=0,
+                                                    kv_resident=1000))
+    window_tokens = (16 + 8 + 1) * 64  # the window's 16 blocks, a 512-token chunk's 8, one more
+    want = gpu_budget(sizes, 0, 1, 1, range(3), 4, window_tokens, "f16", 0).kv
+    assert placement.gpus[0].budget["kv_mib"] * 2**20 == pytest.approx(want)
+
+
 def test_two_gpus_split_layers_and_keep_experts_with_their_layer(make_profile, make_sizes):
     sizes = make_sizes(num_layers=4, num_experts=4)
     profile = make_profile(num_layers=4, num_experts=4)
