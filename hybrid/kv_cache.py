@@ -6,10 +6,9 @@ by default (exact), f16 / bf16 (half the bytes) or int8 with per-token, per-head
 (a quarter). Position j of a sequence lives in pool block table[j // BT], row j % BT. A sequence
 takes blocks as it grows and gives them back when it is cut or dropped, so sequences share one
 budget and nothing is copied as they grow. Host pools live in anonymous mappings reserved without
-committing them (hybrid/host_memory.py: pages are backed as they are written); a pool without a limit doubles when it runs
-out (a copy), one with a limit (`max_blocks`, the user's budget) refuses with a RequestError.
+committing them (hybrid/host_memory.py: pages are backed as they are written); a pool without a limit
+doubles when it runs out (a copy), one with a limit (`max_blocks`) refuses with a RequestError.
 """
-import logging
 import weakref
 
 import numpy as np
@@ -18,9 +17,10 @@ from . import kv_store
 from .errors import RequestError
 from .host_memory import host_array
 
-log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 64  # positions per block; the conversation cache restores in blocks of the same size
+
+
 def blocks_for(num_tokens, block_tokens=BLOCK_TOKENS):
     return -(-int(num_tokens) // block_tokens)
 
