@@ -2,9 +2,9 @@
 
 The cache is a pool of blocks of BT positions; position j of the sequence sits in
 pool block table[j // BT], row j % BT. Query t sits at position start_pos+t and
-attends to keys key_lo..start_pos+t (key_lo > 0 leaves out a prefix that is
-attended elsewhere: the partial result then comes with its log-sum-exp, `lse`,
-for a merge). Query head h reads kv head h // (Hq // Hkv).
+attends to keys key_lo..start_pos+t, only those below key_hi: a range that leaves
+out keys attended elsewhere gives a partial result, with its log-sum-exp (`lse`)
+for a merge. Query head h reads kv head h // (Hq // Hkv).
 
 The cache may hold K/V as float32, as f16 or bf16 bits, or as int8 with one
 float32 scale per (position, kv head) (see `load_row`); rows are widened to
@@ -173,27 +173,6 @@ def _merge(acc, stats, out):
             for d in range(head_dim):
                 out[d] += w * acc[s, d]  # [D]
     return np.float32(best + np.log(total))
-
-
-@njit(parallel=True, nogil=True, cache=True)  # not fastmath: an lse may be -inf
-def merge_partials(out_a, lse_a, out_b, lse_b, out):
-    """out [T, Hq, D] = the softmax average over the union of two disjoint key sets, from each set's
-    partial result out_x [T, Hq, D] and log-sum-exp lse_x [T, Hq]; out may be out_a."""
-    num_tokens, num_heads, head_dim = out.shape
-    for th in prange(num_tokens * num_heads):
-        t = th // num_heads
-        h = th % num_heads
-        a, b = lse_a[t, h], lse_b[t, h]
-        best = max(a, b)
-        wa = np.float32(0.0) if a == -np.inf else np.float32(np.exp(a - best))
-        wb = np.float32(0.0) if b == -np.inf else np.float32(np.exp(b - best))
-        total = wa + wb
-        if total == 0.0:
-            out[t, h, :] = 0.0
-            continue
-        wa, wb = wa / total, wb / total
-        for d in range(head_dim):
-            out[t, h, d] = wa * out_a[t, h, d] + wb * out_b[t, h, d]
 
 
 attention_serial = serial_twin(attention)

@@ -110,10 +110,6 @@ class DeviceSequenceKV(SequenceKV):
             self._table_dev = self.backend.staging.upload("kv_table", self.table[:used], self.backend.stream)
         return self._table_dev
 
-    def arrays(self, layer):
-        """(k, v, k_scale, v_scale) of `layer` in the pool (scales None unless int8)."""
-        return self.pool.layer(layer)
-
     def write(self, layer, start, k, v):
         """k, v: device float32 [n, Hkv, D] for positions [start, start + n) (all in pool blocks)."""
         kp, vp, ks, vs = self.pool.layer(layer)
@@ -362,15 +358,15 @@ class GpuBackend:
 
     def attention(self, q, kv, layer, start, scale, out):
         """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D]."""
-        k, v, k_scale, v_scale = kv.arrays(layer)
+        pool = kv.pool.layer(layer)  # (k, v, k_scale, v_scale)
         table, ram_keys = kv.device_table(), kv.host_blocks * kv.block_tokens
         if ram_keys == 0:
-            self.kernels.paged_attention(kv.dtype, q, k, v, k_scale, v_scale, table, start, 0, scale, out)
+            self.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out)
         elif self.kv_host_attention == "gpu":
-            self.kernels.paged_attention(kv.dtype, q, k, v, k_scale, v_scale, table, start, 0, scale, out,
+            self.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out,
                                          stage=self._stage_ram_part(kv, layer))
         else:
-            self._attention_split(q, kv, layer, start, scale, out, ram_keys)
+            self._attention_split(q, kv, layer, pool, table, start, scale, out, ram_keys)
 
     def _stage_ram_part(self, kv, layer):
         """(k, v, k_scale, v_scale) stage arrays [nS, BT, Hkv, D] holding the sequence's RAM part of `layer`,
@@ -389,16 +385,15 @@ class GpuBackend:
             stage.append(buf)
         return tuple(stage)
 
-    def _attention_split(self, q, kv, layer, start, scale, out, ram_keys):
-        """The GPU attends the VRAM part while the host attends the RAM part of q's keys; the two partial
-        results are merged on the GPU by their log-sum-exp."""
-        k, v, k_scale, v_scale = kv.arrays(layer)
+    def _attention_split(self, q, kv, layer, pool, table, start, scale, out, ram_keys):
+        """The GPU attends the VRAM part (pool: the layer's (k, v, k_scale, v_scale), through the device
+        table) while the host attends the RAM part of q's keys; the two partial results are merged on the
+        GPU by their log-sum-exp."""
         num_tokens, num_heads = q.shape[:2]
         q_host, q_copied = self.staging.download("attn_q", q, self.stream)
         out_dev = self.rt.empty(q.shape, np.float32)  # [T, Hq, D]
         lse_dev = self.rt.empty((num_tokens, num_heads), np.float32)  # [T, Hq]
-        self.kernels.paged_attention(kv.dtype, q, k, v, k_scale, v_scale, kv.device_table(), start, ram_keys,
-                                     scale, out_dev, lse=lse_dev)
+        self.kernels.paged_attention(kv.dtype, q, *pool, table, start, ram_keys, scale, out_dev, lse=lse_dev)
         q_copied.synchronize()  # after the RAM part's copies too: they were queued before
         if len(self._identity) < kv.host_blocks:
             self._identity = np.arange(max(kv.host_blocks, 2 * len(self._identity)), dtype=np.int32)

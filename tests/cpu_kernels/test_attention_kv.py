@@ -72,7 +72,8 @@ def test_encoded_cache_matches_decoded(dtype, num_tokens, start, kernel):
 
 @pytest.mark.parametrize("num_tokens,start,split", [(1, 700, 320), (37, 200, 64), (5, 0, 3), (1, 30, 31)])
 def test_partial_ranges_and_merge(num_tokens, start, split):
-    """Keys [0, split) and [split, ...) as two partial results with their lse, merged, equal the whole."""
+    """Keys [0, split) and [split, ...) as two partial results with their lse, merged by log-sum-exp (as the
+    GPU backend merges a RAM part's result with the VRAM part's), equal the whole."""
     rng = np.random.default_rng(split)
     q, k, v, table, pool_blocks = random_case(rng, num_tokens, start)
     kp, vp = paged(k, table, pool_blocks), paged(v, table, pool_blocks)
@@ -86,8 +87,10 @@ def test_partial_ranges_and_merge(num_tokens, start, split):
         assert (np.isneginf(lse) == ~finite).all()  # an empty range: lse -inf, out 0
         np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
         parts.append((out, lse))
-    merged = np.empty_like(q)
-    attention.merge_partials(parts[0][0], parts[0][1], parts[1][0], parts[1][1], merged)
+    (out_a, lse_a), (out_b, lse_b) = parts
+    best = np.maximum(lse_a, lse_b)
+    w_a, w_b = np.exp(lse_a - best)[..., None], np.exp(lse_b - best)[..., None]  # an empty side weighs 0
+    merged = (w_a * out_a + w_b * out_b) / (w_a + w_b)
     whole, _ = dense_attention(q, k, v, start)
     np.testing.assert_allclose(merged, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
