@@ -92,7 +92,9 @@ start = time.perf_counter()
 for tok in steps:
     llm.eval([tok])
 decode_s = time.perf_counter() - start
-print(json.dumps({"prompt_tps": prompt_tokens / prompt_s, "decode_tps": decode_tokens / decode_s}))
+import llama_cpp
+features = llama_cpp.llama_print_system_info().decode().strip()
+print(json.dumps({"prompt_tps": prompt_tokens / prompt_s, "decode_tps": decode_tokens / decode_s, "features": features}))
 """
 
 
@@ -166,6 +168,7 @@ def measure(args):
                     log.info("%s, %d thread(s), run %d, %s: prompt %.1f tok/s, decode %.1f tok/s",
                              os.path.basename(model), threads, run, engine, result["prompt_tps"], result["decode_tps"])
                     samples[engine].append(result)
+                    args.llama_features = result.get("features", args.llama_features)
                 drams.append(dram_gbps(threads))
             med = {e: {k: float(np.median([s[k] for s in v])) for k in ("prompt_tps", "decode_tps")}
                    for e, v in samples.items()}
@@ -177,9 +180,9 @@ def markdown(rows, args):
     lines = [
         "# Strata vs llama.cpp, CPU",
         "",
-        f"{platform.machine()}, {os.cpu_count()} CPUs; llama.cpp = llama-cpp-python built from its PyPI sdist, CPU "
-        "only, GGML_NATIVE=ON without AMX (-mno-amx-tile -mno-amx-int8 -mno-amx-bf16; its AMX path crashed on this VM), "
-        "no BLAS. Same GGUF and thread count for both, alternating fresh processes; medians of "
+        f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_name()}); llama.cpp = llama-cpp-python built from its PyPI "
+        f"sdist, CPU only, {args.llama_build}, no BLAS; its CPU features: `{args.llama_features}`. "
+        "Same GGUF and thread count for both, alternating fresh processes; medians of "
         f"{args.runs} runs. Prompt read: {args.prompt_tokens} tokens in one batch. Decode: {args.decode_tokens} tokens "
         f"one at a time after a {SHORT_PROMPT}-token prompt. Effective bandwidth = weight bytes read per decode token "
         "(dense tensors + top-k experts) x decode tok/s; DRAM = parallel float32 sum, same threads, same run.",
@@ -198,6 +201,14 @@ def markdown(rows, args):
     return "\n".join(lines) + "\n"
 
 
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", action="append", required=True, help="GGUF file (repeatable)")
@@ -207,6 +218,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--llama-python", default="/work/benchvenv/bin/python",
                    help="interpreter of the virtual environment that has llama-cpp-python")
+    p.add_argument("--llama-build", default="GGML_NATIVE=ON without AMX (-mno-amx-tile -mno-amx-int8 -mno-amx-bf16; "
+                                            "its AMX path crashed on our VM)",
+                   help="how that llama-cpp-python was built, for the table's header")
     p.add_argument("--output", default=str(RESULTS))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -220,6 +234,7 @@ def main(argv=None):
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.threads = [int(t) for t in args.threads.split(",")]
+    args.llama_features = "not reported"
     table = markdown(measure(args), args)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(table)
