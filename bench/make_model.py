@@ -55,12 +55,12 @@ def model_config(args, vocab_size):
 class TensorMaker:
     """Builds each tensor's raw bytes when the writer asks for it (one tensor in RAM at a time)."""
 
-    def __init__(self, config, target, seed, router_skew=DEFAULT_ROUTER_SKEW):
+    def __init__(self, config, target, seed, router_skew=DEFAULT_ROUTER_SKEW, skew_spread="even"):
         self.config, self.target, self.seed = config, target, seed
         rng = np.random.default_rng(seed)
         self.direction = rng.standard_normal(config.hidden_size).astype(np.float32)
         self.direction /= np.linalg.norm(self.direction)  # [H] shared by every token embedding
-        self.skews = layer_skews(router_skew, config.num_layers, rng)  # [L]
+        self.skews = layer_skews(router_skew, config.num_layers, rng, skew_spread)  # [L]
 
     def tensors(self):
         for index, name in enumerate(SPEC.required_tensor_names(self.config)):
@@ -100,10 +100,14 @@ class TensorMaker:
         return encode("token_embd.weight", values, qtype, rng).raw
 
 
-def layer_skews(router_skew, num_layers, rng):
-    """float [L]: LO..HI evenly spaced, in a random order drawn from rng (the same range each run)."""
+def layer_skews(router_skew, num_layers, rng, spread="even"):
+    """float [L]: LO..HI evenly spaced ("even") or half the layers LO and half HI ("two"), in a random
+    order drawn from rng (the same values each run)."""
     lo, hi = router_skew
-    return lo + (hi - lo) * rng.permutation(num_layers) / max(num_layers - 1, 1)
+    order = rng.permutation(num_layers)
+    if spread == "two":
+        return np.where(order < num_layers // 2, lo, hi).astype(np.float64)
+    return lo + (hi - lo) * order / max(num_layers - 1, 1)
 
 
 def router_skew_range(text):
@@ -136,6 +140,9 @@ def parse_args(argv=None):
     p.add_argument("--router-skew", type=router_skew_range, default=DEFAULT_ROUTER_SKEW, metavar="LO,HI",
                    help="router bias strength per layer, spread evenly over LO..HI in a seeded order; one "
                         "number: every layer the same (default %s)" % ",".join(f"{v:g}" for v in DEFAULT_ROUTER_SKEW))
+    p.add_argument("--router-skew-spread", choices=["even", "two"], default="even",
+                   help="even: strengths evenly spaced over LO..HI; two: half the layers LO, half HI (layers "
+                        "that differ the most, where per-layer placement matters most)")
     return p.parse_args(argv)
 
 
@@ -144,7 +151,7 @@ def main(argv=None):
     args = parse_args(argv)
     tokenizer = build_demo_tokenizer()
     config = model_config(args, tokenizer.vocab_size)
-    maker = TensorMaker(config, args.type, args.seed, args.router_skew)
+    maker = TensorMaker(config, args.type, args.seed, args.router_skew, args.router_skew_spread)
     tensors = list(maker.tensors())
     bar = tqdm(total=len(tensors), desc=f"writing {os.path.basename(args.output)}", unit="tensor")
 
