@@ -82,8 +82,15 @@ def has_f16c():
     return _target_features()["f16c"]
 
 
+_chosen_threads = None  # the count set_threads chose, for the threads that start later (use_chosen_threads)
+
+
 def set_threads(num_threads=None):
-    """Use `num_threads` (or `STRATA_THREADS`) Numba threads; returns the count in use."""
+    """Use `num_threads` (or `STRATA_THREADS`) Numba threads; returns the count in use.
+
+    Numba keeps this count per calling thread, and a new thread starts at NUMBA_NUM_THREADS (every
+    core): each thread that runs kernels calls `use_chosen_threads` first."""
+    global _chosen_threads
     import numba
 
     if num_threads is None:
@@ -95,4 +102,13 @@ def set_threads(num_threads=None):
         raise ValueError(f"threads must be >= 1, got {num_threads}")
     num_threads = min(num_threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(num_threads)
+    _chosen_threads = num_threads
     return num_threads
+
+
+def use_chosen_threads():
+    """In the calling thread, the Numba thread count set_threads chose (nothing when none was chosen)."""
+    if _chosen_threads is not None:
+        import numba
+
+        numba.set_num_threads(_chosen_threads)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cpu_kernels.target import use_chosen_threads
+
 from .batch import Batch, SeqChunk
 from .errors import RequestError
 from .expert_usage import ExpertUsage
@@ -118,6 +120,7 @@ class Engine:
             return {"slots": slots, "queue_length": len(self.scheduler.queue)}
 
     def _loop(self):
+        use_chosen_threads()  # Numba's thread count is per thread: this one starts at every core
         while True:
             with self._lock:
                 while not self._stopping and not self.scheduler.has_work():

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cpu_kernels.target import use_chosen_threads
+
 BORROW_MIN_TOKENS = 32  # chunks of fewer tokens never borrow
 HOST_FLOPS_DEFAULT = 2e11  # the host's expert FLOP/s until measured
 HOST_FLOPS_MIN_ROWS = 256  # host calls of at least this many pair rows update the measured speed
@@ -70,7 +72,7 @@ class ExpertSplit:
         self.host_flops = HOST_FLOPS_DEFAULT
         self.trace = None
         self.host_thread = True
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
         self._deferred = []  # (layer, queued routing copy) to record at finish_step
         if sys.getswitchinterval() > GIL_SWITCH_S:
             sys.setswitchinterval(GIL_SWITCH_S)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numba
+import numpy as np
 import pytest
 
 from cpu_kernels.target import apply_isa_floor, set_threads
@@ -71,6 +72,28 @@ def test_threads_setting(monkeypatch):
         with pytest.raises(ValueError, match="threads must be >= 1"):
             set_threads(0)
     finally:
+        numba.set_num_threads(before)
+
+
+def test_threads_that_start_later_take_the_chosen_count():
+    """Numba keeps the count per thread; the engine's threads call use_chosen_threads (or run as the
+    host-experts pool's initializer) so that --threads holds for them too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cpu_kernels import target
+    from hybrid.moe import ExpertSplit
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 Numba threads to tell the chosen count from the default")
+    before = numba.get_num_threads()
+    try:
+        set_threads(1)
+        with ThreadPoolExecutor(1) as plain:
+            assert plain.submit(numba.get_num_threads).result() == numba.config.NUMBA_NUM_THREADS  # Numba's default
+        split = ExpertSplit(host=None, resident=np.zeros((1, 4), dtype=bool))
+        assert split._pool.submit(numba.get_num_threads).result() == 1
+    finally:
+        target._chosen_threads = None
         numba.set_num_threads(before)
 
 

@@ -144,3 +144,40 @@ def test_the_gap_between_back_to_back_steps_counts_as_step_time(llm):
     clock.now += 0.05
     engine.step()  # a decode-only step: 0.05 s gap + 0.2 s forward
     assert engine.scheduler.sizer.decode_s == pytest.approx(0.25)
+
+
+class ThreadCountModel(PoisonedModel):
+    """Records Numba's thread count in the thread that runs each forward pass."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.counts = []
+
+    def forward(self, batch):
+        import numba
+
+        self.counts.append(numba.get_num_threads())
+        return self.model.forward(batch)
+
+
+def test_the_engine_thread_runs_kernels_with_the_chosen_thread_count(llm):
+    """Numba's thread count is per thread: without care the engine's thread would use every core."""
+    import numba
+
+    from cpu_kernels import target
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 Numba threads to tell the chosen count from the default")
+    before = numba.get_num_threads()
+    fake = SimpleNamespace(model=ThreadCountModel(llm.model), tokenizer=llm.tokenizer, max_context=llm.max_context)
+    try:
+        target.set_threads(1)
+        engine = Engine(fake, num_slots=1).start()
+        try:
+            assert isinstance(engine.submit(greedy_request([8, 9, 10], max_tokens=2)).result(), Finished)
+        finally:
+            engine.stop()
+        assert fake.model.counts and set(fake.model.counts) == {1}
+    finally:
+        target._chosen_threads = None
+        numba.set_num_threads(before)
