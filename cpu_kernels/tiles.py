@@ -9,13 +9,14 @@ Shape legend: R output rows, C columns, B bytes per row, T tokens, E experts,
 N (token, expert) rows sorted by group, G groups, W work items.
 """
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .act_quant import act_quant_code
 from .twins import serial_twin
 
 ROWS_PER_ITEM = 16  # output rows per parallel work item
 TOKENS_PER_ITEM = 64  # tokens per work item: each unpacked weight row serves up to 64 tokens
+PARALLEL_MIN_SUM_ROWS = 256  # sub_block_sums of fewer rows run serially (no parallel region to open)
 
 ONE_EXPERT = np.zeros(1, dtype=np.int64)  # expert_ids of a plain matmul
 ONE_ROW = np.array([0, 1], dtype=np.int64)  # row_starts of a plain matvec
@@ -50,18 +51,32 @@ def work_items(expert_ids, row_starts, num_experts, num_rows):
     return items
 
 
-@njit(nogil=True, fastmath=True, cache=True)
+@njit(nogil=True, cache=True)
 def sub_block_sums(x):
     """x f32 [N, C] -> [N, C/32], the sums over each 32-column sub-block (K-quants' min terms)."""
-    num_rows, cols = x.shape
-    out = np.empty((num_rows, cols // 32), dtype=np.float32)  # [N, C/32]
-    for n in range(num_rows):
-        for j in range(cols // 32):
-            s = np.float32(0)
-            for c in range(32 * j, 32 * j + 32):
-                s += x[n, c]
-            out[n, j] = s
+    if x.shape[0] >= PARALLEL_MIN_SUM_ROWS:
+        return _sub_block_sums_parallel(x)
+    out = np.empty((x.shape[0], x.shape[1] // 32), dtype=np.float32)  # [N, C/32]
+    for n in range(x.shape[0]):
+        _row_sub_block_sums(x[n], out[n])
     return out
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _sub_block_sums_parallel(x):
+    out = np.empty((x.shape[0], x.shape[1] // 32), dtype=np.float32)  # [N, C/32]
+    for n in prange(x.shape[0]):
+        _row_sub_block_sums(x[n], out[n])
+    return out
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _row_sub_block_sums(row, out):
+    for j in range(row.shape[0] // 32):
+        s = np.float32(0)
+        for c in range(32 * j, 32 * j + 32):
+            s += row[c]
+        out[j] = s
 
 
 def num_cols(raw, block_size, block_bytes, name):
