@@ -1,9 +1,11 @@
 """The CPU backend: every op of the forward pass as a Numba kernel over NumPy arrays.
 
-Small ops (one decode token's norm, rope, routing, combine, its attention projections)
-run as the serial twins of their kernels: a parallel region costs more to open than they
-take, and far more when other processes hold the cores. A layer's experts
-run as two parallel regions, gate and up together, then down.
+With one thread, small ops (one decode token's norm, rope, routing, combine, its attention
+projections) run as the serial twins of their kernels: no parallel region to open. With more
+threads every op runs parallel: serial stretches between the regions let the pool's threads fall
+asleep, and waking them cost more than the small ops gained (2 threads, Q4_K_M decode: 31 -> 40
+tok/s with the twins off; bench/results/vs_llamacpp_xeon.md). A layer's experts run as two
+parallel regions, gate and up together, then down.
 
 The weights are read from copies in huge pages, not from the mapped file (`place`). The hot path
 calls the format kernels directly: each weight's raw bytes are checked once (`_WeightKernels`,
@@ -17,6 +19,7 @@ D head dim, E experts, K top-k, N (token, expert) pairs, F expert FFN width.
 import logging
 import os
 
+import numba
 import numpy as np
 from tqdm import tqdm
 
@@ -31,9 +34,10 @@ log = logging.getLogger(__name__)
 
 COPY_MAX_FREE_SHARE = 0.5  # file-mapped weights are copied while they take at most this share of the free memory
 PROGRESS_MIN_BYTES = 1 << 30  # copies of at least this many bytes show a progress bar
-SERIAL_MAX_ELEMENTS = 1 << 15  # elementwise ops on at most this many values run serially
-SERIAL_MAX_ATTENTION = 1 << 20  # attention of at most this many query-key-dim products runs serially
-SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many weight bytes runs serially
+# With one thread (only then), ops at most this big run as serial twins:
+SERIAL_MAX_ELEMENTS = 1 << 15  # elementwise ops on at most this many values
+SERIAL_MAX_ATTENTION = 1 << 20  # attention of at most this many query-key-dim products
+SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many weight bytes
 
 
 def _available_bytes():
@@ -114,7 +118,7 @@ class CpuBackend:
         if x.ndim != 2 or x.shape[1] != kernels.cols or x.dtype != np.float32:
             raise ValueError(f"linear {weight.name}: x {x.dtype} {x.shape} should be float32 [T, {kernels.cols}]")
         out = np.empty((num_tokens, weight.shape[0]), dtype=np.float32)  # [T, R]
-        serial = num_tokens == 1 and weight.raw.nbytes <= SERIAL_MAX_WEIGHT_BYTES
+        serial = num_tokens == 1 and weight.raw.nbytes <= SERIAL_MAX_WEIGHT_BYTES and _one_thread()
         row_starts = ONE_ROW if num_tokens == 1 else np.array([0, num_tokens], dtype=np.int64)
         (kernels.serial if serial else kernels.parallel)(
             kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), self.act_quant)
@@ -168,7 +172,7 @@ class CpuBackend:
         order, expert_ids, row_starts = groups
         num_tokens, k = weights.shape
         num_pairs, hidden, width = len(order), x.shape[1], gate_exps.shape[1]
-        small = num_pairs * max(hidden, width) <= SERIAL_MAX_ELEMENTS
+        small = num_pairs * max(hidden, width) <= SERIAL_MAX_ELEMENTS and _one_thread()
         xs = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
         (moe_combine.gather_rows_serial if small else moe_combine.gather_rows)(x, order, k, xs)
         gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
@@ -198,10 +202,15 @@ def paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, sca
     [key_lo, key_hi) of the causal range; serial when the work is small."""
     num_tokens, num_heads, head_dim = q.shape
     work = num_tokens * max(min(start + num_tokens, key_hi) - key_lo, 0) * num_heads * head_dim
-    kernel = attention.attention_serial if work <= SERIAL_MAX_ATTENTION else attention.attention
+    kernel = attention.attention_serial if work <= SERIAL_MAX_ATTENTION and _one_thread() else attention.attention
     scales = () if k_scale is None else (k_scale, v_scale)
     kernel(q, k, v, table, start, key_lo, key_hi, scale, out, attention.NO_LSE if lse is None else lse, *scales)
 
 
 def _small_or_parallel(num_elements, serial, parallel):
-    return serial if num_elements <= SERIAL_MAX_ELEMENTS else parallel
+    return serial if num_elements <= SERIAL_MAX_ELEMENTS and _one_thread() else parallel
+
+
+def _one_thread():
+    """Whether the calling thread runs kernels on one Numba thread (the serial twins' case)."""
+    return numba.get_num_threads() == 1

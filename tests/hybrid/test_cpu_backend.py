@@ -22,10 +22,21 @@ def tensor(fmt, name, shape, seed):
     return QuantTensor(name, fmt.QTYPE, shape, raw)
 
 
+@pytest.fixture(params=[1, "all"], ids=lambda n: f"threads-{n}")
+def numba_threads(request):
+    """One thread (small decode ops take the serial twins) or every thread (all ops parallel)."""
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1 if request.param == 1 else numba.config.NUMBA_NUM_THREADS)
+    yield numba.get_num_threads()
+    numba.set_num_threads(before)
+
+
 @each_format
 @pytest.mark.parametrize("num_tokens", [1, 17])
-@pytest.mark.parametrize("rows", [96, 2048])  # a serial and a parallel decode matvec (SERIAL_MAX_WEIGHT_BYTES)
-def test_linear_matches_format_api(fmt, num_tokens, rows):
+@pytest.mark.parametrize("rows", [96, 2048])  # with one thread: a serial and a parallel matvec (SERIAL_MAX_WEIGHT_BYTES)
+def test_linear_matches_format_api(fmt, num_tokens, rows, numba_threads):
     weight = tensor(fmt, "blk.0.attn_q.weight", (rows, H), 0)
     x = np.random.default_rng(1).standard_normal((num_tokens, H)).astype(np.float32)
     expected = np.empty((num_tokens, rows), dtype=np.float32)
@@ -42,7 +53,7 @@ def test_linear_matches_format_api(fmt, num_tokens, rows):
 
 @each_format
 @pytest.mark.parametrize("num_tokens", [1, 16])
-def test_experts_match_format_api(fmt, num_tokens):
+def test_experts_match_format_api(fmt, num_tokens, numba_threads):
     rng = np.random.default_rng(2)
     gate, up = (tensor(fmt, f"blk.0.ffn_{n}_exps.weight", (E, F, H), s) for s, n in enumerate(("gate", "up")))
     down = tensor(fmt, "blk.0.ffn_down_exps.weight", (E, H, F), 3)
