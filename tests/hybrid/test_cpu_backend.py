@@ -74,6 +74,32 @@ def test_experts_match_format_api(fmt, num_tokens, numba_threads):
     np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4 * np.abs(expected).max())
 
 
+def test_expert_work_arrays_are_reused_per_thread_without_changing_results():
+    """grouped_experts keeps its intermediates between calls (one set per thread): calls of other sizes in
+    between, and another thread's calls at the same time, leave each result as a fresh backend gives it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(5)
+    gate, up = (tensor(q4_k, f"blk.0.ffn_{n}_exps.weight", (E, F, H), s) for s, n in enumerate(("gate", "up")))
+    down = tensor(q4_k, "blk.0.ffn_down_exps.weight", (E, H, F), 3)
+
+    def inputs(num_tokens):
+        x = rng.standard_normal((num_tokens, H)).astype(np.float32)
+        ids = np.argsort(rng.random((num_tokens, E)), axis=1)[:, :K].astype(np.int64)
+        return x, ids, rng.random((num_tokens, K)).astype(np.float32)
+
+    cases = [inputs(n) for n in (16, 1, 40, 3, 16)]
+    expected = [CpuBackend().experts(*c, gate, up, down) for c in cases]  # a fresh backend (fresh arrays) each
+    backend = CpuBackend()
+    for case, want in zip(cases, expected):
+        np.testing.assert_array_equal(backend.experts(*case, gate, up, down), want)
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(lambda: [backend.experts(*c, gate, up, down) for c in cases]) for _ in range(2)]
+        for run in runs:
+            for got, want in zip(run.result(), expected):
+                np.testing.assert_array_equal(got, want)
+
+
 def test_kernels_of_checks_the_raw_once():
     raw = q8_0.random_blocks(np.random.default_rng(0), (E, 64, H), 0.05)
     parallel, serial, cols = kernels_of(q8_0, raw)
