@@ -25,6 +25,7 @@ from numba.core.extending import intrinsic
 from . import simd
 from .simd import F32, I64
 from .tiles import TOKENS_PER_ITEM
+from .twins import serial_twin
 
 ROWS_PER_PASS = 8  # weight rows per micro-kernel pass: 8 x 32 tokens = 16 AVX-512 accumulators
 PASS_TOKENS = 32  # tokens per micro-kernel pass
@@ -90,15 +91,12 @@ def token_panels(x, items):
     for i in range(items.shape[0] if num_chunks else 0):
         spans[items[i, 4], 0], spans[items[i, 4], 1] = items[i, 2], items[i, 3]
     if num_chunks < PARALLEL_MIN_PANELS:
-        panels = np.zeros((num_chunks, x.shape[1], TOKENS_PER_ITEM), dtype=np.float32)  # [S, C, 64]
-        for s in range(num_chunks):
-            _fill_panel(x, spans[s, 0], spans[s, 1], panels[s])
-        return panels
-    return _panels_parallel(x, spans)
+        return _panels_serial(x, spans)
+    return _panels(x, spans)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _panels_parallel(x, spans):
+def _panels(x, spans):
     """The panels of token_panels, one chunk per parallel iteration: a 512-token prompt's ~64 panels
     (16 MB) took 5 ms serially, an eighth of a 2-thread prefill matmul and more at 16 threads."""
     panels = np.zeros((spans.shape[0], x.shape[1], TOKENS_PER_ITEM), dtype=np.float32)  # [S, C, 64]
@@ -114,6 +112,9 @@ def _fill_panel(x, t0, t1, panel):
         for c in range(c0, min(c0 + TRANSPOSE_BLOCK, x.shape[1])):
             for t in range(t0, t1):
                 panel[c, t - t0] = x[t, c]
+
+
+_panels_serial = serial_twin(_panels)
 
 
 @njit(nogil=True, fastmath=True, cache=True)

@@ -55,15 +55,12 @@ def work_items(expert_ids, row_starts, num_experts, num_rows):
 def sub_block_sums(x):
     """x f32 [N, C] -> [N, C/32], the sums over each 32-column sub-block (K-quants' min terms)."""
     if x.shape[0] >= PARALLEL_MIN_SUM_ROWS:
-        return _sub_block_sums_parallel(x)
-    out = np.empty((x.shape[0], x.shape[1] // 32), dtype=np.float32)  # [N, C/32]
-    for n in range(x.shape[0]):
-        _row_sub_block_sums(x[n], out[n])
-    return out
+        return _sub_block_sums(x)
+    return _sub_block_sums_serial(x)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _sub_block_sums_parallel(x):
+def _sub_block_sums(x):
     out = np.empty((x.shape[0], x.shape[1] // 32), dtype=np.float32)  # [N, C/32]
     for n in prange(x.shape[0]):
         _row_sub_block_sums(x[n], out[n])
@@ -77,6 +74,9 @@ def _row_sub_block_sums(row, out):
         for c in range(32 * j, 32 * j + 32):
             s += row[c]
         out[j] = s
+
+
+_sub_block_sums_serial = serial_twin(_sub_block_sums)
 
 
 def num_cols(raw, block_size, block_bytes, name):

@@ -2,8 +2,10 @@
 
 Every parallel kernel call opens an OpenMP region: waking the pool and the closing
 barrier cost ~25 us on 2 threads here (and milliseconds when the host is oversubscribed),
-more than a one-token norm, rope or routing takes. The backend calls the twin, the same
-code compiled without threads, when the work is that small.
+more than a one-token norm, rope or routing takes. With one thread the backend calls the
+twin, the same code compiled without threads, when the work is that small; with more it keeps
+to the parallel kernels (hybrid/backends/cpu.py says why). Kernels also call the twins of their
+own parallel helpers below a size (cpu_kernels.tiles, cpu_kernels.prefill).
 """
 import types
 
