@@ -151,13 +151,20 @@ class SequenceKV:
         return self.table[positions // self.block_tokens], positions % self.block_tokens
 
     def write(self, layer, start, k, v):
-        """k, v: float32 [n, Hkv, D] for positions [start, start + n)."""
-        blocks, rows = self._slots(start, k.shape[0])
+        """k, v: float32 [n, Hkv, D] for positions [start, start + n). Written block by block through
+        slices: a decode step's one-row write cost ~20 us through index arrays."""
+        bt = self.block_tokens
         for name, x in (("k", k), ("v", v)):
             data, scale = kv_store.encode(x, self.dtype)
-            getattr(self.pool, name)[layer, blocks, rows] = data
-            if scale is not None:
-                getattr(self.pool, f"{name}_scale")[layer, blocks, rows] = scale
+            pool_data, pool_scale = getattr(self.pool, name), getattr(self.pool, f"{name}_scale")
+            lo = 0
+            while lo < len(x):
+                block, row = divmod(start + lo, bt)
+                hi = min(len(x), lo + bt - row)
+                pool_data[layer, self.table[block], row:row + hi - lo] = data[lo:hi]
+                if scale is not None:
+                    pool_scale[layer, self.table[block], row:row + hi - lo] = scale[lo:hi]
+                lo = hi
 
     def export(self, n):
         """Positions [0, n) as float32 (k, v) [L, n, Hkv, D]."""

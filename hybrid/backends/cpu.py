@@ -4,7 +4,10 @@ With one thread, small ops (one decode token's norm, rope, routing, combine, its
 projections) run as the serial twins of their kernels: no parallel region to open. With more
 threads every op runs parallel: serial stretches between the regions let the pool's threads fall
 asleep, and waking them cost more than the small ops gained (2 threads, Q4_K_M decode: 31 -> 40
-tok/s with the twins off; bench/results/vs_llamacpp_xeon.md). A layer's experts run as two
+tok/s with the twins off; bench/results/vs_llamacpp_xeon.md). Tiny ops (a few thousand values: one
+token's norms, rope, routing, combine) run serially at any thread count: they take ~1-4 us, far
+inside the pool's spin time, while opening a region took ~12 us each at 16 threads (H200 host
+profile, bench/results/cpu_decode_profile.md). A layer's experts run as two
 parallel regions, gate and up together, then down.
 
 The weights are read from copies in huge pages, not from the mapped file (`place`). The hot path
@@ -39,6 +42,9 @@ PROGRESS_MIN_BYTES = 1 << 30  # copies of at least this many bytes show a progre
 SERIAL_MAX_ELEMENTS = 1 << 15  # elementwise ops on at most this many values
 SERIAL_MAX_ATTENTION = 1 << 20  # attention of at most this many query-key-dim products
 SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many weight bytes
+# At any thread count, ops this small run serially: opening a parallel region costs more than the op.
+TINY_MAX_ELEMENTS = 1 << 14  # elementwise ops on at most this many values
+TINY_MAX_ATTENTION = 1 << 15  # attention of at most this many query-key-dim products
 
 
 def _available_bytes():
@@ -201,7 +207,7 @@ class CpuBackend:
         order, expert_ids, row_starts = groups
         num_tokens, k = weights.shape
         num_pairs, hidden, width = len(order), x.shape[1], gate_exps.shape[1]
-        small = num_pairs * max(hidden, width) <= SERIAL_MAX_ELEMENTS and _one_thread()
+        small = _small(num_pairs * max(hidden, width), TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS)
         scratch = self._scratch()
         xs = scratch.get("xs", (num_pairs, hidden))  # [N, H]
         (moe_combine.gather_rows_serial if small else moe_combine.gather_rows)(x, order, k, xs)
@@ -232,13 +238,18 @@ def paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, sca
     [key_lo, key_hi) of the causal range; serial when the work is small."""
     num_tokens, num_heads, head_dim = q.shape
     work = num_tokens * max(min(start + num_tokens, key_hi) - key_lo, 0) * num_heads * head_dim
-    kernel = attention.attention_serial if work <= SERIAL_MAX_ATTENTION and _one_thread() else attention.attention
+    kernel = attention.attention_serial if _small(work, TINY_MAX_ATTENTION, SERIAL_MAX_ATTENTION) else attention.attention
     scales = () if k_scale is None else (k_scale, v_scale)
     kernel(q, k, v, table, start, key_lo, key_hi, scale, out, attention.NO_LSE if lse is None else lse, *scales)
 
 
 def _small_or_parallel(num_elements, serial, parallel):
-    return serial if num_elements <= SERIAL_MAX_ELEMENTS and _one_thread() else parallel
+    return serial if _small(num_elements, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS) else parallel
+
+
+def _small(work, tiny_max, one_thread_max):
+    """Whether an op of `work` runs as its serial twin: when tiny, or small and on one thread."""
+    return work <= tiny_max or (work <= one_thread_max and _one_thread())
 
 
 def _one_thread():

@@ -23,7 +23,8 @@ def test_interleaved_sequences_keep_their_rows(dtype, tol):
     pool = KVPool(L, HKV, D, dtype, num_blocks=2)
     seqs = [SequenceKV(pool, 1000) for _ in range(2)]
     want = [rows(rng, 300) for _ in seqs]
-    for lo, hi in ((0, 5), (5, 70), (70, 200), (200, 300)):  # starts inside blocks, growing the pool
+    steps = ((0, 5), (5, 70), (70, 200), (200, 255), (255, 256), (256, 257), (257, 300))  # one-row steps at a block edge
+    for lo, hi in steps:  # starts inside blocks, growing the pool
         for seq, (k, v) in zip(seqs, want):
             seq.reserve(hi)
             for layer in range(L):
