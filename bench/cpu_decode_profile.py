@@ -77,6 +77,18 @@ def decode(model, kv, ids):
     return time.perf_counter() - start
 
 
+def transparent_huge_pages():
+    """The kernel's THP mode and this process's anonymous memory in huge pages (the weight copies want them)."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+        rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    except OSError as e:
+        return f"unknown ({e})"
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in rollup if line.endswith(" kB")}
+    return (f"mode `{mode}`; {fields.get('AnonHugePages', 0) / 1024:.0f} MiB of "
+            f"{fields.get('Anonymous', 0) / 1024:.0f} MiB anonymous memory in huge pages")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -96,7 +108,7 @@ def main(argv=None):
         decode(model, kv, rng.integers(1, vocab, size=SHORT_PROMPT))
         return kv
 
-    decode(model, fresh(), rng.integers(1, vocab, size=4))  # compile / load every kernel
+    decode(model, fresh(), rng.integers(1, vocab, size=args.steps))  # compile / load every kernel (twins by size too)
     plain_s = decode(model, fresh(), rng.integers(1, vocab, size=args.steps))
 
     profiler = cProfile.Profile()
@@ -116,6 +128,7 @@ def main(argv=None):
     print(f"## {Path(args.model).name}, {args.threads} thread(s), {args.steps} decode steps\n")
     print(f"untimed: {args.steps / plain_s:.1f} tok/s ({plain_s * per_step_ms:.2f} ms/step); "
           f"timed: {timed_s * per_step_ms:.2f} ms/step\n")
+    print(f"transparent huge pages: {transparent_huge_pages()}\n")
     print("| category | ms/step | share | calls/step |\n|---|---|---|---|")
     rest = timed_s - sum(timer.seconds.values())
     rows = sorted(timer.seconds.items(), key=lambda kv: -kv[1]) + [("rest (model.forward's Python)", rest)]

@@ -12,6 +12,7 @@ second, each expert cache of the same VRAM budget serves the same prompts:
 - dynamic: `--expert-cache dynamic`, from the plan, and from the same count per layer without a profile.
 
 Measured: the decode (and prefill) hit rate, each step's routings against the mask it ran with,
+the expert bytes the CPU read per decode token (static caches: misses x their layer's expert size),
 and decode / prefill tok/s. Each of `--rounds` rounds runs every configuration once (a fresh
 engine each time), in an order rotated and reversed from round to round so that none always runs
 first or after the same one; the table gives the median speeds over the rounds with their range,
@@ -94,7 +95,8 @@ def evaluate(args, name, prompts, **cache):
         hit = {p: residency.hit_rate(p) for p in ("decode", "prefill")}
     else:
         hit = {p: None if mask is None else usage.hit_rate(mask, p) for p in ("decode", "prefill")}
-    run = {"hit_rate_decode": hit["decode"], "hit_rate_prefill": hit["prefill"],
+    host_mb = None if residency is not None or mask is None else host_mb_per_decode_token(llm, usage, mask)
+    run = {"hit_rate_decode": hit["decode"], "hit_rate_prefill": hit["prefill"], "host_mb_per_decode_token": host_mb,
            "decode_tok_s": 1e3 * timing["predicted_n"] / timing["predicted_ms"],
            "prefill_tok_s": 1e3 * timing["prompt_n"] / timing["prompt_ms"], "decode_tokens": timing["predicted_n"],
            "prompt_tokens": timing["prompt_n"], "resident": None if mask is None else int(np.sum(mask)),
@@ -103,6 +105,17 @@ def evaluate(args, name, prompts, **cache):
         run.update(swaps=residency.swaps_landed)
     log.info("%s: %s", name, json.dumps(run))
     return run
+
+
+def host_mb_per_decode_token(llm, usage, mask):
+    """Expert bytes the CPU read per decode token (MB): each layer's routings to non-resident experts
+    times that layer's expert size. What the planner minimises at batch 1 (a miss in a layer of
+    larger experts costs more), so a plan may trade a little hit rate for fewer bytes."""
+    if usage.tokens_decode == 0:
+        return None
+    expert_bytes = np.asarray(ModelSizes.from_weights(llm.weights).expert_bytes, dtype=np.float64)  # [L]
+    misses = np.where(np.asarray(mask, dtype=bool), 0, usage.decode).sum(axis=1)  # [L]
+    return float(misses @ expert_bytes / usage.tokens_decode / 1e6)
 
 
 def profile_half(args, prompts):
@@ -127,8 +140,8 @@ def summarize(name, runs):
         values = [r[key] for r in runs]
         row[key] = float(np.median(values))
         row[f"{key}_range"] = [min(values), max(values)]
-    for key in ("hit_rate_decode", "hit_rate_prefill"):
-        values = [r[key] for r in runs]
+    for key in ("hit_rate_decode", "hit_rate_prefill", "host_mb_per_decode_token"):
+        values = [r.get(key) for r in runs]
         row[key] = values[0] if all(v == values[0] for v in values) else values
     return row
 
@@ -149,13 +162,20 @@ def write_table(path, result):
             return f"{100 * min(v):.2f}-{100 * max(v):.2f} % (varied)"
         return f"{100 * v:.2f} %"
 
-    lines = ["| expert cache | resident | rounds | decode hit rate | prefill hit rate | decode tok/s median (min-max) "
-             "| decode vs uniform | prefill tok/s median (min-max) |", "|---|---|---|---|---|---|---|---|"]
+    def megabytes(v):
+        if v is None or (isinstance(v, list) and None in v):
+            return "n/a"
+        return f"{min(v):.1f}-{max(v):.1f} (varied)" if isinstance(v, list) else f"{v:.1f}"
+
+    lines = ["| expert cache | resident | rounds | decode hit rate | prefill hit rate | host expert MB / decode token "
+             "| decode tok/s median (min-max) | decode vs uniform | prefill tok/s median (min-max) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         (dlo, dhi), (plo, phi) = r["decode_tok_s_range"], r["prefill_tok_s_range"]
         ratio = "n/a" if r["decode_vs_uniform"] is None else f"{r['decode_vs_uniform']:.3f}"
         lines.append(f"| {r['name']} | {r['resident']} | {r['rounds']} | {pct(r['hit_rate_decode'])} "
-                     f"| {pct(r['hit_rate_prefill'])} | {r['decode_tok_s']:.1f} ({dlo:.1f}-{dhi:.1f}) | {ratio} "
+                     f"| {pct(r['hit_rate_prefill'])} | {megabytes(r.get('host_mb_per_decode_token'))} "
+                     f"| {r['decode_tok_s']:.1f} ({dlo:.1f}-{dhi:.1f}) | {ratio} "
                      f"| {r['prefill_tok_s']:.0f} ({plo:.0f}-{phi:.0f}) |")
     lines += ["", "Resident experts per layer at the start of a run (layer 0 first):", ""]
     for r in result["rows"]:
