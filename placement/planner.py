@@ -1,27 +1,30 @@
 """The placement planner: which experts each GPU holds, chosen to minimise predicted decode time.
 
 Cost model of one decode step at batch B (every slot decoding one token):
-  step = fixed + sum over layers of max(GPU part, CPU part)
-  CPU part = sum over non-resident experts e of q_e * expert bytes / CPU bandwidth
-  GPU part = sum over resident experts e of q_e * expert bytes / GPU bandwidth
+  step = fixed + sum over layers of the layer's expected time
   q_e = 1 - (1 - p_e)^B, the chance that at least one of the B tokens uses e (p_e from the profile),
   so sum q_e is the expected number of distinct experts a step reads (exact by linearity).
+  G = sum over resident experts e of q_e * expert bytes / GPU bandwidth (expected GPU part)
+  C = sum over non-resident experts e of q_e * expert bytes / CPU bandwidth (expected CPU part)
+  P0 = product over non-resident experts of (1 - q_e): the chance that the layer needs no CPU expert
+  layer = max(G, C + P0 * G)
   fixed = (dense weights + output head + the KV read at half the planned context) / GPU bandwidth.
-The two parts run at once (resident experts on the GPU, the rest on CPU threads), hence the max.
+The two parts run at once, so a layer takes the longer of them. A step that needs any CPU expert
+waits for it, and one CPU expert (a few MB from RAM) outlasts every GPU expert of the step; a step
+that needs none takes the GPU part. Hence C + P0 * G, bounded below by G for a slow GPU. The
+simpler max(G, C) would let a layer stop taking experts once C fell under G, which at batch 1
+gave up hit rate on strongly skewed layers for nothing: the rare miss still costs a whole CPU
+expert. P0 treats the experts as independent (the profile's pairwise co-activation cannot give
+the chance of a whole set).
 
-Per layer, for a resident count n the best set is the n experts of highest q (it minimises the
-CPU part); f_l(n) = the least layer cost over prefixes of length <= n, so a layer may leave a slot
-empty when the GPU part would become the longer one (`fill_slots` then uses such slots for the
-most used experts left out: see there). f_l is convex in n (q sorted descending), so
-handing a GPU's slots out one by one to the layer that gains most is optimal for the sum; ties go
-to the lower layer, then the lower expert index. Several GPUs: contiguous layer ranges, a layer's
-experts live on the GPU that runs its layer; `auto` tries every split, keeps the fastest, then the
-most even memory use.
-
-Co-activation does not enter: the expected number of distinct experts a step reads is a sum of
-per-expert probabilities whatever their correlation, and a layer runs on one GPU, so which
-experts fire together changes neither part of the cost. (It matters for the chance that a token
-needs no CPU work at all in a layer, a fixed-latency effect this model leaves out.)
+Per layer, for a resident count n the best set is the n experts of highest q; f_l(n) = the least
+layer cost over prefixes of length <= n, so a layer may leave a slot empty when the GPU part would
+become the longer one (`fill_slots` then uses such slots for the most used experts left out: see
+there). Where every f_l is convex, handing a GPU's slots out one by one to the layer that gains
+most is optimal for the sum (ties go to the lower layer, then the lower expert index); otherwise
+a dynamic programme over (layer, slots used) finds the optimum. Several GPUs: contiguous layer
+ranges, a layer's experts live on the GPU that runs its layer; `auto` tries every split, keeps the
+fastest, then the most even memory use.
 Shape legend: L layers, E experts.
 """
 import itertools
@@ -73,10 +76,11 @@ class CostModel:
         self._curves = [self._curve(layer) for layer in range(len(expert))]
 
     def layer_seconds(self, mask):
-        """float [L]: max(GPU part, CPU part) per layer."""
-        on_gpu = (self.q * mask).sum(axis=1)  # [L]
-        on_cpu = (self.q * ~mask).sum(axis=1)  # [L]
-        return np.maximum(on_gpu * self.gpu_s, on_cpu * self.cpu_s)
+        """float [L]: each layer's expected time, max(G, C + P0 * G) (see the module docstring)."""
+        gpu = (self.q * mask).sum(axis=1) * self.gpu_s  # [L]
+        cpu = (self.q * ~mask).sum(axis=1) * self.cpu_s  # [L]
+        none_on_cpu = np.where(mask, 1.0, 1.0 - self.q).prod(axis=1)  # [L]
+        return np.maximum(gpu, cpu + none_on_cpu * gpu)
 
     def step_seconds(self, mask):
         return self.fixed_s + float(self.layer_seconds(np.asarray(mask, dtype=bool)).sum())
@@ -93,7 +97,9 @@ class CostModel:
         q = self.q[layer]
         order = np.lexsort((np.arange(len(q)), -q))  # q descending, ties by index
         on_gpu = np.concatenate([[0.0], np.cumsum(q[order])])  # [E+1]
-        cost = np.maximum(on_gpu * self.gpu_s[layer], (q.sum() - on_gpu) * self.cpu_s[layer])  # [E+1]
+        none_on_cpu = np.concatenate([np.cumprod((1.0 - q[order])[::-1])[::-1], [1.0]])  # [E+1]
+        gpu, cpu = on_gpu * self.gpu_s[layer], (q.sum() - on_gpu) * self.cpu_s[layer]  # [E+1]
+        cost = np.maximum(gpu, cpu + none_on_cpu * gpu)  # [E+1]
         best_m, best = np.zeros(len(cost), dtype=np.int64), np.inf
         arg = 0
         for m, c in enumerate(cost):
@@ -108,14 +114,40 @@ class CostModel:
         if num_slots <= 0 or len(layers) == 0:
             return mask
         gains = np.stack([-np.diff(self._curves[layer][1]) for layer in layers])  # [len(layers), E]
-        rank = np.broadcast_to(np.arange(gains.shape[1]), gains.shape).ravel()
-        row = np.repeat(np.arange(len(layers)), gains.shape[1])
-        chosen = np.lexsort((rank, row, -gains.ravel()))[:num_slots]
-        counts = np.bincount(row[chosen], minlength=len(layers))
+        if np.all(np.diff(gains, axis=1) <= 1e-12 * np.abs(gains).max(initial=0.0)):  # every curve convex
+            rank = np.broadcast_to(np.arange(gains.shape[1]), gains.shape).ravel()
+            row = np.repeat(np.arange(len(layers)), gains.shape[1])
+            chosen = np.lexsort((rank, row, -gains.ravel()))[:num_slots]
+            counts = np.bincount(row[chosen], minlength=len(layers))
+        else:
+            counts = self._best_counts(layers, num_slots)
         for i, layer in enumerate(layers):
             order, _, best_m = self._curves[layer]
             mask[layer, order[:best_m[counts[i]]]] = True
         return mask
+
+
+    def _best_counts(self, layers, num_slots):
+        """int [len(layers)]: the resident count per layer of least total cost with at most num_slots
+        in all, by dynamic programming over (layer, slots used); ties leave the later layer fewer."""
+        num_experts = self.q.shape[1]
+        top = min(num_slots, num_experts * len(layers))
+        best = np.zeros(top + 1)  # [S+1]: least cost of the layers so far with at most s slots
+        picks = []
+        for layer in layers:
+            curve = self._curves[layer][1]  # [E+1]
+            new, pick = np.full(top + 1, np.inf), np.zeros(top + 1, dtype=np.int64)
+            for m in range(min(num_experts, top) + 1):
+                candidate = best[:top + 1 - m] + curve[m]  # [S+1-m]
+                better = candidate < new[m:]
+                new[m:][better], pick[m:][better] = candidate[better], m
+            best = new
+            picks.append(pick)
+        counts, s = np.zeros(len(layers), dtype=np.int64), top
+        for i in range(len(layers) - 1, -1, -1):
+            counts[i] = picks[i][s]
+            s -= counts[i]
+        return counts
 
 
 def fill_slots(mask, probs, layers, num_free):

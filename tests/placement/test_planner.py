@@ -168,3 +168,38 @@ def test_slots_the_objective_leaves_empty_get_the_most_used_experts(make_profile
     assert cost.plan_layers(range(3), 12).sum() < 12
     placement = plan(profile, sizes, budgets(gpu_mib=(126 + 120,)), slow_gpu)
     assert len(placement.gpus[0].resident) == 12
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_slot_allocation_is_optimal_for_curves_that_are_not_convex(make_profile, make_sizes, seed):
+    """The dynamic programme (taken when a layer's cost curve is not convex) reaches the least sum of
+    the layers' curves over every allocation of slot counts."""
+    rng = np.random.default_rng(seed)
+    cost = CostModel(make_profile(seed=seed).probabilities("decode"), make_sizes(), 1, Speeds(), 1000, "f16")
+    for layer in range(3):  # non-increasing, with flat stretches and sudden drops: not convex
+        order, _, best_m = cost._curves[layer]
+        curve = np.minimum.accumulate(rng.choice([1.0, 2.0, 5.0], size=5) * rng.uniform(0.5, 1.0, size=5)[::-1])
+        cost._curves[layer] = (order, curve, best_m)
+    for num_slots in range(13):
+        counts = cost._best_counts(range(3), num_slots)
+        assert counts.sum() <= num_slots and (counts <= 4).all()
+        total = sum(cost._curves[layer][1][n] for layer, n in enumerate(counts))
+        want = min(sum(cost._curves[layer][1][n] for layer, n in enumerate(c))
+                   for c in itertools.product(range(5), repeat=3) if sum(c) <= num_slots)
+        assert total == pytest.approx(want, rel=1e-12)
+
+
+def test_a_rare_miss_still_costs_a_cpu_expert(make_sizes):
+    """Batch 1, a fast GPU: the expected CPU part of a skewed layer falls under its GPU part long before
+    every expert is resident, yet each resident expert still lowers the predicted step (a step that
+    misses waits for a whole CPU expert), so the plan fills every slot by use."""
+    from placement.profile import ExpertProfile
+
+    profile = ExpertProfile.empty("m", 3, 4, 2)
+    profile.decode[:] = [[600, 300, 90, 10]] * 3
+    profile.tokens_decode = 500
+    cost = CostModel(profile.probabilities("decode"), make_sizes(), 1, Speeds(cpu_gbps=40, gpu_gbps=3000), 1000,
+                     "f16")
+    steps = [cost.step_seconds(cost.plan_layers(range(3), n)) for n in range(13)]
+    assert all(b < a for a, b in zip(steps, steps[1:]))
+    assert cost.plan_layers(range(3), 9).sum(axis=1).tolist() == [3, 3, 3]
