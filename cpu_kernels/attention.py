@@ -141,12 +141,18 @@ def attention(q, k_cache, v_cache, table, start_pos, key_lo, key_hi, scale, out,
         else:
             stats[t, kv, s, :, 1] = 0.0  # empty split
     want_lse = lse.shape[0] > 0
-    for th in prange(num_tokens * num_q_heads):
-        t = th // num_q_heads
-        h = th % num_q_heads
-        total_lse = _merge(acc[t, h // group, :, h % group], stats[t, h // group, :, h % group], out[t, h])
-        if want_lse:
-            lse[t, h] = total_lse
+    if num_tokens == 1:  # one token's merge is a few us: on this thread, no second region to open
+        for h in range(num_q_heads):
+            total_lse = _merge(acc[0, h // group, :, h % group], stats[0, h // group, :, h % group], out[0, h])
+            if want_lse:
+                lse[0, h] = total_lse
+    else:
+        for th in prange(num_tokens * num_q_heads):
+            t = th // num_q_heads
+            h = th % num_q_heads
+            total_lse = _merge(acc[t, h // group, :, h % group], stats[t, h // group, :, h % group], out[t, h])
+            if want_lse:
+                lse[t, h] = total_lse
 
 
 @njit(fastmath=True, nogil=True, cache=True)
