@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import select_backends
+from .backends.cpu import expert_work_bytes
 from .backends.gpu import DEFAULT_RESERVE_MIB
 from .batch import Batch, SeqChunk
 from .expert_usage import ExpertUsage
@@ -74,6 +75,11 @@ class LLM:
             self._start_dynamic(dynamic)
         log.info("model %s on %s, %d CPU threads, context %d; %s", self.weights.source, self.device, self.threads,
                  self.max_context, backend.describe_kv(self.model.kv_pool, self.max_context))
+        if host is not None or self.device == "cpu":
+            c = self.config
+            work = expert_work_bytes(PREFILL_CHUNK, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size)
+            log.info("CPU expert work arrays: up to %.0f MiB per thread that runs experts (a %d-token step), "
+                     "kept between steps", work / 2**20, PREFILL_CHUNK)
 
     def _start_dynamic(self, settings):
         from placement.dynamic import DynamicResidency, DynamicSettings

@@ -86,6 +86,12 @@ class _Scratch:
         return buf[:size].reshape(shape)
 
 
+def expert_work_bytes(num_tokens, top_k, hidden, width):
+    """Bytes of one thread's reused expert work arrays (_Scratch) after a step of num_tokens tokens:
+    xs and down [N, H], gate and up [N, F] float32, N = num_tokens * top_k pairs."""
+    return 4 * num_tokens * top_k * (2 * hidden + 2 * width)
+
+
 class CpuBackend:
     name = "cpu"
 

@@ -8,7 +8,7 @@ import pytest
 from cpu_kernels import FORMATS, q4_k, q6_k, q8_0
 from cpu_kernels.tiles import kernels_of
 from hybrid.backends import cpu
-from hybrid.backends.cpu import CpuBackend
+from hybrid.backends.cpu import CpuBackend, expert_work_bytes
 from hybrid.formats import load_model
 from hybrid.formats.weights import QuantTensor
 
@@ -98,6 +98,8 @@ def test_expert_work_arrays_are_reused_per_thread_without_changing_results():
         for run in runs:
             for got, want in zip(run.result(), expected):
                 np.testing.assert_array_equal(got, want)
+    held = sum(a.nbytes for a in backend._scratch().arrays.values())
+    assert held == expert_work_bytes(40, K, H, F)  # the largest call's, as the start-up budget line says
 
 
 def test_kernels_of_checks_the_raw_once():
