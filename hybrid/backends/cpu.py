@@ -6,8 +6,8 @@ threads every op runs parallel: serial stretches between the regions let the poo
 asleep, and waking them cost more than the small ops gained (2 threads, Q4_K_M decode: 31 -> 40
 tok/s with the twins off; bench/results/vs_llamacpp_xeon.md). Tiny ops (a few thousand values: one
 token's norms, rope, routing, combine) run serially at any thread count: they take ~1-4 us, far
-inside the pool's spin time, while opening a region took ~12 us each at 16 threads (H200 host
-profile, bench/results/cpu_decode_profile.md). A layer's experts run as two
+inside the pool's spin time, while a region cost ~15-30 us at 16 threads (H200 host profile,
+bench/results/vs_llamacpp_h200.md). A layer's experts run as two
 parallel regions, gate and up together, then down.
 
 The weights are read from copies in huge pages, not from the mapped file (`place`). The hot path
