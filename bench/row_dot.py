@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from cpu_kernels import FORMATS  # noqa: E402
-from cpu_kernels.act_quant import ACT_QUANTS, quantize_rows, quantize_rows_i8  # noqa: E402
+from cpu_kernels.act_quant import ACT_QUANTS, quantize_rows, quantize_rows_i8, quantize_rows_split  # noqa: E402
 from cpu_kernels.tiles import sub_block_sums, work_items  # noqa: E402
 
 ROWS, COLS = 768, 1024
@@ -29,7 +29,7 @@ def main(name):
     big = fmt.random_blocks(rng, (int(6e8 // (ROWS * row_bytes)) * ROWS, COLS), 0.02)  # [R, B], ~600 MB
     x = rng.standard_normal((1, COLS), dtype=np.float32)
     decode = work_items(np.zeros(1, np.int64), np.array([0, 1]), 1, ROWS)
-    xq, aux = quantize_rows(x, decode, ACT_QUANTS["int16"])
+    xq, aux = (quantize_rows_split if name == "q4_k" else quantize_rows)(x, decode, ACT_QUANTS["int16"])  # as the kernel
     out = np.empty(big.shape[0], dtype=np.float32)
     float_args = (x[0], sub_block_sums(x)[0]) if name in ("q4_k", "q5_k") else (x[0],)
     small = big[:ROWS].copy()

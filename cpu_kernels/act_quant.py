@@ -33,6 +33,24 @@ ACT_QUANTS = {"float": FLOAT, "int16": INT16, "int8": INT8}  # name: the code ke
 NIBBLE_ORDER = np.array([0, 2, 1, 3, 4, 6, 5, 7], dtype=np.int64)
 
 
+def _split_order():
+    """[256]: the natural index (in a super-block) of the x value int16 x stores at each position for Q4_K.
+    Q4_K's int16 dot reads 64 quant bytes as 32 int16 lanes and takes four vectors out of them with shifts and
+    masks alone (low and high nibbles of the even and odd bytes); x is stored to match. Positions
+    128h + 32v + i: v = 0, 1 the low nibbles (sub-block 4h, lanes 16-31 sub-block 4h + 2) of even and odd
+    bytes, v = 2, 3 the high nibbles (sub-blocks 4h + 1 and 4h + 3)."""
+    order = np.empty(256, dtype=np.int64)
+    for h in range(2):
+        for v in range(4):
+            for i in range(32):
+                sub_block = 4 * h + v // 2 + (2 if i >= 16 else 0)
+                order[128 * h + 32 * v + i] = 32 * sub_block + 2 * (i % 16) + v % 2
+    return order
+
+
+SPLIT_ORDER = _split_order()
+
+
 def default_act_quant():
     """The act_quant code from STRATA_ACT_QUANT (default: int16 where the target has AVX2, else float)."""
     name = (os.environ.get("STRATA_ACT_QUANT") or "int16").strip().lower()
@@ -84,6 +102,18 @@ def quantize_rows(x, items, act_quant):
     x ~= xq * scale. Empty ([0, C], [0, C/16]) unless act_quant is INT16 and a work item [W, 5] has a single
     token."""
     return _quantize(x, _num_decode_rows(x, items, act_quant == INT16))
+
+
+@njit(nogil=True, cache=True)
+def quantize_rows_split(x, items, act_quant):
+    """quantize_rows with each 256-value super-block's int16 values in SPLIT_ORDER (aux stays in column order)."""
+    xq, aux = quantize_rows(x, items, act_quant)
+    out = np.empty_like(xq)  # [N, C]
+    for n in range(xq.shape[0]):
+        for base in range(0, xq.shape[1], 256):
+            for i in range(256):
+                out[n, base + i] = xq[n, base + SPLIT_ORDER[i]]
+    return out, aux
 
 
 @njit(nogil=True, cache=True)

@@ -165,6 +165,53 @@ def sub_block_pairs(low_offset, high_offset=None):
     return pairs
 
 
+def split_block_i16(low_offset):
+    """block_i16(builder, q, o, b, xq, aux, acc <16 x float>) for 4-bit quants at low_offset with int16 xq [C] in
+    act_quant.SPLIT_ORDER: each 64 quant bytes load as 32 int16 lanes, and shifts and masks alone give the low
+    and high nibbles of their even and odd bytes, no widening shuffle; the even and odd halves of a sub-block
+    pair meet in int32 after one pmaddwd each, then one conversion and FMA per two sub-blocks (lanes 0-7 one
+    sub-block, 8-15 the one two on). From L2 on one core of the Intel Xeon VM: 15.6 GB/s, against 12.8 for
+    the widened path (block_i16 of vector_blocks)."""
+    i16x = simd.vec(simd.I16, 2 * 16)
+
+    def mask(value):
+        return simd.splat_const(simd.I16, 32, value)
+
+    def block_i16(builder, q, o, b, xq, aux, acc):
+        scale_values, min_values = _scales_mins(builder, q, o)
+        pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
+        dx, sums = simd.lanes(builder, pairs, range(0, 16, 2)), simd.lanes(builder, pairs, range(1, 16, 2))
+        factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
+        acc = _subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
+        xo = builder.mul(b, ir.Constant(I64, QK_K))
+        words = builder.bitcast(q, simd.I16.as_pointer())
+        for h in range(2):
+            byte = builder.add(o, ir.Constant(I64, low_offset + 2 * SUB * h))
+            packed = simd.load_at(builder, words, builder.udiv(byte, ir.Constant(I64, 2)), i16x)  # bytes as words
+            parts = [builder.and_(packed, mask(15)), builder.and_(builder.lshr(packed, mask(8)), mask(15)),
+                     builder.and_(builder.lshr(packed, mask(4)), mask(15)), builder.lshr(packed, mask(12))]
+            for pair in range(2):  # low nibbles: sub-blocks 4h, 4h + 2; high nibbles: 4h + 1, 4h + 3
+                dots = [simd.madd_i16(builder, parts[2 * pair + odd],
+                                      simd.load_at(builder, xq, builder.add(xo, ir.Constant(
+                                          I64, 4 * SUB * h + SUB * (2 * pair + odd))), i16x), INT_DOT_WIDTH)
+                        for odd in range(2)]
+                j = 4 * h + pair
+                factor = simd.lanes(builder, factors, [j] * 8 + [j + 2] * 8)
+                acc = simd.fma(builder, builder.sitofp(builder.add(*dots), simd.vec(F32, 16)), factor, acc)
+        return acc
+
+    block_i16.acc_type = simd.vec(F32, 16)
+    return block_i16
+
+
+def _subtract_mins(builder, acc, min_terms):
+    """acc - min_terms [8] in acc's lanes 0-7."""
+    width = acc.type.count
+    spread = builder.shuffle_vector(min_terms, ir.Constant(simd.vec(F32, 8), None),
+                                    simd.const_vec(I32, list(range(8)) + [8] * (width - 8)))
+    return builder.fsub(acc, spread, flags=simd.FAST)
+
+
 def vector_blocks(name, quants, pairs):
     """(block, block_i16, block_i8, weights) of a (scale, min) K-quant whose sub-block quants come from `quants`
     (and `pairs`, sub_block_pairs):
@@ -177,13 +224,7 @@ def vector_blocks(name, quants, pairs):
     weights(builder, q, o): the block as 8 (offset, <32 x float>) sub-blocks (d * scale_j) * q - dmin * min_j.
     """
     f32x8 = simd.vec(F32, 8)
-
-    def subtract_mins(builder, acc, min_terms):
-        """acc - min_terms [8] in acc's lanes 0-7."""
-        width = acc.type.count
-        spread = builder.shuffle_vector(min_terms, ir.Constant(f32x8, None),
-                                        simd.const_vec(I32, list(range(8)) + [8] * (width - 8)))
-        return builder.fsub(acc, spread, flags=simd.FAST)
+    subtract_mins = _subtract_mins
 
     def block(builder, q, o, b, xs, xsum, acc):
         scale_values, min_values = _scales_mins(builder, q, o)

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType
 from numba import njit, prange
 
 from . import simd
-from .act_quant import INT8, quantize_rows, quantize_rows_i8
-from .kquant import QK_K, SUB, sub_block_pairs, sub_block_quants, sub_scales, ubits, vector_blocks
+from .act_quant import INT8, quantize_rows_i8, quantize_rows_split
+from .kquant import QK_K, SUB, split_block_i16, sub_block_pairs, sub_block_quants, sub_scales, ubits, vector_blocks
 from .prefill import dot_tile, token_panels
 from .tiles import ROWS_PER_ITEM, format_api, random_weight, sub_block_sums, work_items
 
@@ -39,7 +39,8 @@ def _dequant_block(row, b, dst):
             dst[j * SUB + l] = ds * ubits(row[qo + l], shift, 15) - dm
 
 
-_block, _block_i16, _block_i8, _weights = vector_blocks("q4_k", sub_block_quants(_QS), sub_block_pairs(_QS))
+_block, _, _block_i8, _weights = vector_blocks("q4_k", sub_block_quants(_QS), sub_block_pairs(_QS))
+_block_i16 = split_block_i16(_QS)
 _unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, QK_K)
 _dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
@@ -69,7 +70,8 @@ def _unpack_row(row, dst):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot_i16(w, r0, r1, xq, aux, out):
-    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] and (scale, sum) pairs aux [C/16]."""
+    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] (super-blocks in act_quant.SPLIT_ORDER)
+    and (scale, sum) pairs aux [C/16]."""
     r = r0
     while r + simd.ROWS_IN_FLIGHT <= r1:
         _dot_rows_i16(w, r, xq, aux, out)
@@ -123,7 +125,7 @@ def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
     xsum = sub_block_sums(x)  # [N, C/32]
     panels = token_panels(x, items)  # [S, C, 64]
-    xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
+    xq, xaux = quantize_rows_split(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, True)  # [N, C], [N, C/16] (empty unless int8 decode)
     num_items = items.shape[0]
     for i in prange(num_items * len(raws)):

@@ -52,6 +52,26 @@ def test_quantize_rows_skips_float_and_prefill():
     assert aq.quantize_rows(x, prefill, aq.ACT_QUANTS["int16"])[0].shape == (0, 64)
 
 
+def test_split_order_is_the_nibble_split_of_each_super_block():
+    """Q4_K's int16 x: position 128h + 32v + i holds, for v = 0 / 1 (low nibbles of even / odd quant bytes) and
+    v = 2 / 3 (high nibbles), the value that byte's nibble multiplies; aux stays in column order."""
+    assert sorted(aq.SPLIT_ORDER) == list(range(256))
+    quant_byte = np.arange(256) % 32 + 32 * (np.arange(256) // 64)  # weight -> its quant byte (of 128)
+    high = (np.arange(256) // 32) % 2 == 1  # odd sub-blocks are high nibbles
+    for h in range(2):
+        for v in range(4):
+            weights = aq.SPLIT_ORDER[128 * h + 32 * v:128 * h + 32 * v + 32]
+            assert (high[weights] == (v >= 2)).all() and (quant_byte[weights] % 2 == v % 2).all()
+            assert list(quant_byte[weights][:16] // 2) == list(range(32 * h, 32 * h + 16))  # lane i: word i
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    xq, aux = aq.quantize_rows(x, decode_items(2), aq.INT16)
+    split, split_aux = aq.quantize_rows_split(x, decode_items(2), aq.INT16)
+    np.testing.assert_array_equal(split_aux, aux)
+    for base in (0, 256):
+        np.testing.assert_array_equal(split[:, base:base + 256], xq[:, base + aq.SPLIT_ORDER])
+
+
 def test_quantize_rows_i8_rounds_each_block_to_half_a_step():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((3, 512)) * rng.uniform(1e-3, 50.0, (3, 16)).repeat(32, axis=1)).astype(np.float32)
