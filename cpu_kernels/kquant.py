@@ -172,7 +172,7 @@ def split_block_i16(low_offset):
     pair meet in int32 after one pmaddwd each, then one conversion and FMA per two sub-blocks (lanes 0-7 one
     sub-block, 8-15 the one two on). From L2 on one core of the Intel Xeon VM: 15.6 GB/s, against 12.8 for
     the widened path (block_i16 of vector_blocks)."""
-    i16x = simd.vec(simd.I16, 2 * 16)
+    i16x = simd.vec(simd.I16, SUB)  # 64 quant bytes as words, or 32 x values
 
     def mask(value):
         return simd.splat_const(simd.I16, 32, value)
@@ -224,13 +224,12 @@ def vector_blocks(name, quants, pairs):
     weights(builder, q, o): the block as 8 (offset, <32 x float>) sub-blocks (d * scale_j) * q - dmin * min_j.
     """
     f32x8 = simd.vec(F32, 8)
-    subtract_mins = _subtract_mins
 
     def block(builder, q, o, b, xs, xsum, acc):
         scale_values, min_values = _scales_mins(builder, q, o)
         scales, mins = _scaled(builder, q, o, scale_values, 0), _scaled(builder, q, o, min_values, 2)
         sums = simd.load_at(builder, xsum, builder.mul(b, ir.Constant(I64, 8)), f32x8)
-        acc = subtract_mins(builder, acc, builder.fmul(mins, sums, flags=simd.FAST))
+        acc = _subtract_mins(builder, acc, builder.fmul(mins, sums, flags=simd.FAST))
         xo = builder.mul(b, ir.Constant(I64, QK_K))
         for j, values in enumerate(quants(builder, q, o, I8)):
             xv = simd.load_at(builder, xs, builder.add(xo, ir.Constant(I64, SUB * j)), simd.vec(F32, SUB))
@@ -245,7 +244,7 @@ def vector_blocks(name, quants, pairs):
         pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
         dx, sums = simd.lanes(builder, pairs, range(0, 16, 2)), simd.lanes(builder, pairs, range(1, 16, 2))
         factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
-        acc = subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
+        acc = _subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
         xo = builder.mul(b, ir.Constant(I64, QK_K))
         for j, values in enumerate(quants(builder, q, o, simd.I16)):
             xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, SUB * j)), i16x)
@@ -259,7 +258,7 @@ def vector_blocks(name, quants, pairs):
         dx_sums = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
         dx, sums = simd.lanes(builder, dx_sums, range(0, 16, 2)), simd.lanes(builder, dx_sums, range(1, 16, 2))
         factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
-        acc = subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
+        acc = _subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
         xo = builder.mul(b, ir.Constant(I64, QK_K))
         zeros = ir.Constant(simd.vec(I32, 16), None)
         for i, (j0, j1, values) in enumerate(pairs(builder, q, o)):

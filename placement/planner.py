@@ -126,7 +126,6 @@ class CostModel:
             mask[layer, order[:best_m[counts[i]]]] = True
         return mask
 
-
     def _best_counts(self, layers, num_slots):
         """int [len(layers)]: the resident count per layer of least total cost with at most num_slots
         in all, by dynamic programming over (layer, slots used); ties leave the later layer fewer."""
