@@ -11,8 +11,9 @@ per row; float x, int16 x through `madd_i16`, or int8 x through `dot_u8i8`), and
 
 Shape legend: C columns; `q` uint8 raw bytes, `x` float32, int16 or int8 [C]; offsets are in elements.
 """
-import os
+import ctypes
 
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core.extending import intrinsic
@@ -130,11 +131,25 @@ def contiguous(*arys):
 
 
 ROWS_IN_FLIGHT = 4  # rows one dot loop reads side by side: each is a sequential stream the L2 prefetcher follows
-# While a dot loop reads rows r .. r + 3 it prefetches the same bytes of the rows PREFETCH_GROUPS groups on
-# (STRATA_PREFETCH_GROUPS, 0 = off). Measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5):
+# While a dot loop reads rows r .. r + 3 it prefetches the same bytes of rows r + n .. r + n + 3, n =
+# PREFETCH_ROWS. Measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5, n = 8):
 # Q8_0 7.7 -> 28 GB/s, Q6_K 6.2 -> 27 GB/s (now their L2 rate), Q4_K 20 -> 22 (compute-bound either way).
-PREFETCH_GROUPS = int(os.environ.get("STRATA_PREFETCH_GROUPS") or 2)
+# The best n differs by host (Intel Xeon VM: 4; the H200 host: 24 or more for Q6_K), so it is a process-wide
+# value the compiled loops load at run time, through an external symbol that cached code resolves again in
+# every process; cpu_kernels.prefetch.calibrate sets it per host, STRATA_PREFETCH_ROWS fixes it.
+PREFETCH_ROWS = ctypes.c_int64(8)
+llvm.add_symbol("strata_prefetch_rows", ctypes.addressof(PREFETCH_ROWS))
 CACHE_LINE = 64
+
+
+def load_prefetch_rows(builder):
+    """The current PREFETCH_ROWS, as an i64 loaded in the generated code."""
+    module = builder.module
+    symbol = module.globals.get("strata_prefetch_rows")
+    if symbol is None:
+        symbol = ir.GlobalVariable(module, I64, "strata_prefetch_rows")
+        symbol.linkage = "external"
+    return builder.load(symbol)
 
 
 def prefetch(builder, ptr):
@@ -158,7 +173,7 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
     loop consumes its stream too slowly for the prefetchers and reaches less than half the DRAM bandwidth
     (Q8_0, one core of an earlier host: 5.5 GB/s one row at a time, 12 GB/s four rows at a time, 15 GB/s from
     L2). Where the hardware prefetchers still fall behind (Zen 5: Q8_0 at a quarter of its L2 rate), the loop
-    also prefetches the rows PREFETCH_GROUPS groups on, clamped to W's last row so it never reads another tensor.
+    also prefetches the rows PREFETCH_ROWS on, clamped to W's last row so it never reads another tensor.
     """
     from numba.core import cgutils
 
@@ -182,9 +197,10 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
 
             num_w_rows = cgutils.unpack_tuple(builder, wa.shape)[0]
             last_row = builder.sub(num_w_rows, ir.Constant(I64, 1))
-            later = []  # the rows PREFETCH_GROUPS groups on, clamped to W's last row (never another tensor's)
-            for k in range(num_rows if PREFETCH_GROUPS else 0):
-                row = builder.add(first, ir.Constant(I64, k + num_rows * PREFETCH_GROUPS))
+            later = []  # the rows PREFETCH_ROWS on, clamped to W's last row (never another tensor's)
+            ahead = builder.add(first, load_prefetch_rows(builder))
+            for k in range(num_rows):
+                row = builder.add(ahead, ir.Constant(I64, k))
                 row = builder.select(builder.icmp_signed(">", row, last_row), last_row, row)
                 later.append(builder.gep(wa.data, [builder.mul(row, row_bytes)]))
 

@@ -27,7 +27,7 @@ import numba
 import numpy as np
 from tqdm import tqdm
 
-from cpu_kernels import activation, attention, format_for, moe_combine, rmsnorm, rope, routing
+from cpu_kernels import activation, attention, format_for, moe_combine, prefetch, rmsnorm, rope, routing
 from cpu_kernels.act_quant import act_quant_code
 from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
@@ -120,19 +120,22 @@ class CpuBackend:
         """Copy the file-mapped (read-only) weights into anonymous memory advised for transparent huge pages
         (hybrid/host_memory.py): a 1-thread decode read its experts at ~7 GB/s from 4 KiB file pages, ~23 GB/s
         from 2 MiB pages (TLB misses; bench/results/cpu_decode_profile.md). Left mapped where the copies would take over
-        COPY_MAX_FREE_SHARE of the free memory."""
+        COPY_MAX_FREE_SHARE of the free memory. Then the decode prefetch distance is chosen for this host from
+        timed dots over the experts (cpu_kernels/prefetch.py)."""
         mapped = [t for t in model.weights.tensors.values() if not t.raw.flags.writeable]
         size = sum(t.raw.nbytes for t in mapped)
         free = _available_bytes()
         if size > COPY_MAX_FREE_SHARE * free:
             log.info("weights stay memory-mapped (%.0f MiB, %.0f MiB available): decode reads them through 4 KiB "
                      "pages", size / 2**20, free / 2**20)
-            return
-        with tqdm(total=size, unit="B", unit_scale=True, desc="weights into RAM", disable=size < PROGRESS_MIN_BYTES,
-                  leave=False) as bar:
-            for tensor in mapped:
-                tensor.raw = huge_page_copy(tensor.raw)
-                bar.update(tensor.raw.nbytes)
+        else:
+            with tqdm(total=size, unit="B", unit_scale=True, desc="weights into RAM",
+                      disable=size < PROGRESS_MIN_BYTES, leave=False) as bar:
+                for tensor in mapped:
+                    tensor.raw = huge_page_copy(tensor.raw)
+                    bar.update(tensor.raw.nbytes)
+        gates = [t for name, t in model.weights.tensors.items() if name.endswith("ffn_gate_exps.weight")]
+        prefetch.calibrate([t for t in gates if t.qtype == gates[0].qtype] if gates else [])
 
     def new_kv_pool(self, num_layers, num_kv_heads, head_dim, dtype, num_tokens):
         """The model's KV pool in RAM: room for num_tokens positions reserved (committed as written); it

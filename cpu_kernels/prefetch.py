@@ -1,0 +1,90 @@
+"""The decode dot loops' software prefetch distance, chosen for this host at start-up.
+
+While a dot loop reads rows r .. r + 3 of a weight it prefetches rows r + n .. r + n + 3, n =
+simd.PREFETCH_ROWS. The best n is the host's: on one core of the Intel Xeon VM, 4 rows read Q4_K and Q6_K
+from DRAM ~10 % faster than 8, while on the H200 host 24 rows read Q6_K 35 % faster than 8
+(bench/results/vs_llamacpp_h200.md). `calibrate` times one thread's decode dot over the model's own
+expert weights at each candidate and keeps the fastest; STRATA_PREFETCH_ROWS fixes n instead.
+
+Shape legend: E experts, R rows, B bytes per row, C columns.
+"""
+import logging
+import os
+import time
+
+import numpy as np
+
+from . import format_for
+from .act_quant import act_quant_code
+from .simd import PREFETCH_ROWS
+from .tiles import kernels_of
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = (4, 8, 16, 24, 32)  # rows ahead
+ROUNDS = 2  # passes over the candidates, alternating; each candidate's best pass counts
+SAMPLE_BYTES = 512 << 20  # weights read per candidate and pass, at most (past any last-level cache we know)
+MIN_SAMPLE_BYTES = 64 << 20  # with fewer expert bytes than this the weights sit in cache: keep the default
+
+
+def prefetch_rows():
+    return PREFETCH_ROWS.value
+
+
+def set_prefetch_rows(rows):
+    if not 0 <= int(rows) <= 1024:
+        raise ValueError(f"prefetch distance {rows}: expected 0 to 1024 rows")
+    PREFETCH_ROWS.value = int(rows)
+
+
+def calibrate(tensors, min_bytes=MIN_SAMPLE_BYTES, candidates=CANDIDATES):
+    """Set the prefetch distance from timed decode dots over `tensors` (expert weights of one format, each
+    with .raw [E, R, B] and .qtype); returns {rows: GB/s} of the candidates (empty when nothing was timed)."""
+    fixed = os.environ.get("STRATA_PREFETCH_ROWS")
+    if fixed:
+        set_prefetch_rows(fixed)
+        log.info("decode prefetch: %d rows ahead (STRATA_PREFETCH_ROWS)", prefetch_rows())
+        return {}
+    sample, total = [], 0
+    for tensor in tensors:
+        if total >= SAMPLE_BYTES:
+            break
+        sample.append(tensor)
+        total += tensor.raw.nbytes
+    if total < min_bytes or not sample:
+        return {}
+    rates = {rows: 0.0 for rows in candidates}
+    read = _decode_reader(sample)
+    read()  # compile or load the kernel, fault in the pages
+    for _ in range(ROUNDS):
+        for rows in candidates:
+            set_prefetch_rows(rows)
+            start = time.perf_counter()
+            read()
+            rates[rows] = max(rates[rows], total / (time.perf_counter() - start) / 1e9)
+    best = max(candidates, key=lambda rows: (rates[rows], -rows))
+    set_prefetch_rows(best)
+    log.info("decode prefetch: %d rows ahead (one thread over %.0f MB of %s experts, GB/s: %s)", best, total / 1e6,
+             sample[0].qtype.name, ", ".join(f"{rows}: {rate:.1f}" for rows, rate in rates.items()))
+    return rates
+
+
+def _decode_reader(tensors):
+    """A function that reads every expert of `tensors` once as a one-thread decode step does (int16 x)."""
+    fmt = format_for(tensors[0].qtype)
+    act_quant = act_quant_code(None)
+    calls = []
+    rng = np.random.default_rng(0)
+    for tensor in tensors:
+        raw = tensor.raw if tensor.raw.ndim == 3 else tensor.raw.reshape(1, *tensor.raw.shape)  # [E, R, B]
+        _, serial, cols = kernels_of(fmt, raw)
+        num_experts, num_rows = raw.shape[:2]
+        x = rng.standard_normal((num_experts, cols)).astype(np.float32)  # [E, C]: one token per expert
+        groups = np.arange(num_experts, dtype=np.int64), np.arange(num_experts + 1, dtype=np.int64)
+        calls.append((serial, (raw,), x, *groups, (np.empty((num_experts, num_rows), np.float32),)))
+
+    def read():
+        for serial, raws, x, expert_ids, row_starts, outs in calls:
+            serial(raws, x, expert_ids, row_starts, outs, act_quant)
+
+    return read
