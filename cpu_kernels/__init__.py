@@ -17,7 +17,13 @@ from .target import apply_isa_floor
 # The target CPU must be fixed before the first kernel compiles.
 apply_isa_floor()
 
+import numba  # noqa: E402
 from gguf import GGMLQuantizationType as _Q  # noqa: E402
+
+# Kernels loaded from Numba's cache call the threading layer without launching it, and a serial twin
+# that holds a parallel helper crashed when it was a fresh process's first kernel (the backend's
+# set_threads launches it; other callers of these modules may not): launch it here.
+numba.get_num_threads()
 
 from . import bf16, f16, f32, q4_0, q4_k, q5_k, q6_k, q8_0  # noqa: E402
 

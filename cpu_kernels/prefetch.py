@@ -38,8 +38,9 @@ def set_prefetch_rows(rows):
 
 
 def calibrate(tensors, min_bytes=MIN_SAMPLE_BYTES, candidates=CANDIDATES):
-    """Set the prefetch distance from timed decode dots over `tensors` (expert weights of one format, each
-    with .raw [E, R, B] and .qtype); returns {rows: GB/s} of the candidates (empty when nothing was timed)."""
+    """Set the prefetch distance from timed decode dots over `tensors` (expert weights, each with .raw
+    [E, R, B] and .qtype; the first SAMPLE_BYTES of them are read, so pass them mixed as a decode step reads
+    them: gate, up, down of a layer); returns {rows: GB/s} of the candidates (empty when nothing was timed)."""
     fixed = os.environ.get("STRATA_PREFETCH_ROWS")
     if fixed:
         set_prefetch_rows(fixed)
@@ -64,20 +65,20 @@ def calibrate(tensors, min_bytes=MIN_SAMPLE_BYTES, candidates=CANDIDATES):
             rates[rows] = max(rates[rows], total / (time.perf_counter() - start) / 1e9)
     best = max(candidates, key=lambda rows: (rates[rows], -rows))
     set_prefetch_rows(best)
+    formats = "/".join(sorted({t.qtype.name for t in sample}))
     log.info("decode prefetch: %d rows ahead (one thread over %.0f MB of %s experts, GB/s: %s)", best, total / 1e6,
-             sample[0].qtype.name, ", ".join(f"{rows}: {rate:.1f}" for rows, rate in rates.items()))
+             formats, ", ".join(f"{rows}: {rate:.1f}" for rows, rate in rates.items()))
     return rates
 
 
 def _decode_reader(tensors):
     """A function that reads every expert of `tensors` once as a one-thread decode step does (int16 x)."""
-    fmt = format_for(tensors[0].qtype)
     act_quant = act_quant_code(None)
     calls = []
     rng = np.random.default_rng(0)
     for tensor in tensors:
         raw = tensor.raw if tensor.raw.ndim == 3 else tensor.raw.reshape(1, *tensor.raw.shape)  # [E, R, B]
-        _, serial, cols = kernels_of(fmt, raw)
+        _, serial, cols = kernels_of(format_for(tensor.qtype), raw)
         num_experts, num_rows = raw.shape[:2]
         x = rng.standard_normal((num_experts, cols)).astype(np.float32)  # [E, C]: one token per expert
         groups = np.arange(num_experts, dtype=np.int64), np.arange(num_experts + 1, dtype=np.int64)

@@ -27,7 +27,7 @@ import numba
 import numpy as np
 from tqdm import tqdm
 
-from cpu_kernels import activation, attention, format_for, moe_combine, prefetch, rmsnorm, rope, routing
+from cpu_kernels import activation, attention, format_for, is_supported, moe_combine, prefetch, rmsnorm, rope, routing
 from cpu_kernels.act_quant import act_quant_code
 from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
@@ -121,7 +121,7 @@ class CpuBackend:
         (hybrid/host_memory.py): a 1-thread decode read its experts at ~7 GB/s from 4 KiB file pages, ~23 GB/s
         from 2 MiB pages (TLB misses; bench/results/cpu_decode_profile.md). Left mapped where the copies would take over
         COPY_MAX_FREE_SHARE of the free memory. Then the decode prefetch distance is chosen for this host from
-        timed dots over the experts (cpu_kernels/prefetch.py)."""
+        timed dots over the experts, in the model's order (cpu_kernels/prefetch.py)."""
         mapped = [t for t in model.weights.tensors.values() if not t.raw.flags.writeable]
         size = sum(t.raw.nbytes for t in mapped)
         free = _available_bytes()
@@ -134,8 +134,8 @@ class CpuBackend:
                 for tensor in mapped:
                     tensor.raw = huge_page_copy(tensor.raw)
                     bar.update(tensor.raw.nbytes)
-        gates = [t for name, t in model.weights.tensors.items() if name.endswith("ffn_gate_exps.weight")]
-        prefetch.calibrate([t for t in gates if t.qtype == gates[0].qtype] if gates else [])
+        experts = [t for name, t in model.weights.tensors.items() if name.endswith("_exps.weight")]
+        prefetch.calibrate([t for t in experts if is_supported(t.qtype)])
 
     def new_kv_pool(self, num_layers, num_kv_heads, head_dim, dtype, num_tokens):
         """The model's KV pool in RAM: room for num_tokens positions reserved (committed as written); it

@@ -1,4 +1,5 @@
 """The decode prefetch distance: a run-time value the compiled dot loops follow, chosen per host by timing."""
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -54,3 +55,27 @@ def test_calibrate_leaves_small_models_and_a_fixed_setting_alone(monkeypatch):
     assert prefetch.prefetch_rows() == 20
     with pytest.raises(ValueError, match="prefetch distance -1"):
         prefetch.set_prefetch_rows(-1)
+
+
+def test_cached_kernels_run_first_in_a_fresh_process(tmp_path):
+    """A kernel reads the prefetch distance through an external symbol: compiled in one process and loaded
+    from Numba's cache in the next, as that process's first kernel, it runs and gives the same result."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import numpy as np\n"
+        "from cpu_kernels import q8_0\n"
+        "from cpu_kernels.tiles import kernels_of\n"
+        "raw = q8_0.random_blocks(np.random.default_rng(0), (2, 32, 256), 0.05)\n"
+        "_, serial, cols = kernels_of(q8_0, raw)\n"
+        "out = np.empty((2, 32), np.float32)\n"
+        "serial((raw,), np.ones((2, cols), np.float32), np.arange(2), np.arange(3), (out,), 1)\n"
+        "print(float(out.sum()))\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout and any(tmp_path.rglob("*.nbi"))
