@@ -32,9 +32,15 @@ def prefetch_rows():
 
 
 def set_prefetch_rows(rows):
-    if not 0 <= int(rows) <= 1024:
-        raise ValueError(f"prefetch distance {rows}: expected 0 to 1024 rows")
-    PREFETCH_ROWS.value = int(rows)
+    """Rows ahead the dot loops prefetch (0: the rows being read, i.e. no look-ahead)."""
+    try:
+        value = int(rows)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 1024:
+        raise ValueError(f"prefetch distance {rows!r} (STRATA_PREFETCH_ROWS): expected a whole number of rows, "
+                         "0 to 1024")
+    PREFETCH_ROWS.value = value
 
 
 def calibrate(tensors, min_bytes=MIN_SAMPLE_BYTES, candidates=CANDIDATES):

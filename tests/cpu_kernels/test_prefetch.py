@@ -55,6 +55,9 @@ def test_calibrate_leaves_small_models_and_a_fixed_setting_alone(monkeypatch):
     assert prefetch.prefetch_rows() == 20
     with pytest.raises(ValueError, match="prefetch distance -1"):
         prefetch.set_prefetch_rows(-1)
+    monkeypatch.setenv("STRATA_PREFETCH_ROWS", "lots")
+    with pytest.raises(ValueError, match="prefetch distance 'lots' \\(STRATA_PREFETCH_ROWS\\)"):
+        prefetch.calibrate(tensors, min_bytes=0)
 
 
 def test_cached_kernels_run_first_in_a_fresh_process(tmp_path):
