@@ -175,15 +175,10 @@ def split_block_i16(low_offset):
     i16x = simd.vec(simd.I16, SUB)  # 64 quant bytes as words, or 32 x values
 
     def mask(value):
-        return simd.splat_const(simd.I16, 32, value)
+        return simd.splat_const(simd.I16, SUB, value)
 
     def block_i16(builder, q, o, b, xq, aux, acc):
-        scale_values, min_values = _scales_mins(builder, q, o)
-        pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
-        dx, sums = simd.lanes(builder, pairs, range(0, 16, 2)), simd.lanes(builder, pairs, range(1, 16, 2))
-        factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
-        acc = _subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
-        xo = builder.mul(b, ir.Constant(I64, QK_K))
+        factors, acc, xo = _int_block_start(builder, q, o, b, aux, acc)
         words = builder.bitcast(q, simd.I16.as_pointer())
         for h in range(2):
             byte = builder.add(o, ir.Constant(I64, low_offset + 2 * SUB * h))
@@ -202,6 +197,17 @@ def split_block_i16(low_offset):
 
     block_i16.acc_type = simd.vec(F32, 16)
     return block_i16
+
+
+def _int_block_start(builder, q, o, b, aux, acc):
+    """What an integer-x block dot does first: (factors <8 x float> = d * scale_j * dx_j, acc minus the
+    sub-blocks' dmin * min_j * sum(x), the block's first x index), aux [C/16] holding (dx, sum) pairs."""
+    scale_values, min_values = _scales_mins(builder, q, o)
+    pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
+    dx, sums = simd.lanes(builder, pairs, range(0, 16, 2)), simd.lanes(builder, pairs, range(1, 16, 2))
+    factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
+    acc = _subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
+    return factors, acc, builder.mul(b, ir.Constant(I64, QK_K))
 
 
 def _subtract_mins(builder, acc, min_terms):
@@ -240,12 +246,7 @@ def vector_blocks(name, quants, pairs):
 
     def block_i16(builder, q, o, b, xq, aux, acc):
         i16x = simd.vec(simd.I16, SUB)
-        scale_values, min_values = _scales_mins(builder, q, o)
-        pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
-        dx, sums = simd.lanes(builder, pairs, range(0, 16, 2)), simd.lanes(builder, pairs, range(1, 16, 2))
-        factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
-        acc = _subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
-        xo = builder.mul(b, ir.Constant(I64, QK_K))
+        factors, acc, xo = _int_block_start(builder, q, o, b, aux, acc)
         for j, values in enumerate(quants(builder, q, o, simd.I16)):
             xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, SUB * j)), i16x)
             dots = simd.madd_i16(builder, values, xv, INT_DOT_WIDTH)  # <16 x i32>
@@ -254,12 +255,7 @@ def vector_blocks(name, quants, pairs):
         return acc
 
     def block_i8(builder, q, o, b, xq, aux, acc):
-        scale_values, min_values = _scales_mins(builder, q, o)
-        dx_sums = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
-        dx, sums = simd.lanes(builder, dx_sums, range(0, 16, 2)), simd.lanes(builder, dx_sums, range(1, 16, 2))
-        factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
-        acc = _subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
-        xo = builder.mul(b, ir.Constant(I64, QK_K))
+        factors, acc, xo = _int_block_start(builder, q, o, b, aux, acc)
         zeros = ir.Constant(simd.vec(I32, 16), None)
         for i, (j0, j1, values) in enumerate(pairs(builder, q, o)):
             xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, 2 * SUB * i)), simd.vec(I8, 2 * SUB))
