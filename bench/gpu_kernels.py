@@ -4,11 +4,8 @@ For each format, random experts of one Qwen3-30B-A3B MoE layer (128 experts, gat
 R=768, C=2048) sit in VRAM as expert-cache slots; a decode-sized step reads every expert once: one
 moe_matmul launch with 128 groups of one row (the one-token kernel). Four layer copies are cycled so
 the weights never sit in L2. Bandwidth = weight bytes read / time (CUDA events, median of the
-repeats). The copy bandwidth counts bytes read + written of a 2 GiB device-to-device copy. Both
-one-token kernels run: "direct" (lanes load their slices from VRAM) and "staged" (a block copies
-chunks of rows to shared memory with 16-byte loads first). The tuning (rows a lane group works on,
-slices a lane takes; for staged also the blocks an SM should hold, which caps registers) is swept for
---sweep formats.
+repeats). The copy bandwidth counts bytes read + written of a 2 GiB device-to-device copy. The
+tuning (rows a lane group works on, slices a lane takes) is swept for --sweep formats.
 
     python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--repeats 20]
 
@@ -23,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from gpu_kernels.kernels import DECODE_ROWS, LANE_SLICES, STAGED, STAGED_MIN_BLOCKS, Kernels  # noqa: E402
+from gpu_kernels.kernels import DECODE_ROWS, LANE_SLICES, Kernels  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from hybrid.backends.gpu import _work_tiles  # noqa: E402
 from hybrid.formats.synthetic import encode  # noqa: E402
@@ -56,8 +53,7 @@ def copy_bandwidth(rt, repeats):
 
 
 def expert_bandwidth(rt, tunings, qtype, repeats):
-    """{(kernel, decode_rows, lane_slices, min_blocks): (bytes per second, seconds)} of one decode step over
-    a layer."""
+    """{(decode_rows, lane_slices): (bytes per second, seconds)} of one decode step over a layer."""
     rng = np.random.default_rng(0)
     one = encode("w", rng.standard_normal((NUM_EXPERTS, ROWS, COLS)).astype(np.float32) * 0.02, qtype, rng).raw
     layers = [rt.to_device(one) for _ in range(COPIES)]  # [E, R, B] each
@@ -67,15 +63,14 @@ def expert_bandwidth(rt, tunings, qtype, repeats):
              for t in _work_tiles(np.arange(NUM_EXPERTS + 1), np.arange(NUM_EXPERTS), 1)]
     step = iter(range(1 << 30))
     results = {}
-    for kernel, rows, lane_slices, min_blocks in tunings:
-        kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices, staged=kernel == "staged",
-                          staged_min_blocks=min_blocks)
+    for rows, lane_slices in tunings:
+        kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices)
 
         def run():
             kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
 
         seconds = timed(rt, run, repeats)
-        results[kernel, rows, lane_slices, min_blocks] = (one.nbytes / seconds, seconds)
+        results[rows, lane_slices] = (one.nbytes / seconds, seconds)
     return one.nbytes, results
 
 
@@ -96,22 +91,17 @@ def main(argv=None):
     lines = [f"# GPU expert matvec bandwidth ({rt.device_name}, {rt.name})", "",
              f"Decode step over one MoE layer: {NUM_EXPERTS} experts x [{ROWS}, {COLS}], one row each, one launch.",
              f"Device-to-device copy: {copy / 1e9:.0f} GB/s (read + write).",
-             f"Default: {'staged' if STAGED else 'direct'}, {DECODE_ROWS} rows a lane group, about {LANE_SLICES} "
-             f"slices a lane, staged blocks an SM {STAGED_MIN_BLOCKS}.", "",
-             "| format | kernel | rows / group | slices / lane | blocks / SM | MiB read | time (us) | GB/s | % of copy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"Default tuning: {DECODE_ROWS} rows a lane group, about {LANE_SLICES} slices a lane.", "",
+             "| format | rows / group | slices / lane | MiB read | time (us) | GB/s | % of copy |",
+             "|---|---|---|---|---|---|---|"]
     for name in args.formats.split(","):
         qtype = Q[name.upper()]
-        if qtype in sweep:
-            tunings = ([("direct", r, s, STAGED_MIN_BLOCKS) for r in (1, 2, 4) for s in (1, 2, 4)]
-                       + [("staged", r, s, b) for r in (1, 2, 4) for s in (1, 2, 4) for b in (1, 4, 5)])
-        else:
-            tunings = [(k, DECODE_ROWS, LANE_SLICES, STAGED_MIN_BLOCKS) for k in ("direct", "staged")]
+        tunings = ([(r, s) for r in (1, 2, 4) for s in (1, 2, 4)] if qtype in sweep
+                   else [(DECODE_ROWS, LANE_SLICES)])
         nbytes, results = expert_bandwidth(rt, tunings, qtype, args.repeats)
-        for (kernel, rows, lane_slices, min_blocks), (bw, seconds) in results.items():
-            blocks = min_blocks if kernel == "staged" else ""
-            lines.append(f"| {qtype.name} | {kernel} | {rows} | {lane_slices} | {blocks} | {nbytes / 2**20:.1f} | "
-                         f"{seconds * 1e6:.1f} | {bw / 1e9:.0f} | {100 * bw / copy:.0f} |")
+        for (rows, lane_slices), (bw, seconds) in results.items():
+            lines.append(f"| {qtype.name} | {rows} | {lane_slices} | {nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | "
+                         f"{bw / 1e9:.0f} | {100 * bw / copy:.0f} |")
             log.info(lines[-1])
     RESULTS.write_text("\n".join(lines) + "\n")
     log.info("wrote %s", RESULTS)

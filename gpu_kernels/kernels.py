@@ -19,10 +19,6 @@ MAX_THREADS = 256
 MATMUL_THREADS = 256  # a matmul block: groups of `tpr` lanes, each on its own rows
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
 LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
-STAGED = True  # one-token matmuls copy rows to shared memory first (matmul_1s / moe_matmul_1s)
-STAGED_MIN_BLOCKS = 4  # blocks an SM should hold of them: caps their registers (64 at 256 threads)
-STAGE_MAX_BYTES = 46 << 10  # a chunk of rows in shared memory, under the 48 KiB every launch may have
-CHUNKS_PER_BLOCK = 4  # chunks a staged block walks, about
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
 PA_MAX_ROWS = 16  # query rows (token, head) of a tiled block, sharing each K/V tile it loads
@@ -76,11 +72,10 @@ class Kernels:
     splits of paged_attention (1: none)."""
 
     def __init__(self, runtime, stream=None, decode_rows=DECODE_ROWS, lane_slices=LANE_SLICES,
-                 max_splits=MAX_SPLITS, staged=STAGED, staged_min_blocks=STAGED_MIN_BLOCKS):
+                 max_splits=MAX_SPLITS):
         self.rt, self.stream = runtime, stream
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
-        self.staged, self.staged_min_blocks = staged, staged_min_blocks
         self._functions = {}  # (qtype or KV dtype, kernel name) -> compiled function
         self._dummy = None  # stands in for an absent array argument
         self._split_out = self._split_lse = None  # paged_attention's partial results, grown as needed
@@ -96,10 +91,8 @@ class Kernels:
         key = (qtype, name)
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
             mod = module_name(qtype)
-            source = (f"#define DECODE_ROWS {self.decode_rows}\n#define STAGED_MIN_BLOCKS {self.staged_min_blocks}\n"
-                      + module_source(mod))
-            self._functions[key] = self.rt.compile(f"{mod}_r{self.decode_rows}_b{self.staged_min_blocks}", source,
-                                                   MATMUL_KERNELS)[name]
+            source = f"#define DECODE_ROWS {self.decode_rows}\n" + module_source(mod)
+            self._functions[key] = self.rt.compile(f"{mod}_r{self.decode_rows}", source, MATMUL_KERNELS)[name]
         return self._functions[key]
 
     def _kv(self, kv_dtype, name):
@@ -140,29 +133,11 @@ class Kernels:
         per_block = MATMUL_THREADS // tpr * rows_per_group
         return tpr, (num_rows + per_block - 1) // per_block
 
-    def _staging(self, qtype, num_rows, num_cols, row_bytes):
-        """(lanes per group, rows a chunk, blocks over the chunks, shared bytes) of a staged one-token
-        launch, or None where a row does not fit the stage (the direct kernel runs)."""
-        tpr, _ = self._mm_shape(qtype, num_rows, num_cols, self.decode_rows)
-        chunk_rows = min(MATMUL_THREADS // tpr * self.decode_rows, (STAGE_MAX_BYTES - 16) // row_bytes)
-        if not self.staged or chunk_rows < 1:
-            return None
-        num_chunks = -(-num_rows // chunk_rows)
-        shared = 16 * -(-(chunk_rows * row_bytes + 15) // 16)  # + 15: the first word may start before the chunk
-        return tpr, chunk_rows, -(-num_chunks // CHUNKS_PER_BLOCK), shared
-
     def matmul(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous."""
         num_tokens, num_cols = x.shape
         num_rows = raw.shape[0]
         one = num_tokens == 1
-        stage = self._staging(qtype, num_rows, num_cols, raw.shape[-1]) if one else None
-        if stage is not None:
-            tpr, chunk_rows, num_blocks, shared = stage
-            self._launch(self._mm(qtype, "matmul_1s"), (num_blocks,), MATMUL_THREADS,
-                         (raw, x, out, np.int32(num_rows), np.int32(num_cols), np.int64(raw.shape[-1]),
-                          np.int32(tpr), np.int32(chunk_rows)), shared_mem=shared)
-            return
         tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, self.decode_rows if one else 1)
         grid = (num_blocks, 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
         self._launch(self._mm(qtype, "matmul_1" if one else "matmul"), grid, MATMUL_THREADS,
@@ -174,13 +149,6 @@ class Kernels:
         of at most `tile_tokens` rows (1: the one-row kernel, else TILE_TOKENS)."""
         num_rows, num_cols = raw.shape[1], x.shape[1]
         one = tile_tokens == 1
-        stage = self._staging(qtype, num_rows, num_cols, raw.shape[-1]) if one else None
-        if stage is not None:
-            tpr, chunk_rows, num_blocks, shared = stage
-            self._launch(self._mm(qtype, "moe_matmul_1s"), (num_blocks, len(tile_slot)), MATMUL_THREADS,
-                         (raw, x, out, tile_slot, tile_row, tile_count, np.int32(num_rows), np.int32(num_cols),
-                          np.int64(raw.shape[-1]), np.int32(tpr), np.int32(chunk_rows)), shared_mem=shared)
-            return
         tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, self.decode_rows if one else 1)
         self._launch(self._mm(qtype, "moe_matmul_1" if one else "moe_matmul"), (num_blocks, len(tile_slot)),
                      MATMUL_THREADS, (raw, x, out, tile_slot, tile_row, tile_count, np.int32(num_rows),

@@ -46,28 +46,6 @@ __device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 r
                 for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][t] += SHFL_XOR(acc[r][t], m, tpr);
 }
 
-// group_rows_dot over rows in shared memory (one token): near loads, so no slices held in flight.
-template <int RPT>
-__device__ __forceinline__ void group_rows_dot_near(const u8* rows, i64 row_bytes, int R, int r0, const float* x,
-                                                    int C, int tpr, float (&acc)[RPT][1]) {
-    const u8* row[RPT];
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-        row[r] = rows + (i64)min(r0 + r, R - 1) * row_bytes;
-        acc[r][0] = 0.0f;
-    }
-    int num_slices = C / SLICE_WEIGHTS;
-    for (int s = threadIdx.x & (tpr - 1); s < num_slices; s += tpr) {
-        Slice cur[RPT];
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) cur[r] = load_slice(row[r], s);
-        slice_dot<RPT, 1>(cur, s, x, C, 1, acc);
-    }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r)
-        for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][0] += SHFL_XOR(acc[r][0], m, tpr);
-}
-
 // out [n, R] rows t of `out` (R apart) = acc, by the group's first lane.
 template <int RPT, int TT>
 __device__ __forceinline__ void store_rows(float* out, int R, int r0, int n, int tpr, const float (&acc)[RPT][TT]) {
@@ -106,44 +84,6 @@ __device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, cons
     store_rows<RPT, TT>(out + (i64)row0 * R, R, r0, n, tpr, acc);
 }
 
-// Staged one-token kernels: a block walks chunks of consecutive rows (one contiguous byte range); its
-// threads first copy a chunk into shared memory with aligned 16-byte loads, whatever the format's
-// block size, then the lane groups dot the chunk's rows from there, RPT rows a group.
-// stage: the chunk's 16-byte words, from the word that holds its first byte.
-template <int RPT>
-__device__ __forceinline__ void staged_body(const u8* __restrict__ raw, const float* __restrict__ x,
-                                            float* __restrict__ out, int R, int C, i64 row_bytes, int tpr,
-                                            int chunk_rows) {
-    extern __shared__ uint4 stage[];
-    int groups = blockDim.x / tpr, g = threadIdx.x / tpr;
-    for (int c0 = blockIdx.x * chunk_rows; c0 < R; c0 += gridDim.x * chunk_rows) {
-        int rows = min(chunk_rows, R - c0);
-        size_t lo = (size_t)(raw + (i64)c0 * row_bytes), hi = lo + (size_t)rows * row_bytes;
-        const uint4* src = (const uint4*)(lo & ~(size_t)15);
-        int words = (int)((hi - (lo & ~(size_t)15) + 15) >> 4), i = threadIdx.x, step = blockDim.x;
-        for (; i + 3 * step < words; i += 4 * step) {  // four loads in flight before their stores
-            uint4 a = src[i], b = src[i + step], c = src[i + 2 * step], d = src[i + 3 * step];
-            stage[i] = a;
-            stage[i + step] = b;
-            stage[i + 2 * step] = c;
-            stage[i + 3 * step] = d;
-        }
-        for (; i < words; i += step) stage[i] = src[i];
-        __syncthreads();
-        const u8* chunk = (const u8*)stage + (lo & 15);
-        for (int r0 = g * RPT; r0 < rows; r0 += groups * RPT) {
-            float acc[RPT][1];
-            group_rows_dot_near<RPT>(chunk, row_bytes, rows, r0, x, C, tpr, acc);
-            if ((threadIdx.x & (tpr - 1)) == 0) {
-#pragma unroll
-                for (int r = 0; r < RPT; ++r)
-                    if (r0 + r < rows) out[c0 + r0 + r] = acc[r][0];
-            }
-        }
-        __syncthreads();
-    }
-}
-
 #define MATMUL_ARGS const u8 *raw, const float *x, float *out, int T, int R, int C, i64 row_bytes, int tpr
 #define MOE_ARGS                                                                                        \
     const u8 *raw, const float *x, float *out, const int *tile_slot, const int *tile_row, const int *tile_count, \
@@ -153,30 +93,12 @@ extern "C" __global__ void matmul(MATMUL_ARGS) { matmul_body<1, TILE_TOKENS>(raw
 
 extern "C" __global__ void matmul_1(MATMUL_ARGS) { matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr); }
 
-// out [1, R] = x [1, C] @ dequant(raw [R, B]).T; grid (blocks over chunks); shared: a chunk's words.
-#ifndef STAGED_MIN_BLOCKS
-#define STAGED_MIN_BLOCKS 1
-#endif
-
-extern "C" __global__ void __launch_bounds__(256, STAGED_MIN_BLOCKS) matmul_1s(const u8* raw, const float* x, float* out, int R, int C, i64 row_bytes, int tpr,
-                                    int chunk_rows) {
-    staged_body<DECODE_ROWS>(raw, x, out, R, C, row_bytes, tpr, chunk_rows);
-}
-
 extern "C" __global__ void moe_matmul(MOE_ARGS) {
     moe_matmul_body<1, TILE_TOKENS>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
 }
 
 extern "C" __global__ void moe_matmul_1(MOE_ARGS) {
     moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
-}
-
-// moe_matmul_1 staged: tiles of one row; grid (blocks over chunks, W); shared: a chunk's words.
-extern "C" __global__ void __launch_bounds__(256, STAGED_MIN_BLOCKS) moe_matmul_1s(MOE_ARGS, int chunk_rows) {
-    int w = blockIdx.y, row0 = tile_row[w];
-    if (tile_count[w] <= 0) return;
-    staged_body<DECODE_ROWS>(raw + (i64)tile_slot[w] * R * row_bytes, x + (i64)row0 * C, out + (i64)row0 * R, R, C,
-                             row_bytes, tpr, chunk_rows);
 }
 
 // out [M, C] = dequant(raw [rows][row_ids]) (embedding lookup and the dequantize test); grid (M).

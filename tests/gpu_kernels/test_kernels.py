@@ -32,34 +32,19 @@ def test_dequant_rows_bit_exact_with_gguf(runtime, kernels, qtype):
     assert np.array_equal(runtime.to_host(out), ref, equal_nan=True)
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("decode_rows,lane_slices", [(1, 1), (2, 2), (4, 4)])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_matvec_tunings(runtime, reference_kernels, qtype, decode_rows, lane_slices, staged):
-    """The one-token kernels (direct, and staged through shared memory) at every tuning the benchmark
-    sweeps (rows past the end, lanes past the slices, chunks that end mid-block)."""
+def test_matvec_tunings(runtime, reference_kernels, qtype, decode_rows, lane_slices):
+    """The one-token kernel at every tuning the benchmark sweeps (rows past the end, lanes past the slices)."""
     from gpu_kernels.kernels import Kernels
 
     rng = np.random.default_rng(int(qtype) + decode_rows)
     raw = quant(rng, qtype, (67, 2048))  # [R, B]
     x = rng.standard_normal((1, 2048)).astype(np.float32)  # [T, C]
     out = runtime.empty((1, 67), np.float32)
-    Kernels(runtime, decode_rows=decode_rows, lane_slices=lane_slices, staged=staged).matmul(
-        runtime.to_device(raw), qtype, runtime.to_device(x), out)
+    Kernels(runtime, decode_rows=decode_rows, lane_slices=lane_slices).matmul(runtime.to_device(raw), qtype,
+                                                                              runtime.to_device(x), out)
     ref = np.empty((1, 67), np.float32)
-    reference_kernels.matmul(raw, qtype, x, ref)
-    assert rel_err(runtime.to_host(out), ref) < 1e-5
-
-
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_staged_matvec_of_rows_wider_than_a_chunk(runtime, kernels, reference_kernels, qtype):
-    """Rows of ~26-98 KB: one row a chunk, or the direct kernel where a row outgrows the stage."""
-    rng = np.random.default_rng(int(qtype) + 7)
-    raw = quant(rng, qtype, (5, 24576))  # [R, B]
-    x = rng.standard_normal((1, 24576)).astype(np.float32)  # [T, C]
-    out = runtime.empty((1, 5), np.float32)
-    kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
-    ref = np.empty((1, 5), np.float32)
     reference_kernels.matmul(raw, qtype, x, ref)
     assert rel_err(runtime.to_host(out), ref) < 1e-5
 
