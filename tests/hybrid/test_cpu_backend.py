@@ -126,3 +126,62 @@ def test_place_copies_mapped_weights_unless_memory_is_short(gguf_models, monkeyp
     monkeypatch.setattr(cpu, "COPY_MAX_FREE_SHARE", 0.0)
     CpuBackend().place(SimpleNamespace(weights=mapped))
     assert not any(t.raw.flags.writeable for t in mapped.tensors.values())
+
+
+def writable(t):
+    return QuantTensor(t.name, t.qtype, t.shape, np.array(t.raw))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("v_format", [q4_k, q6_k], ids=["qkv-one-type", "v-another-type"])
+def test_linears_stack_a_layers_attention_inputs(num_tokens, v_format, numba_threads):
+    q = writable(tensor(q4_k, "blk.0.attn_q.weight", (512, H), 10))
+    k = writable(tensor(q4_k, "blk.0.attn_k.weight", (128, H), 11))
+    v = writable(tensor(v_format, "blk.0.attn_v.weight", (128, H), 12))
+    x = np.random.default_rng(13).standard_normal((num_tokens, H)).astype(np.float32)
+    expected = [CpuBackend().linear(w, x) for w in (q, k, v)]
+    backend = CpuBackend()
+    backend.place(SimpleNamespace(weights=SimpleNamespace(tensors={}),
+                                  layers=[SimpleNamespace(attn_q=q, attn_k=k, attn_v=v)]))
+    assert q.raw.base is not None and k.raw.base is q.raw.base  # one array holds q's and k's rows
+    assert (v.raw.base is q.raw.base) == (v_format is q4_k)
+    for got, want in zip(backend.linears((q, k, v), x), expected):
+        np.testing.assert_array_equal(got, want)
+    assert len(backend.linears((k, v), x)) == 2  # not a stack's parts from its first: one at a time
+    q.raw = np.array(q.raw)  # a part replaced: the stack no longer holds it
+    for got, want in zip(backend.linears((q, k, v), x), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_mapped_attention_inputs_are_not_stacked():
+    q, k, v = (tensor(q8_0, f"blk.0.attn_{n}.weight", (64, H), s) for s, n in enumerate("qkv"))
+    backend = CpuBackend()
+    backend._stack_attention_inputs([SimpleNamespace(attn_q=q, attn_k=k, attn_v=v)])
+    assert not backend._stacks and not q.raw.flags.writeable
+
+
+@pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 3, reason="needs 3+ Numba threads")
+def test_small_matvec_runs_on_fewer_threads_and_gives_the_same_result(monkeypatch):
+    import numba
+
+    weight = tensor(q8_0, "blk.0.attn_k.weight", (256, H), 5)  # 68 KB
+    x = np.random.default_rng(6).standard_normal((1, H)).astype(np.float32)
+    before = numba.get_num_threads()
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    try:
+        everyone = CpuBackend()
+        monkeypatch.setenv("STRATA_LINEAR_BYTES_PER_THREAD", "0")
+        want = everyone.linear(weight, x)
+        capped = CpuBackend()
+        monkeypatch.setenv("STRATA_LINEAR_BYTES_PER_THREAD", "32768")  # 3 threads' worth
+        np.testing.assert_array_equal(capped.linear(weight, x), want)
+        assert capped.linear_bytes_per_thread == 32768
+        assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS  # restored
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_malformed_linear_bytes_per_thread_names_the_setting(monkeypatch):
+    monkeypatch.setenv("STRATA_LINEAR_BYTES_PER_THREAD", "lots")
+    with pytest.raises(ValueError, match="STRATA_LINEAR_BYTES_PER_THREAD"):
+        CpuBackend().linear(tensor(q8_0, "blk.0.attn_k.weight", (64, H), 5), np.ones((1, H), np.float32))
