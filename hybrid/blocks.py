@@ -9,10 +9,9 @@ def attention_block(backend, spec, layer, h, batch):
     """h [T, H] (normed hidden) -> attention output [T, H]; appends this step's K/V to each chunk's cache."""
     num_tokens = h.shape[0]
     hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    q, k, v = backend.linears((layer.attn_q, layer.attn_k, layer.attn_v), h)
-    q = q.reshape(num_tokens, hq, d)  # [T, Hq, D]
-    k = k.reshape(num_tokens, hkv, d)  # [T, Hkv, D]
-    v = v.reshape(num_tokens, hkv, d)  # [T, Hkv, D]
+    q = backend.linear(layer.attn_q, h).reshape(num_tokens, hq, d)  # [T, Hq, D]
+    k = backend.linear(layer.attn_k, h).reshape(num_tokens, hkv, d)  # [T, Hkv, D]
+    v = backend.linear(layer.attn_v, h).reshape(num_tokens, hkv, d)  # [T, Hkv, D]
     if spec.qk_norm:
         backend.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
         backend.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)

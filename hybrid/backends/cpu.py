@@ -31,7 +31,7 @@ from cpu_kernels import activation, attention, format_for, is_supported, moe_com
 from cpu_kernels.act_quant import act_quant_code
 from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
-from ..host_memory import host_array, huge_page_copy
+from ..host_memory import huge_page_copy
 from ..kv_cache import KVPool, SequenceKV, blocks_for
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,6 @@ PROGRESS_MIN_BYTES = 1 << 30  # copies of at least this many bytes show a progre
 SERIAL_MAX_ELEMENTS = 1 << 15  # elementwise ops on at most this many values
 SERIAL_MAX_ATTENTION = 1 << 20  # attention of at most this many query-key-dim products
 SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many weight bytes
-# A one-token matvec runs on at most one thread per this many weight bytes (STRATA_LINEAR_BYTES_PER_THREAD;
-# 0: every thread): a region of many threads over a small weight costs more in opening and joining
-# than the extra threads read.
-LINEAR_BYTES_PER_THREAD = 128 << 10
 # At any thread count, ops this small run serially: opening a parallel region costs more than the op.
 TINY_MAX_ELEMENTS = 1 << 14  # elementwise ops on at most this many values
 TINY_MAX_ATTENTION = 1 << 15  # attention of at most this many query-key-dim products
@@ -90,27 +86,6 @@ class _Scratch:
         return buf[:size].reshape(shape)
 
 
-class _StackedWeight:
-    """Weights of one type and width that read the same input (a layer's q, k and v), their rows stacked in
-    one array; each part's raw is a view of its rows, so one parallel region computes them all."""
-
-    def __init__(self, parts):
-        rows = [p.raw.shape[0] for p in parts]
-        self.parts, self.bounds = tuple(parts), np.concatenate([[0], np.cumsum(rows)]).tolist()
-        self.name, self.qtype = "+".join(p.name for p in parts), parts[0].qtype
-        self.raw = host_array((self.bounds[-1], parts[0].raw.shape[1]), np.uint8)  # [sum R, B]
-        self.shape = (self.bounds[-1], parts[0].shape[1])
-        for part, lo, hi in zip(parts, self.bounds, self.bounds[1:]):
-            self.raw[lo:hi] = part.raw
-            part.raw = self.raw[lo:hi]
-        self.views = tuple(p.raw for p in parts)
-
-    def holds(self, weights):
-        """Whether `weights` are this stack's parts, in order, still reading their rows from it."""
-        return len(weights) == len(self.parts) and all(
-            w is p and w.raw is v for w, p, v in zip(weights, self.parts, self.views))
-
-
 def expert_work_bytes(num_tokens, top_k, hidden, width):
     """Bytes of one thread's reused expert work arrays (_Scratch) after a step of num_tokens tokens:
     xs and down [N, H], gate and up [N, F] float32, N = num_tokens * top_k pairs."""
@@ -121,10 +96,8 @@ class CpuBackend:
     name = "cpu"
 
     act_quant = None  # the kernels' act_quant code, from STRATA_ACT_QUANT at the first weight's use
-    linear_bytes_per_thread = None  # from STRATA_LINEAR_BYTES_PER_THREAD at the first weight's use
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
     _local = None  # per thread: the _Scratch of grouped_experts
-    _stacks = None  # id(first part): _StackedWeight, made by `place`
 
     def _scratch(self):
         """The calling thread's work arrays (see _Scratch)."""
@@ -138,7 +111,6 @@ class CpuBackend:
     def _kernels_of(self, weight):
         if self._kernels is None:
             self._kernels, self.act_quant = {}, act_quant_code(None)
-            self.linear_bytes_per_thread = _bytes_setting("STRATA_LINEAR_BYTES_PER_THREAD", LINEAR_BYTES_PER_THREAD)
         found = self._kernels.get(id(weight))
         if found is None or found.weight is not weight or found.raw is not weight.raw:  # new, or raw replaced
             found = self._kernels[id(weight)] = _WeightKernels(weight)
@@ -162,23 +134,8 @@ class CpuBackend:
                 for tensor in mapped:
                     tensor.raw = huge_page_copy(tensor.raw)
                     bar.update(tensor.raw.nbytes)
-        self._stack_attention_inputs(getattr(model, "layers", ()))
         experts = [t for name, t in model.weights.tensors.items() if name.endswith("_exps.weight")]
         prefetch.calibrate([t for t in experts if is_supported(t.qtype)])
-
-    def _stack_attention_inputs(self, layers):
-        """Stack each layer's q, k and v weights where neighbours share type and width (q, k and v; or q and k
-        where v has another type, as in Q4_K_M): `linears` then runs them as one matvec."""
-        self._stacks = {}
-        for layer in layers:
-            run = []
-            for weight in (layer.attn_q, layer.attn_k, layer.attn_v, None):
-                if run and (weight is None or not _stackable(run[0], weight)):
-                    if len(run) > 1:
-                        self._stacks[id(run[0])] = _StackedWeight(run)
-                    run = []
-                if weight is not None:
-                    run.append(weight)
 
     def new_kv_pool(self, num_layers, num_kv_heads, head_dim, dtype, num_tokens):
         """The model's KV pool in RAM: room for num_tokens positions reserved (committed as written); it
@@ -205,42 +162,11 @@ class CpuBackend:
         if x.ndim != 2 or x.shape[1] != kernels.cols or x.dtype != np.float32:
             raise ValueError(f"linear {weight.name}: x {x.dtype} {x.shape} should be float32 [T, {kernels.cols}]")
         out = np.empty((num_tokens, weight.shape[0]), dtype=np.float32)  # [T, R]
-        x = np.ascontiguousarray(x)
-        if num_tokens > 1:
-            kernels.parallel(kernels.raws, x, ONE_EXPERT, np.array([0, num_tokens], dtype=np.int64), (out,),
-                             self.act_quant)
-            return out
-        threads = numba.get_num_threads()
-        nbytes = weight.raw.nbytes
-        if threads == 1 and nbytes <= SERIAL_MAX_WEIGHT_BYTES:
-            kernels.serial(kernels.raws, x, ONE_EXPERT, ONE_ROW, (out,), self.act_quant)
-            return out
-        per_thread = self.linear_bytes_per_thread
-        fewer = threads if not per_thread else max(2, min(threads, -(-nbytes // per_thread)))
-        if fewer == threads:
-            kernels.parallel(kernels.raws, x, ONE_EXPERT, ONE_ROW, (out,), self.act_quant)
-            return out
-        numba.set_num_threads(fewer)
-        try:
-            kernels.parallel(kernels.raws, x, ONE_EXPERT, ONE_ROW, (out,), self.act_quant)
-        finally:
-            numba.set_num_threads(threads)
+        serial = num_tokens == 1 and weight.raw.nbytes <= SERIAL_MAX_WEIGHT_BYTES and _one_thread()
+        row_starts = ONE_ROW if num_tokens == 1 else np.array([0, num_tokens], dtype=np.int64)
+        (kernels.serial if serial else kernels.parallel)(
+            kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), self.act_quant)
         return out
-
-    def linears(self, weights, x):
-        """[x [T, C] @ w[R_i, C].T for w in weights]; weights stacked by `place` run as one matvec."""
-        outs, i = [], 0
-        while i < len(weights):
-            stack = self._stacks.get(id(weights[i])) if self._stacks else None
-            if stack is None or not stack.holds(weights[i:i + len(stack.parts)]):
-                outs.append(self.linear(weights[i], x))
-                i += 1
-                continue
-            out = self.linear(stack, x)  # [T, sum R]
-            for lo, hi in zip(stack.bounds, stack.bounds[1:]):
-                outs.append(out[:, lo:hi] if x.shape[0] == 1 else np.ascontiguousarray(out[:, lo:hi]))
-            i += len(stack.parts)
-        return outs
 
     def embed(self, weight, token_ids):
         rows = np.ascontiguousarray(weight.raw[token_ids])  # [T, B]
@@ -324,29 +250,6 @@ def paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, sca
     kernel = attention.attention_serial if _small(work, TINY_MAX_ATTENTION, SERIAL_MAX_ATTENTION) else attention.attention
     scales = () if k_scale is None else (k_scale, v_scale)
     kernel(q, k, v, table, start, key_lo, key_hi, scale, out, attention.NO_LSE if lse is None else lse, *scales)
-
-
-def _stackable(first, weight):
-    """Whether `weight` can share a stacked array with `first`: same type, width and row bytes, 2-D, both
-    copied into RAM already (mapped weights stay mapped: stacking would copy them)."""
-    return (weight is not None and weight.qtype == first.qtype and first.raw.flags.writeable
-            and weight.raw.flags.writeable and weight.raw.ndim == first.raw.ndim == 2
-            and weight.shape[1] == first.shape[1] and weight.raw.shape[1] == first.raw.shape[1]
-            and is_supported(weight.qtype))
-
-
-def _bytes_setting(name, default):
-    """A non-negative byte count from the environment variable `name`, else `default`."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise ValueError(f"{name}={value!r}: expected a number of bytes, 0 or more")
-    return number
 
 
 def _small_or_parallel(num_elements, serial, parallel):

@@ -327,10 +327,6 @@ class GpuBackend:
         self.kernels.matmul(self._weight(weight), weight.qtype, x, out)
         return out
 
-    def linears(self, weights, x):
-        """[x [T, C] @ w[R_i, C].T for w in weights]."""
-        return [self.linear(w, x) for w in weights]
-
     def embed(self, weight, token_ids):
         """Starts every forward pass: makes the backend's stream current in the calling thread."""
         if self.stream is not None:
