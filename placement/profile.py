@@ -106,10 +106,14 @@ class ExpertProfile:
                 "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
                 "tokens_prefill": self.tokens_prefill, "tokens_decode": self.tokens_decode, "sources": self.sources}
 
-    def save(self, path):
-        with open(path, "wb") as f:  # a file object: np.savez would append .npz to a bare name
-            np.savez_compressed(f, header=np.array(json.dumps(self.header())), prefill=self.prefill,
+    def save(self, target):
+        """Write the profile to `target`, a path or a binary file object (an .npz either way)."""
+        if hasattr(target, "write"):
+            np.savez_compressed(target, header=np.array(json.dumps(self.header())), prefill=self.prefill,
                                 decode=self.decode, coactivation=self.coactivation)
+            return
+        with open(target, "wb") as f:  # a file object: np.savez would append .npz to a bare name
+            self.save(f)
 
     @classmethod
     def load(cls, path):

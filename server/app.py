@@ -5,7 +5,7 @@ import falcon
 
 from .errors import serialize_error
 from .metrics import registry_for
-from .resources import ApiKey, Completions, Health, Metrics, Models, Slots
+from .resources import ApiKey, Completions, ExpertProfileResource, Health, Metrics, Models, Slots
 
 
 def create_app(engine, model_id, api_key=None, description=""):
@@ -18,6 +18,7 @@ def create_app(engine, model_id, api_key=None, description=""):
     app.add_route("/health", Health())
     app.add_route("/slots", Slots(engine))
     app.add_route("/metrics", Metrics(registry_for(engine)))
+    app.add_route("/expert-profile", ExpertProfileResource(engine))
     return app
 
 

@@ -1,5 +1,6 @@
 """The HTTP resources. They never touch the model: they submit to the engine and read a per-request queue."""
 import hmac
+import io
 import json
 import logging
 
@@ -136,6 +137,31 @@ class Slots:
 
     def on_get(self, req, resp):
         resp.media = self.engine.snapshot()
+
+
+class ExpertProfileResource:
+    """GET /expert-profile: the expert usage seen since start-up, as a profile file (`?format=npz`, the
+    default: what `strata profile` writes, for `strata plan` and `strata profile merge`) or as JSON
+    (`?format=json`: tokens and per-layer routing counts, without the co-activation)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def on_get(self, req, resp):
+        from placement.profile import model_id
+
+        fmt = req.get_param("format") or "npz"
+        if fmt not in ("npz", "json"):
+            raise bad_request(f"format must be npz or json, got {fmt!r}", "format")
+        profile = self.engine.usage.to_profile(model_id(self.engine.model.weights), source="serve")
+        if fmt == "json":
+            resp.media = {**profile.header(), "prefill": profile.prefill.tolist(), "decode": profile.decode.tolist()}
+            return
+        buffer = io.BytesIO()
+        profile.save(buffer)
+        resp.content_type = "application/octet-stream"
+        resp.set_header("Content-Disposition", 'attachment; filename="expert-profile.npz"')
+        resp.data = buffer.getvalue()
 
 
 class Metrics:

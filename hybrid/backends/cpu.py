@@ -20,6 +20,7 @@ Shape legend: T tokens, H hidden, R output rows, C input columns, nH heads,
 D head dim, E experts, K top-k, N (token, expert) pairs, F expert FFN width.
 """
 import logging
+import math
 import os
 import threading
 
@@ -79,7 +80,7 @@ class _Scratch:
 
     def get(self, name, shape):
         """float32 `shape`, contents undefined: a view of the named buffer, grown when too small."""
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         buf = self.arrays.get(name)
         if buf is None or buf.size < size:
             buf = self.arrays[name] = np.empty(size, dtype=np.float32)

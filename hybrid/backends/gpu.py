@@ -12,6 +12,7 @@ Shape legend: T tokens, H hidden, V vocab, R rows, C columns, nH heads, D head d
 Hq / Hkv query / kv heads, L layers, E experts, K top-k, N pairs, F expert width, W work tiles.
 """
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ class _Staging:
         self.buffers = {}  # name -> (pinned uint8 array, event or None)
 
     def view(self, name, shape, dtype):
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         buffer, event = self.buffers.get(name, (None, None))
         if event is not None:
             event.synchronize()

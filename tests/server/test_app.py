@@ -139,6 +139,27 @@ def test_models_health_slots_metrics(client, engine):
         assert name in metrics
 
 
+def test_expert_profile_of_live_traffic(client, engine):
+    import io
+
+    from placement.profile import ExpertProfile
+
+    client.simulate_post("/v1/completions", json={"prompt": "Hello there, how are", **greedy(3)})
+    result = client.simulate_get("/expert-profile")
+    assert result.status_code == 200 and "expert-profile.npz" in result.headers["content-disposition"]
+    profile = ExpertProfile.load(io.BytesIO(result.content))
+    config = engine.model.config
+    profile.check_model(config.num_layers, config.num_experts)
+    assert profile.tokens_prefill > 0 and profile.tokens_decode > 0 and profile.sources == ["serve"]
+    assert profile.counts("decode").sum() >= profile.tokens_decode * config.num_experts_per_tok  # every layer's K
+    counts = client.simulate_get("/expert-profile", params={"format": "json"}).json
+    assert counts["num_layers"] == config.num_layers and len(counts["decode"][0]) == config.num_experts
+    assert counts["tokens_decode"] >= profile.tokens_decode
+    assert sum(map(sum, counts["prefill"])) >= profile.counts("prefill").sum()
+    bad = client.simulate_get("/expert-profile", params={"format": "csv"})
+    assert bad.status_code == 400 and bad.json["error"]["param"] == "format"
+
+
 def test_queue_full_is_429(llm):
     from hybrid.engine import Engine
 
