@@ -128,7 +128,10 @@ def main(argv=None):
     print(f"## {Path(args.model).name}, {args.threads} thread(s), {args.steps} decode steps\n")
     print(f"untimed: {args.steps / plain_s:.1f} tok/s ({plain_s * per_step_ms:.2f} ms/step); "
           f"timed: {timed_s * per_step_ms:.2f} ms/step\n")
+    from cpu_kernels.prefetch import prefetch_rows
+
     print(f"transparent huge pages: {transparent_huge_pages()}\n")
+    print(f"decode prefetch distance: {prefetch_rows()} rows ahead (chosen at load; STRATA_PREFETCH_ROWS fixes it)\n")
     print("| category | ms/step | share | calls/step |\n|---|---|---|---|")
     rest = timed_s - sum(timer.seconds.values())
     rows = sorted(timer.seconds.items(), key=lambda kv: -kv[1]) + [("rest (model.forward's Python)", rest)]
