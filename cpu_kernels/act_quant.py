@@ -89,7 +89,7 @@ def without_int8(act_quant):
 
 @njit(nogil=True, cache=True)
 def _num_decode_rows(x, items, wanted):
-    """x's row count if `wanted` and a work item [W, 5] has a single token (prefill multiplies in float), else 0."""
+    """x's row count if `wanted` and a work item [W, 6] has a single token (prefill multiplies in float), else 0."""
     for i in range(items.shape[0] if wanted else 0):
         if items[i, 3] - items[i, 2] == 1:
             return x.shape[0]
@@ -99,7 +99,7 @@ def _num_decode_rows(x, items, wanted):
 @njit(nogil=True, cache=True)
 def quantize_rows(x, items, act_quant):
     """x f32 [N, C] -> (xq int16 [N, C], aux f32 [N, C/16]); aux holds (scale, sum of x) per 32-value block,
-    x ~= xq * scale. Empty ([0, C], [0, C/16]) unless act_quant is INT16 and a work item [W, 5] has a single
+    x ~= xq * scale. Empty ([0, C], [0, C/16]) unless act_quant is INT16 and a work item [W, 6] has a single
     token."""
     return _quantize(x, _num_decode_rows(x, items, act_quant == INT16))
 

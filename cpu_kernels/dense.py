@@ -98,10 +98,10 @@ def _rows_dot(w, r0, r1, x, recipe, out):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _tile(w, x, recipe, panels, out, item):
-    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's words w [R, C] and item (e, r0, t0, t1, s);
+    """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's words w [R, C] and item (e, r0, t0, t1, s, r1);
     panels [S, C, 64]."""
     r0, t0, t1 = item[1], item[2], item[3]
-    r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    r1 = item[5]
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], recipe, out[t0])
         return
@@ -115,7 +115,7 @@ def _tile(w, x, recipe, panels, out, item):
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def _moe_matmul(words, x, expert_ids, row_starts, recipe, outs):
     """outs[k][rows of group g] = x[same rows] @ words[k][expert_ids[g]].T; words[k] [E, R, C], x [N, C], outs[k] [N, R]."""
-    items = work_items(expert_ids, row_starts, words[0].shape[0], words[0].shape[1])  # [W, 5]
+    items = work_items(expert_ids, row_starts, words[0].shape[0], words[0].shape[1])  # [W, 6]
     panels = token_panels(x, items)  # [S, C, 64]
     num_items = items.shape[0]
     for i in prange(num_items * len(words)):

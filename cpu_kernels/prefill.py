@@ -80,7 +80,7 @@ _outer32 = _outer_intrinsic(PASS_TOKENS, ROWS_PER_PASS)
 
 @njit(nogil=True, cache=True)
 def token_panels(x, items):
-    """x f32 [N, C] -> panels f32 [S, C, 64]: panel s holds token chunk s of the work items [W, 5] transposed,
+    """x f32 [N, C] -> panels f32 [S, C, 64]: panel s holds token chunk s of the work items [W, 6] transposed,
     zero past its end token; [0, C, 64] when every item has one token (decode reads x directly)."""
     num_chunks = 0
     for i in range(items.shape[0]):

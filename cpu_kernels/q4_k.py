@@ -94,10 +94,10 @@ def _rows_dot_i8(w, r0, r1, xq, aux, out):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _tile(w, x, xsum, xq, xaux, x8, x8aux, panels, out, item, act_quant):
-    """out[t0:t1, r0:r0 + 16] = x[t0:t1] @ W[r0:r0 + 16].T for one expert's w [R, B] and item (e, r0, t0, t1, s);
+    """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's w [R, B] and item (e, r0, t0, t1, s, r1);
     xsum [N, C/32], panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
-    r1 = min(r0 + ROWS_PER_ITEM, w.shape[0])
+    r1 = item[5]
     if t1 - t0 == 1 and act_quant == INT8:
         _rows_dot_i8(w, r0, r1, x8[t0], x8aux[t0], out[t0])
         return
@@ -122,7 +122,7 @@ def _dequantize(raw, out):
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 5]
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
     xsum = sub_block_sums(x)  # [N, C/32]
     panels = token_panels(x, items)  # [S, C, 64]
     xq, xaux = quantize_rows_split(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)

@@ -152,6 +152,20 @@ def load_prefetch_rows(builder):
     return builder.load(symbol)
 
 
+@intrinsic
+def num_threads(typingctx):
+    """The calling thread's Numba thread count (numba.get_num_threads) in compiled code, cacheable: it calls
+    the threading layer's `get_num_threads` symbol, which the layer registers when it launches (cpu_kernels
+    launches it at import), where Numba's own overload holds a ctypes pointer that keeps callers uncached."""
+    def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, []), "get_num_threads")
+        return builder.sext(builder.call(fn, []), I64)
+
+    return types.int64(), codegen
+
+
 def prefetch(builder, ptr):
     """A read prefetch of the line at i8 pointer `ptr` into all cache levels (never faults)."""
     from numba.core import cgutils

@@ -4,7 +4,31 @@ import numpy as np
 import pytest
 
 from cpu_kernels.prefill import PARALLEL_MIN_PANELS, token_panels
-from cpu_kernels.tiles import PARALLEL_MIN_SUM_ROWS, TOKENS_PER_ITEM, sub_block_sums, work_items
+from cpu_kernels.tiles import (DECODE_ITEMS_PER_THREAD, DECODE_MAX_ROWS_PER_ITEM, PARALLEL_MIN_SUM_ROWS, ROWS_PER_ITEM,
+                               TOKENS_PER_ITEM, decode_rows_per_item, sub_block_sums, work_items)
+
+
+@pytest.mark.parametrize("num_rows", [16, 200, 768])
+@pytest.mark.parametrize("tokens_per_expert", [[1], [1] * 8, [1, 70, 1, 3]])
+def test_work_items_cover_every_row_and_token_once(tokens_per_expert, num_rows):
+    row_starts = np.concatenate([[0], np.cumsum(tokens_per_expert)]).astype(np.int64)
+    expert_ids = np.arange(len(tokens_per_expert), dtype=np.int64)[::-1].copy()
+    items = work_items(expert_ids, row_starts, len(tokens_per_expert), num_rows)  # [W, 6]
+    covered = np.zeros((row_starts[-1], num_rows), dtype=np.int64)  # [N, R]
+    for expert, r0, t0, t1, _, r1 in items:
+        g = np.flatnonzero(expert_ids == expert)[0]
+        assert row_starts[g] <= t0 < t1 <= row_starts[g + 1] and 0 <= r0 < r1 <= num_rows
+        assert r1 - r0 <= (DECODE_MAX_ROWS_PER_ITEM if t1 - t0 == 1 else ROWS_PER_ITEM)
+        covered[t0:t1, r0:r1] += 1
+    assert (covered == 1).all()
+
+
+def test_decode_items_grow_while_every_thread_keeps_enough():
+    assert decode_rows_per_item(8, 768, 1) == DECODE_MAX_ROWS_PER_ITEM  # one thread: the fewest items
+    assert decode_rows_per_item(1, 256, 1) == 256 // DECODE_ITEMS_PER_THREAD
+    assert decode_rows_per_item(1, 256, 16) == ROWS_PER_ITEM  # 16 threads: 16 items of the fewest rows
+    span = decode_rows_per_item(8, 768, 16)
+    assert 8 * -(-768 // span) >= DECODE_ITEMS_PER_THREAD * 16 > 8 * -(-768 // (2 * span))
 
 
 @pytest.mark.parametrize("num_rows", [1, 7, PARALLEL_MIN_SUM_ROWS - 1, PARALLEL_MIN_SUM_ROWS, 700])
