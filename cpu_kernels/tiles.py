@@ -64,12 +64,12 @@ def work_items(expert_ids, row_starts, num_experts, num_rows):
 
 
 @njit(nogil=True, cache=True)
-def decode_rows_per_item(num_groups, num_rows, num_threads):
+def decode_rows_per_item(num_groups, num_rows, threads):
     """Rows of a decode item: ROWS_PER_ITEM, doubled up to DECODE_MAX_ROWS_PER_ITEM while the num_groups
-    one-token groups of num_rows rows still give every thread DECODE_ITEMS_PER_THREAD items."""
+    one-token groups of num_rows rows still give each of `threads` threads DECODE_ITEMS_PER_THREAD items."""
     span = ROWS_PER_ITEM
     while (2 * span <= DECODE_MAX_ROWS_PER_ITEM
-           and num_groups * ((num_rows + 2 * span - 1) // (2 * span)) >= DECODE_ITEMS_PER_THREAD * num_threads):
+           and num_groups * ((num_rows + 2 * span - 1) // (2 * span)) >= DECODE_ITEMS_PER_THREAD * threads):
         span *= 2
     return span
 
