@@ -52,27 +52,48 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
             dm[r][h] = __fmul_rn(dmin, (float)m);
         }
     }
+    // sum_l (ds q_l - dm) x_l = ds sum_l q_l x_l - dm sum_l x_l: one FMA a weight, the sums of x shared by the rows.
+    float dq[RPT][TT][2], xsum[TT][2];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+        xsum[t][0] = xsum[t][1] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) dq[r][t][0] = dq[r][t][1] = 0.0f;
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // word i: weights 4i .. 4i + 3 of each sub-block's 16
-        float w[RPT][8];
+        float q[RPT][8];
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
             u32 v = WORD(sl[r].q, i), lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
-                w[r][b] = fmaf(ds[r][0], BYTE_FLOAT(lo, b, 0.0f), -dm[r][0]);
-                w[r][4 + b] = fmaf(ds[r][1], BYTE_FLOAT(hi, b, 0.0f), -dm[r][1]);
+                q[r][b] = BYTE_FLOAT(lo, b, 0.0f);
+                q[r][4 + b] = BYTE_FLOAT(hi, b, 0.0f);
             }
         }
 #pragma unroll
         for (int t = 0; t < TT; ++t) {
             if (t < n) {
                 float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * i), x1 = *(const float4*)(xs + (i64)t * C + 32 + 4 * i);
+                xsum[t][0] += (x0.x + x0.y) + (x0.z + x0.w);
+                xsum[t][1] += (x1.x + x1.y) + (x1.z + x1.w);
 #pragma unroll
                 for (int r = 0; r < RPT; ++r) {
-                    DOT4(acc[r][t], w[r], 0, x0);
-                    DOT4(acc[r][t], w[r], 4, x1);
+                    DOT4(dq[r][t][0], q[r], 0, x0);
+                    DOT4(dq[r][t][1], q[r], 4, x1);
                 }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+        if (t < n) {
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) {
+                float sum = fmaf(ds[r][0], dq[r][t][0], ds[r][1] * dq[r][t][1]);
+                sum = fmaf(-dm[r][0], xsum[t][0], fmaf(-dm[r][1], xsum[t][1], sum));
+                acc[r][t] += sum;
             }
         }
     }
