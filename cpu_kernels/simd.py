@@ -160,8 +160,10 @@ def num_threads(typingctx):
     def codegen(context, builder, signature, args):
         from numba.core import cgutils
 
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, []), "get_num_threads")
-        return builder.sext(builder.call(fn, []), I64)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I64, []), "get_num_threads")
+        # Declared as the parfor lowering declares it (intp) since both may land in one module; the C function
+        # returns int, so only the low 32 bits count.
+        return builder.sext(builder.trunc(builder.call(fn, []), I32), I64)
 
     return types.int64(), codegen
 
