@@ -20,7 +20,7 @@ def _unpack_rows(raw, out):
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(
-    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, *dense.moe_kernels(np.uint16, dense.shifted(0x8000, 16, 0x7FFF, 16)))
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, *dense.moe_kernels(np.uint16, dense.BF16_BITS))
 
 
 def random_blocks(rng, shape, scale):

@@ -20,7 +20,7 @@ def _unpack_rows(raw, out):
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(
-    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, *dense.moe_kernels(np.uint32, dense.shifted(0x80000000, 0, 0x7FFFFFFF, 0)))
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _unpack_rows, *dense.moe_kernels(np.uint32, dense.F32_BITS))
 
 
 def random_blocks(rng, shape, scale):

@@ -42,3 +42,18 @@ def u32_as_f32(typingctx, u):
 def read_half(raw, offset):
     """raw: uint8 bytes; the little-endian half at `offset` as float32."""
     return half_bits_to_f32(np.uint32(raw[offset]) | (np.uint32(raw[offset + 1]) << np.uint32(8)))
+
+
+@intrinsic
+def half_bits_as_f32(typingctx, bits):
+    """The float32 value of the IEEE half whose bits are the low 16 of `bits` (an integer), by an LLVM half
+    extension: one vcvtph2ps per vector where the target has F16C (target.has_f16c), exact."""
+    if not isinstance(bits, types.Integer):
+        return None
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return sig, codegen

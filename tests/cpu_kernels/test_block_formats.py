@@ -2,8 +2,9 @@
 import gguf
 import numpy as np
 import pytest
+from numba import njit
 
-from cpu_kernels import bf16, f16, f32, q4_0, q8_0
+from cpu_kernels import bf16, dense, f16, f32, q4_0, q8_0
 
 FORMATS = [f32, f16, bf16, q8_0, q4_0]
 ROWS = 37  # odd, and not a multiple of the 16-row work items or 4-row unpack tiles
@@ -105,3 +106,18 @@ def test_f16_kernels_widen_every_finite_half_exactly():
     for c in (0, 1, 513, 1023):  # decode dots each row from its words
         f16.matvec(raw, eye[c], vec)
         assert np.array_equal(vec, ref[:, c])
+
+
+@njit
+def _halves_by_integers(words):
+    out = np.empty(words.shape[0], dtype=np.float32)
+    for i in range(words.shape[0]):
+        out[i] = dense.half_by_integers(words[i], dense.HALF)
+    return out
+
+
+def test_integer_half_conversion_for_targets_without_f16c_is_exact():
+    """Hosts with F16C widen halves in hardware; the integer recipe the others use, on every finite half."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    finite = bits[(bits & 0x7C00) != 0x7C00]
+    assert np.array_equal(_halves_by_integers(finite), finite.view(np.float16).astype(np.float32))
