@@ -13,6 +13,8 @@ import weakref
 
 import numpy as np
 
+from cpu_kernels.attention import write_rows
+
 from . import kv_store
 from .errors import RequestError
 from .host_memory import host_array
@@ -151,20 +153,14 @@ class SequenceKV:
         return self.table[positions // self.block_tokens], positions % self.block_tokens
 
     def write(self, layer, start, k, v):
-        """k, v: float32 [n, Hkv, D] for positions [start, start + n). Written block by block through
-        slices: a decode step's one-row write cost ~20 us through index arrays."""
-        bt = self.block_tokens
+        """k, v: float32 [n, Hkv, D] for positions [start, start + n)."""
+        if start + len(k) > self.capacity:  # the compiled writer does not check bounds
+            raise ValueError(f"KV write of positions {start}..{start + len(k) - 1} past the {self.capacity} reserved")
         for name, x in (("k", k), ("v", v)):
             data, scale = kv_store.encode(x, self.dtype)
-            pool_data, pool_scale = getattr(self.pool, name), getattr(self.pool, f"{name}_scale")
-            lo = 0
-            while lo < len(x):
-                block, row = divmod(start + lo, bt)
-                hi = min(len(x), lo + bt - row)
-                pool_data[layer, self.table[block], row:row + hi - lo] = data[lo:hi]
-                if scale is not None:
-                    pool_scale[layer, self.table[block], row:row + hi - lo] = scale[lo:hi]
-                lo = hi
+            write_rows(getattr(self.pool, name), layer, self.table, start, data)
+            if scale is not None:
+                write_rows(getattr(self.pool, f"{name}_scale"), layer, self.table, start, scale)
 
     def export(self, n):
         """Positions [0, n) as float32 (k, v) [L, n, Hkv, D]."""

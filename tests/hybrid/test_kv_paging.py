@@ -91,3 +91,13 @@ def test_large_host_arrays_are_reserved_not_committed():
     big[:1024] = 1.0
     assert rss() - before < 256 << 20
     del big
+
+
+def test_write_past_the_reserved_positions_is_refused():
+    """The compiled row writer has no bounds checks: the sequence refuses a write its blocks cannot hold."""
+    rng = np.random.default_rng(1)
+    seq = SequenceKV(KVPool(L, HKV, D, "f32", num_blocks=2), 1000)
+    seq.reserve(BLOCK_TOKENS)
+    k, v = rows(rng, 2)
+    with pytest.raises(ValueError, match="past the"):
+        seq.write(0, BLOCK_TOKENS - 1, k[0], v[0])
