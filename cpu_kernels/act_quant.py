@@ -107,13 +107,28 @@ def quantize_rows(x, items, act_quant):
 @njit(nogil=True, cache=True)
 def quantize_rows_split(x, items, act_quant):
     """quantize_rows with each 256-value super-block's int16 values in SPLIT_ORDER (aux stays in column order)."""
-    xq, aux = quantize_rows(x, items, act_quant)
-    out = np.empty_like(xq)  # [N, C]
-    for n in range(xq.shape[0]):
-        for base in range(0, xq.shape[1], 256):
-            for i in range(256):
-                out[n, base + i] = xq[n, base + SPLIT_ORDER[i]]
-    return out, aux
+    return _quantize_split(x, _num_decode_rows(x, items, act_quant == INT16))
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _quantize_split(x, num_rows):
+    """quantize_rows_split of x's first num_rows rows, rounded straight into SPLIT_ORDER: each run of 16
+    positions takes every other value of one sub-block (a strided load, no index table; 1024 values in
+    ~1 us where rounding in column order and then permuting took ~2.6)."""
+    num_blocks = x.shape[1] // QBLOCK
+    xq = np.empty((num_rows, x.shape[1]), dtype=np.int16)  # [N, C]
+    aux = np.empty((num_rows, 2 * num_blocks), dtype=np.float32)  # [N, C/16]
+    inv = np.empty(num_blocks, dtype=np.float32)  # [C/32]
+    for n in range(num_rows):
+        _block_scales(x, n, I16_MAX, inv, aux[n])
+        for base in range(0, x.shape[1], 256):
+            for run in range(16):  # positions base + 16 run ..: h = run // 8, v = run // 2 % 4, half = run % 2
+                h, v, half = run // 8, run // 2 % 4, run % 2
+                sub_block = base // QBLOCK + 4 * h + v // 2 + 2 * half
+                src, dst, scale = QBLOCK * sub_block + v % 2, base + 16 * run, inv[sub_block]
+                for k in range(16):
+                    xq[n, dst + k] = np.int16(np.rint(x[n, src + 2 * k] * scale))
+    return xq, aux
 
 
 @njit(nogil=True, cache=True)

@@ -19,7 +19,7 @@ from . import simd
 from .act_quant import INT8, quantize_rows_i8, quantize_rows_split
 from .kquant import QK_K, SUB, split_block_i16, sub_block_pairs, sub_block_quants, sub_scales, ubits, vector_blocks
 from .prefill import dot_tile, token_panels
-from .tiles import ROWS_PER_ITEM, format_api, random_weight, sub_block_sums, work_items
+from .tiles import ROWS_PER_ITEM, decode_sub_block_sums, format_api, random_weight, work_items
 
 QTYPE = GGMLQuantizationType.Q4_K
 BLOCK_SIZE = QK_K
@@ -123,7 +123,7 @@ def _dequantize(raw, out):
 def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
     """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
-    xsum = sub_block_sums(x)  # [N, C/32]
+    xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
     panels = token_panels(x, items)  # [S, C, 64]
     xq, xaux = quantize_rows_split(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, True)  # [N, C], [N, C/16] (empty unless int8 decode)

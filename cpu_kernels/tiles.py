@@ -13,7 +13,7 @@ N (token, expert) rows sorted by group, G groups, W work items.
 import numpy as np
 from numba import njit, prange
 
-from .act_quant import act_quant_code
+from .act_quant import FLOAT, act_quant_code
 from .simd import num_threads
 from .twins import serial_twin
 
@@ -80,6 +80,15 @@ def sub_block_sums(x):
     if x.shape[0] >= PARALLEL_MIN_SUM_ROWS:
         return _sub_block_sums(x)
     return _sub_block_sums_serial(x)
+
+
+@njit(nogil=True, cache=True)
+def decode_sub_block_sums(x, act_quant):
+    """sub_block_sums(x) where the K-quants' float decode dots use them (act_quant FLOAT), else empty
+    [0, C/32]: the integer dots carry their own sums, and prefill tiles unpack whole rows."""
+    if act_quant == FLOAT:
+        return sub_block_sums(x)
+    return np.empty((0, x.shape[1] // 32), dtype=np.float32)
 
 
 @njit(parallel=True, nogil=True, cache=True)
