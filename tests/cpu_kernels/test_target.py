@@ -12,7 +12,7 @@ from cpu_kernels.target import apply_isa_floor, set_threads
 PROBE = """
 import numpy as np
 import cpu_kernels
-from cpu_kernels import attention, q8_0
+from cpu_kernels import attention, f16, q8_0
 from numba.core import config
 rng = np.random.default_rng(0)
 raw = q8_0.random_blocks(rng, (37, 160), 0.05)
@@ -22,6 +22,9 @@ q8_0.matvec(raw, x, out, act_quant="float")
 assert np.allclose(out, w @ x, rtol=1e-4, atol=1e-5)
 q8_0.matvec(raw, x, out, act_quant="int16")  # the integer dot compiles under every floor (float below AVX2)
 assert np.allclose(out, w @ x, rtol=1e-4, atol=1e-4)
+halves = (rng.standard_normal((37, 160)) * 0.05).astype(np.float16)  # F16 weights: the integer widening without F16C
+f16.matvec(halves.view(np.uint8), x, out)
+assert np.allclose(out, halves.astype(np.float32) @ x, rtol=1e-4, atol=1e-5)
 q = rng.standard_normal((5, 2, 16)).astype(np.float32)
 k, v = (rng.standard_normal((1, 5, 2, 16)).astype(np.float32) for _ in range(2))
 o = np.empty_like(q); attention.attention(q, k, v, np.zeros(1, np.int32), 0, 0, 5, 0.25, o)
