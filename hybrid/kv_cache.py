@@ -158,7 +158,11 @@ class SequenceKV:
             raise ValueError(f"KV write of positions {start}..{start + len(k) - 1} past the {self.capacity} reserved")
         for name, x in (("k", k), ("v", v)):
             data, scale = kv_store.encode(x, self.dtype)
-            write_rows(getattr(self.pool, name), layer, self.table, start, data)
+            pool = getattr(self.pool, name)  # [L, NB, BT, Hkv, D]
+            if data.dtype != pool.dtype or data.shape[1:] != pool.shape[3:]:  # the writer would cast or misplace
+                raise ValueError(f"KV write: {name} {x.dtype} {x.shape} encodes as {data.dtype} {data.shape}, the pool "
+                                 f"holds {pool.dtype} rows of {pool.shape[3:]}")
+            write_rows(pool, layer, self.table, start, data)
             if scale is not None:
                 write_rows(getattr(self.pool, f"{name}_scale"), layer, self.table, start, scale)
 

@@ -101,3 +101,11 @@ def test_write_past_the_reserved_positions_is_refused():
     k, v = rows(rng, 2)
     with pytest.raises(ValueError, match="past the"):
         seq.write(0, BLOCK_TOKENS - 1, k[0], v[0])
+
+
+def test_write_of_rows_that_do_not_fit_the_pool_is_refused():
+    seq = SequenceKV(KVPool(L, HKV, D, "f32", num_blocks=2), 1000)
+    seq.reserve(4)
+    wrong = np.ones((2, HKV, D + 1), dtype=np.float32)
+    with pytest.raises(ValueError, match="the pool holds float32 rows of"):
+        seq.write(0, 0, wrong, wrong)
