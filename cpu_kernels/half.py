@@ -8,6 +8,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core.extending import intrinsic
 
+from . import simd
+
 
 @njit(inline="always", nogil=True, cache=True)
 def half_bits_to_f32(bits):
@@ -46,14 +48,13 @@ def read_half(raw, offset):
 
 @intrinsic
 def half_bits_as_f32(typingctx, bits):
-    """The float32 value of the IEEE half whose bits are the low 16 of `bits` (an integer), by an LLVM half
-    extension: one vcvtph2ps per vector where the target has F16C (target.has_f16c), exact."""
+    """The float32 value of the IEEE half whose bits are the low 16 of `bits` (an integer), exact, as
+    simd.half_to_f32 builds it: one vcvtph2ps per vector where the target has F16C (target.has_f16c)."""
     if not isinstance(bits, types.Integer):
         return None
     sig = types.float32(bits)
 
     def codegen(context, builder, signature, args):
-        half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
-        return builder.fpext(half, ir.FloatType())
+        return simd.half_to_f32(builder, builder.trunc(args[0], ir.IntType(16)))
 
     return sig, codegen
