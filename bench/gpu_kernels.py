@@ -5,11 +5,13 @@ R=768, C=2048) sit in VRAM as expert-cache slots; a decode-sized step reads ever
 moe_matmul launch with 128 groups of one row (the one-token kernel). Four layer copies are cycled so
 the weights never sit in L2. Bandwidth = weight bytes read / time (CUDA events, median of the
 repeats). The copy bandwidth counts bytes read + written of a 2 GiB device-to-device copy. The
-tuning (rows a lane group works on, slices a lane takes) is swept for --sweep formats.
+tuning (rows a lane group works on, slices a lane takes) is swept for --sweep formats over --rows x
+--slices; the others run at their default tuning (gpu_kernels.kernels.DECODE_TUNING).
 
-    python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--repeats 20]
+    python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--rows 1,2,4] [--slices 1,2,4]
+        [--repeats 20]
 
-Writes the table to bench/results/gpu_kernels.md.
+Prints the table; --output also writes it to a file (bench/results/gpu_kernels.md keeps the history by hand).
 """
 import argparse
 import logging
@@ -20,7 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from gpu_kernels.kernels import DECODE_ROWS, LANE_SLICES, Kernels  # noqa: E402
+from gpu_kernels.kernels import DECODE_TUNING, Kernels  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from hybrid.backends.gpu import _work_tiles  # noqa: E402
 from hybrid.formats.synthetic import encode  # noqa: E402
@@ -28,7 +30,6 @@ from hybrid.formats.synthetic import encode  # noqa: E402
 log = logging.getLogger("bench.gpu_kernels")
 
 NUM_EXPERTS, ROWS, COLS, COPIES = 128, 768, 2048, 4
-RESULTS = Path(__file__).parent / "results" / "gpu_kernels.md"
 
 
 def timed(rt, fn, repeats):
@@ -78,7 +79,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="f16,bf16,q8_0,q4_0,q4_k,q5_k,q6_k")
     p.add_argument("--sweep", default="q8_0,q4_k")
+    p.add_argument("--rows", default="1,2,4", help="rows a lane group works on, swept")
+    p.add_argument("--slices", default="1,2,4", help="slices a lane takes, swept")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--output", type=Path, help="also write the table here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     found = probe()
@@ -91,20 +95,23 @@ def main(argv=None):
     lines = [f"# GPU expert matvec bandwidth ({rt.device_name}, {rt.name})", "",
              f"Decode step over one MoE layer: {NUM_EXPERTS} experts x [{ROWS}, {COLS}], one row each, one launch.",
              f"Device-to-device copy: {copy / 1e9:.0f} GB/s (read + write).",
-             f"Default tuning: {DECODE_ROWS} rows a lane group, about {LANE_SLICES} slices a lane.", "",
+             "Default tuning (rows a lane group, slices a lane): "
+             + ", ".join(f"{Q(q).name} {Kernels(rt).tuning(q)}" for q in Q if q in DECODE_TUNING) + ", others "
+             + f"{Kernels(rt).tuning(Q.F32)}.", "",
              "| format | rows / group | slices / lane | MiB read | time (us) | GB/s | % of copy |",
              "|---|---|---|---|---|---|---|"]
     for name in args.formats.split(","):
         qtype = Q[name.upper()]
-        tunings = ([(r, s) for r in (1, 2, 4) for s in (1, 2, 4)] if qtype in sweep
-                   else [(DECODE_ROWS, LANE_SLICES)])
+        tunings = ([(int(r), int(s)) for r in args.rows.split(",") for s in args.slices.split(",")] if qtype in sweep
+                   else [Kernels(rt).tuning(qtype)])
         nbytes, results = expert_bandwidth(rt, tunings, qtype, args.repeats)
         for (rows, lane_slices), (bw, seconds) in results.items():
             lines.append(f"| {qtype.name} | {rows} | {lane_slices} | {nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | "
                          f"{bw / 1e9:.0f} | {100 * bw / copy:.0f} |")
             log.info(lines[-1])
-    RESULTS.write_text("\n".join(lines) + "\n")
-    log.info("wrote %s", RESULTS)
+    if args.output:
+        args.output.write_text("\n".join(lines) + "\n")
+        log.info("wrote %s", args.output)
     return 0
 
 

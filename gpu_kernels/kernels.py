@@ -19,6 +19,10 @@ MAX_THREADS = 256
 MATMUL_THREADS = 256  # a matmul block: groups of `tpr` lanes, each on its own rows
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
 LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
+# Per format (DECODE_ROWS, LANE_SLICES) of the one-token kernels where the H200 sweep found better than
+# the default (bench/results/gpu_kernels.md, session 16): more rows a group and slices a lane keep more
+# loads in flight.
+DECODE_TUNING = {}
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
 PA_MAX_ROWS = 16  # query rows (token, head) of a tiled block, sharing each K/V tile it loads
@@ -68,11 +72,11 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
 
 
 class Kernels:
-    """decode_rows, lane_slices: tuning of the matmuls (the benchmark sweeps them); max_splits: most key
-    splits of paged_attention (1: none)."""
+    """decode_rows, lane_slices: tuning of the one-token matmuls for every format (the benchmark sweeps
+    them); None: each format's DECODE_TUNING, else the defaults. max_splits: most key splits of
+    paged_attention (1: none)."""
 
-    def __init__(self, runtime, stream=None, decode_rows=DECODE_ROWS, lane_slices=LANE_SLICES,
-                 max_splits=MAX_SPLITS):
+    def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, max_splits=MAX_SPLITS):
         self.rt, self.stream = runtime, stream
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
@@ -87,12 +91,17 @@ class Kernels:
     def _ops(self, name):
         return self.rt.compile("ops", module_source("ops"), OPS_KERNELS)[name]
 
+    def tuning(self, qtype):
+        """(rows a lane group, slices a lane) of qtype's one-token matmuls."""
+        rows, slices = DECODE_TUNING.get(Q(qtype), (DECODE_ROWS, LANE_SLICES))
+        return self.decode_rows or rows, self.lane_slices or slices
+
     def _mm(self, qtype, name):
         key = (qtype, name)
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
-            mod = module_name(qtype)
-            source = f"#define DECODE_ROWS {self.decode_rows}\n" + module_source(mod)
-            self._functions[key] = self.rt.compile(f"{mod}_r{self.decode_rows}", source, MATMUL_KERNELS)[name]
+            mod, rows = module_name(qtype), self.tuning(qtype)[0]
+            source = f"#define DECODE_ROWS {rows}\n" + module_source(mod)
+            self._functions[key] = self.rt.compile(f"{mod}_r{rows}", source, MATMUL_KERNELS)[name]
         return self._functions[key]
 
     def _kv(self, kv_dtype, name):
@@ -123,13 +132,14 @@ class Kernels:
     def _mm_threads(self, qtype, num_cols):
         return self._threads(num_cols // UNIT_WEIGHTS[Q(qtype)], cap=128)
 
-    def _mm_shape(self, qtype, num_rows, num_cols, rows_per_group):
-        """(lanes per group, blocks over the rows) of a matmul launch."""
+    def _mm_shape(self, qtype, num_rows, num_cols, one):
+        """(lanes per group, blocks over the rows) of a matmul launch (one: the one-token kernel's)."""
         slices, rem = divmod(num_cols, SLICE_WEIGHTS[Q(qtype)])
         if rem:
             raise ValueError(f"{Q(qtype).name} matmul: {num_cols} columns, not a multiple of "
                              f"{SLICE_WEIGHTS[Q(qtype)]}")
-        tpr = int(min(self.warp, _pow2_at_least(-(-slices // self.lane_slices))))
+        rows_per_group, lane_slices = self.tuning(qtype) if one else (1, self.lane_slices or LANE_SLICES)
+        tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
         per_block = MATMUL_THREADS // tpr * rows_per_group
         return tpr, (num_rows + per_block - 1) // per_block
 
@@ -138,7 +148,7 @@ class Kernels:
         num_tokens, num_cols = x.shape
         num_rows = raw.shape[0]
         one = num_tokens == 1
-        tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, self.decode_rows if one else 1)
+        tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, one)
         grid = (num_blocks, 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
         self._launch(self._mm(qtype, "matmul_1" if one else "matmul"), grid, MATMUL_THREADS,
                      (raw, x, out, np.int32(num_tokens), np.int32(num_rows), np.int32(num_cols),
@@ -149,7 +159,7 @@ class Kernels:
         of at most `tile_tokens` rows (1: the one-row kernel, else TILE_TOKENS)."""
         num_rows, num_cols = raw.shape[1], x.shape[1]
         one = tile_tokens == 1
-        tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, self.decode_rows if one else 1)
+        tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, one)
         self._launch(self._mm(qtype, "moe_matmul_1" if one else "moe_matmul"), (num_blocks, len(tile_slot)),
                      MATMUL_THREADS, (raw, x, out, tile_slot, tile_row, tile_count, np.int32(num_rows),
                                       np.int32(num_cols), np.int64(raw.shape[-1]), np.int32(tpr)))

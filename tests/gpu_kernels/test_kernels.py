@@ -32,7 +32,7 @@ def test_dequant_rows_bit_exact_with_gguf(runtime, kernels, qtype):
     assert np.array_equal(runtime.to_host(out), ref, equal_nan=True)
 
 
-@pytest.mark.parametrize("decode_rows,lane_slices", [(1, 1), (2, 2), (4, 4)])
+@pytest.mark.parametrize("decode_rows,lane_slices", [(1, 1), (2, 2), (4, 4), (8, 8), (8, 2)])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_matvec_tunings(runtime, reference_kernels, qtype, decode_rows, lane_slices):
     """The one-token kernel at every tuning the benchmark sweeps (rows past the end, lanes past the slices)."""
