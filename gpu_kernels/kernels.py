@@ -19,10 +19,10 @@ MAX_THREADS = 256
 MATMUL_THREADS = 256  # a matmul block: groups of `tpr` lanes, each on its own rows
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
 LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
-# Per format (DECODE_ROWS, LANE_SLICES) of the one-token kernels where the H200 sweep found better than
-# the default (bench/results/gpu_kernels.md, session 16): more rows a group and slices a lane keep more
-# loads in flight.
-DECODE_TUNING = {}
+# Per format (DECODE_ROWS, LANE_SLICES) of the one-token kernels where two H200 sweeps found better than
+# the default (bench/results/gpu_kernels.md, session 16): more rows a group or slices a lane keep more
+# loads in flight. BF16 is as fast at every tuning.
+DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), Q.Q5_K: (2, 8), Q.Q6_K: (2, 4)}
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
 PA_MAX_ROWS = 16  # query rows (token, head) of a tiled block, sharing each K/V tile it loads

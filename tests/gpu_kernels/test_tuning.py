@@ -1,0 +1,64 @@
+"""The one-token matmuls' per-format tuning: which rows-per-group and lane width each launch gets, and
+that every tuned module compiles (NVRTC, no GPU)."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from gpu_kernels.kernels import DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS, SLICE_WEIGHTS, Kernels
+from gpu_kernels.nvrtc import Nvrtc, find_library
+from gpu_kernels.sources import module_name, module_source
+
+
+class LaunchRecorder:
+    """The runtime calls Kernels makes to launch a matmul, recorded instead of run."""
+
+    warp_size = 32
+
+    def __init__(self):
+        self.compiled, self.launches = [], []
+
+    def compile(self, name, source, kernel_names):
+        self.compiled.append((name, source))
+        return {k: k for k in kernel_names}
+
+    def launch(self, function, grid, block, args, shared_mem=0, stream=None):
+        self.launches.append((function, grid, args))
+
+
+def _one_token_launch(qtype, **tuning):
+    rt = LaunchRecorder()
+    raw = np.zeros((768, 8), np.uint8)  # the launch reads only its shape
+    Kernels(rt, **tuning).matmul(raw, qtype, np.zeros((1, 2048), np.float32), np.zeros((1, 768), np.float32))
+    (name, source), (function, grid, args) = rt.compiled[-1], rt.launches[-1]
+    return name, source, function, grid, int(args[-1])
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_one_token_launch_takes_the_format_tuning(qtype):
+    rows, slices = DECODE_TUNING.get(qtype, (DECODE_ROWS, LANE_SLICES))
+    name, source, function, grid, tpr = _one_token_launch(qtype)
+    assert function == "matmul_1" and name.endswith(f"_r{rows}") and f"#define DECODE_ROWS {rows}\n" in source
+    assert tpr == min(32, 1 << max(0, -(-2048 // SLICE_WEIGHTS[qtype] // slices) - 1).bit_length())
+    assert grid == (-(-768 // (MATMUL_THREADS // tpr * rows)), 1)
+
+
+def test_explicit_tuning_wins_for_every_format():
+    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, decode_rows=1, lane_slices=1)
+    assert name.endswith("_r1") and tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
+
+
+def test_tiled_kernels_keep_the_default_lane_width():
+    rt = LaunchRecorder()
+    raw = np.zeros((768, 8), np.uint8)
+    Kernels(rt).matmul(raw, Q.Q4_K, np.zeros((19, 2048), np.float32), np.zeros((19, 768), np.float32))
+    function, grid, args = rt.launches[-1]
+    assert function == "matmul" and int(args[-1]) == 2048 // SLICE_WEIGHTS[Q.Q4_K] // LANE_SLICES
+
+
+@pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("qtype", sorted(DECODE_TUNING), ids=lambda q: Q(q).name)
+def test_tuned_modules_compile_for_sm90(qtype):
+    rows = DECODE_TUNING[qtype][0]
+    cubin = Nvrtc().compile(f"{module_name(qtype)}_r{rows}", f"#define DECODE_ROWS {rows}\n" + module_source(
+        module_name(qtype)), "sm_90", ("--std=c++14",))
+    assert b"matmul_1" in cubin
