@@ -81,6 +81,7 @@ class Kernels:
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
         self._functions = {}  # (qtype or KV dtype, kernel name) -> compiled function
+        self._launches = {}  # (qtype, kernel name, R, C, B) -> _mm_launch's (kernel, blocks, scalars)
         self._dummy = None  # stands in for an absent array argument
         self._split_out = self._split_lse = None  # paged_attention's partial results, grown as needed
 
@@ -132,37 +133,41 @@ class Kernels:
     def _mm_threads(self, qtype, num_cols):
         return self._threads(num_cols // UNIT_WEIGHTS[Q(qtype)], cap=128)
 
-    def _mm_shape(self, qtype, num_rows, num_cols, one):
-        """(lanes per group, blocks over the rows) of a matmul launch (one: the one-token kernel's)."""
-        slices, rem = divmod(num_cols, SLICE_WEIGHTS[Q(qtype)])
-        if rem:
-            raise ValueError(f"{Q(qtype).name} matmul: {num_cols} columns, not a multiple of "
-                             f"{SLICE_WEIGHTS[Q(qtype)]}")
-        rows_per_group, lane_slices = self.tuning(qtype) if one else (1, self.lane_slices or LANE_SLICES)
-        tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
-        per_block = MATMUL_THREADS // tpr * rows_per_group
-        return tpr, (num_rows + per_block - 1) // per_block
+    def _mm_launch(self, qtype, kernel, num_rows, num_cols, row_bytes, one):
+        """(compiled kernel, blocks over the rows, (R, C, B, tpr) as kernel scalars) of a matmul launch (one:
+        the one-token kernel's), kept per shape: a decode step launches the same few shapes hundreds of times."""
+        key = (qtype, kernel, num_rows, num_cols, row_bytes)
+        launch = self._launches.get(key)
+        if launch is None:
+            slices, rem = divmod(num_cols, SLICE_WEIGHTS[Q(qtype)])
+            if rem:
+                raise ValueError(f"{Q(qtype).name} matmul: {num_cols} columns, not a multiple of "
+                                 f"{SLICE_WEIGHTS[Q(qtype)]}")
+            rows_per_group, lane_slices = self.tuning(qtype) if one else (1, self.lane_slices or LANE_SLICES)
+            tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
+            per_block = MATMUL_THREADS // tpr * rows_per_group
+            launch = self._launches[key] = (
+                self._mm(qtype, kernel), (num_rows + per_block - 1) // per_block,
+                (np.int32(num_rows), np.int32(num_cols), np.int64(row_bytes), np.int32(tpr)))
+        return launch
 
     def matmul(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous."""
         num_tokens, num_cols = x.shape
-        num_rows = raw.shape[0]
         one = num_tokens == 1
-        tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, one)
+        fn, num_blocks, scalars = self._mm_launch(qtype, "matmul_1" if one else "matmul", raw.shape[0], num_cols,
+                                                  raw.shape[-1], one)
         grid = (num_blocks, 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
-        self._launch(self._mm(qtype, "matmul_1" if one else "matmul"), grid, MATMUL_THREADS,
-                     (raw, x, out, np.int32(num_tokens), np.int32(num_rows), np.int32(num_cols),
-                      np.int64(raw.shape[-1]), np.int32(tpr)))
+        self._launch(fn, grid, MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars)
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=TILE_TOKENS):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W]
         of at most `tile_tokens` rows (1: the one-row kernel, else TILE_TOKENS)."""
-        num_rows, num_cols = raw.shape[1], x.shape[1]
         one = tile_tokens == 1
-        tpr, num_blocks = self._mm_shape(qtype, num_rows, num_cols, one)
-        self._launch(self._mm(qtype, "moe_matmul_1" if one else "moe_matmul"), (num_blocks, len(tile_slot)),
-                     MATMUL_THREADS, (raw, x, out, tile_slot, tile_row, tile_count, np.int32(num_rows),
-                                      np.int32(num_cols), np.int64(raw.shape[-1]), np.int32(tpr)))
+        fn, num_blocks, scalars = self._mm_launch(qtype, "moe_matmul_1" if one else "moe_matmul", raw.shape[1],
+                                                  x.shape[1], raw.shape[-1], one)
+        self._launch(fn, (num_blocks, len(tile_slot)), MATMUL_THREADS,
+                     (raw, x, out, tile_slot, tile_row, tile_count) + scalars)
 
     def dequant_rows(self, raw, qtype, row_ids, out):
         """out [M, C] = dequant(raw [rows, B][row_ids]); row_ids int64 [M] on the device."""
