@@ -43,7 +43,8 @@ def moe_kernels(word_dtype, recipe):
     def kernel(compiled):
         def moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):  # float formats: no integer path
             compiled(tuple(raw.view(word_dtype) for raw in raws), x, expert_ids, row_starts, recipe, outs)
-        return moe_matmul
+        moe_matmul.compiled, moe_matmul.word_dtype, moe_matmul.recipe = compiled, word_dtype, recipe  # for callers
+        return moe_matmul  # in compiled code (hybrid/backends/cpu_decode.py)
 
     return kernel(_moe_matmul), kernel(_moe_matmul_serial)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arch import ARCHS
+from .backends.cpu_decode import DecodeStep
 from .blocks import attention_block
 from .kv_store import KV_DTYPES
 from .moe import ExpertSplit, moe_block
@@ -85,9 +86,18 @@ class Model:
                                            kv_tokens or c.context_length)
         self.usage = None  # an ExpertUsage (hybrid/expert_usage.py) to record each layer's routing
         self.residency = None  # a dynamic expert cache (placement/dynamic.py), told after each step's layers
+        self.compiled_decode = True  # decode layers as one compiled call each where the backend has them
 
     def new_sequence(self, max_tokens=None):
         return self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)
+
+    def _compiled_decode(self, batch):
+        """Whether this step's layers run as one compiled call each (hybrid/backends/cpu_decode.py): a
+        backend that has them, a batch of one-token chunks, float32 KV, no expert split, and the layer
+        recipe those calls implement."""
+        return (self.compiled_decode and hasattr(self.backend, "decode_layer") and self.split is None
+                and self.kv_dtype == "f32" and self.spec.attention.rope == "neox" and self.spec.moe.gating == "softmax"
+                and all(len(c.token_ids) == 1 for c in batch.chunks))
 
     def forward(self, batch):
         """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache."""
@@ -99,11 +109,18 @@ class Model:
             self.usage.begin(batch)
         if self.split is not None:
             self.split.begin_step()
-        for layer in self.layers:
-            h = be.rmsnorm(x, layer.attn_norm, eps)
-            x += attention_block(be, self.spec.attention, layer, h, batch)
-            h = be.rmsnorm(x, layer.ffn_norm, eps)
-            x += moe_block(be, self.spec.moe, layer, h, self.split, self.usage)
+        if self._compiled_decode(batch):
+            step = DecodeStep(batch)
+            for layer in self.layers:
+                ids = be.decode_layer(layer, x, step, self.kv_pool)  # [T, K]
+                if self.usage is not None:
+                    self.usage.record(layer.index, ids)
+        else:
+            for layer in self.layers:
+                h = be.rmsnorm(x, layer.attn_norm, eps)
+                x += attention_block(be, self.spec.attention, layer, h, batch)
+                h = be.rmsnorm(x, layer.ffn_norm, eps)
+                x += moe_block(be, self.spec.moe, layer, h, self.split, self.usage)
         if self.split is not None and self.usage is not None:
             self.split.finish_step(be, self.usage)
         if self.residency is not None:

@@ -66,7 +66,8 @@ class _WeightKernels:
     def __init__(self, weight):
         self.weight, self.raw = weight, weight.raw  # held: the cache's id() key stays this weight's
         self.raws = (weight.raw if weight.raw.ndim == 3 else weight.raw.reshape(1, *weight.raw.shape),)
-        self.parallel, self.serial, self.cols = kernels_of(format_for(weight.qtype), self.raws[0])
+        self.fmt = format_for(weight.qtype)
+        self.parallel, self.serial, self.cols = kernels_of(self.fmt, self.raws[0])
 
 
 class _Scratch:
@@ -99,6 +100,7 @@ class CpuBackend:
     act_quant = None  # the kernels' act_quant code, from STRATA_ACT_QUANT at the first weight's use
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
     _local = None  # per thread: the _Scratch of grouped_experts
+    _plans = None  # layer index: cpu_decode.LayerPlan, made at the layer's first decode step
 
     def _scratch(self):
         """The calling thread's work arrays (see _Scratch)."""
@@ -168,6 +170,21 @@ class CpuBackend:
         (kernels.serial if serial else kernels.parallel)(
             kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), self.act_quant)
         return out
+
+    def decode_layer(self, layer, x, step, kv_pool):
+        """x [T, H] += the whole layer for a decode batch (step: cpu_decode.DecodeStep), in one compiled call
+        (hybrid/backends/cpu_decode.py); returns the routing ids int64 [T, K]."""
+        from .cpu_decode import LayerPlan
+
+        if self._plans is None:
+            self._plans = {}
+        plan = self._plans.get(layer.index)
+        if plan is None or not plan.current(layer):
+            plan = self._plans[layer.index] = LayerPlan(self, layer)
+        if self.act_quant is None:
+            self._kernels_of(layer.attn_q)
+        return plan.fn(x, step.positions, step.tables, step.starts, kv_pool.k, kv_pool.v, layer.index, _one_thread(),
+                       self.act_quant, *plan.args)
 
     def embed(self, weight, token_ids):
         rows = np.ascontiguousarray(weight.raw[token_ids])  # [T, B]

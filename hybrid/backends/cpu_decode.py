@@ -1,0 +1,257 @@
+"""A decode step's layer as one compiled call on the CPU backend.
+
+Op by op, a decode layer is ~30 backend calls (norms, five linears, rope, KV write, attention,
+routing, the experts), each paying Python and Numba's dispatch. At 2 threads on the Xeon VM
+that was ~10 % of a Q4_K_M step (bench/results/vs_llamacpp_xeon.md, session 16). Here the same
+kernels run in the same order, with the same serial / parallel choices, from one compiled
+function a layer. The results are bit-identical with the op-by-op path, and the GIL stays
+released for the whole layer.
+
+The function is made per combination of weight formats. A template's globals name the
+kernels (Q_PAR, Q_SER, ...), and each combination gets a copy of the template with its own
+globals and its own name, so Numba caches each apart (as cpu_kernels.twins does).
+
+It covers batches of one-token chunks (decode), float32 KV and families whose attention is
+GQA with NeoX RoPE and optional q/k norms, and softmax top-k routing. Anything else takes the
+op-by-op path.
+
+Shape legend: T tokens (one a sequence), H hidden, Hq / Hkv query / kv heads, D head dim,
+E experts, K top-k, N pairs, F expert width, L layers, NB pool blocks, BT positions a block,
+nb blocks of a sequence.
+"""
+import types as pytypes
+
+import numpy as np
+from numba import njit
+
+from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing
+
+# The op-by-op path's thresholds (hybrid/backends/cpu.py), the same choices here.
+from .cpu import (SERIAL_MAX_ATTENTION, SERIAL_MAX_ELEMENTS, SERIAL_MAX_WEIGHT_BYTES, TINY_MAX_ATTENTION,
+                  TINY_MAX_ELEMENTS)
+
+NO_NORM = np.ones(1, dtype=np.float32)  # the q/k norm weight of families without one
+_INSTANCES = {}  # (template name, suffix) -> compiled instance
+
+
+def instance(template, suffix, **kernels):
+    """`template` compiled with `kernels` as its globals, named template_suffix (its own cache files)."""
+    key = (template.__name__, suffix)
+    found = _INSTANCES.get(key)
+    if found is None:
+        fn = pytypes.FunctionType(template.__code__, {**template.__globals__, **kernels}, f"{template.__name__}_{suffix}")
+        fn.__qualname__ = f"{template.__qualname__}_{suffix}"
+        found = _INSTANCES[key] = njit(nogil=True, cache=True)(fn)
+    return found
+
+
+# -- linear runners: fn(raws, x, expert_ids, row_starts, outs, act_quant), as the quantized kernels are ----
+
+def dense_one(raws, x, expert_ids, row_starts, outs, act_quant):
+    """A float format's kernel over word arrays: raws (1,) already viewed as its words."""
+    COMPILED(raws, x, expert_ids, row_starts, RECIPE, outs)  # noqa: F821 (instance globals)
+
+
+def split_pair(raws, x, expert_ids, row_starts, outs, act_quant):
+    """Two weights of different formats (an expert's gate and up) on the same rows, one after the other."""
+    FIRST((raws[0],), x, expert_ids, row_starts, (outs[0],), act_quant)  # noqa: F821
+    SECOND((raws[1],), x, expert_ids, row_starts, (outs[1],), act_quant)  # noqa: F821
+
+
+# -- the layer --------------------------------------------------------------------------------------------
+
+@njit(inline="always", nogil=True)
+def _small(work, tiny_max, one_thread_max, one_thread):
+    return work <= tiny_max or (work <= one_thread_max and one_thread)
+
+
+@njit(inline="always", nogil=True)
+def _rmsnorm(x, weight, eps, out, one_thread):
+    if _small(x.size, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread):
+        rmsnorm.rmsnorm_serial(x, weight, eps, out)
+    else:
+        rmsnorm.rmsnorm(x, weight, eps, out)
+
+
+@njit(inline="always", nogil=True)
+def _rope(x, positions, theta, one_thread):
+    if _small(x.size, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread):
+        rope.rope_neox_serial(x, positions, theta, x)
+    else:
+        rope.rope_neox(x, positions, theta, x)
+
+
+def layer_template(x, positions, tables, starts, k_pool, v_pool, layer_index, one_thread, act_quant,
+                   attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim,
+                   q_raws, k_raws, v_raws, o_raws, r_raws, gu_raws, d_raws, top_k, normalize, serial_linears):
+    """x [T, H] += attention block, then += MoE block, for T one-token chunks: token t at position
+    positions[t] = starts[t] of the sequence whose blocks are tables[t] (int32 [T, nb]); its K/V go to
+    k_pool / v_pool [L, NB, BT, Hkv, D] at layer_index. serial_linears: bool [5], whether the q, k, v, o
+    and router weights are small enough for their serial kernels on one thread. Returns the routing ids
+    int64 [T, K]. Sizes are arguments, never globals: an instance serves every model of its formats."""
+    num_tokens, hidden = x.shape
+    one_token_serial = num_tokens == 1 and one_thread
+    # built here, not module constants: Numba would pass those read-only, a second typing of every kernel
+    one_expert = np.zeros(1, dtype=np.int64)  # [1]
+    row_starts = np.array([0, num_tokens], dtype=np.int64)  # [2]: all tokens in one group
+    no_lse = np.empty((0, 0), dtype=np.float32)
+    # attention block
+    h = np.empty_like(x)  # [T, H]
+    _rmsnorm(x, attn_norm, eps, h, one_thread)
+    q = np.empty((num_tokens, num_heads * head_dim), dtype=np.float32)  # [T, Hq*D]
+    k = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
+    v = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
+    if one_token_serial and serial_linears[0]:
+        Q_SER(q_raws, h, one_expert, row_starts, (q,), act_quant)  # noqa: F821
+    else:
+        Q_PAR(q_raws, h, one_expert, row_starts, (q,), act_quant)  # noqa: F821
+    if one_token_serial and serial_linears[1]:
+        K_SER(k_raws, h, one_expert, row_starts, (k,), act_quant)  # noqa: F821
+    else:
+        K_PAR(k_raws, h, one_expert, row_starts, (k,), act_quant)  # noqa: F821
+    if one_token_serial and serial_linears[2]:
+        V_SER(v_raws, h, one_expert, row_starts, (v,), act_quant)  # noqa: F821
+    else:
+        V_PAR(v_raws, h, one_expert, row_starts, (v,), act_quant)  # noqa: F821
+    q3 = q.reshape(num_tokens, num_heads, head_dim)  # [T, Hq, D]
+    k3 = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
+    v3 = v.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
+    if QK_NORM:  # noqa: F821
+        q_rows = q.reshape(num_tokens * num_heads, head_dim)
+        k_rows = k.reshape(num_tokens * num_kv_heads, head_dim)
+        _rmsnorm(q_rows, q_norm, eps, q_rows, one_thread)
+        _rmsnorm(k_rows, k_norm, eps, k_rows, one_thread)
+    _rope(q3, positions, theta, one_thread)
+    _rope(k3, positions, theta, one_thread)
+    att = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)  # [T, Hq, D]
+    layer_k, layer_v = k_pool[layer_index], v_pool[layer_index]  # [NB, BT, Hkv, D]
+    for t in range(num_tokens):
+        start = starts[t]
+        attention.write_rows(k_pool, layer_index, tables[t], start, k3[t:t + 1])
+        attention.write_rows(v_pool, layer_index, tables[t], start, v3[t:t + 1])
+        work = (start + 1) * num_heads * head_dim
+        if _small(work, TINY_MAX_ATTENTION, SERIAL_MAX_ATTENTION, one_thread):
+            attention.attention_serial(q3[t:t + 1], layer_k, layer_v, tables[t], start, 0, start + 1, scale,
+                                       att[t:t + 1], no_lse)
+        else:
+            attention.attention(q3[t:t + 1], layer_k, layer_v, tables[t], start, 0, start + 1, scale, att[t:t + 1],
+                                no_lse)
+    o = np.empty((num_tokens, hidden), dtype=np.float32)  # [T, H]
+    att2 = att.reshape(num_tokens, num_heads * head_dim)
+    if one_token_serial and serial_linears[3]:
+        O_SER(o_raws, att2, one_expert, row_starts, (o,), act_quant)  # noqa: F821
+    else:
+        O_PAR(o_raws, att2, one_expert, row_starts, (o,), act_quant)  # noqa: F821
+    x += o
+    # MoE block
+    _rmsnorm(x, ffn_norm, eps, h, one_thread)
+    num_experts = r_raws[0].shape[1]  # the router's rows
+    logits = np.empty((num_tokens, num_experts), dtype=np.float32)  # [T, E]
+    if one_token_serial and serial_linears[4]:
+        R_SER(r_raws, h, one_expert, row_starts, (logits,), act_quant)  # noqa: F821
+    else:
+        R_PAR(r_raws, h, one_expert, row_starts, (logits,), act_quant)  # noqa: F821
+    ids = np.empty((num_tokens, top_k), dtype=np.int64)  # [T, K]
+    weights = np.empty((num_tokens, top_k), dtype=np.float32)  # [T, K]
+    if _small(logits.size, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread):
+        routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
+    else:
+        routing.route_softmax_topk(logits, top_k, normalize, ids, weights)
+    order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
+    num_pairs, width = order.size, gu_raws[0].shape[1]
+    small = _small(num_pairs * max(hidden, width), TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread)
+    xs = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
+    if small:
+        moe_combine.gather_rows_serial(h, order, top_k, xs)
+    else:
+        moe_combine.gather_rows(h, order, top_k, xs)
+    gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
+    up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
+    GU_PAR(gu_raws, xs, expert_ids, pair_starts, (gate, up), act_quant)  # noqa: F821
+    if small:
+        activation.swiglu_serial(gate, up, gate)
+    else:
+        activation.swiglu(gate, up, gate)
+    down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
+    D_PAR(d_raws, gate, expert_ids, pair_starts, (down,), act_quant)  # noqa: F821
+    moe = np.zeros((num_tokens, hidden), dtype=np.float32)  # [T, H]
+    if small:
+        moe_combine.scatter_add_weighted_serial(down, order, weights.reshape(-1), top_k, moe)
+    else:
+        moe_combine.scatter_add_weighted(down, order, weights.reshape(-1), top_k, moe)
+    x += moe
+    return ids
+
+
+# -- per layer: the instance and its arguments ------------------------------------------------------------
+
+def _runners(backend, weight):
+    """(parallel, serial, raws, bytes, format name) of a weight: its format's kernels, or for a float format
+    instances of dense_one over word views of its raws."""
+    kernels = backend._kernels_of(weight)
+    name = kernels.fmt.__name__.rsplit(".", 1)[-1]
+    par, ser, raws = kernels.parallel, kernels.serial, kernels.raws
+    dense = getattr(par, "compiled", None)
+    if dense is not None:
+        raws = tuple(raw.view(par.word_dtype) for raw in raws)
+        par = instance(dense_one, f"{name}_parallel", COMPILED=par.compiled, RECIPE=par.recipe)
+        ser = instance(dense_one, f"{name}_serial", COMPILED=ser.compiled, RECIPE=ser.recipe)
+    return par, ser, raws, weight.raw.nbytes, name
+
+
+class LayerPlan:
+    """One layer's compiled decode function and the arguments that do not change between steps."""
+
+    def __init__(self, backend, layer):
+        self.raws = tuple(w.raw for w in _weights(layer))  # rebuilt when a weight's raw is replaced
+        kernels, names, raws_of, serial = {}, [], {}, []
+        for key, weight in (("Q", layer.attn_q), ("K", layer.attn_k), ("V", layer.attn_v), ("O", layer.attn_output),
+                            ("R", layer.router)):
+            par, ser, raws, nbytes, name = _runners(backend, weight)
+            kernels.update({f"{key}_PAR": par, f"{key}_SER": ser})
+            raws_of[key] = raws
+            serial.append(nbytes <= SERIAL_MAX_WEIGHT_BYTES)
+            names.append(name)
+        gate, up, down = (_runners(backend, w) for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
+        paired = (layer.up_exps.qtype == layer.gate_exps.qtype and layer.up_exps.raw.shape == layer.gate_exps.raw.shape
+                  and layer.up_exps.raw.flags.writeable == layer.gate_exps.raw.flags.writeable)
+        if paired:  # one region for both, as grouped_experts does
+            gu = gate[0]
+        else:
+            gu = instance(split_pair, f"{gate[4]}_{up[4]}", FIRST=gate[0], SECOND=up[0])
+        names += [gate[4], up[4], down[4], "paired" if paired else "split"]
+        qk_norm = layer.attn_q_norm is not None
+        hidden, width = layer.gate_exps.shape[2], layer.gate_exps.shape[1]
+        if (backend._kernels_of(layer.down_exps).cols, layer.down_exps.shape[1]) != (width, hidden):
+            raise ValueError(f"decode layer {layer.index}: {layer.gate_exps.name} {layer.gate_exps.shape} and "
+                             f"{layer.down_exps.name} {layer.down_exps.shape} do not fit")
+        self.fn = instance(layer_template, "_".join(names + ["qknorm" if qk_norm else "plain"]),
+                           QK_NORM=qk_norm, GU_PAR=gu, D_PAR=down[0], **kernels)
+        self.args = (
+            layer.attn_norm, layer.ffn_norm, layer.attn_q_norm if qk_norm else NO_NORM,
+            layer.attn_k_norm if qk_norm else NO_NORM, float(layer.eps), float(layer.rope_theta),
+            float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            raws_of["Q"], raws_of["K"], raws_of["V"], raws_of["O"], raws_of["R"], gate[2] + up[2], down[2],
+            layer.num_experts_per_tok, bool(layer.norm_topk_prob), np.array(serial))
+
+    def current(self, layer):
+        return all(a is b for a, b in zip(self.raws, (w.raw for w in _weights(layer))))
+
+
+def _weights(layer):
+    return (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.router, layer.gate_exps,
+            layer.up_exps, layer.down_exps)
+
+
+class DecodeStep:
+    """A decode batch's per-step arrays: positions int64 [T], starts int64 [T], block tables int32 [T, nb]."""
+
+    def __init__(self, batch):
+        self.positions = batch.positions
+        self.starts = np.array([c.start for c in batch.chunks], dtype=np.int64)
+        width = max(len(c.kv.table) for c in batch.chunks)
+        self.tables = np.zeros((len(batch.chunks), width), dtype=np.int32)
+        for t, chunk in enumerate(batch.chunks):
+            if chunk.start + 1 > chunk.kv.capacity:  # the compiled writer does not check bounds
+                raise ValueError(f"KV write of position {chunk.start} past the {chunk.kv.capacity} reserved")
+            self.tables[t, :len(chunk.kv.table)] = chunk.kv.table

@@ -1,0 +1,71 @@
+"""The compiled decode layer (hybrid/backends/cpu_decode.py) against the op-by-op path it replaces: the
+same logits, bit for bit, for every weight format, one and two sequences, one thread and all threads."""
+import numpy as np
+import pytest
+
+import hybrid
+from hybrid.backends.cpu_decode import DecodeStep
+from hybrid.batch import Batch, SeqChunk
+
+CASES = [("small", "F32"), ("small", "F16"), ("small", "BF16"), ("small", "Q8_0"), ("small", "Q4_0"),
+         ("kquant", "Q4_K"), ("kquant", "Q5_K"), ("kquant", "Q6_K"), ("kquant", "Q4_K_M")]
+PROMPTS = ([5, 17, 300, 42, 7, 99], [8, 250, 11, 3])
+
+
+@pytest.fixture(params=[1, "all"], ids=lambda n: f"threads-{n}")
+def numba_threads(request):
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1 if request.param == 1 else numba.config.NUMBA_NUM_THREADS)
+    yield
+    numba.set_num_threads(before)
+
+
+def decode(model, compiled, prompts, steps):
+    """Logits [steps, S, V] of `steps` decode steps of one batch over the prompts' sequences (each
+    prefilled on its own first), feeding each sequence its own greedy token."""
+    model.compiled_decode = compiled
+    seqs = [model.new_sequence(64) for _ in prompts]
+    last = [model.forward(Batch([SeqChunk(kv, 0, np.array(p, np.int64))]))[-1] for kv, p in zip(seqs, prompts)]
+    out = []
+    for _ in range(steps):
+        chunks = [SeqChunk(kv, kv.length, np.array([int(np.argmax(row))], np.int64)) for kv, row in zip(seqs, last)]
+        last = model.forward(Batch(chunks))  # [S, V]
+        out.append(last)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("size,target", CASES, ids=[f"{s}-{t}" for s, t in CASES])
+def test_compiled_decode_is_bit_identical(gguf_models, size, target, numba_threads):
+    path, _ = gguf_models(size, target)
+    model = hybrid.LLM(path, device="cpu").model
+    for prompts in (PROMPTS[:1], PROMPTS):
+        op_by_op = decode(model, False, prompts, 3)
+        assert not model.backend._plans  # the op-by-op path made no plan
+        compiled = decode(model, True, prompts, 3)
+        assert len(model.backend._plans) == model.config.num_layers
+        np.testing.assert_array_equal(compiled, op_by_op)
+        model.backend._plans.clear()
+
+
+def test_prefill_and_other_kv_dtypes_keep_the_op_by_op_path(gguf_models):
+    path, _ = gguf_models("small", "Q8_0")
+    model = hybrid.LLM(path, device="cpu").model
+    kv = model.new_sequence(64)
+    model.forward(Batch([SeqChunk(kv, 0, np.array(PROMPTS[0], np.int64))]))
+    assert not model.backend._plans  # a prompt chunk
+    f16 = hybrid.LLM(path, device="cpu", kv="f16").model
+    kv = f16.new_sequence(64)
+    f16.forward(Batch([SeqChunk(kv, 0, np.array(PROMPTS[0], np.int64))]))
+    f16.forward(Batch([SeqChunk(kv, kv.length, np.array([3], np.int64))]))
+    assert not f16.backend._plans  # f16 KV rows are encoded by the op-by-op path
+
+
+def test_decode_step_refuses_a_position_past_the_reserved_kv(gguf_models):
+    path, _ = gguf_models("small", "Q8_0")
+    model = hybrid.LLM(path, device="cpu").model
+    kv = model.new_sequence(64)
+    kv.reserve(16)
+    with pytest.raises(ValueError, match=f"position {kv.capacity} past the {kv.capacity} reserved"):
+        DecodeStep(Batch([SeqChunk(kv, kv.capacity, np.array([3], np.int64))]))
