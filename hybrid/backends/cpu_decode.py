@@ -48,7 +48,7 @@ def instance(template, suffix, **kernels):
 # -- linear runners: fn(raws, x, expert_ids, row_starts, outs, act_quant), as the quantized kernels are ----
 
 def dense_one(raws, x, expert_ids, row_starts, outs, act_quant):
-    """A float format's kernel over word arrays: raws (1,) already viewed as its words."""
+    """A float format's kernel (COMPILED, with its widening RECIPE) over raws already viewed as its words."""
     COMPILED(raws, x, expert_ids, row_starts, RECIPE, outs)  # noqa: F821 (instance globals)
 
 
