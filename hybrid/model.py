@@ -94,9 +94,11 @@ class Model:
     def _compiled_decode(self, batch):
         """Whether this step's layers run as one compiled call each (hybrid/backends/cpu_decode.py): a
         backend that has them, a batch of one-token chunks, float32 KV, no expert split, and the layer
-        recipe those calls implement."""
+        recipe those calls implement; the batch's sequences in one float32 KV pool."""
+        pools = {id(c.kv.pool) for c in batch.chunks}
         return (self.compiled_decode and hasattr(self.backend, "decode_layer") and self.split is None
-                and self.kv_dtype == "f32" and self.spec.attention.rope == "neox" and self.spec.moe.gating == "softmax"
+                and len(pools) == 1 and batch.chunks[0].kv.pool.dtype == "f32"
+                and self.spec.attention.rope == "neox" and self.spec.moe.gating == "softmax"
                 and all(len(c.token_ids) == 1 for c in batch.chunks))
 
     def forward(self, batch):
@@ -112,7 +114,7 @@ class Model:
         if self._compiled_decode(batch):
             step = DecodeStep(batch)
             for layer in self.layers:
-                ids = be.decode_layer(layer, x, step, self.kv_pool)  # [T, K]
+                ids = be.decode_layer(layer, x, step)  # [T, K]
                 if self.usage is not None:
                     self.usage.record(layer.index, ids)
         else:

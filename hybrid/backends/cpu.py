@@ -171,7 +171,7 @@ class CpuBackend:
             kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), self.act_quant)
         return out
 
-    def decode_layer(self, layer, x, step, kv_pool):
+    def decode_layer(self, layer, x, step):
         """x [T, H] += the whole layer for a decode batch (step: cpu_decode.DecodeStep), in one compiled call
         (hybrid/backends/cpu_decode.py); returns the routing ids int64 [T, K]."""
         from .cpu_decode import LayerPlan
@@ -183,7 +183,7 @@ class CpuBackend:
             plan = self._plans[layer.index] = LayerPlan(self, layer)
         if self.act_quant is None:
             self._kernels_of(layer.attn_q)
-        return plan.fn(x, step.positions, step.tables, step.starts, kv_pool.k, kv_pool.v, layer.index, _one_thread(),
+        return plan.fn(x, step.positions, step.tables, step.starts, step.pool.k, step.pool.v, layer.index, _one_thread(),
                        self.act_quant, *plan.args)
 
     def embed(self, weight, token_ids):

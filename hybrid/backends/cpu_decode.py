@@ -244,9 +244,13 @@ def _weights(layer):
 
 
 class DecodeStep:
-    """A decode batch's per-step arrays: positions int64 [T], starts int64 [T], block tables int32 [T, nb]."""
+    """A decode batch's per-step arrays: positions int64 [T], starts int64 [T], block tables int32 [T, nb], and
+    the KV pool its sequences share."""
 
     def __init__(self, batch):
+        self.pool = batch.chunks[0].kv.pool
+        if any(c.kv.pool is not self.pool for c in batch.chunks):
+            raise ValueError("a compiled decode step needs the batch's sequences in one KV pool")
         self.positions = batch.positions
         self.starts = np.array([c.start for c in batch.chunks], dtype=np.int64)
         width = max(len(c.kv.table) for c in batch.chunks)

@@ -69,3 +69,20 @@ def test_decode_step_refuses_a_position_past_the_reserved_kv(gguf_models):
     kv.reserve(16)
     with pytest.raises(ValueError, match=f"position {kv.capacity} past the {kv.capacity} reserved"):
         DecodeStep(Batch([SeqChunk(kv, kv.capacity, np.array([3], np.int64))]))
+
+
+def test_sequences_of_another_kv_pool(gguf_models):
+    """A sequence in a pool of its own (the server's KV budget makes one): its K/V go there."""
+    from hybrid.kv_cache import KVPool
+
+    path, _ = gguf_models("small", "Q8_0")
+    model = hybrid.LLM(path, device="cpu").model
+    c = model.config
+    logits = {}
+    for compiled in (False, True):
+        model.compiled_decode = compiled
+        kv = model.backend.new_kv(KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=2, max_blocks=2), 64)
+        model.forward(Batch([SeqChunk(kv, 0, np.array(PROMPTS[0], np.int64))]))
+        logits[compiled] = model.forward(Batch([SeqChunk(kv, kv.length, np.array([3], np.int64))]))
+        assert bool(model.backend._plans) == compiled
+    np.testing.assert_array_equal(logits[True], logits[False])
