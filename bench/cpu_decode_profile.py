@@ -1,9 +1,11 @@
 """Where one CPU decode step's time goes: wall time per op category, and cProfile's view of the Python side.
 
 Loads a GGUF on the CPU backend with `--threads` Numba threads, reads a short prompt, then decodes
-`--steps` tokens one at a time three ways: untimed (tok/s), with every backend method and the KV
-write timed (exclusive time: a method's time excludes the backend methods it calls; the linear
-layers are split by weight), and under cProfile (the top functions by own time).
+`--steps` tokens one at a time: untimed with each layer as one compiled call (the default path) and
+op by op (tok/s of each), then op by op with every backend method and the KV write timed (exclusive
+time: a method's time excludes the backend methods it calls; the linear layers are split by weight),
+and op by op under cProfile (the top functions by own time). The compiled layer runs the same kernels,
+so the op-by-op breakdown shows where its time goes, less the Python between the ops.
 
     python bench/cpu_decode_profile.py --model /tmp/bm-q4km.gguf --threads 1 --steps 64
 
@@ -109,6 +111,9 @@ def main(argv=None):
         return kv
 
     decode(model, fresh(), rng.integers(1, vocab, size=args.steps))  # compile / load every kernel (twins by size too)
+    compiled_s = decode(model, fresh(), rng.integers(1, vocab, size=args.steps))
+    model.compiled_decode = False  # from here on, op by op
+    decode(model, fresh(), rng.integers(1, vocab, size=args.steps))
     plain_s = decode(model, fresh(), rng.integers(1, vocab, size=args.steps))
 
     profiler = cProfile.Profile()
@@ -126,8 +131,9 @@ def main(argv=None):
 
     per_step_ms = 1e3 / args.steps
     print(f"## {Path(args.model).name}, {args.threads} thread(s), {args.steps} decode steps\n")
-    print(f"untimed: {args.steps / plain_s:.1f} tok/s ({plain_s * per_step_ms:.2f} ms/step); "
-          f"timed: {timed_s * per_step_ms:.2f} ms/step\n")
+    print(f"untimed, compiled layers: {args.steps / compiled_s:.1f} tok/s ({compiled_s * per_step_ms:.2f} ms/step); "
+          f"op by op: {args.steps / plain_s:.1f} tok/s ({plain_s * per_step_ms:.2f} ms/step); "
+          f"op by op timed: {timed_s * per_step_ms:.2f} ms/step\n")
     from cpu_kernels.prefetch import prefetch_rows
 
     print(f"transparent huge pages: {transparent_huge_pages()}\n")
