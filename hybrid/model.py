@@ -2,6 +2,7 @@
 
 Only calls kernels through a backend. Shape legend: T tokens, H hidden, V vocab.
 """
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,14 @@ def _layer_weights(weights, index):
     )
 
 
+def compiled_decode_from_env():
+    """STRATA_COMPILED_DECODE: 1 (default) runs CPU decode layers as one compiled call each, 0 op by op."""
+    value = os.environ.get("STRATA_COMPILED_DECODE", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"STRATA_COMPILED_DECODE={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 class Model:
     """host: with a device backend, the backend that runs the non-resident experts (hybrid MoE).
     kv_tokens: KV positions the pool is first made for (all sequences together; a host pool grows past it)."""
@@ -86,7 +95,7 @@ class Model:
                                            kv_tokens or c.context_length)
         self.usage = None  # an ExpertUsage (hybrid/expert_usage.py) to record each layer's routing
         self.residency = None  # a dynamic expert cache (placement/dynamic.py), told after each step's layers
-        self.compiled_decode = True  # decode layers as one compiled call each where the backend has them
+        self.compiled_decode = compiled_decode_from_env()  # decode layers as one compiled call each where possible
 
     def new_sequence(self, max_tokens=None):
         return self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)

@@ -86,3 +86,12 @@ def test_sequences_of_another_kv_pool(gguf_models):
         logits[compiled] = model.forward(Batch([SeqChunk(kv, kv.length, np.array([3], np.int64))]))
         assert bool(model.backend._plans) == compiled
     np.testing.assert_array_equal(logits[True], logits[False])
+
+
+def test_env_turns_the_compiled_layers_off(gguf_models, monkeypatch):
+    path, _ = gguf_models("small", "Q8_0")
+    monkeypatch.setenv("STRATA_COMPILED_DECODE", "0")
+    assert not hybrid.LLM(path, device="cpu").model.compiled_decode
+    monkeypatch.setenv("STRATA_COMPILED_DECODE", "yes")
+    with pytest.raises(ValueError, match="STRATA_COMPILED_DECODE='yes': expected 0 or 1"):
+        hybrid.LLM(path, device="cpu")
