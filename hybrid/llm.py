@@ -93,6 +93,22 @@ class LLM:
             self.model.usage = ExpertUsage.for_config(self.config)
         log.info("expert cache: dynamic, %s", self.model.residency.policy.settings)
 
+    def warm_up(self):
+        """Read a 2-token prompt and decode one token on a scratch sequence, so that the kernels a request
+        needs are compiled (or loaded from Numba's cache) before the first one arrives; the model's usage
+        profile and dynamic expert cache do not see it. Returns the seconds it took."""
+        start = time.perf_counter()
+        model = self.model
+        usage, residency = model.usage, model.residency
+        model.usage = model.residency = None
+        try:
+            kv = model.new_sequence(4)
+            model.forward(Batch([SeqChunk(kv, 0, np.arange(2, dtype=np.int64), "none")]))
+            model.forward(Batch([SeqChunk(kv, kv.length, np.zeros(1, dtype=np.int64))]))
+        finally:
+            model.usage, model.residency = usage, residency
+        return time.perf_counter() - start
+
     def _prompt_ids(self, prompt):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         check_prompt(ids, self.max_context, self.config.vocab_size)

@@ -66,6 +66,7 @@ def build(model=None, parallel=1, api_key=None, decode_share=None, threads=None,
     if model is None:
         log.warning("serving the built-in demo model '%s': RANDOM weights, not a language model", name)
     log_budget(llm, parallel, max_queue)
+    log.info("kernels ready in %.1f s (compiled on a first run, else loaded from Numba's cache)", llm.warm_up())
     engine = Engine(llm, num_slots=parallel, max_queue=max_queue, decode_share=decode_share,
                     conversation_cache=conversation_cache(llm, conversations)).start()
     log.info("engine: %d slots, decode share %.2f", parallel, decode_share)

@@ -95,3 +95,15 @@ def test_env_turns_the_compiled_layers_off(gguf_models, monkeypatch):
     monkeypatch.setenv("STRATA_COMPILED_DECODE", "yes")
     with pytest.raises(ValueError, match="STRATA_COMPILED_DECODE='yes': expected 0 or 1"):
         hybrid.LLM(path, device="cpu")
+
+
+def test_warm_up_compiles_the_decode_layers_and_leaves_no_trace(gguf_models):
+    import gc
+
+    path, _ = gguf_models("small", "Q8_0")
+    llm = hybrid.LLM(path, device="cpu")
+    free = llm.model.kv_pool.blocks_free
+    assert llm.warm_up() > 0
+    assert len(llm.model.backend._plans) == llm.config.num_layers
+    gc.collect()
+    assert llm.model.kv_pool.blocks_free == free  # the scratch sequence gave its blocks back
