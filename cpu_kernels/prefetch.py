@@ -1,9 +1,10 @@
 """The decode dot loops' software prefetch distance, chosen for this host at start-up.
 
-While a dot loop reads rows r .. r + 3 of a weight it prefetches rows r + n .. r + n + 3, n =
-simd.PREFETCH_ROWS. The best n is the host's: on one core of the Intel Xeon VM, 4 rows read Q4_K and Q6_K
-from DRAM ~10 % faster than 8, while on the H200 host 24 rows read Q6_K 35 % faster than 8
-(bench/results/vs_llamacpp_h200.md). `calibrate` times one thread's decode dot over the model's own
+A dot loop reads four rows of a weight at once, each from its own stream a quarter of the work item
+apart, and prefetches the row n on in each stream, n = simd.PREFETCH_ROWS. The best n is the host's: on
+one core of the Intel Xeon VM 1-2 rows (Q4_K, Q6_K from DRAM), while the H200 host wanted a longer
+look-ahead when the four rows were neighbours (24 rows, six times four, for Q6_K;
+bench/results/vs_llamacpp_h200.md). `calibrate` times one thread's decode dot over the model's own
 expert weights at each candidate and keeps the fastest; STRATA_PREFETCH_ROWS fixes n instead.
 
 Shape legend: E experts, R rows, B bytes per row, C columns.
@@ -21,7 +22,7 @@ from .tiles import kernels_of
 
 log = logging.getLogger(__name__)
 
-CANDIDATES = (4, 8, 16, 24, 32)  # rows ahead
+CANDIDATES = (1, 2, 4, 8)  # rows ahead in each stream
 ROUNDS = 2  # passes over the candidates, alternating; each candidate's best pass counts
 SAMPLE_BYTES = 512 << 20  # weights read per candidate and pass, at most (past any last-level cache we know)
 MIN_SAMPLE_BYTES = 64 << 20  # with fewer expert bytes than this the weights sit in cache: keep the default

@@ -166,33 +166,30 @@ _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot(w, r0, r1, x, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C]."""
-    r = r0
-    while r + simd.ROWS_IN_FLIGHT <= r1:
-        _dot_rows(w, r, x, x, out)
-        r += simd.ROWS_IN_FLIGHT
-    for rr in range(r, r1):
+    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    for i in range(groups):
+        _dot_rows(w, r0 + i, groups, x, x, out)
+    for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row(w, rr, x, x, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot_i16(w, r0, r1, xq, aux, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] and (scale, sum) pairs aux [C/16]."""
-    r = r0
-    while r + simd.ROWS_IN_FLIGHT <= r1:
-        _dot_rows_i16(w, r, xq, aux, out)
-        r += simd.ROWS_IN_FLIGHT
-    for rr in range(r, r1):
+    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    for i in range(groups):
+        _dot_rows_i16(w, r0 + i, groups, xq, aux, out)
+    for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row_i16(w, rr, xq, aux, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot_i8(w, r0, r1, xq, aux, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int8 xq [C] and (scale, sum) pairs aux [C/16]."""
-    r = r0
-    while r + simd.ROWS_IN_FLIGHT <= r1:
-        _dot_rows_i8(w, r, xq, aux, out)
-        r += simd.ROWS_IN_FLIGHT
-    for rr in range(r, r1):
+    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    for i in range(groups):
+        _dot_rows_i8(w, r0 + i, groups, xq, aux, out)
+    for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row_i8(w, rr, xq, aux, out)
 
 

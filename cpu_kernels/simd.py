@@ -130,14 +130,14 @@ def contiguous(*arys):
     return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arys)
 
 
-ROWS_IN_FLIGHT = 4  # rows one dot loop reads side by side: each is a sequential stream the L2 prefetcher follows
-# While a dot loop reads rows r .. r + 3 it prefetches the same bytes of rows r + n .. r + n + 3, n =
-# PREFETCH_ROWS. Measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5, n = 8):
-# Q8_0 7.7 -> 28 GB/s, Q6_K 6.2 -> 27 GB/s (now their L2 rate), Q4_K 20 -> 22 (compute-bound either way).
-# The best n differs by host (Intel Xeon VM: 4; the H200 host: 24 or more for Q6_K), so it is a process-wide
-# value the compiled loops load at run time, through an external symbol that cached code resolves again in
-# every process; cpu_kernels.prefetch.calibrate sets it per host, STRATA_PREFETCH_ROWS fixes it.
-PREFETCH_ROWS = ctypes.c_int64(8)
+ROWS_IN_FLIGHT = 4  # rows one dot loop reads side by side, a work item's quarter apart: four sequential streams
+# While a dot loop reads its rows it prefetches the same bytes of the row n on in each stream, n =
+# PREFETCH_ROWS. Before the streams were a quarter item apart (neighbouring rows, prefetched n rows on),
+# measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5, n = 8): Q8_0 7.7 -> 28 GB/s,
+# Q6_K 6.2 -> 27 GB/s, Q4_K 20 -> 22. The best n differs by host, so it is a process-wide value the compiled
+# loops load at run time, through an external symbol that cached code resolves again in every process;
+# cpu_kernels.prefetch.calibrate sets it per host, STRATA_PREFETCH_ROWS fixes it.
+PREFETCH_ROWS = ctypes.c_int64(2)
 llvm.add_symbol("strata_prefetch_rows", ctypes.addressof(PREFETCH_ROWS))
 CACHE_LINE = 64
 
@@ -178,8 +178,9 @@ def prefetch(builder, ptr):
 
 
 def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
-    """An intrinsic f(w uint8 [R, B], r, x f32 [C], aux f32 [A], out f32 [R]) -> None writing
-    out[r:r + num_rows] = W[r:r + num_rows] @ x. The caller keeps r + num_rows <= R.
+    """An intrinsic writing out[r_k] = W[r_k] @ x for num_rows rows r_k: for one row f(w uint8 [R, B], r,
+    x f32 [C], aux f32 [A], out f32 [R]) reads row r; for more f(w, r, stride, x, aux, out) reads rows
+    r + k * stride, k < num_rows. The caller keeps every r_k < R.
 
     block_fn(builder, q, o, b, xs, aux, acc) -> acc adds block b (at byte o of row pointer q) to
     the row's vector accumulator; xs and aux are float pointers (aux: per-format side data, such
@@ -188,35 +189,50 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
     Reading num_rows rows per loop keeps that many memory streams going at once: one row at a time, a dot
     loop consumes its stream too slowly for the prefetchers and reaches less than half the DRAM bandwidth
     (Q8_0, one core of an earlier host: 5.5 GB/s one row at a time, 12 GB/s four rows at a time, 15 GB/s from
-    L2). Where the hardware prefetchers still fall behind (Zen 5: Q8_0 at a quarter of its L2 rate), the loop
-    also prefetches the rows PREFETCH_ROWS on, clamped to W's last row so it never reads another tensor.
+    L2). The rows lie `stride` apart, so each stream runs on through the next rows of its own part of the
+    work item: four neighbouring rows (576 bytes each in Q4_K at C = 1024) were one short window the
+    prefetchers kept losing (one core of the Xeon VM, 128-row items from DRAM: Q4_K 12.1 -> 13.9 GB/s, Q6_K
+    12.1 -> 15.2; bench/results/cpu_kernels.md). Where the hardware prefetchers still fall behind, the loop
+    also prefetches the rows PREFETCH_ROWS on in each stream, clamped to W's last row so it never reads
+    another tensor.
     """
     from numba.core import cgutils
 
-    def impl(typingctx, w, r, x, aux, out):
+    def typed(w, r, extra, x, aux, out):
         if not (isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C" and contiguous(x, aux, out)):
             return None
-        sig = types.void(w, r, x, aux, out)
+        return types.void(w, r, *extra, x, aux, out), codegen
 
+    strided = num_rows > 1
+    if strided:
+        def impl(typingctx, w, r, stride, x, aux, out):
+            return typed(w, r, (stride,), x, aux, out)
+    else:
+        def impl(typingctx, w, r, x, aux, out):
+            return typed(w, r, (), x, aux, out)
+
+    if True:  # the code both signatures share
         def codegen(context, builder, signature, args):
-            w_ty, _, x_ty, aux_ty, out_ty = signature.args
+            w_ty, x_ty, aux_ty, out_ty = signature.args[0], *signature.args[-3:]
             wa = context.make_array(w_ty)(context, builder, value=args[0])
             row_bytes = cgutils.unpack_tuple(builder, wa.shape)[1]
             first = context.cast(builder, args[1], signature.args[1], types.int64)
-            xs = data_ptr(context, builder, x_ty, args[2])
-            aux_ptr = data_ptr(context, builder, aux_ty, args[3])
-            outp = data_ptr(context, builder, out_ty, args[4])
-            rows = [builder.gep(wa.data, [builder.mul(builder.add(first, ir.Constant(I64, k)), row_bytes)])
-                    for k in range(num_rows)]
+            step_rows = context.cast(builder, args[2], signature.args[2], types.int64) if strided \
+                else ir.Constant(I64, 1)
+            xs = data_ptr(context, builder, x_ty, args[-3])
+            aux_ptr = data_ptr(context, builder, aux_ty, args[-2])
+            outp = data_ptr(context, builder, out_ty, args[-1])
+            row_ids = [builder.add(first, builder.mul(step_rows, ir.Constant(I64, k))) for k in range(num_rows)]
+            rows = [builder.gep(wa.data, [builder.mul(row, row_bytes)]) for row in row_ids]
             num_blocks = builder.udiv(row_bytes, ir.Constant(I64, block_bytes))
             acc_ty = block_fn.acc_type
 
             num_w_rows = cgutils.unpack_tuple(builder, wa.shape)[0]
             last_row = builder.sub(num_w_rows, ir.Constant(I64, 1))
             later = []  # the rows PREFETCH_ROWS on, clamped to W's last row (never another tensor's)
-            ahead = builder.add(first, load_prefetch_rows(builder))
+            ahead = load_prefetch_rows(builder)
             for k in range(num_rows):
-                row = builder.add(ahead, ir.Constant(I64, k))
+                row = builder.add(row_ids[k], ahead)
                 row = builder.select(builder.icmp_signed(">", row, last_row), last_row, row)
                 later.append(builder.gep(wa.data, [builder.mul(row, row_bytes)]))
 
@@ -245,10 +261,8 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
                 accs = row_loop(builder, builder.sub(num_blocks, done), tail, accs)
             for k, acc in enumerate(accs):
                 total = block_fn.finish(builder, acc) if hasattr(block_fn, "finish") else hsum(builder, acc)
-                builder.store(total, builder.gep(outp, [builder.add(first, ir.Constant(I64, k))]))
+                builder.store(total, builder.gep(outp, [row_ids[k]]))
             return context.get_dummy_value()
-
-        return sig, codegen
 
     impl.__name__ = f"{block_fn.__name__}_rows{num_rows}"
     return intrinsic(impl)
