@@ -1,9 +1,9 @@
 """The decode dot loops' software prefetch distance, chosen for this host at start-up.
 
-A dot loop reads four rows of a weight at once, each from its own stream a quarter of the work item
-apart, and prefetches the row n on in each stream, n = simd.PREFETCH_ROWS. The best n is the host's: on
-one core of the Intel Xeon VM 1-2 rows (Q4_K, Q6_K from DRAM), while the H200 host wanted a longer
-look-ahead when the four rows were neighbours (24 rows, six times four, for Q6_K;
+A dot loop reads four rows of a weight at once (four streams a quarter work item apart in long items,
+neighbouring rows in short ones: simd.row_streams) and prefetches n loop steps on, n = simd.PREFETCH_ROWS.
+The best n is the host's: on one core of the Intel Xeon VM 1 (Q4_K, Q6_K from DRAM), while the H200 host
+wanted a longer look-ahead when the rows were always neighbours (24 rows, 6 steps, for Q6_K;
 bench/results/vs_llamacpp_h200.md). `calibrate` times one thread's decode dot over the model's own
 expert weights at each candidate and keeps the fastest; STRATA_PREFETCH_ROWS fixes n instead.
 

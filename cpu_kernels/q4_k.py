@@ -53,9 +53,9 @@ _dot_row_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, 1)
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot(w, r0, r1, x, xsum, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C]; xsum [C/32] the sums of x over each 32-weight sub-block."""
-    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    groups, step, stride = simd.row_streams(r0, r1)
     for i in range(groups):
-        _dot_rows(w, r0 + i, groups, x, xsum, out)
+        _dot_rows(w, r0 + i * step, stride, x, xsum, out)
     for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row(w, rr, x, xsum, out)
 
@@ -71,9 +71,9 @@ def _unpack_row(row, dst):
 def _rows_dot_i16(w, r0, r1, xq, aux, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] (super-blocks in act_quant.SPLIT_ORDER)
     and (scale, sum) pairs aux [C/16]."""
-    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    groups, step, stride = simd.row_streams(r0, r1)
     for i in range(groups):
-        _dot_rows_i16(w, r0 + i, groups, xq, aux, out)
+        _dot_rows_i16(w, r0 + i * step, stride, xq, aux, out)
     for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row_i16(w, rr, xq, aux, out)
 
@@ -82,9 +82,9 @@ def _rows_dot_i16(w, r0, r1, xq, aux, out):
 def _rows_dot_i8(w, r0, r1, xq, aux, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int8 xq [C] (sub-blocks in NIBBLE_ORDER) and (scale, sum)
     pairs aux [C/16]."""
-    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    groups, step, stride = simd.row_streams(r0, r1)
     for i in range(groups):
-        _dot_rows_i8(w, r0 + i, groups, xq, aux, out)
+        _dot_rows_i8(w, r0 + i * step, stride, xq, aux, out)
     for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row_i8(w, rr, xq, aux, out)
 

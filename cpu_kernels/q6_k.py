@@ -166,9 +166,9 @@ _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot(w, r0, r1, x, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C]."""
-    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    groups, step, stride = simd.row_streams(r0, r1)
     for i in range(groups):
-        _dot_rows(w, r0 + i, groups, x, x, out)
+        _dot_rows(w, r0 + i * step, stride, x, x, out)
     for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row(w, rr, x, x, out)
 
@@ -176,9 +176,9 @@ def _rows_dot(w, r0, r1, x, out):
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot_i16(w, r0, r1, xq, aux, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] and (scale, sum) pairs aux [C/16]."""
-    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    groups, step, stride = simd.row_streams(r0, r1)
     for i in range(groups):
-        _dot_rows_i16(w, r0 + i, groups, xq, aux, out)
+        _dot_rows_i16(w, r0 + i * step, stride, xq, aux, out)
     for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row_i16(w, rr, xq, aux, out)
 
@@ -186,9 +186,9 @@ def _rows_dot_i16(w, r0, r1, xq, aux, out):
 @njit(nogil=True, fastmath=True, cache=True)
 def _rows_dot_i8(w, r0, r1, xq, aux, out):
     """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int8 xq [C] and (scale, sum) pairs aux [C/16]."""
-    groups = (r1 - r0) // simd.ROWS_IN_FLIGHT  # row r0 + i + k * groups: ROWS_IN_FLIGHT streams
+    groups, step, stride = simd.row_streams(r0, r1)
     for i in range(groups):
-        _dot_rows_i8(w, r0 + i, groups, xq, aux, out)
+        _dot_rows_i8(w, r0 + i * step, stride, xq, aux, out)
     for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
         _dot_row_i8(w, rr, xq, aux, out)
 

@@ -15,7 +15,7 @@ import ctypes
 
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core.extending import intrinsic
 
 from .target import has_f16c, vnni_width
@@ -130,16 +130,30 @@ def contiguous(*arys):
     return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arys)
 
 
-ROWS_IN_FLIGHT = 4  # rows one dot loop reads side by side, a work item's quarter apart: four sequential streams
-# While a dot loop reads its rows it prefetches the same bytes of the row n on in each stream, n =
-# PREFETCH_ROWS. Before the streams were a quarter item apart (neighbouring rows, prefetched n rows on),
-# measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5, n = 8): Q8_0 7.7 -> 28 GB/s,
+ROWS_IN_FLIGHT = 4  # rows one dot loop reads side by side (row_streams says which)
+STREAM_MIN_ROWS = 16  # a work item's rows are read as ROWS_IN_FLIGHT streams when each gets at least this many
+# While a dot loop reads its rows it prefetches the same bytes n loop steps on, n = PREFETCH_ROWS: the row n on
+# in each stream, or for neighbouring rows the rows 4n on. Before the streams (neighbouring rows always),
+# measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5, 8 rows on): Q8_0 7.7 -> 28 GB/s,
 # Q6_K 6.2 -> 27 GB/s, Q4_K 20 -> 22. The best n differs by host, so it is a process-wide value the compiled
 # loops load at run time, through an external symbol that cached code resolves again in every process;
 # cpu_kernels.prefetch.calibrate sets it per host, STRATA_PREFETCH_ROWS fixes it.
 PREFETCH_ROWS = ctypes.c_int64(2)
 llvm.add_symbol("strata_prefetch_rows", ctypes.addressof(PREFETCH_ROWS))
 CACHE_LINE = 64
+
+
+@njit(inline="always", nogil=True, cache=True)
+def row_streams(r0, r1):
+    """(loop steps, row step, stride) of a dot loop over rows r0:r1 reading ROWS_IN_FLIGHT rows a step: step i
+    reads rows r0 + i * row step + k * stride. Long items run as streams a quarter item apart, which the
+    prefetchers follow (one VM core, Q4_K from DRAM in 128-row items: 12.1 -> 13.9 GB/s); short ones as
+    neighbouring rows, where a quarter of 16-32 rows is too short a stream (16-row items: 12.4 against 9.1 GB/s;
+    bench/results/cpu_kernels.md). The rows past the last step's are left to the caller."""
+    groups = (r1 - r0) // ROWS_IN_FLIGHT
+    if groups >= STREAM_MIN_ROWS:
+        return groups, 1, groups
+    return groups, ROWS_IN_FLIGHT, 1
 
 
 def load_prefetch_rows(builder):
@@ -189,12 +203,11 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
     Reading num_rows rows per loop keeps that many memory streams going at once: one row at a time, a dot
     loop consumes its stream too slowly for the prefetchers and reaches less than half the DRAM bandwidth
     (Q8_0, one core of an earlier host: 5.5 GB/s one row at a time, 12 GB/s four rows at a time, 15 GB/s from
-    L2). The rows lie `stride` apart, so each stream runs on through the next rows of its own part of the
-    work item: four neighbouring rows (576 bytes each in Q4_K at C = 1024) were one short window the
-    prefetchers kept losing (one core of the Xeon VM, 128-row items from DRAM: Q4_K 12.1 -> 13.9 GB/s, Q6_K
-    12.1 -> 15.2; bench/results/cpu_kernels.md). Where the hardware prefetchers still fall behind, the loop
-    also prefetches the rows PREFETCH_ROWS on in each stream, clamped to W's last row so it never reads
-    another tensor.
+    L2). The rows lie `stride` apart (row_streams): in a long work item each stream runs on through the
+    next rows of its own quarter, where four neighbouring rows (576 bytes each in Q4_K at C = 1024) were one
+    short window the prefetchers kept losing. Where the hardware prefetchers still fall behind, the loop
+    also prefetches PREFETCH_ROWS loop steps on (the row that many on in each stream; for neighbouring
+    rows, stride 1, four times as many rows), clamped to W's last row so it never reads another tensor.
     """
     from numba.core import cgutils
 
@@ -230,7 +243,10 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
             num_w_rows = cgutils.unpack_tuple(builder, wa.shape)[0]
             last_row = builder.sub(num_w_rows, ir.Constant(I64, 1))
             later = []  # the rows PREFETCH_ROWS on, clamped to W's last row (never another tensor's)
-            ahead = load_prefetch_rows(builder)
+            ahead = load_prefetch_rows(builder)  # loop steps: rows in each stream, 4 rows each for neighbours
+            if strided:
+                neighbours = builder.icmp_signed("==", step_rows, ir.Constant(I64, 1))
+                ahead = builder.select(neighbours, builder.mul(ahead, ir.Constant(I64, num_rows)), ahead)
             for k in range(num_rows):
                 row = builder.add(row_ids[k], ahead)
                 row = builder.select(builder.icmp_signed(">", row, last_row), last_row, row)
