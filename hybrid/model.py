@@ -102,8 +102,8 @@ class Model:
 
     def _compiled_decode(self, batch):
         """Whether this step's layers run as one compiled call each (hybrid/backends/cpu_decode.py): a
-        backend that has them, a batch of one-token chunks, float32 KV, no expert split, and the layer
-        recipe those calls implement; the batch's sequences in one float32 KV pool."""
+        backend that has them, no expert split, the layer recipe those calls implement, and a batch of
+        one-token chunks whose sequences share one float32 KV pool."""
         pools = {id(c.kv.pool) for c in batch.chunks}
         return (self.compiled_decode and hasattr(self.backend, "decode_layer") and self.split is None
                 and len(pools) == 1 and batch.chunks[0].kv.pool.dtype == "f32"

@@ -180,9 +180,7 @@ class CpuBackend:
             self._plans = {}
         plan = self._plans.get(layer.index)
         if plan is None or not plan.current(layer):
-            plan = self._plans[layer.index] = LayerPlan(self, layer)
-        if self.act_quant is None:
-            self._kernels_of(layer.attn_q)
+            plan = self._plans[layer.index] = LayerPlan(self, layer)  # (its weights' kernels set act_quant)
         return plan.fn(x, step.positions, step.tables, step.starts, step.pool.k, step.pool.v, layer.index, _one_thread(),
                        self.act_quant, *plan.args)
 
