@@ -12,10 +12,18 @@ import types
 from numba import njit
 
 
+def renamed_copy(fn, suffix, **new_globals):
+    """A copy of the Python function fn named fn_suffix, its globals overridden by new_globals. Numba keys
+    its cache files by qualified name, so a copy compiles and caches apart from fn and from other copies."""
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **new_globals} if new_globals else fn.__globals__,
+                              f"{fn.__name__}_{suffix}", fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = f"{fn.__qualname__}_{suffix}"
+    return copy
+
+
 def serial_twin(kernel):
     """The kernel's Python function compiled without `parallel` (prange runs as range), cached apart."""
     fn = kernel.py_func
-    twin = types.FunctionType(fn.__code__, fn.__globals__, f"{fn.__name__}_serial", fn.__defaults__, fn.__closure__)
-    twin.__qualname__ = f"{fn.__qualname__}_serial"  # its own cache file beside the parallel one's
+    twin = renamed_copy(fn, "serial")
     twin.__doc__ = f"Serial twin of {fn.__qualname__}: {fn.__doc__}"
     return njit(fastmath=True, nogil=True, cache=True)(twin)

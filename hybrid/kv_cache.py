@@ -152,10 +152,14 @@ class SequenceKV:
         positions = np.arange(start, start + n)
         return self.table[positions // self.block_tokens], positions % self.block_tokens
 
+    def check_room(self, start, n):
+        """ValueError unless positions [start, start + n) are reserved (the compiled writers do not check bounds)."""
+        if start + n > self.capacity:
+            raise ValueError(f"KV write of positions {start}..{start + n - 1} past the {self.capacity} reserved")
+
     def write(self, layer, start, k, v):
         """k, v: float32 [n, Hkv, D] for positions [start, start + n)."""
-        if start + len(k) > self.capacity:  # the compiled writer does not check bounds
-            raise ValueError(f"KV write of positions {start}..{start + len(k) - 1} past the {self.capacity} reserved")
+        self.check_room(start, len(k))
         for name, x in (("k", k), ("v", v)):
             data, scale = kv_store.encode(x, self.dtype)
             pool = getattr(self.pool, name)  # [L, NB, BT, Hkv, D]

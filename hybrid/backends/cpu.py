@@ -181,7 +181,7 @@ class CpuBackend:
         plan = self._plans.get(layer.index)
         if plan is None or not plan.current(layer):
             plan = self._plans[layer.index] = LayerPlan(self, layer)  # (its weights' kernels set act_quant)
-        return plan.fn(x, step.positions, step.tables, step.starts, step.pool.k, step.pool.v, layer.index, _one_thread(),
+        return plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, _one_thread(),
                        self.act_quant, *plan.args)
 
     def embed(self, weight, token_ids):

@@ -9,7 +9,7 @@ released for the whole layer.
 
 The function is made per combination of weight formats. A template's globals name the
 kernels (Q_PAR, Q_SER, ...), and each combination gets a copy of the template with its own
-globals and its own name, so Numba caches each apart (as cpu_kernels.twins does).
+globals and its own name, so Numba caches each apart (cpu_kernels.twins.renamed_copy).
 
 It covers batches of one-token chunks (decode), float32 KV and families whose attention is
 GQA with NeoX RoPE and optional q/k norms, and softmax top-k routing. Anything else takes the
@@ -19,12 +19,11 @@ Shape legend: T tokens (one a sequence), H hidden, Hq / Hkv query / kv heads, D 
 E experts, K top-k, N pairs, F expert width, L layers, NB pool blocks, BT positions a block,
 nb blocks of a sequence.
 """
-import types as pytypes
-
 import numpy as np
 from numba import njit
 
 from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing
+from cpu_kernels.twins import renamed_copy
 
 # The op-by-op path's thresholds (hybrid/backends/cpu.py), the same choices here.
 from .cpu import (SERIAL_MAX_ATTENTION, SERIAL_MAX_ELEMENTS, SERIAL_MAX_WEIGHT_BYTES, TINY_MAX_ATTENTION,
@@ -39,9 +38,7 @@ def instance(template, suffix, **kernels):
     key = (template.__name__, suffix)
     found = _INSTANCES.get(key)
     if found is None:
-        fn = pytypes.FunctionType(template.__code__, {**template.__globals__, **kernels}, f"{template.__name__}_{suffix}")
-        fn.__qualname__ = f"{template.__qualname__}_{suffix}"
-        found = _INSTANCES[key] = njit(nogil=True, cache=True)(fn)
+        found = _INSTANCES[key] = njit(nogil=True, cache=True)(renamed_copy(template, suffix, **kernels))
     return found
 
 
@@ -81,11 +78,11 @@ def _rope(x, positions, theta, one_thread):
         rope.rope_neox(x, positions, theta, x)
 
 
-def layer_template(x, positions, tables, starts, k_pool, v_pool, layer_index, one_thread, act_quant,
+def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant,
                    attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim,
                    q_raws, k_raws, v_raws, o_raws, r_raws, gu_raws, d_raws, top_k, normalize, serial_linears):
     """x [T, H] += attention block, then += MoE block, for T one-token chunks: token t at position
-    positions[t] = starts[t] of the sequence whose blocks are tables[t] (int32 [T, nb]); its K/V go to
+    positions[t] of the sequence whose blocks are tables[t] (int32 [T, nb]); its K/V go to
     k_pool / v_pool [L, NB, BT, Hkv, D] at layer_index. serial_linears: bool [5], whether the q, k, v, o
     and router weights are small enough for their serial kernels on one thread. Returns the routing ids
     int64 [T, K]. Sizes are arguments, never globals: an instance serves every model of its formats."""
@@ -126,7 +123,7 @@ def layer_template(x, positions, tables, starts, k_pool, v_pool, layer_index, on
     att = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)  # [T, Hq, D]
     layer_k, layer_v = k_pool[layer_index], v_pool[layer_index]  # [NB, BT, Hkv, D]
     for t in range(num_tokens):
-        start = starts[t]
+        start = positions[t]  # one token a chunk: its position is where the chunk starts
         attention.write_rows(k_pool, layer_index, tables[t], start, k3[t:t + 1])
         attention.write_rows(v_pool, layer_index, tables[t], start, v3[t:t + 1])
         work = (start + 1) * num_heads * head_dim
@@ -244,18 +241,16 @@ def _weights(layer):
 
 
 class DecodeStep:
-    """A decode batch's per-step arrays: positions int64 [T], starts int64 [T], block tables int32 [T, nb], and
-    the KV pool its sequences share."""
+    """A decode batch's per-step arrays: positions int64 [T] (one token a sequence: where each starts), block
+    tables int32 [T, nb], and the KV pool its sequences share."""
 
     def __init__(self, batch):
         self.pool = batch.chunks[0].kv.pool
         if any(c.kv.pool is not self.pool for c in batch.chunks):
             raise ValueError("a compiled decode step needs the batch's sequences in one KV pool")
         self.positions = batch.positions
-        self.starts = np.array([c.start for c in batch.chunks], dtype=np.int64)
         width = max(len(c.kv.table) for c in batch.chunks)
         self.tables = np.zeros((len(batch.chunks), width), dtype=np.int32)
         for t, chunk in enumerate(batch.chunks):
-            if chunk.start + 1 > chunk.kv.capacity:  # the compiled writer does not check bounds
-                raise ValueError(f"KV write of position {chunk.start} past the {chunk.kv.capacity} reserved")
+            chunk.kv.check_room(chunk.start, 1)  # the compiled writer does not check bounds
             self.tables[t, :len(chunk.kv.table)] = chunk.kv.table

@@ -67,7 +67,7 @@ def test_decode_step_refuses_a_position_past_the_reserved_kv(gguf_models):
     model = hybrid.LLM(path, device="cpu").model
     kv = model.new_sequence(64)
     kv.reserve(16)
-    with pytest.raises(ValueError, match=f"position {kv.capacity} past the {kv.capacity} reserved"):
+    with pytest.raises(ValueError, match=f"positions {kv.capacity}..{kv.capacity} past the {kv.capacity} reserved"):
         DecodeStep(Batch([SeqChunk(kv, kv.capacity, np.array([3], np.int64))]))
 
 
