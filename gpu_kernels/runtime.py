@@ -93,6 +93,18 @@ class CupyRuntime:
     def event(self, timing=False):
         return self.cp.cuda.Event(disable_timing=not timing)
 
+    def capture(self, stream, queue):
+        """A graph of the work `queue()` puts on `stream` (captured, not run); graph.launch(stream) replays it
+        with one call. Raises RuntimeError where capture fails (the work must not allocate or wait)."""
+        stream.begin_capture()
+        try:
+            queue()
+        finally:
+            graph = stream.end_capture()  # ends the capture even when queue() failed; raises if it was invalidated
+        if graph is None:
+            raise RuntimeError("stream capture gave no graph")
+        return graph
+
     def elapsed(self, start, stop):
         """Seconds between two recorded timing events (waits for `stop`)."""
         stop.synchronize()

@@ -74,6 +74,7 @@ class ExpertSplit:
         self.host_thread = True
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
         self._deferred = []  # (layer, queued routing copy) to record at finish_step
+        self._deferred_host = []  # (layer, routing ids [1, K] on the host) of decode layers, to record at finish_step
         if sys.getswitchinterval() > GIL_SWITCH_S:
             sys.setswitchinterval(GIL_SWITCH_S)
 
@@ -154,21 +155,23 @@ class ExpertSplit:
 
     def begin_step(self):
         """Before a forward step's layers: drop routing copies a failed step left unrecorded."""
-        self._deferred = []
+        self._deferred, self._deferred_host = [], []
 
     def finish_step(self, device, usage):
-        """After a forward step's layers: record the routings of the fully resident layers, whose
-        copies were queued without a wait."""
+        """After a forward step's layers: record the decode routings, those of fully resident layers
+        (queued copies, never waited for) and those the host part read."""
         for layer_index, handle in self._deferred:
             usage.record(layer_index, device.wait_rows(handle))
-        self._deferred = []
+        for layer_index, ids in self._deferred_host:
+            usage.record(layer_index, ids)
+        self._deferred, self._deferred_host = [], []
 
     def _run_host_decode(self, device, layer, routing, usage):
         """(out [1, H] or None, seconds): the token's non-resident pairs, in the worker thread."""
         ids_host, weights_host, x = device.wait_routing(routing)  # [1, K], [1, K], [1, H]
-        if usage is not None:
-            usage.record(layer.index, ids_host)
         experts = ids_host[0].astype(np.int64)  # [K]
+        if usage is not None:  # recorded at finish_step, off this layer's path
+            self._deferred_host.append((layer.index, experts[None]))
         slots = np.flatnonzero(~self.resident[layer.index][experts])  # pair slots j the host runs
         if len(slots) == 0:
             return None, 0.0

@@ -13,6 +13,7 @@ Hq / Hkv query / kv heads, L layers, E experts, K top-k, N pairs, F expert width
 """
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from .cpu import paged_attention as host_paged_attention
 log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE_MIB = 512
+_UNCAPTURED = object()  # a layer whose decode graph was not tried yet
 KV_HOST_ATTENTION = ("gpu", "cpu")  # who attends the RAM part of a --kv-resident sequence (the first: the default,
 # 2.3-3.9x the decode speed and 12-41x the prompt speed of "cpu" on the H200 host: bench/results/kv_resident.md)
 PCIE_PROBE_BYTES = 64 << 20  # the pinned host -> device copy timed at start-up
@@ -69,11 +71,12 @@ class _Staging:
         self.buffers[name] = (self.buffers[name][0], event)
         return event
 
-    def upload(self, name, host, stream):
-        """A device copy of the host array `host`, queued on `stream` through buffer `name`."""
+    def upload(self, name, host, stream, dev=None):
+        """A device copy of the host array `host`, queued on `stream` through buffer `name` (into `dev`, a
+        device array of its shape, where given)."""
         view = self.view(name, host.shape, host.dtype)
         np.copyto(view, host)
-        dev = self.rt.empty(host.shape, host.dtype)
+        dev = self.rt.empty(host.shape, host.dtype) if dev is None else dev
         self.rt.copy_from_host_async(dev, view, stream)
         self.queued(name, stream)
         return dev
@@ -243,6 +246,9 @@ class GpuBackend:
         self._positions = (None, None)  # (host positions, device copy) of the last batch
         self._inv_freq = {}  # (theta, D) -> RoPE frequencies f32 [D/2] on the device
         self._decode = None  # scratch of submit_decode_experts, made at its first call
+        self._staged = None  # (x, ids, weights) last copied into the decode scratch's input buffer
+        self.decode_graphs = _graphs_from_env()  # replay each layer's one-token expert launches as a graph
+        self._graphs = {}  # layer index -> captured graph of its one-token expert launches (None: capture failed)
 
     # -- placement -------------------------------------------------------------------------
 
@@ -269,6 +275,7 @@ class GpuBackend:
         self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, num_blocks=kv_blocks,
                               max_blocks=kv_blocks, allocate=self.rt.empty, where="VRAM")
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
+        self._expert_width = max(layer.gate_exps.shape[1] for layer in model.layers)
         self.borrow_bytes_per_second = self._measure_upload()
         log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s", self.name, self.rt.device_name,
                  self.rt.name, self.rt.warp_size, self.budget.describe(), self.borrow_bytes_per_second / 1e9)
@@ -477,7 +484,15 @@ class GpuBackend:
 
     def queue_routing(self, ids, weights, x):
         """Queue host copies of one step's routing ids [T, K], weights [T, K] and rows x [T, H];
-        wait_routing(handle) returns them (any thread may wait: the wait releases the GIL)."""
+        wait_routing(handle) returns them (any thread may wait: the wait releases the GIL). A one-token
+        step's three go through the decode scratch's input buffer in one copy, where its expert launches
+        read them too."""
+        if x.shape[0] == 1:
+            k, hidden = ids.shape[1], x.shape[1]
+            packed = self._stage_decode(x, ids, weights)["in"]  # [2K + H]
+            view, done = self.staging.download("decode_in", packed, self.stream)
+            return view[:k].view(np.int32).reshape(1, k), view[k:2 * k].reshape(1, k), \
+                view[2 * k:].reshape(1, hidden), done
         ids_host, _ = self.staging.download("ids", ids, self.stream)
         weights_host, _ = self.staging.download("weights", weights, self.stream)
         rows, done = self.staging.download("rows_to_host", x, self.stream)
@@ -494,41 +509,77 @@ class GpuBackend:
 
     def submit_decode_experts(self, layer, x, ids, weights):
         """Queue one token's resident pairs (x [1, H], ids int32 [1, K], weights [1, K] on the device):
-        a kernel finds them from the routing and the cache's slot map, so nothing is read back and
-        the launches reuse fixed scratch. Returns a pending part for wait_experts."""
-        k, hidden, width = ids.shape[1], x.shape[1], layer.gate_exps.shape[1]
-        s = self._decode_scratch(k, hidden, width)
-        pending = _Pending(None)
+        a kernel finds them from the routing and the cache's slot map, so nothing is read back. The
+        launches read fixed scratch (the inputs are copied in), so each layer's are captured once as a
+        graph and replayed with one call. Returns a pending part for wait_experts."""
+        s = self._stage_decode(x, ids, weights)
+        self._staged = None  # a later step's arrays may reuse these objects' memory
+        pending = _Pending(s["out"][layer.index])  # [1, H], this layer's own: read by later kernels only
         if self.time_experts:
             pending.start = self.rt.event(timing=True)
             pending.start.record(self.stream)
-        kn = self.kernels
-        kn.decode_tiles(ids, self.cache.slot_map[layer.index], s["tiles"])
-        tile_args = (s["tiles"][0], s["tiles"][1], s["tiles"][2])
-        kn.gather_rows(x, s["order"], k, s["xs"])
-        slabs = self.cache.layers[layer.index]
-        kn.moe_matmul(slabs[0], layer.gate_exps.qtype, s["xs"], s["gate"], *tile_args, 1)
-        kn.moe_matmul(slabs[1], layer.up_exps.qtype, s["xs"], s["up"], *tile_args, 1)
-        kn.swiglu(s["gate"], s["up"], s["gate"])
-        kn.moe_matmul(slabs[2], layer.down_exps.qtype, s["gate"], s["down"], *tile_args, 1)
-        pending.out = self.rt.empty(x.shape, np.float32)  # [1, H]
-        kn.combine_rows(s["down"], s["tiles"][3], weights, k, pending.out)
+        graph = self._graphs.get(layer.index, _UNCAPTURED) if self.decode_graphs else None
+        if graph is _UNCAPTURED:
+            graph = self._graphs[layer.index] = self._capture(lambda: self._queue_decode_experts(layer, s))
+        if graph is None:
+            self._queue_decode_experts(layer, s)
+        else:
+            graph.launch(self.stream)
         if self.time_experts:
             pending.stop = self.rt.event(timing=True)
             pending.stop.record(self.stream)
         return pending
 
-    def _decode_scratch(self, k, hidden, width):
-        """Device arrays of one decode token's expert pairs, kept between calls: pair order [K]
-        (all rows of token 0), tiles int32 [4, K], xs / down [K, H], gate / up [K, F]. Zeroed once: the rows
-        of non-resident pairs are skipped by the matmuls and keep finite values for the SwiGLU."""
-        key = (k, hidden, width)
+    def _queue_decode_experts(self, layer, s):
+        k = s["ids"].shape[1]
+        kn, tiles = self.kernels, s["tiles"]
+        kn.decode_tiles(s["ids"], self.cache.slot_map[layer.index], tiles)
+        kn.gather_rows(s["x"], s["order"], k, s["xs"])
+        slabs = self.cache.layers[layer.index]
+        kn.moe_matmul(slabs[0], layer.gate_exps.qtype, s["xs"], s["gate"], tiles[0], tiles[1], tiles[2], 1)
+        kn.moe_matmul(slabs[1], layer.up_exps.qtype, s["xs"], s["up"], tiles[0], tiles[1], tiles[2], 1)
+        kn.swiglu(s["gate"], s["up"], s["gate"])
+        kn.moe_matmul(slabs[2], layer.down_exps.qtype, s["gate"], s["down"], tiles[0], tiles[1], tiles[2], 1)
+        kn.combine_rows(s["down"], tiles[3], s["weights"], k, s["out"][layer.index])
+
+    def _capture(self, queue):
+        """The graph of `queue`'s launches, or None (logged once) where this runtime cannot capture them."""
+        try:
+            return self.rt.capture(self.stream, queue)
+        except Exception as exc:  # CuPy raises its own runtime errors; ROCm builds may lack graphs
+            if self.decode_graphs:
+                log.warning("decode expert launches run one by one: graph capture failed (%s)", exc)
+            self.decode_graphs = False
+            return None
+
+    def _stage_decode(self, x, ids, weights):
+        """The decode scratch, with x [1, H], ids int32 [1, K] and weights [1, K] copied into its input buffer
+        (once per step: queue_routing and submit_decode_experts share the copy)."""
+        s = self._decode_scratch(ids.shape[1], x.shape[1])
+        if self._staged is None or any(a is not b for a, b in zip(self._staged, (x, ids, weights))):
+            for dst, src in ((s["ids"], ids), (s["weights"], weights), (s["x"], x)):
+                self.rt.copy_on_device_async(dst, src, self.stream)
+            self._staged = (x, ids, weights)
+        return s
+
+    def _decode_scratch(self, k, hidden):
+        """Device arrays of one decode token's expert pairs, kept between calls (fixed addresses, as the
+        graphs need): the input buffer `in` f32 [2K + H] holding ids int32 [1, K], weights [1, K] and the
+        row x [1, H]; pair order [K] (all rows of token 0), tiles int32 [4, K], xs / down [K, H],
+        gate / up [K, F]; out [L, 1, H], each layer's result; host [1, H], the host part's row. Zeroed once: the rows of non-resident pairs
+        are skipped by the matmuls and keep finite values for the SwiGLU."""
+        width, num_layers = self._expert_width, len(self.cache.layers)
+        key = (k, hidden, width, num_layers)
         if self._decode is None or self._decode[0] != key:
             e = self.rt.zeros
-            scratch = dict(order=self.rt.to_device(np.arange(k, dtype=np.int32)), tiles=e((4, k), np.int32),
+            packed = e((2 * k + hidden,), np.float32)
+            scratch = dict(**{"in": packed}, ids=packed[:k].view(np.int32).reshape(1, k),
+                           weights=packed[k:2 * k].reshape(1, k), x=packed[2 * k:].reshape(1, hidden),
+                           order=self.rt.to_device(np.arange(k, dtype=np.int32)), tiles=e((4, k), np.int32),
                            xs=e((k, hidden), np.float32), gate=e((k, width), np.float32),
-                           up=e((k, width), np.float32), down=e((k, hidden), np.float32))
-            self._decode = (key, scratch)
+                           up=e((k, width), np.float32), down=e((k, hidden), np.float32),
+                           out=e((num_layers, 1, hidden), np.float32), host=e((1, hidden), np.float32))
+            self._decode, self._graphs, self._staged = (key, scratch), {}, None
         return self._decode[1]
 
     def _pair_layout(self, parts, num_pair_slots, tile_tokens):
@@ -578,9 +629,20 @@ class GpuBackend:
         return self.rt.zeros(x.shape, x.dtype)
 
     def add_from_host(self, out, host_part):
-        """out [T, H] (device) += host_part [T, H] (host), queued through a pinned buffer."""
-        self.kernels.add_into(out, self.staging.upload("host_part", host_part, self.stream))
+        """out [T, H] (device) += host_part [T, H] (host), queued through a pinned buffer (one token's into
+        the decode scratch's fixed row: no allocation)."""
+        fixed = self._decode[1]["host"] if self._decode is not None else None
+        dev = fixed if fixed is not None and fixed.shape == host_part.shape else None
+        self.kernels.add_into(out, self.staging.upload("host_part", host_part, self.stream, dev))
         return out
+
+
+def _graphs_from_env():
+    """STRATA_DECODE_GRAPHS=0 turns the decode expert graphs off (each launch queued one by one)."""
+    value = os.environ.get("STRATA_DECODE_GRAPHS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"STRATA_DECODE_GRAPHS={value}: expected 0 or 1")
+    return value == "1"
 
 
 def _work_tiles(row_starts, slots, tile_tokens=TILE_TOKENS):

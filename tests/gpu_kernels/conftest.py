@@ -152,6 +152,7 @@ class NumpyRuntime:
     xp = np
     name = device_name = "numpy"
     warp_size = 32
+    captures = 0
 
     def memory_info(self):
         return 64 << 30, 64 << 30
@@ -191,6 +192,22 @@ class NumpyRuntime:
 
     def elapsed(self, start, stop):
         return 0.0
+
+    def capture(self, stream, queue):
+        self.captures += 1
+        return NumpyGraph(queue)
+
+
+class NumpyGraph:
+    """A captured graph's stand-in: launching it runs the captured work again, so the work must read its
+    inputs from the buffers it was captured with, as a real graph's does."""
+
+    def __init__(self, queue):
+        self.queue, self.launches = queue, 0
+
+    def launch(self, stream=None):
+        self.launches += 1
+        self.queue()
 
 
 class NumpyEvent:

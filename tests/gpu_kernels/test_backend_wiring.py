@@ -35,6 +35,36 @@ def test_gpu_backend_wiring_matches_cpu(gguf_models, numpy_runtime, reference_ke
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max(), err_msg=f"{fraction:.0%}")
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, reference_kernels, graphs):
+    """Each layer with resident experts captures its one-token expert launches once; every later decode
+    step replays them over that step's inputs (copied into the fixed scratch) and the logits stay the
+    CPU engine's, with graphs or without."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    resident = np.random.default_rng(2).random((c.num_layers, c.num_experts)) < 0.5
+    resident[0] = False  # a layer the device has nothing of: no graph
+    resident[1] = True  # a fully resident layer: no routing wait, still a graph
+
+    def decode(model, steps=4):
+        kv = model.new_sequence(64)
+        out = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:5]), "last")]))]
+        for t in TOKENS[5:5 + steps]:
+            out.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([t]))])))
+        return np.concatenate(out)
+
+    ref = decode(Model(weights, CpuBackend()))
+    backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=resident)
+    backend.kernels, backend.decode_graphs = reference_kernels, graphs
+    got = decode(Model(weights, backend, host=CpuBackend()))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+    if graphs:
+        assert numpy_runtime.captures == c.num_layers - 1 and 0 not in backend._graphs
+        assert all(g.launches == 4 for g in backend._graphs.values())
+    else:
+        assert numpy_runtime.captures == 0 and not backend._graphs
+
+
 POISON = 7  # a prompt holding this token id makes the device's expert launches fail
 
 
