@@ -17,8 +17,11 @@ import logging
 import os
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core.extending import intrinsic
 
+from .simd import F32, FAST, I32, data_ptr, hsum, lanes, load_at, splat, vec
 from .target import int_dot_width, vnni_width
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,85 @@ def _split_order():
 
 
 SPLIT_ORDER = _split_order()
+
+
+def _split_runs():
+    """[8, 2]: where, in a super-block of int16 x in SPLIT_ORDER, the 16 even (column 0) and the 16 odd
+    (column 1) values of each sub-block start; each run is contiguous."""
+    runs = np.empty((8, 2), dtype=np.int64)
+    for sub_block in range(8):
+        for parity in range(2):
+            start = int(np.flatnonzero(SPLIT_ORDER == QBLOCK * sub_block + parity)[0])
+            assert np.array_equal(SPLIT_ORDER[start:start + 16], QBLOCK * sub_block + parity + 2 * np.arange(16))
+            runs[sub_block, parity] = start
+    return runs
+
+
+SPLIT_RUNS = _split_runs()
+
+
+def _vector_call(builder, name, v):
+    """The float-vector LLVM intrinsic `name` (llvm.fabs, llvm.rint) applied to v."""
+    full = f"{name}.v{v.type.count}f32"
+    fn = builder.module.globals.get(full) or ir.Function(builder.module, ir.FunctionType(v.type, [v.type]), full)
+    return builder.call(fn, [v])
+
+
+def _block_vector(context, builder, sig, args):
+    """<32 x float> of block j of the contiguous f32 row args[0] (args[1] = j)."""
+    base = data_ptr(context, builder, sig.args[0], args[0])
+    return load_at(builder, base, builder.mul(args[1], ir.Constant(args[1].type, QBLOCK)), vec(F32, QBLOCK))
+
+
+@intrinsic
+def _block_stats(typingctx, row, j):
+    """(max |x|, sum of x) over block j of the contiguous f32 row: one <32 x float> load and two reduction trees
+    (the plain loop's 32-step reductions did not vectorize)."""
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32):
+        return None
+    sig = types.UniTuple(types.float32, 2)(row, j)
+
+    def codegen(context, builder, signature, args):
+        v = _block_vector(context, builder, signature, args)
+        m, width = _vector_call(builder, "llvm.fabs", v), QBLOCK
+        while width > 1:
+            width //= 2
+            a, b = lanes(builder, m, range(width)), lanes(builder, m, range(width, 2 * width))
+            m = builder.select(builder.fcmp_ordered(">", a, b), a, b)
+        amax = builder.extract_element(m, ir.Constant(I32, 0))
+        return context.make_tuple(builder, signature.return_type, [amax, hsum(builder, v)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _round_block(typingctx, row, j, scale, out, dst, parity_dst):
+    """Round block j of the contiguous f32 row times `scale` to out's integers (int16 / int8, half to even,
+    as np.rint). parity_dst < 0: the 32 values go to out[dst:dst + 32]; else the even-indexed 16 to out[dst:]
+    and the odd-indexed 16 to out[parity_dst:] (Q4_K's SPLIT_ORDER)."""
+    ok = (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
+          and isinstance(out, types.Array) and out.ndim == 1 and out.layout == "C"
+          and out.dtype in (types.int16, types.int8))
+    if not ok:
+        return None
+    sig = types.void(row, j, types.float32, out, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        v = builder.fmul(_block_vector(context, builder, signature, args), splat(builder, args[2], QBLOCK), flags=FAST)
+        elem = ir.IntType(out.dtype.bitwidth)
+        q = builder.fptosi(_vector_call(builder, "llvm.rint", v), vec(elem, QBLOCK))
+        base = data_ptr(context, builder, signature.args[3], args[3])
+        dst, parity_dst = args[4], args[5]
+        with builder.if_else(builder.icmp_signed("<", parity_dst, ir.Constant(parity_dst.type, 0))) as (whole, split):
+            with whole:
+                builder.store(q, builder.bitcast(builder.gep(base, [dst]), vec(elem, QBLOCK).as_pointer()), align=1)
+            with split:
+                for start, first in ((dst, 0), (parity_dst, 1)):
+                    half = lanes(builder, q, range(first, QBLOCK, 2))
+                    builder.store(half, builder.bitcast(builder.gep(base, [start]), half.type.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def default_act_quant():
@@ -112,19 +194,15 @@ def quantize_rows_split(x, items, act_quant):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _quantize_split(x, num_rows):
-    """quantize_rows_split of x's first num_rows rows, rounded straight into SPLIT_ORDER: each run of 16
-    positions takes every other value of one sub-block (a strided load, no index table; a 1 x 1024 call
-    takes 1.9 us where rounding in column order and then permuting took 2.6)."""
+    """quantize_rows_split of x's first num_rows rows, rounded straight into SPLIT_ORDER: each sub-block's
+    even and odd values are two contiguous runs there (SPLIT_RUNS), stored from one rounded vector."""
     xq, aux, inv = _quantized_arrays(x, num_rows, np.int16)
     for n in range(num_rows):
-        _block_scales(x, n, I16_MAX, inv, aux[n])
-        for base in range(0, x.shape[1], 256):
-            for run in range(16):  # positions base + 16 run ..: h = run // 8, v = run // 2 % 4, half = run % 2
-                h, v, half = run // 8, run // 2 % 4, run % 2
-                sub_block = base // QBLOCK + 4 * h + v // 2 + 2 * half
-                src, dst, scale = QBLOCK * sub_block + v % 2, base + 16 * run, inv[sub_block]
-                for k in range(16):
-                    xq[n, dst + k] = np.int16(np.rint(x[n, src + 2 * k] * scale))
+        row = np.ascontiguousarray(x[n])
+        _block_scales(row, I16_MAX, inv, aux[n])
+        for j in range(x.shape[1] // QBLOCK):
+            base, sub_block = j // 8 * 256, j % 8
+            _round_block(row, j, inv[j], xq[n], base + SPLIT_RUNS[sub_block, 0], base + SPLIT_RUNS[sub_block, 1])
     return xq, aux
 
 
@@ -145,15 +223,10 @@ def _quantized_arrays(x, num_rows, dtype):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _block_scales(x, n, levels, inv, aux):
-    """inv [C/32] = levels / max|x[n] over each block| (0 for all-zero blocks); aux [C/16] = (scale, sum) pairs."""
-    for j in range(x.shape[1] // QBLOCK):
-        amax = np.float32(0)
-        total = np.float32(0)
-        for c in range(j * QBLOCK, (j + 1) * QBLOCK):
-            v = abs(x[n, c])
-            amax = v if v > amax else amax
-            total += x[n, c]
+def _block_scales(row, levels, inv, aux):
+    """inv [C/32] = levels / max|row over each block| (0 for all-zero blocks); aux [C/16] = (scale, sum) pairs."""
+    for j in range(row.shape[0] // QBLOCK):
+        amax, total = _block_stats(row, j)
         inv[j] = levels / amax if amax > 0 else np.float32(0)
         aux[2 * j] = amax / levels
         aux[2 * j + 1] = total
@@ -161,13 +234,14 @@ def _block_scales(x, n, levels, inv, aux):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _quantize(x, num_rows):
-    """quantize_rows of x's first num_rows rows. Block maxima first, then one rounding loop over the row:
-    written as one loop per block with max() and floor, it did not vectorize (4x slower)."""
+    """quantize_rows of x's first num_rows rows: block maxima and sums first, then the rounding, each block
+    as one vector (_block_stats, _round_block)."""
     xq, aux, inv = _quantized_arrays(x, num_rows, np.int16)
     for n in range(num_rows):
-        _block_scales(x, n, I16_MAX, inv, aux[n])
-        for c in range(x.shape[1]):
-            xq[n, c] = np.int16(np.rint(x[n, c] * inv[c // QBLOCK]))
+        row = np.ascontiguousarray(x[n])
+        _block_scales(row, I16_MAX, inv, aux[n])
+        for j in range(x.shape[1] // QBLOCK):
+            _round_block(row, j, inv[j], xq[n], QBLOCK * j, -1)
     return xq, aux
 
 
@@ -181,9 +255,8 @@ def _quantize_i8(x, num_rows, nibble_order):
         for j in range(num_blocks):
             slot[j] = j - j % 8 + np.argmax(NIBBLE_ORDER == j % 8)
     for n in range(num_rows):
-        _block_scales(x, n, I8_MAX, inv, aux[n])
+        row = np.ascontiguousarray(x[n])
+        _block_scales(row, I8_MAX, inv, aux[n])
         for j in range(num_blocks):
-            dst = slot[j] * QBLOCK
-            for c in range(QBLOCK):
-                xq[n, dst + c] = np.int8(np.rint(x[n, j * QBLOCK + c] * inv[j]))
+            _round_block(row, j, inv[j], xq[n], slot[j] * QBLOCK, -1)
     return xq, aux
