@@ -10,48 +10,16 @@ all are). Best of 5 timings. The threading layer and OpenMP settings come from t
     python bench/cpu_regions.py --threads 16,4,1 [--label omp-bind]
 """
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core.extending import intrinsic
+from numba import njit, prange
 
-
-@intrinsic
-def _atomic_add(typingctx, array, index, value):
-    """array[index] += value atomically (int64, sequentially consistent); returns the old value."""
-    sig = types.int64(array, index, value)
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.atomic_rmw("add", builder.gep(data, [args[1]]), args[2], "seq_cst")
-
-    return sig, codegen
-
-
-@intrinsic
-def _atomic_load(typingctx, array, index):
-    sig = types.int64(array, index)
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.load_atomic(builder.gep(data, [args[1]]), "acquire", 8)
-
-    return sig, codegen
-
-
-@intrinsic
-def _pause(typingctx):
-    def codegen(context, builder, signature, args):
-        fn = builder.module.globals.get("llvm.x86.sse2.pause")
-        if fn is None:
-            fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-
-    return types.void(), codegen
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]  # bench/cpu_kernels.py
+from cpu_kernels.sync import atomic_add, atomic_load, pause  # noqa: E402
 
 
 @njit(parallel=True)
@@ -66,10 +34,10 @@ def barriers_region(counters, num_barriers, num_threads):
     iterations map to threads: a thread claims what no one else has, so each stage finishes."""
     for _ in prange(num_threads):
         for stage in range(num_barriers):
-            while _atomic_add(counters, 2 * stage, 1) < num_threads:
-                _atomic_add(counters, 2 * stage + 1, 1)
-            while _atomic_load(counters, 2 * stage + 1) < num_threads:
-                _pause()
+            while atomic_add(counters, 2 * stage, 1) < num_threads:
+                atomic_add(counters, 2 * stage + 1, 1)
+            while atomic_load(counters, 2 * stage + 1) < num_threads:
+                pause()
 
 
 def best_us(fn, calls):

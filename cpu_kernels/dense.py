@@ -44,6 +44,7 @@ def moe_kernels(word_dtype, recipe):
         def moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):  # float formats: no integer path
             compiled(tuple(raw.view(word_dtype) for raw in raws), x, expert_ids, row_starts, recipe, outs)
         moe_matmul.compiled, moe_matmul.word_dtype, moe_matmul.recipe = compiled, word_dtype, recipe  # for callers
+        moe_matmul.prepare, moe_matmul.run_item = _prepare, _run_item
         return moe_matmul  # in compiled code (hybrid/backends/cpu_decode.py)
 
     return kernel(_moe_matmul), kernel(_moe_matmul_serial)
@@ -120,15 +121,27 @@ def _tile(w, x, recipe, panels, out, item):
     dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
 
 
+@njit(nogil=True, cache=True)
+def _prepare(words, x, expert_ids, row_starts):
+    """(work items [W, 6], token panels [S, C, 64]) of a moe_matmul call: its serial part."""
+    items = work_items(expert_ids, row_starts, words[0].shape[0], words[0].shape[1])  # [W, 6]
+    return items, token_panels(x, items)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _run_item(words, x, items, panels, recipe, outs, i):
+    """Item i of a moe_matmul call over its len(words) weights: work item i % W of weight i // W."""
+    num_items = items.shape[0]
+    k, j = i // num_items, i % num_items
+    _tile(words[k][items[j, 0]], x, recipe, panels, outs[k], items[j])
+
+
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def _moe_matmul(words, x, expert_ids, row_starts, recipe, outs):
     """outs[k][rows of group g] = x[same rows] @ words[k][expert_ids[g]].T; words[k] [E, R, C], x [N, C], outs[k] [N, R]."""
-    items = work_items(expert_ids, row_starts, words[0].shape[0], words[0].shape[1])  # [W, 6]
-    panels = token_panels(x, items)  # [S, C, 64]
-    num_items = items.shape[0]
-    for i in prange(num_items * len(words)):
-        k, j = i // num_items, i % num_items
-        _tile(words[k][items[j, 0]], x, recipe, panels, outs[k], items[j])
+    items, panels = _prepare(words, x, expert_ids, row_starts)
+    for i in prange(items.shape[0] * len(words)):
+        _run_item(words, x, items, panels, recipe, outs, i)
 
 
 _moe_matmul_serial = serial_twin(_moe_matmul)

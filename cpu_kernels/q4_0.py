@@ -127,16 +127,30 @@ def _dequantize(raw, out):
         _unpack_row(raw[r], out[r])
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
-    """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
+@njit(nogil=True, cache=True)
+def _prepare(raws, x, expert_ids, row_starts, act_quant):
+    """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
     panels = token_panels(x, items)  # [S, C, 64]
     xq, xaux = quantize_rows(x, items, without_int8(act_quant))  # [N, C], [N, C/16] (empty unless int16 decode)
+    return items, (xq, xaux, panels)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _run_item(raws, x, items, prep, outs, i, act_quant):
+    """Item i of a moe_matmul call over its len(raws) weights: work item i % W of weight i // W."""
     num_items = items.shape[0]
-    for i in prange(num_items * len(raws)):
-        k, j = i // num_items, i % num_items
-        _tile(raws[k][items[j, 0]], x, xq, xaux, panels, outs[k], items[j], act_quant)
+    k, j = i // num_items, i % num_items
+    xq, xaux, panels = prep
+    _tile(raws[k][items[j, 0]], x, xq, xaux, panels, outs[k], items[j], act_quant)
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
+    """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
+    items, prep = _prepare(raws, x, expert_ids, row_starts, act_quant)
+    for i in prange(items.shape[0] * len(raws)):
+        _run_item(raws, x, items, prep, outs, i, act_quant)
 
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(

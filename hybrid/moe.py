@@ -126,17 +126,14 @@ class ExpertSplit:
             self._traced(device, layer, 1, t0, pending)
             return device.wait_experts(pending)
         routing = device.queue_routing(ids, weights, h)
-        host_part = self._pool.submit(self._run_host_decode, device, layer, routing, usage) if self.host_thread else None
         pending, queue_s = None, 0.0
-        try:
-            if self.resident[layer.index].any():
-                t_queue = time.perf_counter()
-                pending = device.submit_decode_experts(layer, h, ids, weights)
-                queue_s = time.perf_counter() - t_queue
-        finally:
-            if host_part is not None:
-                host_out, cpu_s = host_part.result()
-        if host_part is None:  # inline: the device part is queued, so it runs while this thread computes
+        if self.resident[layer.index].any():  # queued first: its launches are one graph, and the worker
+            t_queue = time.perf_counter()  # then runs without this thread contending for the GIL
+            pending = device.submit_decode_experts(layer, h, ids, weights)
+            queue_s = time.perf_counter() - t_queue
+        if self.host_thread:
+            host_out, cpu_s = self._pool.submit(self._run_host_decode, device, layer, routing, usage).result()
+        else:
             host_out, cpu_s = self._run_host_decode(device, layer, routing, usage)
         out = device.wait_experts(pending) if pending is not None else device.zeros_like(h)  # [1, H]
         if host_out is not None:

@@ -46,6 +46,7 @@ SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many w
 # At any thread count, ops this small run serially: opening a parallel region costs more than the op.
 TINY_MAX_ELEMENTS = 1 << 14  # elementwise ops on at most this many values
 TINY_MAX_ATTENTION = 1 << 15  # attention of at most this many query-key-dim products
+FUSED_MIN_THREADS = 2  # from this many threads a compiled decode layer runs as one parallel region
 
 
 def _available_bytes():
@@ -181,6 +182,9 @@ class CpuBackend:
         plan = self._plans.get(layer.index)
         if plan is None or not plan.current(layer):
             plan = self._plans[layer.index] = LayerPlan(self, layer)  # (its weights' kernels set act_quant)
+        if _fused_decode():
+            fn, args = plan.fused()
+            return fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, self.act_quant, *args)
         return plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, _one_thread(),
                        self.act_quant, *plan.args)
 
@@ -275,6 +279,15 @@ def _small_or_parallel(num_elements, serial, parallel):
 def _small(work, tiny_max, one_thread_max):
     """Whether an op of `work` runs as its serial twin: when tiny, or small and on one thread."""
     return work <= tiny_max or (work <= one_thread_max and _one_thread())
+
+
+def _fused_decode():
+    """Whether a decode layer runs as one parallel region (cpu_decode_fused): STRATA_FUSED_DECODE=1 / 0, else
+    from FUSED_MIN_THREADS threads on."""
+    forced = os.environ.get("STRATA_FUSED_DECODE", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"STRATA_FUSED_DECODE={forced}: expected 0 or 1")
+    return forced == "1" if forced else numba.get_num_threads() >= FUSED_MIN_THREADS
 
 
 def _one_thread():

@@ -33,12 +33,13 @@ NO_NORM = np.ones(1, dtype=np.float32)  # the q/k norm weight of families withou
 _INSTANCES = {}  # (template name, suffix) -> compiled instance
 
 
-def instance(template, suffix, **kernels):
+def instance(template, suffix, parallel=False, **kernels):
     """`template` compiled with `kernels` as its globals, named template_suffix (its own cache files)."""
     key = (template.__name__, suffix)
     found = _INSTANCES.get(key)
     if found is None:
-        found = _INSTANCES[key] = njit(nogil=True, cache=True)(renamed_copy(template, suffix, **kernels))
+        options = dict(parallel=True) if parallel else {}
+        found = _INSTANCES[key] = njit(nogil=True, cache=True, **options)(renamed_copy(template, suffix, **kernels))
     return found
 
 
@@ -230,6 +231,17 @@ class LayerPlan:
             float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim,
             raws_of["Q"], raws_of["K"], raws_of["V"], raws_of["O"], raws_of["R"], gate[2] + up[2], down[2],
             layer.num_experts_per_tok, bool(layer.norm_topk_prob), np.array(serial))
+        self._layer, self._backend, self._fused = layer, backend, None
+
+    def fused(self):
+        """(the layer as one parallel region, its arguments after act_quant): cpu_decode_fused, made at first use."""
+        if self._fused is None:
+            from .cpu_decode_fused import fused_layer
+
+            layer = self._layer
+            fn, raws = fused_layer(self._backend, layer, layer.attn_q_norm is not None)
+            self._fused = (fn, self.args[:10] + raws + (layer.num_experts_per_tok, bool(layer.norm_topk_prob)))
+        return self._fused
 
     def current(self, layer):
         return all(a is b for a, b in zip(self.raws, (w.raw for w in _weights(layer))))

@@ -1,5 +1,6 @@
-"""The compiled decode layer (hybrid/backends/cpu_decode.py) against the op-by-op path it replaces: the
-same logits, bit for bit, for every weight format, one and two sequences, one thread and all threads."""
+"""The compiled decode layer (hybrid/backends/cpu_decode.py) and the layer as one parallel region
+(cpu_decode_fused.py) against the op-by-op path they replace: the same logits, bit for bit, for every
+weight format, one and two sequences, one thread and all threads."""
 import numpy as np
 import pytest
 
@@ -22,11 +23,11 @@ def numba_threads(request):
     numba.set_num_threads(before)
 
 
-def decode(model, compiled, prompts, steps):
+def decode(model, compiled, prompts, steps, capacity=64):
     """Logits [steps, S, V] of `steps` decode steps of one batch over the prompts' sequences (each
     prefilled on its own first), feeding each sequence its own greedy token."""
     model.compiled_decode = compiled
-    seqs = [model.new_sequence(64) for _ in prompts]
+    seqs = [model.new_sequence(capacity) for _ in prompts]
     last = [model.forward(Batch([SeqChunk(kv, 0, np.array(p, np.int64))]))[-1] for kv, p in zip(seqs, prompts)]
     out = []
     for _ in range(steps):
@@ -47,6 +48,46 @@ def test_compiled_decode_is_bit_identical(gguf_models, size, target, numba_threa
         assert len(model.backend._plans) == model.config.num_layers
         np.testing.assert_array_equal(compiled, op_by_op)
         model.backend._plans.clear()
+
+
+FUSED_CASES = [("small", "Q8_0"), ("small", "F16"), ("kquant", "Q4_K_M"), ("kquant", "Q5_K")]
+
+
+@pytest.mark.parametrize("size,target", FUSED_CASES, ids=[f"{s}-{t}" for s, t in FUSED_CASES])
+def test_fused_layer_is_bit_identical(gguf_models, size, target, monkeypatch):
+    """At any thread count, forced on: the same logits as the op-by-op path, also for a sequence long
+    enough that its attention splits the keys (300 positions)."""
+    path, _ = gguf_models(size, target)
+    model = hybrid.LLM(path, device="cpu").model
+    long_prompt = list(np.resize(PROMPTS[0] + PROMPTS[1], 300))
+    for prompts in (PROMPTS, [long_prompt, PROMPTS[1]]):
+        monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+        op_by_op = decode(model, False, prompts, 2, capacity=320)
+        monkeypatch.setenv("STRATA_FUSED_DECODE", "1")
+        fused = decode(model, True, prompts, 2, capacity=320)
+        assert all(plan._fused is not None for plan in model.backend._plans.values())
+        np.testing.assert_array_equal(fused, op_by_op)
+
+
+def test_env_picks_the_fused_layer(gguf_models, monkeypatch):
+    import numba
+
+    path, _ = gguf_models("small", "Q8_0")
+    model = hybrid.LLM(path, device="cpu").model
+    monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+    decode(model, True, PROMPTS[:1], 1)
+    assert all(plan._fused is None for plan in model.backend._plans.values())
+    monkeypatch.setenv("STRATA_FUSED_DECODE", "on")
+    with pytest.raises(ValueError, match="STRATA_FUSED_DECODE=on: expected 0 or 1"):
+        decode(model, True, PROMPTS[:1], 1)
+    monkeypatch.delenv("STRATA_FUSED_DECODE")
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)  # one thread: the layer keeps its per-op regions
+        decode(model, True, PROMPTS[:1], 1)
+        assert all(plan._fused is None for plan in model.backend._plans.values())
+    finally:
+        numba.set_num_threads(before)
 
 
 def test_prefill_and_other_kv_dtypes_keep_the_op_by_op_path(gguf_models):

@@ -1,0 +1,296 @@
+"""A decode layer as one parallel region, its ops as stages the threads meet between.
+
+The compiled decode layer (cpu_decode.py) still opens a parallel region per op: eight a layer
+(q, k, v, o, router, attention, the experts' gate+up and down), each with a serial prologue (the
+rounding of x, the work split) while the other threads wait. On the H200 host's 16 cores a region
+costs 5-6 us before any work and a meeting of the threads inside one ~2 us
+(bench/results/vs_llamacpp_h200.md, session 16). Here the threads enter one region a layer and
+run it as llama.cpp runs its graph: every thread does the small serial work itself (norms, the
+rounding of x, the routing, the merge of attention splits: a few us, the same on every thread, so
+nobody waits for it), and the item-parallel ops claim items from counters and meet when all are
+done (cpu_kernels.sync). Seven meetings a layer.
+
+Each op runs the same kernels on the same items as cpu_decode's layer; the float sums may group
+differently where the compiler inlines differently, so the two agree to rounding, not bit for bit.
+
+Shape legend: T tokens (one a sequence), H hidden, Hq / Hkv query / kv heads, G = Hq / Hkv, D head
+dim, E experts, K top-k, N pairs, F expert width, P key splits, W work items.
+"""
+import numpy as np
+from numba import njit, prange
+
+from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing, simd, sync
+
+from .cpu_decode import instance
+
+NUM_STAGES = 8
+QKV, ROPE_KV, ATTEND, OUT, ROUTER, GATE_UP, DOWN, COMBINE = range(NUM_STAGES)
+COMBINE_COLUMNS = 64  # output columns of a combine item
+
+
+# -- dense formats: the quantized formats' (prepare, run_item) signature over RECIPE ----------------------
+
+def dense_prepare(raws, x, expert_ids, row_starts, act_quant):
+    return PREPARE(raws, x, expert_ids, row_starts)  # noqa: F821 (instance globals)
+
+
+def dense_run_item(raws, x, items, prep, outs, i, act_quant):
+    RUN_ITEM(raws, x, items, prep, RECIPE, outs, i)  # noqa: F821
+
+
+def format_parts(backend, weight):
+    """(prepare, run_item, raws) of a weight's format: moe_matmul's serial part and one of its items."""
+    kernels = backend._kernels_of(weight)
+    par, raws = kernels.parallel, kernels.raws
+    if getattr(par, "compiled", None) is not None:  # a float format: its words, and instances over its recipe
+        name = kernels.fmt.__name__.rsplit(".", 1)[-1]
+        raws = tuple(raw.view(par.word_dtype) for raw in raws)
+        return (instance(dense_prepare, name, PREPARE=par.prepare),
+                instance(dense_run_item, name, RUN_ITEM=par.run_item, RECIPE=par.recipe), raws)
+    return kernels.fmt._prepare, kernels.fmt._run_item, raws
+
+
+# -- the layer --------------------------------------------------------------------------------------------
+
+# Arrays a thread makes inside the region come from these calls: Numba hoists an np.empty written in a
+# prange body out of the loop, which would share it between the iterations a thread runs.
+@njit(nogil=True)
+def _f32(rows, cols):
+    return np.empty((rows, cols), dtype=np.float32)
+
+
+@njit(nogil=True)
+def _i64(rows, cols):
+    return np.empty((rows, cols), dtype=np.int64)
+
+
+@njit(nogil=True)
+def _sum(a, b):
+    out = np.empty_like(a)
+    for t in range(a.shape[0]):
+        for c in range(a.shape[1]):
+            out[t, c] = a[t, c] + b[t, c]
+    return out
+
+
+@njit(nogil=True)
+def _rows_of_pairs(order, num_pairs):
+    """[T*K]: the row of each flat pair in `order`, -1 where it has none."""
+    rows = np.full(num_pairs, -1, dtype=np.int64)
+    for r in range(order.size):
+        rows[order[r]] = r
+    return rows
+
+
+@njit(fastmath=True, nogil=True)
+def _weighted_columns(down, row_of_pair, weights, top_k, c0, c1, moe):
+    """moe[t, c0:c1] (zero) += each token's weighted pair rows of down, by slot, as scatter_add_weighted
+    sums them (the same fused multiply-adds in the same order)."""
+    for t in range(moe.shape[0]):
+        for j in range(top_k):
+            i = row_of_pair[t * top_k + j]
+            if i < 0:
+                continue
+            w = weights[t, j]
+            for c in range(c0, c1):
+                moe[t, c] += w * down[i, c]
+
+
+@njit(nogil=True)
+def _add_columns(x2, moe, c0, c1, x):
+    for t in range(x.shape[0]):
+        for c in range(c0, c1):
+            x[t, c] = x2[t, c] + moe[t, c]
+
+
+def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
+                   attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim,
+                   q_raws, k_raws, v_raws, o_raws, r_raws, g_raws, u_raws, d_raws, top_k, normalize):
+    """x [T, H] += attention block, then += MoE block, as cpu_decode.layer_template, in one parallel
+    region. Returns the routing ids int64 [T, K]."""
+    num_tokens, hidden = x.shape
+    group = num_heads // num_kv_heads
+    num_experts, width = r_raws[0].shape[1], g_raws[0].shape[1]
+    one_expert = np.zeros(1, dtype=np.int64)  # [1]
+    row_starts = np.array([0, num_tokens], dtype=np.int64)  # [2]
+    # shared: written by item stages, read after their meeting
+    q = np.empty((num_tokens, num_heads * head_dim), dtype=np.float32)  # [T, Hq*D]
+    k = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
+    v = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
+    splits = np.empty(num_tokens, dtype=np.int64)  # [T]: key splits of each token's attention
+    for tt in range(num_tokens):
+        splits[tt] = attention.num_key_splits(num_kv_heads, positions[tt] + 1)
+    split_starts = np.zeros(num_tokens + 1, dtype=np.int64)  # [T+1]: first attention item of each token
+    for tt in range(num_tokens):
+        split_starts[tt + 1] = split_starts[tt] + num_kv_heads * splits[tt]
+    max_splits = splits.max()
+    acc = np.empty((num_tokens, num_kv_heads, max_splits, group, head_dim), dtype=np.float32)  # [T, Hkv, P, G, D]
+    stats = np.empty((num_tokens, num_kv_heads, max_splits, group, 2), dtype=np.float64)  # [T, Hkv, P, G, 2]
+    o = np.empty((num_tokens, hidden), dtype=np.float32)  # [T, H]
+    logits = np.empty((num_tokens, num_experts), dtype=np.float32)  # [T, E]
+    num_pairs = num_tokens * top_k
+    gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
+    up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
+    down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
+    moe = np.zeros((num_tokens, hidden), dtype=np.float32)  # [T, H]
+    ids_out = np.empty((num_tokens, top_k), dtype=np.int64)  # [T, K]
+    num_workers = simd.num_threads()
+    counters = sync.new_counters(NUM_STAGES, num_workers)
+    layer_k, layer_v = k_pool[layer_index], v_pool[layer_index]  # [NB, BT, Hkv, D]
+    q3 = q.reshape(num_tokens, num_heads, head_dim)  # [T, Hq, D]
+    k3 = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
+    v3 = v.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
+    scale32 = np.float32(scale)
+    for w in prange(num_workers):
+        # q, k, v: each thread norms x and rounds it for the three formats itself
+        h = _f32(num_tokens, hidden)  # [T, H]
+        rmsnorm.rmsnorm_serial(x, attn_norm, eps, h)
+        q_items, q_prep = Q_PREP(q_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
+        k_items, k_prep = K_PREP(k_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
+        v_items, v_prep = V_PREP(v_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
+        nq, nk, nv = q_items.shape[0], k_items.shape[0], v_items.shape[0]
+        done = 0
+        i, tried = sync.take(counters, QKV, w, num_workers, nq + nk + nv, 0)
+        while i < nq + nk + nv:
+            if i < nq:
+                Q_ITEM(q_raws, h, q_items, q_prep, (q,), i, act_quant)  # noqa: F821
+            elif i < nq + nk:
+                K_ITEM(k_raws, h, k_items, k_prep, (k,), i - nq, act_quant)  # noqa: F821
+            else:
+                V_ITEM(v_raws, h, v_items, v_prep, (v,), i - nq - nk, act_quant)  # noqa: F821
+            done = done + 1
+            i, tried = sync.take(counters, QKV, w, num_workers, nq + nk + nv, tried)
+        sync.finish(counters, QKV, num_workers, done, nq + nk + nv)
+        # per token: q / k norms, RoPE, the K/V rows into the cache
+        done = 0
+        tok, tried = sync.take(counters, ROPE_KV, w, num_workers, num_tokens, 0)
+        while tok < num_tokens:
+            if QK_NORM:  # noqa: F821
+                q_rows, k_rows = q3[tok], k3[tok]  # [Hq, D], [Hkv, D]
+                rmsnorm.rmsnorm_serial(q_rows, q_norm, eps, q_rows)
+                rmsnorm.rmsnorm_serial(k_rows, k_norm, eps, k_rows)
+            rope.rope_neox_serial(q3[tok:tok + 1], positions[tok:tok + 1], theta, q3[tok:tok + 1])
+            rope.rope_neox_serial(k3[tok:tok + 1], positions[tok:tok + 1], theta, k3[tok:tok + 1])
+            attention.write_rows(k_pool, layer_index, tables[tok], positions[tok], k3[tok:tok + 1])
+            attention.write_rows(v_pool, layer_index, tables[tok], positions[tok], v3[tok:tok + 1])
+            done = done + 1
+            tok, tried = sync.take(counters, ROPE_KV, w, num_workers, num_tokens, tried)
+        sync.finish(counters, ROPE_KV, num_workers, done, num_tokens)
+        # attention: (token, kv head, key split) items, as cpu_kernels.attention splits them
+        num_attend = split_starts[num_tokens]
+        done = 0
+        i, tried = sync.take(counters, ATTEND, w, num_workers, num_attend, 0)
+        while i < num_attend:
+            tok = 0
+            while split_starts[tok + 1] <= i:
+                tok += 1
+            num_splits, rank = splits[tok], i - split_starts[tok]
+            kv, s = rank // num_splits, rank % num_splits
+            num_keys = positions[tok] + 1
+            j0, j1 = s * num_keys // num_splits, (s + 1) * num_keys // num_splits
+            if j1 > j0:
+                attention._partial(q3, layer_k, layer_v, attention.NO_SCALES, attention.NO_SCALES, tables[tok], tok,
+                                   kv, j0, j1, scale32, acc[tok, kv, s], stats[tok, kv, s])
+            else:
+                stats[tok, kv, s, :, 1] = 0.0
+            done = done + 1
+            i, tried = sync.take(counters, ATTEND, w, num_workers, num_attend, tried)
+        sync.finish(counters, ATTEND, num_workers, done, num_attend)
+        # o: each thread merges the splits itself (a few us), then the rows are shared out
+        att = _f32(num_tokens, num_heads * head_dim)  # [T, Hq*D]
+        for tok in range(num_tokens):
+            for head in range(num_heads):
+                attention._merge(acc[tok, head // group, :splits[tok], head % group],
+                                 stats[tok, head // group, :splits[tok], head % group],
+                                 att[tok, head * head_dim:(head + 1) * head_dim])
+        o_items, o_prep = O_PREP(o_raws, att, one_expert, row_starts, act_quant)  # noqa: F821
+        done = 0
+        i, tried = sync.take(counters, OUT, w, num_workers, o_items.shape[0], 0)
+        while i < o_items.shape[0]:
+            O_ITEM(o_raws, att, o_items, o_prep, (o,), i, act_quant)  # noqa: F821
+            done = done + 1
+            i, tried = sync.take(counters, OUT, w, num_workers, o_items.shape[0], tried)
+        sync.finish(counters, OUT, num_workers, done, o_items.shape[0])
+        # router: x + o and its norm stay on each thread until the combine writes x
+        x2 = _sum(x, o)  # [T, H]
+        h2 = _f32(num_tokens, hidden)  # [T, H]
+        rmsnorm.rmsnorm_serial(x2, ffn_norm, eps, h2)
+        r_items, r_prep = R_PREP(r_raws, h2, one_expert, row_starts, act_quant)  # noqa: F821
+        done = 0
+        i, tried = sync.take(counters, ROUTER, w, num_workers, r_items.shape[0], 0)
+        while i < r_items.shape[0]:
+            R_ITEM(r_raws, h2, r_items, r_prep, (logits,), i, act_quant)  # noqa: F821
+            done = done + 1
+            i, tried = sync.take(counters, ROUTER, w, num_workers, r_items.shape[0], tried)
+        sync.finish(counters, ROUTER, num_workers, done, r_items.shape[0])
+        # experts: each thread routes, groups and rounds the pair rows itself
+        ids = _i64(num_tokens, top_k)  # [T, K]
+        weights = _f32(num_tokens, top_k)  # [T, K]
+        routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
+        order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
+        xs = _f32(num_pairs, hidden)  # [N, H]
+        moe_combine.gather_rows_serial(h2, order, top_k, xs)
+        if GU_PAIRED:  # noqa: F821: one prepare, the items over both weights
+            gu_raws = g_raws + u_raws
+            gu_items, gu_prep = G_PREP(gu_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
+            n_gu = 2 * gu_items.shape[0]
+            done = 0
+            i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, 0)
+            while i < n_gu:
+                G_ITEM(gu_raws, xs, gu_items, gu_prep, (gate, up), i, act_quant)  # noqa: F821
+                done = done + 1
+                i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, tried)
+        else:
+            g_items, g_prep = G_PREP(g_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
+            u_items, u_prep = U_PREP(u_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
+            ng = g_items.shape[0]
+            n_gu = ng + u_items.shape[0]
+            done = 0
+            i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, 0)
+            while i < n_gu:
+                if i < ng:
+                    G_ITEM(g_raws, xs, g_items, g_prep, (gate,), i, act_quant)  # noqa: F821
+                else:
+                    U_ITEM(u_raws, xs, u_items, u_prep, (up,), i - ng, act_quant)  # noqa: F821
+                done = done + 1
+                i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, tried)
+        sync.finish(counters, GATE_UP, num_workers, done, n_gu)
+        act = _f32(num_pairs, width)  # [N, F]
+        activation.swiglu_serial(gate, up, act)
+        d_items, d_prep = D_PREP(d_raws, act, expert_ids, pair_starts, act_quant)  # noqa: F821
+        done = 0
+        i, tried = sync.take(counters, DOWN, w, num_workers, d_items.shape[0], 0)
+        while i < d_items.shape[0]:
+            D_ITEM(d_raws, act, d_items, d_prep, (down,), i, act_quant)  # noqa: F821
+            done = done + 1
+            i, tried = sync.take(counters, DOWN, w, num_workers, d_items.shape[0], tried)
+        sync.finish(counters, DOWN, num_workers, done, d_items.shape[0])
+        # combine: column ranges of x, each from this thread's x + o and the weighted pair rows
+        row_of_pair = _rows_of_pairs(order, num_pairs)  # [T*K]
+        num_chunks = (hidden + COMBINE_COLUMNS - 1) // COMBINE_COLUMNS
+        i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, 0)
+        while i < num_chunks:
+            if i == 0:
+                ids_out[:] = ids
+            c0, c1 = i * COMBINE_COLUMNS, min(hidden, (i + 1) * COMBINE_COLUMNS)
+            _weighted_columns(down, row_of_pair, weights, top_k, c0, c1, moe)
+            _add_columns(x2, moe, c0, c1, x)
+            i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, tried)
+    return ids_out
+
+
+def fused_layer(backend, layer, qk_norm):
+    """(the layer's fused instance, its weight raws in the template's order)."""
+    kernels, raws = {}, []
+    for key, weight in (("Q", layer.attn_q), ("K", layer.attn_k), ("V", layer.attn_v), ("O", layer.attn_output),
+                        ("R", layer.router), ("G", layer.gate_exps), ("U", layer.up_exps), ("D", layer.down_exps)):
+        prepare, run_item, weight_raws = format_parts(backend, weight)
+        kernels.update({f"{key}_PREP": prepare, f"{key}_ITEM": run_item})
+        raws.append(weight_raws)
+    gate, up = layer.gate_exps, layer.up_exps
+    paired = (up.qtype == gate.qtype and up.raw.shape == gate.raw.shape and up.raw.flags.writeable == gate.raw.flags.writeable)
+    names = [backend._kernels_of(w).fmt.__name__.rsplit(".", 1)[-1]
+             for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.router, gate, up, layer.down_exps)]
+    fn = instance(fused_template, "_".join(names + ["paired" if paired else "split", "qknorm" if qk_norm else "plain"]),
+                  parallel=True, QK_NORM=qk_norm, GU_PAIRED=paired, **kernels)
+    return fn, tuple(raws)
