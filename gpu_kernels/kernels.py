@@ -268,8 +268,16 @@ class Kernels:
         k = ids.shape[1]
         self._launch(self._ops("decode_tiles"), (1,), self._threads(k), (ids, slot_map, np.int32(k), tiles))
 
+    def pack_decode(self, ids, weights, x, packed):
+        """packed f32 [2K + H] = ids int32 [1, K] (as bits), weights [1, K], x [1, H]."""
+        k, hidden = ids.shape[1], x.shape[1]
+        n = 2 * k + hidden
+        self._launch(self._ops("pack_decode"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
+                     (ids, weights, x, packed, np.int32(k), np.int32(hidden)))
+
     def add_into(self, out, src):
-        """out += src, elementwise over contiguous arrays of one size."""
+        """out += src, elementwise over contiguous arrays of one size; src may be a device address (np.uint64) of
+        host memory the device reads directly."""
         n = out.size
         self._launch(self._ops("add_into"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
                      (out, src, np.int64(n)))

@@ -70,6 +70,15 @@ class CupyRuntime:
         """A NumPy array in page-locked host memory (fast, asynchronous copies)."""
         return self._cupyx.empty_pinned(shape, dtype=dtype)
 
+    def mapped_address(self, host):
+        """The device address at which kernels read the pinned array `host` directly (CUDA maps page-locked
+        memory into the device's address space), or None where it is not mapped."""
+        try:
+            address = self.cp.cuda.runtime.pointerGetAttributes(host.ctypes.data).devicePointer
+        except Exception:  # CuPy's runtime errors, or a build whose attributes lack it
+            return None
+        return int(address) or None
+
     def copy_to_host_async(self, host, dev, stream):
         """Queue a copy of the contiguous device array `dev` into the pinned array `host` on `stream`."""
         rt = self.cp.cuda.runtime

@@ -18,7 +18,7 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
 }
 
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",
-               "combine_rows", "decode_tiles", "add_into")
+               "combine_rows", "decode_tiles", "add_into", "pack_decode")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "dequant_rows")
 KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type
 KV_KERNELS = ("paged_attention", "paged_attention_1", "paged_attention_merge", "kv_write")

@@ -128,6 +128,16 @@ extern "C" __global__ void decode_tiles(const int* ids, const int* slot_map, int
     tiles[3 * K + j] = slot < 0 ? -1 : j;
 }
 
+// One decode token's routing and row side by side (the decode expert graphs' inputs and one host copy):
+// packed [2K + H] = ids [K] (int bits), weights [K], x [H]. grid (ceil((2K + H) / blockDim)).
+extern "C" __global__ void pack_decode(const int* ids, const float* weights, const float* x, float* packed, int K,
+                                       int H) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < K) packed[i] = __int_as_float(ids[i]);
+    else if (i < 2 * K) packed[i] = weights[i - K];
+    else if (i < 2 * K + H) packed[i] = x[i - 2 * K];
+}
+
 // out [n] += src [n]. grid (ceil(n / blockDim)).
 extern "C" __global__ void add_into(float* out, const float* src, i64 n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -71,12 +71,11 @@ class _Staging:
         self.buffers[name] = (self.buffers[name][0], event)
         return event
 
-    def upload(self, name, host, stream, dev=None):
-        """A device copy of the host array `host`, queued on `stream` through buffer `name` (into `dev`, a
-        device array of its shape, where given)."""
+    def upload(self, name, host, stream):
+        """A device copy of the host array `host`, queued on `stream` through buffer `name`."""
         view = self.view(name, host.shape, host.dtype)
         np.copyto(view, host)
-        dev = self.rt.empty(host.shape, host.dtype) if dev is None else dev
+        dev = self.rt.empty(host.shape, host.dtype)
         self.rt.copy_from_host_async(dev, view, stream)
         self.queued(name, stream)
         return dev
@@ -249,6 +248,7 @@ class GpuBackend:
         self._staged = None  # (x, ids, weights) last copied into the decode scratch's input buffer
         self.decode_graphs = _graphs_from_env()  # replay each layer's one-token expert launches as a graph
         self._graphs = {}  # layer index -> captured graph of its one-token expert launches (None: capture failed)
+        self._mapped = {}  # host address of a pinned buffer -> its device address (0: not mapped)
 
     # -- placement -------------------------------------------------------------------------
 
@@ -553,12 +553,11 @@ class GpuBackend:
             return None
 
     def _stage_decode(self, x, ids, weights):
-        """The decode scratch, with x [1, H], ids int32 [1, K] and weights [1, K] copied into its input buffer
-        (once per step: queue_routing and submit_decode_experts share the copy)."""
+        """The decode scratch, with ids int32 [1, K], weights [1, K] and x [1, H] packed into its input buffer by
+        one kernel (once per layer: queue_routing and submit_decode_experts share it)."""
         s = self._decode_scratch(ids.shape[1], x.shape[1])
         if self._staged is None or any(a is not b for a, b in zip(self._staged, (x, ids, weights))):
-            for dst, src in ((s["ids"], ids), (s["weights"], weights), (s["x"], x)):
-                self.rt.copy_on_device_async(dst, src, self.stream)
+            self.kernels.pack_decode(ids, weights, x, s["in"])
             self._staged = (x, ids, weights)
         return s
 
@@ -566,7 +565,7 @@ class GpuBackend:
         """Device arrays of one decode token's expert pairs, kept between calls (fixed addresses, as the
         graphs need): the input buffer `in` f32 [2K + H] holding ids int32 [1, K], weights [1, K] and the
         row x [1, H]; pair order [K] (all rows of token 0), tiles int32 [4, K], xs / down [K, H],
-        gate / up [K, F]; out [L, 1, H], each layer's result; host [1, H], the host part's row. Zeroed once: the rows of non-resident pairs
+        gate / up [K, F]; out [L, 1, H], each layer's result. Zeroed once: the rows of non-resident pairs
         are skipped by the matmuls and keep finite values for the SwiGLU."""
         width, num_layers = self._expert_width, len(self.cache.layers)
         key = (k, hidden, width, num_layers)
@@ -578,7 +577,7 @@ class GpuBackend:
                            order=self.rt.to_device(np.arange(k, dtype=np.int32)), tiles=e((4, k), np.int32),
                            xs=e((k, hidden), np.float32), gate=e((k, width), np.float32),
                            up=e((k, width), np.float32), down=e((k, hidden), np.float32),
-                           out=e((num_layers, 1, hidden), np.float32), host=e((1, hidden), np.float32))
+                           out=e((num_layers, 1, hidden), np.float32))
             self._decode, self._graphs, self._staged = (key, scratch), {}, None
         return self._decode[1]
 
@@ -629,11 +628,19 @@ class GpuBackend:
         return self.rt.zeros(x.shape, x.dtype)
 
     def add_from_host(self, out, host_part):
-        """out [T, H] (device) += host_part [T, H] (host), queued through a pinned buffer (one token's into
-        the decode scratch's fixed row: no allocation)."""
-        fixed = self._decode[1]["host"] if self._decode is not None else None
-        dev = fixed if fixed is not None and fixed.shape == host_part.shape else None
-        self.kernels.add_into(out, self.staging.upload("host_part", host_part, self.stream, dev))
+        """out [T, H] (device) += host_part [T, H] (host). One token's row is read by the add kernel straight from
+        a pinned buffer where the runtime maps pinned memory (one launch, no copy); else it is copied through one."""
+        if host_part.shape[0] == 1:
+            view = self.staging.view("host_row", host_part.shape, host_part.dtype)
+            address = self._mapped.get(view.ctypes.data)
+            if address is None:
+                address = self._mapped[view.ctypes.data] = getattr(self.rt, "mapped_address", lambda _: 0)(view) or 0
+            if address:
+                np.copyto(view, host_part)
+                self.kernels.add_into(out, np.uint64(address))
+                self.staging.queued("host_row", self.stream)  # the buffer is not rewritten before the add ran
+                return out
+        self.kernels.add_into(out, self.staging.upload("host_part", host_part, self.stream))
         return out
 
 

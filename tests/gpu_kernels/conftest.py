@@ -139,6 +139,12 @@ class ReferenceKernels:
     def add_into(self, out, src):
         out += src
 
+    def pack_decode(self, ids, weights, x, packed):
+        k = ids.shape[1]
+        packed[:k] = ids[0].view(np.float32)
+        packed[k:2 * k] = weights[0]
+        packed[2 * k:] = x[0]
+
     def combine_rows(self, expert_out, row_of_pair, weights, k, out):
         rows = row_of_pair.reshape(out.shape[0], k)
         w = np.where(rows >= 0, weights.reshape(rows.shape), 0.0)  # [T, K]

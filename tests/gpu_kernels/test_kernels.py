@@ -153,6 +153,28 @@ def test_gather_and_combine_rows(runtime, kernels, reference_kernels):
     assert rel_err(runtime.to_host(out), ref) < 1e-6
 
 
+def test_pack_decode_and_add_from_mapped_host_memory(runtime, kernels):
+    """A decode token's routing and row packed side by side; a host row added straight from pinned memory
+    (the device address the runtime maps it at)."""
+    rng = np.random.default_rng(8)
+    k, hidden = 8, 300
+    ids = rng.integers(0, 64, (1, k)).astype(np.int32)
+    weights = rng.random((1, k)).astype(np.float32)
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    packed = runtime.empty((2 * k + hidden,), np.float32)
+    kernels.pack_decode(runtime.to_device(ids), runtime.to_device(weights), runtime.to_device(x), packed)
+    got = runtime.to_host(packed)
+    assert np.array_equal(got[:k].view(np.int32), ids[0]) and np.array_equal(got[k:2 * k], weights[0])
+    assert np.array_equal(got[2 * k:], x[0])
+    host = runtime.pinned_empty((1, hidden), np.float32)
+    host[:] = rng.standard_normal((1, hidden))
+    address = runtime.mapped_address(host)
+    assert address  # CUDA maps pinned memory into the device's address space
+    out = runtime.to_device(x)
+    kernels.add_into(out, np.uint64(address))
+    assert np.array_equal(runtime.to_host(out), x + host)
+
+
 def test_compile_error_names_the_module(runtime):
     with pytest.raises(KernelCompileError, match="'broken_module'") as info:
         runtime.compile("broken_module", 'extern "C" __global__ void f(float* x) { x[0] = nope; }', ["f"])
