@@ -4,8 +4,9 @@ With an `ExpertSplit`, each (token, expert) pair runs where its expert lives: pa
 experts as one grouped launch on the device backend, the others on the host backend at the
 same time: the host part starts in a worker thread, the device part is queued meanwhile, then
 both are waited for and combined. A decode token (one row) never makes the calling thread wait
-for the device: the device finds its resident pairs from the routing it holds, while the worker
-fetches the routing and runs the others. Prefill borrow: for a large chunk, a
+for the device part: the device finds its resident pairs from the routing it holds, so that part
+is queued first (one graph launch) and the host part then fetches the routing and runs the others
+(in the worker, or inline with `host_thread` off). Prefill borrow: for a large chunk, a
 non-resident expert many tokens use may be cheaper to copy to the device and run there; a cost
 model (`plan_borrow`) from the device's measured copy speed and the host's measured expert speed
 decides per expert, balancing the two sides. STRATA_PREFILL_CPU_SHARE (0..1) instead keeps that
@@ -62,8 +63,8 @@ class ExpertSplit:
     cpu_share: see the module note (None: STRATA_PREFILL_CPU_SHARE, unset = the cost model alone).
     trace: set to a list to record per layer {layer, tokens, cpu_s, gpu_s, queue_s, step_s, borrowed}
     (queue_s: host time spent queuing the device part).
-    host_thread: run the host part in a worker thread while the device part is queued (else the
-    device part is queued first and the host part runs in the calling thread).
+    host_thread: run the host part in a worker thread (for a prompt chunk while the device part is
+    queued; a decode token queues its device part first) rather than in the calling thread.
     """
 
     def __init__(self, host, resident, cpu_share=None):

@@ -53,6 +53,7 @@ class _Staging:
     def __init__(self, runtime):
         self.rt = runtime
         self.buffers = {}  # name -> (pinned uint8 array, event or None)
+        self.events = {}  # name -> its event, recorded again at each use (a decode step makes hundreds)
 
     def view(self, name, shape, dtype):
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
@@ -65,8 +66,11 @@ class _Staging:
         return buffer[:nbytes].view(dtype).reshape(shape)
 
     def queued(self, name, stream):
-        """Mark the last copy through buffer `name` as queued on `stream`; returns its event."""
-        event = self.rt.event()
+        """Mark the last copy through buffer `name` as queued on `stream`; returns its event (the buffer's own: a
+        wait on it after a later use of the buffer waits for that use too)."""
+        event = self.events.get(name)
+        if event is None:
+            event = self.events[name] = self.rt.event()
         event.record(stream)
         self.buffers[name] = (self.buffers[name][0], event)
         return event
@@ -249,6 +253,7 @@ class GpuBackend:
         self.decode_graphs = _graphs_from_env()  # replay each layer's one-token expert launches as a graph
         self._graphs = {}  # layer index -> captured graph of its one-token expert launches (None: capture failed)
         self._mapped = {}  # host address of a pinned buffer -> its device address (0: not mapped)
+        self._timers = {}  # layer index -> (start, stop) timing events of its decode expert part
 
     # -- placement -------------------------------------------------------------------------
 
@@ -515,8 +520,8 @@ class GpuBackend:
         s = self._stage_decode(x, ids, weights)
         self._staged = None  # a later step's arrays may reuse these objects' memory
         pending = _Pending(s["out"][layer.index])  # [1, H], this layer's own: read by later kernels only
-        if self.time_experts:
-            pending.start = self.rt.event(timing=True)
+        if self.time_experts:  # the layer's own pair of timing events, read before its next step
+            pending.start, pending.stop = self._timing_events(layer.index)
             pending.start.record(self.stream)
         graph = self._graphs.get(layer.index, _UNCAPTURED) if self.decode_graphs else None
         if graph is _UNCAPTURED:
@@ -526,9 +531,14 @@ class GpuBackend:
         else:
             graph.launch(self.stream)
         if self.time_experts:
-            pending.stop = self.rt.event(timing=True)
             pending.stop.record(self.stream)
         return pending
+
+    def _timing_events(self, layer_index):
+        events = self._timers.get(layer_index)
+        if events is None:
+            events = self._timers[layer_index] = (self.rt.event(timing=True), self.rt.event(timing=True))
+        return events
 
     def _queue_decode_experts(self, layer, s):
         k = s["ids"].shape[1]
