@@ -147,15 +147,16 @@ def markdown(rows, repeats, min_bytes):
         "(int8, opt-in, VNNI; Q8_0, Q4_K, Q5_K, Q6_K). Prefill: "
         f"{PREFILL_TOKENS} tokens on each of {PREFILL_EXPERTS} experts, GFLOP/s = 2 x tokens x R x C / time.",
         "",
-        "| format | threads | decode GB/s float x | decode GB/s int16 x | decode GB/s int8 x | % of DRAM "
-        "| matvec loop GB/s (default) | prefill GFLOP/s | DRAM read GB/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| format | threads | decode GB/s float x | decode GB/s int16 x | decode GB/s int8 x | % of DRAM, int16 x "
+        "(default) | % of DRAM, best | matvec loop GB/s (default) | prefill GFLOP/s | DRAM read GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, threads, moe_float, moe_int16, moe_int8, loop, prefill, dram in rows:
         best = max(moe_float, moe_int16, moe_int8 or 0.0)
         int8 = "-" if moe_int8 is None else f"{moe_int8:.1f}"
         gflops = "-" if prefill is None else f"{prefill:.1f}"
-        lines.append(f"| {name} | {threads} | {moe_float:.1f} | {moe_int16:.1f} | {int8} | {100 * best / dram:.0f}% | "
+        lines.append(f"| {name} | {threads} | {moe_float:.1f} | {moe_int16:.1f} | {int8} | {100 * moe_int16 / dram:.0f}% | "
+                     f"{100 * best / dram:.0f}% | "
                      f"{loop:.1f} | {gflops} | {dram:.1f} |")
     return "\n".join(lines) + "\n"
 
