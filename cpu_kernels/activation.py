@@ -39,7 +39,9 @@ def silu(x):
     return x * (np.float32(1.0) if x >= 0 else e) / (np.float32(1.0) + e)
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+# error_model="numpy": Numba's default checks every float division for zero, a branch that keeps the loop
+# scalar (8 x 768 pairs: 21 us, 2.5 us vectorized, on the VM).
+@njit(parallel=True, fastmath=True, nogil=True, cache=True, error_model="numpy")
 def swiglu(gate, up, out):
     """gate [N, F], up [N, F] -> out [N, F]; out may be gate or up."""
     num_rows, width = gate.shape

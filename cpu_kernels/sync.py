@@ -58,6 +58,29 @@ def pause(typingctx):
     return types.void(), codegen
 
 
+@intrinsic
+def cycles(typingctx):
+    """The CPU's time-stamp counter (int64 ticks at a fixed rate; bench/fused_stages.py converts them)."""
+    def codegen(context, builder, signature, args):
+        fn = builder.module.globals.get("llvm.readcyclecounter")
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(ir.IntType(64), []), "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+@njit(inline="always", nogil=True)
+def mark(trace, worker, slot, last):
+    """Where trace [W, S] has a row for `worker` (a profile asked for it): trace[worker, slot] += ticks since
+    `last`; returns now. Else returns `last`, untouched, at the cost of one comparison."""
+    if worker < trace.shape[0]:
+        now = cycles()
+        trace[worker, slot] += now - last
+        return now
+    return last
+
+
 @njit(nogil=True)
 def new_counters(num_stages, num_workers):
     return np.zeros((num_stages * (num_workers + 1)) * LINE, dtype=np.int64)

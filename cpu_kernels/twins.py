@@ -26,4 +26,5 @@ def serial_twin(kernel):
     fn = kernel.py_func
     twin = renamed_copy(fn, "serial")
     twin.__doc__ = f"Serial twin of {fn.__qualname__}: {fn.__doc__}"
-    return njit(fastmath=True, nogil=True, cache=True)(twin)
+    options = {key: kernel.targetoptions[key] for key in ("error_model",) if key in kernel.targetoptions}
+    return njit(fastmath=True, nogil=True, cache=True, **options)(twin)

@@ -102,6 +102,9 @@ class CpuBackend:
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
     _local = None  # per thread: the _Scratch of grouped_experts
     _plans = None  # layer index: cpu_decode.LayerPlan, made at the layer's first decode step
+    # int64 [W, 3 * stages]: ticks each worker of a fused decode layer spends per stage, summed over calls
+    # (cpu_decode_fused.fused_template; bench/fused_stages.py sets it); zero rows: not profiled
+    stage_trace = np.zeros((0, 0), dtype=np.int64)
 
     def _scratch(self):
         """The calling thread's work arrays (see _Scratch)."""
@@ -184,7 +187,8 @@ class CpuBackend:
             plan = self._plans[layer.index] = LayerPlan(self, layer)  # (its weights' kernels set act_quant)
         if _fused_decode():
             fn, args = plan.fused()
-            return fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, self.act_quant, *args)
+            return fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, self.act_quant,
+                      self.stage_trace, *args)
         return plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, _one_thread(),
                        self.act_quant, *plan.args)
 

@@ -103,11 +103,12 @@ def _add_columns(x2, moe, c0, c1, x):
             x[t, c] = x2[t, c] + moe[t, c]
 
 
-def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
+def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant, trace,
                    attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim,
                    q_raws, k_raws, v_raws, o_raws, r_raws, g_raws, u_raws, d_raws, top_k, normalize):
     """x [T, H] += attention block, then += MoE block, as cpu_decode.layer_template, in one parallel
-    region. Returns the routing ids int64 [T, K]."""
+    region. Returns the routing ids int64 [T, K]. trace int64 [W, 3 * NUM_STAGES] (zero rows: no profile)
+    gains each worker's ticks per stage: its own serial work, its items, its wait for the others."""
     num_tokens, hidden = x.shape
     group = num_heads // num_kv_heads
     num_experts, width = r_raws[0].shape[1], g_raws[0].shape[1]
@@ -142,6 +143,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
     v3 = v.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
     scale32 = np.float32(scale)
     for w in prange(num_workers):
+        t = sync.cycles() if w < trace.shape[0] else 0
         # q, k, v: each thread norms x and rounds it for the three formats itself
         h = _f32(num_tokens, hidden)  # [T, H]
         rmsnorm.rmsnorm_serial(x, attn_norm, eps, h)
@@ -150,6 +152,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
         v_items, v_prep = V_PREP(v_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
         nq, nk, nv = q_items.shape[0], k_items.shape[0], v_items.shape[0]
         done = 0
+        t = sync.mark(trace, w, 3 * QKV, t)
         i, tried = sync.take(counters, QKV, w, num_workers, nq + nk + nv, 0)
         while i < nq + nk + nv:
             if i < nq:
@@ -160,9 +163,12 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
                 V_ITEM(v_raws, h, v_items, v_prep, (v,), i - nq - nk, act_quant)  # noqa: F821
             done = done + 1
             i, tried = sync.take(counters, QKV, w, num_workers, nq + nk + nv, tried)
+        t = sync.mark(trace, w, 3 * QKV + 1, t)
         sync.finish(counters, QKV, num_workers, done, nq + nk + nv)
+        t = sync.mark(trace, w, 3 * QKV + 2, t)
         # per token: q / k norms, RoPE, the K/V rows into the cache
         done = 0
+        t = sync.mark(trace, w, 3 * ROPE_KV, t)
         tok, tried = sync.take(counters, ROPE_KV, w, num_workers, num_tokens, 0)
         while tok < num_tokens:
             if QK_NORM:  # noqa: F821
@@ -175,10 +181,13 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
             attention.write_rows(v_pool, layer_index, tables[tok], positions[tok], v3[tok:tok + 1])
             done = done + 1
             tok, tried = sync.take(counters, ROPE_KV, w, num_workers, num_tokens, tried)
+        t = sync.mark(trace, w, 3 * ROPE_KV + 1, t)
         sync.finish(counters, ROPE_KV, num_workers, done, num_tokens)
+        t = sync.mark(trace, w, 3 * ROPE_KV + 2, t)
         # attention: (token, kv head, key split) items, as cpu_kernels.attention splits them
         num_attend = split_starts[num_tokens]
         done = 0
+        t = sync.mark(trace, w, 3 * ATTEND, t)
         i, tried = sync.take(counters, ATTEND, w, num_workers, num_attend, 0)
         while i < num_attend:
             tok = 0
@@ -195,7 +204,9 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
                 stats[tok, kv, s, :, 1] = 0.0
             done = done + 1
             i, tried = sync.take(counters, ATTEND, w, num_workers, num_attend, tried)
+        t = sync.mark(trace, w, 3 * ATTEND + 1, t)
         sync.finish(counters, ATTEND, num_workers, done, num_attend)
+        t = sync.mark(trace, w, 3 * ATTEND + 2, t)
         # o: each thread merges the splits itself (a few us), then the rows are shared out
         att = _f32(num_tokens, num_heads * head_dim)  # [T, Hq*D]
         for tok in range(num_tokens):
@@ -205,24 +216,30 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
                                  att[tok, head * head_dim:(head + 1) * head_dim])
         o_items, o_prep = O_PREP(o_raws, att, one_expert, row_starts, act_quant)  # noqa: F821
         done = 0
+        t = sync.mark(trace, w, 3 * OUT, t)
         i, tried = sync.take(counters, OUT, w, num_workers, o_items.shape[0], 0)
         while i < o_items.shape[0]:
             O_ITEM(o_raws, att, o_items, o_prep, (o,), i, act_quant)  # noqa: F821
             done = done + 1
             i, tried = sync.take(counters, OUT, w, num_workers, o_items.shape[0], tried)
+        t = sync.mark(trace, w, 3 * OUT + 1, t)
         sync.finish(counters, OUT, num_workers, done, o_items.shape[0])
+        t = sync.mark(trace, w, 3 * OUT + 2, t)
         # router: x + o and its norm stay on each thread until the combine writes x
         x2 = _sum(x, o)  # [T, H]
         h2 = _f32(num_tokens, hidden)  # [T, H]
         rmsnorm.rmsnorm_serial(x2, ffn_norm, eps, h2)
         r_items, r_prep = R_PREP(r_raws, h2, one_expert, row_starts, act_quant)  # noqa: F821
         done = 0
+        t = sync.mark(trace, w, 3 * ROUTER, t)
         i, tried = sync.take(counters, ROUTER, w, num_workers, r_items.shape[0], 0)
         while i < r_items.shape[0]:
             R_ITEM(r_raws, h2, r_items, r_prep, (logits,), i, act_quant)  # noqa: F821
             done = done + 1
             i, tried = sync.take(counters, ROUTER, w, num_workers, r_items.shape[0], tried)
+        t = sync.mark(trace, w, 3 * ROUTER + 1, t)
         sync.finish(counters, ROUTER, num_workers, done, r_items.shape[0])
+        t = sync.mark(trace, w, 3 * ROUTER + 2, t)
         # experts: each thread routes, groups and rounds the pair rows itself
         ids = _i64(num_tokens, top_k)  # [T, K]
         weights = _f32(num_tokens, top_k)  # [T, K]
@@ -235,6 +252,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
             gu_items, gu_prep = G_PREP(gu_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
             n_gu = 2 * gu_items.shape[0]
             done = 0
+            t = sync.mark(trace, w, 3 * GATE_UP, t)
             i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, 0)
             while i < n_gu:
                 G_ITEM(gu_raws, xs, gu_items, gu_prep, (gate, up), i, act_quant)  # noqa: F821
@@ -246,6 +264,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
             ng = g_items.shape[0]
             n_gu = ng + u_items.shape[0]
             done = 0
+            t = sync.mark(trace, w, 3 * GATE_UP, t)
             i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, 0)
             while i < n_gu:
                 if i < ng:
@@ -254,20 +273,26 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
                     U_ITEM(u_raws, xs, u_items, u_prep, (up,), i - ng, act_quant)  # noqa: F821
                 done = done + 1
                 i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, tried)
+        t = sync.mark(trace, w, 3 * GATE_UP + 1, t)
         sync.finish(counters, GATE_UP, num_workers, done, n_gu)
+        t = sync.mark(trace, w, 3 * GATE_UP + 2, t)
         act = _f32(num_pairs, width)  # [N, F]
         activation.swiglu_serial(gate, up, act)
         d_items, d_prep = D_PREP(d_raws, act, expert_ids, pair_starts, act_quant)  # noqa: F821
         done = 0
+        t = sync.mark(trace, w, 3 * DOWN, t)
         i, tried = sync.take(counters, DOWN, w, num_workers, d_items.shape[0], 0)
         while i < d_items.shape[0]:
             D_ITEM(d_raws, act, d_items, d_prep, (down,), i, act_quant)  # noqa: F821
             done = done + 1
             i, tried = sync.take(counters, DOWN, w, num_workers, d_items.shape[0], tried)
+        t = sync.mark(trace, w, 3 * DOWN + 1, t)
         sync.finish(counters, DOWN, num_workers, done, d_items.shape[0])
+        t = sync.mark(trace, w, 3 * DOWN + 2, t)
         # combine: column ranges of x, each from this thread's x + o and the weighted pair rows
         row_of_pair = _rows_of_pairs(order, num_pairs)  # [T*K]
         num_chunks = (hidden + COMBINE_COLUMNS - 1) // COMBINE_COLUMNS
+        t = sync.mark(trace, w, 3 * COMBINE, t)
         i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, 0)
         while i < num_chunks:
             if i == 0:
@@ -276,6 +301,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
             _weighted_columns(down, row_of_pair, weights, top_k, c0, c1, moe)
             _add_columns(x2, moe, c0, c1, x)
             i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, tried)
+        t = sync.mark(trace, w, 3 * COMBINE + 1, t)
     return ids_out
 
 

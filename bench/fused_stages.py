@@ -1,0 +1,99 @@
+"""Where a fused CPU decode layer's time goes, stage by stage and thread by thread.
+
+The fused layer (hybrid/backends/cpu_decode_fused.py) runs a decode layer as one parallel region whose
+workers meet between 8 stages. With `CpuBackend.stage_trace` set, each worker adds the time-stamp-counter
+ticks it spends per stage on its own serial work (norms, rounding, routing: the same on every worker),
+on its items, and waiting for the others at the stage's meeting. This script decodes `--steps` tokens
+that way and prints, per stage, those three times in us a layer (mean over workers, and the slowest
+worker's items), next to the layer's wall time seen from Python and the step's time outside the layers.
+
+    python bench/fused_stages.py --model /tmp/bm-q4km.gguf --threads 16 --steps 64
+
+Prints a markdown table.
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from cpu_kernels import sync  # noqa: E402
+from hybrid.backends import cpu_decode_fused as fused  # noqa: E402
+from hybrid.batch import Batch, SeqChunk  # noqa: E402
+from hybrid.llm import LLM  # noqa: E402
+
+STAGE_NAMES = ("q k v", "rope, kv write", "attention", "o", "router", "gate+up", "down", "combine")
+
+
+def ticks_per_second(seconds=0.2):
+    """The time-stamp counter's rate, against perf_counter."""
+    tick = numba.njit(lambda: sync.cycles())
+    tick()
+    t0, c0 = time.perf_counter(), tick()
+    while time.perf_counter() - t0 < seconds:
+        pass
+    return (tick() - c0) / (time.perf_counter() - t0)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--steps", type=int, default=64)
+    args = p.parse_args(argv)
+    os.environ["STRATA_FUSED_DECODE"] = "1"
+    model = LLM(args.model, device="cpu", threads=args.threads, max_context=512).model
+    backend = model.backend
+    rng = np.random.default_rng(0)
+    layer_seconds = []
+    plain = backend.decode_layer
+
+    def timed_layer(*a, **k):
+        start = time.perf_counter()
+        out = plain(*a, **k)
+        layer_seconds.append(time.perf_counter() - start)
+        return out
+
+    backend.decode_layer = timed_layer
+
+    def decode(n):
+        kv = model.new_sequence(n + 16)
+        model.forward(Batch([SeqChunk(kv, 0, rng.integers(1, 1000, 8).astype(np.int64))]))
+        start = time.perf_counter()
+        for token in rng.integers(1, 1000, n):
+            model.forward(Batch([SeqChunk(kv, kv.length, np.array([token], np.int64))]))
+        return time.perf_counter() - start
+
+    decode(16)  # compile and warm
+    workers = numba.get_num_threads()
+    backend.stage_trace = np.zeros((workers, 3 * fused.NUM_STAGES), dtype=np.int64)
+    layer_seconds.clear()
+    step_seconds = decode(args.steps) / args.steps
+    rate = ticks_per_second()
+    calls = len(layer_seconds)
+    per_layer = backend.stage_trace / rate / calls * 1e6  # [W, 3 * stages], us a layer call
+    layers_per_step = calls / args.steps
+    layer_wall = 1e6 * float(np.mean(layer_seconds))
+    print(f"\n{Path(args.model).name}, {workers} threads, {args.steps} steps: {1 / step_seconds:.1f} tok/s, "
+          f"{step_seconds * 1e3:.2f} ms a step, {layers_per_step:.0f} layers; a layer call {layer_wall:.0f} us "
+          f"(mean, from Python), outside the layers {1e3 * (step_seconds - sum(layer_seconds) / args.steps):.2f}"
+          f" ms a step\n")
+    print("| stage | own serial work (us) | items, mean / slowest worker (us) | wait (us) | stage total (us) |")
+    print("|---|---|---|---|---|")
+    totals = per_layer.mean(axis=0)
+    for s, name in enumerate(STAGE_NAMES):
+        serial, items, wait = totals[3 * s:3 * s + 3]
+        slowest = per_layer[:, 3 * s + 1].max()
+        print(f"| {name} | {serial:.1f} | {items:.1f} / {slowest:.1f} | {wait:.1f} | {serial + items + wait:.1f} |")
+    inside = totals.sum()
+    print(f"| all | {totals[0::3].sum():.1f} | {totals[1::3].sum():.1f} | {totals[2::3].sum():.1f} | {inside:.1f} |")
+    print(f"\nInside the region {inside:.0f} us of the layer call's {layer_wall:.0f} us (the rest: entering and "
+          f"leaving the region, and the call).")
+
+
+if __name__ == "__main__":
+    main()
