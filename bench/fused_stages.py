@@ -70,12 +70,12 @@ def main(argv=None):
 
     decode(16)  # compile and warm
     workers = numba.get_num_threads()
-    backend.stage_trace = np.zeros((workers, 3 * fused.NUM_STAGES), dtype=np.int64)
+    backend.stage_trace = np.zeros((workers, fused.TRACE_COLUMNS), dtype=np.int64)
     layer_seconds.clear()
     step_seconds = decode(args.steps) / args.steps
     rate = ticks_per_second()
     calls = len(layer_seconds)
-    per_layer = backend.stage_trace / rate / calls * 1e6  # [W, 3 * stages], us a layer call
+    per_layer = backend.stage_trace / rate / calls * 1e6  # [W, TRACE_COLUMNS], us a layer call
     layers_per_step = calls / args.steps
     layer_wall = 1e6 * float(np.mean(layer_seconds))
     print(f"\n{Path(args.model).name}, {workers} threads, {args.steps} steps: {1 / step_seconds:.1f} tok/s, "
@@ -85,14 +85,19 @@ def main(argv=None):
     print("| stage | own serial work (us) | items, mean / slowest worker (us) | wait (us) | stage total (us) |")
     print("|---|---|---|---|---|")
     totals = per_layer.mean(axis=0)
+    stages = totals[:fused.START]
     for s, name in enumerate(STAGE_NAMES):
-        serial, items, wait = totals[3 * s:3 * s + 3]
+        serial, items, wait = stages[3 * s:3 * s + 3]
         slowest = per_layer[:, 3 * s + 1].max()
         print(f"| {name} | {serial:.1f} | {items:.1f} / {slowest:.1f} | {wait:.1f} | {serial + items + wait:.1f} |")
-    inside = totals.sum()
-    print(f"| all | {totals[0::3].sum():.1f} | {totals[1::3].sum():.1f} | {totals[2::3].sum():.1f} | {inside:.1f} |")
-    print(f"\nInside the region {inside:.0f} us of the layer call's {layer_wall:.0f} us (the rest: entering and "
-          f"leaving the region, and the call).")
+    inside = stages.sum()
+    print(f"| all | {stages[0::3].sum():.1f} | {stages[1::3].sum():.1f} | {stages[2::3].sum():.1f} | {inside:.1f} |")
+    start, whole, prologue = totals[fused.START], per_layer[0, fused.WHOLE], per_layer[0, fused.PROLOGUE]
+    print(f"\nA layer call, us: {layer_wall:.1f} from Python; {whole:.1f} from its first line to its return, of which "
+          f"{prologue:.1f} in its serial prologue, {start - prologue:.1f} more before a worker starts (the region's "
+          f"fork; mean over workers), {inside:.1f} "
+          f"in the stages, {whole - start - inside:.1f} after (the region's join); {layer_wall - whole:.1f} calling it "
+          f"(Numba's dispatch, the arguments' unboxing).")
 
 
 if __name__ == "__main__":

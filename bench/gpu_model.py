@@ -95,13 +95,13 @@ def main(argv=None):
             log.info("decode profile at %d %% resident:\n%s", share, profiled(lambda: decode_rate(llm, 16)))
         if 0 < share < 100:
             for in_thread in (True, False):
-                llm.model.split.host_thread = in_thread
+                llm.model.split.decode_host_thread = in_thread
                 trace = [t for t in traced(llm, lambda: decode_rate(llm, 8)) if t["tokens"] == 1]
                 overlap += overlap_rows(f"decode, {share} % resident, host part {'in a thread' if in_thread else 'inline'}",
                                         trace)
-                if not in_thread:
+                if in_thread:
                     decode[-1] += f" {decode_rate(llm, args.decode_tokens):.1f} |"
-            llm.model.split.host_thread = True
+            llm.model.split.decode_host_thread = False
         else:
             decode[-1] += " |"
         if share == args.borrow_share:
@@ -112,7 +112,7 @@ def main(argv=None):
     lines = [f"# Hybrid GPU + CPU serving ({device}, {os.cpu_count()} host cores)", "",
              f"Model: `{Path(args.model).name}`, {size_gb:.1f} GB (bench/make_model.py, qwen3moe, random weights).",
              "Resident experts: the first n of each layer (no profile). Greedy decode after a 32-token prompt.", "",
-             f"## Decode ({args.decode_tokens} tokens)", "", "| resident % | tok/s (host part in a thread) | tok/s (host part inline) |", "|---|---|---|", *decode, "",
+             f"## Decode ({args.decode_tokens} tokens)", "", "| resident % | tok/s (host part inline, the default) | tok/s (host part in a thread) |", "|---|---|---|", *decode, "",
              f"## Prefill ({args.prompt_tokens}-token prompt, {args.borrow_share} % resident)", "",
              "| prefill borrow | tok/s |", "|---|---|", *prefill, "",
              "## Overlap of the hybrid MoE step, mean per layer", "",

@@ -26,5 +26,6 @@ def serial_twin(kernel):
     fn = kernel.py_func
     twin = renamed_copy(fn, "serial")
     twin.__doc__ = f"Serial twin of {fn.__qualname__}: {fn.__doc__}"
-    options = {key: kernel.targetoptions[key] for key in ("error_model",) if key in kernel.targetoptions}
-    return njit(fastmath=True, nogil=True, cache=True, **options)(twin)
+    options = dict(fastmath=True)
+    options.update({key: kernel.targetoptions[key] for key in ("fastmath", "error_model") if key in kernel.targetoptions})
+    return njit(nogil=True, cache=True, **options)(twin)

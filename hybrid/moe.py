@@ -6,7 +6,7 @@ same time: the host part starts in a worker thread, the device part is queued me
 both are waited for and combined. A decode token (one row) never makes the calling thread wait
 for the device part: the device finds its resident pairs from the routing it holds, so that part
 is queued first (one graph launch) and the host part then fetches the routing and runs the others
-(in the worker, or inline with `host_thread` off). Prefill borrow: for a large chunk, a
+(in the calling thread, or in the worker with `decode_host_thread` on). Prefill borrow: for a large chunk, a
 non-resident expert many tokens use may be cheaper to copy to the device and run there; a cost
 model (`plan_borrow`) from the device's measured copy speed and the host's measured expert speed
 decides per expert, balancing the two sides. STRATA_PREFILL_CPU_SHARE (0..1) instead keeps that
@@ -63,8 +63,11 @@ class ExpertSplit:
     cpu_share: see the module note (None: STRATA_PREFILL_CPU_SHARE, unset = the cost model alone).
     trace: set to a list to record per layer {layer, tokens, cpu_s, gpu_s, queue_s, step_s, borrowed}
     (queue_s: host time spent queuing the device part).
-    host_thread: run the host part in a worker thread (for a prompt chunk while the device part is
-    queued; a decode token queues its device part first) rather than in the calling thread.
+    host_thread: run a prompt chunk's host part in a worker thread, while the calling thread queues the
+    device part, rather than in the calling thread.
+    decode_host_thread: the same for a decode token, off by default: its device part is queued first (one
+    graph a layer), so the calling thread would only wait for the worker, and the hand-over cost more than
+    it hid (H200, 50 % resident: 44.8 tok/s with the worker, 51.9 inline; bench/results/gpu_model.md).
     """
 
     def __init__(self, host, resident, cpu_share=None):
@@ -73,6 +76,7 @@ class ExpertSplit:
         self.host_flops = HOST_FLOPS_DEFAULT
         self.trace = None
         self.host_thread = True
+        self.decode_host_thread = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
         self._deferred = []  # (layer, queued routing copy) to record at finish_step
         self._deferred_host = []  # (layer, routing ids [1, K] on the host) of decode layers, to record at finish_step
@@ -132,7 +136,7 @@ class ExpertSplit:
             t_queue = time.perf_counter()  # then runs without this thread contending for the GIL
             pending = device.submit_decode_experts(layer, h, ids, weights)
             queue_s = time.perf_counter() - t_queue
-        if self.host_thread:
+        if self.decode_host_thread:
             host_out, cpu_s = self._pool.submit(self._run_host_decode, device, layer, routing, usage).result()
         else:
             host_out, cpu_s = self._run_host_decode(device, layer, routing, usage)

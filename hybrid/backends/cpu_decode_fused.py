@@ -26,6 +26,11 @@ from .cpu_decode import instance
 NUM_STAGES = 8
 QKV, ROPE_KV, ATTEND, OUT, ROUTER, GATE_UP, DOWN, COMBINE = range(NUM_STAGES)
 COMBINE_COLUMNS = 64  # output columns of a combine item
+# trace columns (fused_template): per stage a worker's own work, items, wait; then its start after the call's
+# first line (the serial prologue and the region's fork); then, in row 0, the call's first line to its return
+# (the serial prologue alone: row 0's PROLOGUE)
+START, WHOLE, PROLOGUE = 3 * NUM_STAGES, 3 * NUM_STAGES + 1, 3 * NUM_STAGES + 2
+TRACE_COLUMNS = PROLOGUE + 1
 
 
 # -- dense formats: the quantized formats' (prepare, run_item) signature over RECIPE ----------------------
@@ -107,8 +112,10 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
                    attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim,
                    q_raws, k_raws, v_raws, o_raws, r_raws, g_raws, u_raws, d_raws, top_k, normalize):
     """x [T, H] += attention block, then += MoE block, as cpu_decode.layer_template, in one parallel
-    region. Returns the routing ids int64 [T, K]. trace int64 [W, 3 * NUM_STAGES] (zero rows: no profile)
-    gains each worker's ticks per stage: its own serial work, its items, its wait for the others."""
+    region. Returns the routing ids int64 [T, K]. trace int64 [W, TRACE_COLUMNS] (zero rows: no profile)
+    gains each worker's ticks per stage (its own serial work, its items, its wait for the others), and
+    those of the region's start and of the whole call."""
+    entry = sync.cycles() if trace.shape[0] else 0
     num_tokens, hidden = x.shape
     group = num_heads // num_kv_heads
     num_experts, width = r_raws[0].shape[1], g_raws[0].shape[1]
@@ -142,8 +149,12 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
     k3 = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
     v3 = v.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
     scale32 = np.float32(scale)
+    if trace.shape[0]:
+        trace[0, PROLOGUE] += sync.cycles() - entry
     for w in prange(num_workers):
         t = sync.cycles() if w < trace.shape[0] else 0
+        if w < trace.shape[0]:
+            trace[w, START] += t - entry
         # q, k, v: each thread norms x and rounds it for the three formats itself
         h = _f32(num_tokens, hidden)  # [T, H]
         rmsnorm.rmsnorm_serial(x, attn_norm, eps, h)
@@ -302,6 +313,8 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
             _add_columns(x2, moe, c0, c1, x)
             i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, tried)
         t = sync.mark(trace, w, 3 * COMBINE + 1, t)
+    if trace.shape[0]:
+        trace[0, WHOLE] += sync.cycles() - entry
     return ids_out
 
 

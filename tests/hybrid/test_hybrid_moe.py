@@ -103,8 +103,9 @@ def test_split_matches_cpu_path(gguf_models, target):
         assert (device.submitted > 0) == bool(mask.any()), name
         assert (device.decode_submitted > 0) == bool(mask.any()), name  # the decode token took the one-row path
     inline = Model(weights, StandInDevice(_masks(c.num_layers, c.num_experts)["half"]), host=CpuBackend())
-    inline.split.host_thread = False  # the device part queued first, the host part in the calling thread
-    _assert_close(_score(inline), ref, "half, host part inline")
+    inline.split.host_thread = False  # the device part queued first, the prompt's host part in the calling thread
+    inline.split.decode_host_thread = True  # and the decode token's host part in the worker
+    _assert_close(_score(inline), ref, "half, prompt host part inline, decode host part in the worker")
 
 
 def _assert_close(got, ref, name=""):
