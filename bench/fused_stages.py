@@ -113,9 +113,11 @@ def call_costs(backend, decode_layer, args, kwargs):
     directly, and a compiled function that takes the same arguments and does nothing (Numba's dispatch)."""
     backend.stage_trace = np.zeros((0, 0), dtype=np.int64)
     layer, x, step = args
-    fn, fixed = backend._plans[layer.index].fused()
+    plan = backend._plans[layer.index]
+    fn, fixed = plan.fused()
+    work = backend._fused_work(plan, x.shape[0], numba.get_num_threads())
     full = (x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, backend.act_quant,
-            backend.stage_trace) + tuple(fixed)
+            backend.stage_trace, work) + tuple(fixed)
     nothing = numba.njit(lambda *a: 0)
 
     def median_us(call):

@@ -47,6 +47,7 @@ SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many w
 TINY_MAX_ELEMENTS = 1 << 14  # elementwise ops on at most this many values
 TINY_MAX_ATTENTION = 1 << 15  # attention of at most this many query-key-dim products
 FUSED_MIN_THREADS = 2  # from this many threads a compiled decode layer runs as one parallel region
+FUSED_WORK_KEPT = 4  # batch sizes whose fused-layer work arrays stay allocated
 
 
 def _available_bytes():
@@ -79,6 +80,7 @@ class _Scratch:
 
     def __init__(self):
         self.arrays = {}
+        self.fused_work = {}  # (shapes, batch size, threads): cpu_decode_fused.new_work's arrays, newest last
 
     def get(self, name, shape):
         """float32 `shape`, contents undefined: a view of the named buffer, grown when too small."""
@@ -185,12 +187,28 @@ class CpuBackend:
         plan = self._plans.get(layer.index)
         if plan is None or not plan.current(layer):
             plan = self._plans[layer.index] = LayerPlan(self, layer)  # (its weights' kernels set act_quant)
-        if _fused_decode():
+        threads = numba.get_num_threads()
+        if _fused_decode(threads):
             fn, args = plan.fused()
             return fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, self.act_quant,
-                      self.stage_trace, *args)
+                      self.stage_trace, self._fused_work(plan, x.shape[0], threads), *args)
         return plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, _one_thread(),
                        self.act_quant, *plan.args)
+
+    def _fused_work(self, plan, num_tokens, threads):
+        """The fused layer's work arrays for the plan's layer shapes, this batch size and thread count (kept
+        per thread; the FUSED_WORK_KEPT most recently used sets)."""
+        from .cpu_decode_fused import new_work
+
+        key = (plan.shapes, num_tokens, threads)
+        kept = self._scratch().fused_work
+        work = kept.pop(key, None)
+        if work is None:
+            work = new_work(plan.layer, num_tokens, threads)
+            while len(kept) >= FUSED_WORK_KEPT:
+                kept.pop(next(iter(kept)))
+        kept[key] = work
+        return work
 
     def embed(self, weight, token_ids):
         rows = np.ascontiguousarray(weight.raw[token_ids])  # [T, B]
@@ -285,13 +303,13 @@ def _small(work, tiny_max, one_thread_max):
     return work <= tiny_max or (work <= one_thread_max and _one_thread())
 
 
-def _fused_decode():
+def _fused_decode(threads):
     """Whether a decode layer runs as one parallel region (cpu_decode_fused): STRATA_FUSED_DECODE=1 / 0, else
     from FUSED_MIN_THREADS threads on."""
     forced = os.environ.get("STRATA_FUSED_DECODE", "")
     if forced not in ("", "0", "1"):
         raise ValueError(f"STRATA_FUSED_DECODE={forced}: expected 0 or 1")
-    return forced == "1" if forced else numba.get_num_threads() >= FUSED_MIN_THREADS
+    return forced == "1" if forced else threads >= FUSED_MIN_THREADS
 
 
 def _one_thread():

@@ -232,6 +232,13 @@ class LayerPlan:
             raws_of["Q"], raws_of["K"], raws_of["V"], raws_of["O"], raws_of["R"], gate[2] + up[2], down[2],
             layer.num_experts_per_tok, bool(layer.norm_topk_prob), np.array(serial))
         self._layer, self._backend, self._fused = layer, backend, None
+        # what cpu_decode_fused.new_work's arrays depend on besides batch size and threads
+        self.shapes = (layer.gate_exps.shape, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                       layer.num_experts_per_tok)
+
+    @property
+    def layer(self):
+        return self._layer
 
     def fused(self):
         """(the layer as one parallel region, its arguments after act_quant): cpu_decode_fused, made at first use."""

@@ -14,7 +14,7 @@ Each op runs the same kernels on the same items as cpu_decode's layer; the float
 differently where the compiler inlines differently, so the two agree to rounding, not bit for bit.
 
 Shape legend: T tokens (one a sequence), H hidden, Hq / Hkv query / kv heads, G = Hq / Hkv, D head
-dim, E experts, K top-k, N pairs, F expert width, P key splits, W work items.
+dim, E experts, K top-k, N pairs, F expert width, P key splits, W workers (the region's iterations).
 """
 import numpy as np
 from numba import njit, prange
@@ -57,34 +57,46 @@ def format_parts(backend, weight):
 
 # -- the layer --------------------------------------------------------------------------------------------
 
-# Arrays a thread makes inside the region come from these calls: Numba hoists an np.empty written in a
-# prange body out of the loop, which would share it between the iterations a thread runs.
 @njit(nogil=True)
-def _f32(rows, cols):
-    return np.empty((rows, cols), dtype=np.float32)
-
-
-@njit(nogil=True)
-def _i64(rows, cols):
-    return np.empty((rows, cols), dtype=np.int64)
-
-
-@njit(nogil=True)
-def _sum(a, b):
-    out = np.empty_like(a)
+def _add(a, b, out):
     for t in range(a.shape[0]):
         for c in range(a.shape[1]):
             out[t, c] = a[t, c] + b[t, c]
-    return out
 
 
 @njit(nogil=True)
-def _rows_of_pairs(order, num_pairs):
-    """[T*K]: the row of each flat pair in `order`, -1 where it has none."""
-    rows = np.full(num_pairs, -1, dtype=np.int64)
+def _rows_of_pairs(order, rows):
+    """rows [T*K]: the row of each flat pair in `order`, -1 where it has none."""
+    rows[:] = -1
     for r in range(order.size):
         rows[order[r]] = r
-    return rows
+
+
+def new_work(layer, num_tokens, num_workers):
+    """The arrays a fused layer call writes besides x (fused_template's `work`), made once per batch size
+    and thread count and kept (CpuBackend.fused_work): allocated afresh at every call, the ~13 shared
+    and ~10 per-worker arrays cost ~9 us of the call's serial prologue on the VM and ~40-50 us on the
+    H200 host (bench/fused_stages.py, session 18), cold allocator state each time. Shapes: see the legend;
+    P = the most key splits attention.num_key_splits gives, W = num_workers."""
+    hidden, width, num_experts = layer.gate_exps.shape[2], layer.gate_exps.shape[1], layer.gate_exps.shape[0]
+    heads, kv_heads, head_dim, top_k = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.num_experts_per_tok
+    group, pairs, splits = heads // kv_heads, num_tokens * top_k, max(1, attention.TARGET_ITEMS // kv_heads)
+    f32 = lambda *shape: np.empty(shape, dtype=np.float32)  # noqa: E731
+    i64 = lambda *shape: np.empty(shape, dtype=np.int64)  # noqa: E731
+    return (f32(num_tokens, heads * head_dim), f32(num_tokens, kv_heads * head_dim),  # q, k
+            f32(num_tokens, kv_heads * head_dim),  # v
+            f32(num_tokens, kv_heads, splits, group, head_dim),  # acc
+            np.empty((num_tokens, kv_heads, splits, group, 2), dtype=np.float64),  # stats
+            f32(num_tokens, hidden), f32(num_tokens, num_experts),  # o, router logits
+            f32(pairs, width), f32(pairs, width), f32(pairs, hidden), f32(num_tokens, hidden),  # gate, up, down, moe
+            i64(num_tokens), i64(num_tokens + 1),  # splits, split_starts
+            np.zeros(NUM_STAGES * (num_workers + 1) * sync.LINE, dtype=np.int64),  # counters
+            np.zeros(1, dtype=np.int64), np.array([0, num_tokens], dtype=np.int64),  # one_expert, row_starts
+            # per worker
+            f32(num_workers, num_tokens, hidden), f32(num_workers, num_tokens, heads * head_dim),  # h, att
+            f32(num_workers, num_tokens, hidden), f32(num_workers, num_tokens, hidden),  # x2, h2
+            i64(num_workers, num_tokens, top_k), f32(num_workers, num_tokens, top_k),  # ids, weights
+            f32(num_workers, pairs, hidden), f32(num_workers, pairs, width), i64(num_workers, pairs))  # xs, act, rows
 
 
 @njit(fastmath=True, nogil=True)
@@ -108,42 +120,32 @@ def _add_columns(x2, moe, c0, c1, x):
             x[t, c] = x2[t, c] + moe[t, c]
 
 
-def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant, trace,
+def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant, trace, work,
                    attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim,
                    q_raws, k_raws, v_raws, o_raws, r_raws, g_raws, u_raws, d_raws, top_k, normalize):
     """x [T, H] += attention block, then += MoE block, as cpu_decode.layer_template, in one parallel
     region. Returns the routing ids int64 [T, K]. trace int64 [W, TRACE_COLUMNS] (zero rows: no profile)
     gains each worker's ticks per stage (its own serial work, its items, its wait for the others), and
-    those of the region's start and of the whole call."""
+    those of the region's start and of the whole call. work: new_work's arrays for this batch size and
+    thread count."""
     entry = sync.cycles() if trace.shape[0] else 0
     num_tokens, hidden = x.shape
     group = num_heads // num_kv_heads
-    num_experts, width = r_raws[0].shape[1], g_raws[0].shape[1]
-    one_expert = np.zeros(1, dtype=np.int64)  # [1]
-    row_starts = np.array([0, num_tokens], dtype=np.int64)  # [2]
-    # shared: written by item stages, read after their meeting
-    q = np.empty((num_tokens, num_heads * head_dim), dtype=np.float32)  # [T, Hq*D]
-    k = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
-    v = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
-    splits = np.empty(num_tokens, dtype=np.int64)  # [T]: key splits of each token's attention
+    num_experts = r_raws[0].shape[1]
+    (q, k, v, acc, stats, o, logits, gate, up, down, moe, splits, split_starts, counters, one_expert, row_starts,
+     h_of, att_of, x2_of, h2_of, ids_of, weights_of, xs_of, act_of, rows_of) = work
+    num_workers = simd.num_threads()
+    if h_of.shape[0] < num_workers or q.shape[0] != num_tokens:
+        raise ValueError("fused decode layer: work arrays made for another batch size or thread count")
     for tt in range(num_tokens):
         splits[tt] = attention.num_key_splits(num_kv_heads, positions[tt] + 1)
-    split_starts = np.zeros(num_tokens + 1, dtype=np.int64)  # [T+1]: first attention item of each token
+    split_starts[0] = 0
     for tt in range(num_tokens):
         split_starts[tt + 1] = split_starts[tt] + num_kv_heads * splits[tt]
-    max_splits = splits.max()
-    acc = np.empty((num_tokens, num_kv_heads, max_splits, group, head_dim), dtype=np.float32)  # [T, Hkv, P, G, D]
-    stats = np.empty((num_tokens, num_kv_heads, max_splits, group, 2), dtype=np.float64)  # [T, Hkv, P, G, 2]
-    o = np.empty((num_tokens, hidden), dtype=np.float32)  # [T, H]
-    logits = np.empty((num_tokens, num_experts), dtype=np.float32)  # [T, E]
     num_pairs = num_tokens * top_k
-    gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
-    up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
-    down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
-    moe = np.zeros((num_tokens, hidden), dtype=np.float32)  # [T, H]
-    ids_out = np.empty((num_tokens, top_k), dtype=np.int64)  # [T, K]
-    num_workers = simd.num_threads()
-    counters = sync.new_counters(NUM_STAGES, num_workers)
+    moe[:] = 0.0
+    counters[:NUM_STAGES * (num_workers + 1) * sync.LINE] = 0
+    ids_out = np.empty((num_tokens, top_k), dtype=np.int64)  # [T, K]: returned, so not a work array
     layer_k, layer_v = k_pool[layer_index], v_pool[layer_index]  # [NB, BT, Hkv, D]
     q3 = q.reshape(num_tokens, num_heads, head_dim)  # [T, Hq, D]
     k3 = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
@@ -156,7 +158,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
         if w < trace.shape[0]:
             trace[w, START] += t - entry
         # q, k, v: each thread norms x and rounds it for the three formats itself
-        h = _f32(num_tokens, hidden)  # [T, H]
+        h = h_of[w]  # [T, H]
         rmsnorm.rmsnorm_serial(x, attn_norm, eps, h)
         q_items, q_prep = Q_PREP(q_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
         k_items, k_prep = K_PREP(k_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
@@ -219,7 +221,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
         sync.finish(counters, ATTEND, num_workers, done, num_attend)
         t = sync.mark(trace, w, 3 * ATTEND + 2, t)
         # o: each thread merges the splits itself (a few us), then the rows are shared out
-        att = _f32(num_tokens, num_heads * head_dim)  # [T, Hq*D]
+        att = att_of[w]  # [T, Hq*D]
         for tok in range(num_tokens):
             for head in range(num_heads):
                 attention._merge(acc[tok, head // group, :splits[tok], head % group],
@@ -237,8 +239,8 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
         sync.finish(counters, OUT, num_workers, done, o_items.shape[0])
         t = sync.mark(trace, w, 3 * OUT + 2, t)
         # router: x + o and its norm stay on each thread until the combine writes x
-        x2 = _sum(x, o)  # [T, H]
-        h2 = _f32(num_tokens, hidden)  # [T, H]
+        x2, h2 = x2_of[w], h2_of[w]  # [T, H] each
+        _add(x, o, x2)
         rmsnorm.rmsnorm_serial(x2, ffn_norm, eps, h2)
         r_items, r_prep = R_PREP(r_raws, h2, one_expert, row_starts, act_quant)  # noqa: F821
         done = 0
@@ -252,11 +254,10 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
         sync.finish(counters, ROUTER, num_workers, done, r_items.shape[0])
         t = sync.mark(trace, w, 3 * ROUTER + 2, t)
         # experts: each thread routes, groups and rounds the pair rows itself
-        ids = _i64(num_tokens, top_k)  # [T, K]
-        weights = _f32(num_tokens, top_k)  # [T, K]
+        ids, weights = ids_of[w], weights_of[w]  # [T, K] each
         routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
         order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
-        xs = _f32(num_pairs, hidden)  # [N, H]
+        xs = xs_of[w]  # [N, H]
         moe_combine.gather_rows_serial(h2, order, top_k, xs)
         if GU_PAIRED:  # noqa: F821: one prepare, the items over both weights
             gu_raws = g_raws + u_raws
@@ -287,7 +288,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
         t = sync.mark(trace, w, 3 * GATE_UP + 1, t)
         sync.finish(counters, GATE_UP, num_workers, done, n_gu)
         t = sync.mark(trace, w, 3 * GATE_UP + 2, t)
-        act = _f32(num_pairs, width)  # [N, F]
+        act = act_of[w]  # [N, F]
         activation.swiglu_serial(gate, up, act)
         d_items, d_prep = D_PREP(d_raws, act, expert_ids, pair_starts, act_quant)  # noqa: F821
         done = 0
@@ -301,7 +302,8 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
         sync.finish(counters, DOWN, num_workers, done, d_items.shape[0])
         t = sync.mark(trace, w, 3 * DOWN + 2, t)
         # combine: column ranges of x, each from this thread's x + o and the weighted pair rows
-        row_of_pair = _rows_of_pairs(order, num_pairs)  # [T*K]
+        row_of_pair = rows_of[w]  # [T*K]
+        _rows_of_pairs(order, row_of_pair)
         num_chunks = (hidden + COMBINE_COLUMNS - 1) // COMBINE_COLUMNS
         t = sync.mark(trace, w, 3 * COMBINE, t)
         i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, 0)
