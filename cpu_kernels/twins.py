@@ -26,6 +26,6 @@ def serial_twin(kernel):
     fn = kernel.py_func
     twin = renamed_copy(fn, "serial")
     twin.__doc__ = f"Serial twin of {fn.__qualname__}: {fn.__doc__}"
-    options = dict(fastmath=True)
-    options.update({key: kernel.targetoptions[key] for key in ("fastmath", "error_model") if key in kernel.targetoptions})
+    options = dict(fastmath=True)  # and the kernel's own fast-math flags and error model, where it sets them
+    options.update({key: value for key, value in kernel.targetoptions.items() if key in ("fastmath", "error_model")})
     return njit(nogil=True, cache=True, **options)(twin)

@@ -104,8 +104,8 @@ class CpuBackend:
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
     _local = None  # per thread: the _Scratch of grouped_experts
     _plans = None  # layer index: cpu_decode.LayerPlan, made at the layer's first decode step
-    # int64 [W, 3 * stages]: ticks each worker of a fused decode layer spends per stage, summed over calls
-    # (cpu_decode_fused.fused_template; bench/fused_stages.py sets it); zero rows: not profiled
+    # int64 [W, cpu_decode_fused.TRACE_COLUMNS]: ticks each worker of a fused decode layer spends per stage,
+    # summed over calls (fused_template; bench/fused_stages.py sets it); zero rows: not profiled
     stage_trace = np.zeros((0, 0), dtype=np.int64)
 
     def _scratch(self):

@@ -90,7 +90,7 @@ def new_work(layer, num_tokens, num_workers):
             f32(num_tokens, hidden), f32(num_tokens, num_experts),  # o, router logits
             f32(pairs, width), f32(pairs, width), f32(pairs, hidden), f32(num_tokens, hidden),  # gate, up, down, moe
             i64(num_tokens), i64(num_tokens + 1),  # splits, split_starts
-            np.zeros(NUM_STAGES * (num_workers + 1) * sync.LINE, dtype=np.int64),  # counters
+            sync.new_counters(NUM_STAGES, num_workers),  # counters
             np.zeros(1, dtype=np.int64), np.array([0, num_tokens], dtype=np.int64),  # one_expert, row_starts
             # per worker
             f32(num_workers, num_tokens, hidden), f32(num_workers, num_tokens, heads * head_dim),  # h, att
@@ -142,7 +142,6 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
     split_starts[0] = 0
     for tt in range(num_tokens):
         split_starts[tt + 1] = split_starts[tt] + num_kv_heads * splits[tt]
-    num_pairs = num_tokens * top_k
     moe[:] = 0.0
     counters[:NUM_STAGES * (num_workers + 1) * sync.LINE] = 0
     ids_out = np.empty((num_tokens, top_k), dtype=np.int64)  # [T, K]: returned, so not a work array

@@ -26,7 +26,7 @@ def _claim_all(item_counts, num_workers):
                 done += 1
                 i, tried = sync.take(counters, stage, w, num_workers, n, tried)
             sync.finish(counters, stage, num_workers, done, n)
-            seen[stage, w] = sync.atomic_load(counters, (stage * (num_workers + 1) + num_workers) * sync.LINE)
+            seen[stage, w] = sync.atomic_load(counters, sync._slot(stage, num_workers, num_workers))
     return claims, seen
 
 
