@@ -90,6 +90,27 @@ def test_env_picks_the_fused_layer(gguf_models, monkeypatch):
         numba.set_num_threads(before)
 
 
+def test_fused_work_arrays_kept_per_batch_size(gguf_models, monkeypatch):
+    """The fused layer's work arrays are made once per batch size and reused by every layer and step; the
+    FUSED_WORK_KEPT most recently used sizes stay."""
+    from hybrid.backends.cpu import FUSED_WORK_KEPT
+
+    path, _ = gguf_models("small", "Q8_0")
+    model = hybrid.LLM(path, device="cpu").model
+    monkeypatch.setenv("STRATA_FUSED_DECODE", "1")
+    prompts = [[5 + i, 17, 300 - i] for i in range(FUSED_WORK_KEPT + 1)]
+    decode(model, True, prompts[:1], 2)
+    kept = model.backend._scratch().fused_work
+    (first,) = kept.values()
+    assert first[0].shape[0] == 1  # q [T, Hq*D] of one token
+    decode(model, True, prompts[:1], 1)
+    assert next(iter(kept.values())) is first  # the same arrays again
+    for n in range(2, FUSED_WORK_KEPT + 2):
+        decode(model, True, prompts[:n], 1)
+    assert len(kept) == FUSED_WORK_KEPT
+    assert sorted(key[1] for key in kept) == list(range(2, FUSED_WORK_KEPT + 2))  # batch size 1 dropped
+
+
 def test_prefill_and_other_kv_dtypes_keep_the_op_by_op_path(gguf_models):
     path, _ = gguf_models("small", "Q8_0")
     model = hybrid.LLM(path, device="cpu").model
