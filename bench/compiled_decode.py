@@ -17,6 +17,16 @@ from hybrid.batch import Batch, SeqChunk  # noqa: E402
 from hybrid.llm import LLM  # noqa: E402
 
 
+def decode_seconds(model, rng, n):
+    """Seconds of n one-token steps of a fresh sequence after an 8-token prompt (random token ids)."""
+    kv = model.new_sequence(n + 16)
+    model.forward(Batch([SeqChunk(kv, 0, rng.integers(1, 1000, 8).astype(np.int64))]))
+    start = time.perf_counter()
+    for token in rng.integers(1, 1000, n):
+        model.forward(Batch([SeqChunk(kv, kv.length, np.array([token], np.int64))]))
+    return time.perf_counter() - start
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -26,17 +36,8 @@ def main(argv=None):
     model = LLM(args.model, device="cpu", threads=args.threads, max_context=512).model
     model.compiled_decode = bool(args.compiled)
     rng = np.random.default_rng(0)
-
-    def tokens_per_second(n):
-        kv = model.new_sequence(n + 16)
-        model.forward(Batch([SeqChunk(kv, 0, rng.integers(1, 1000, 8).astype(np.int64))]))
-        start = time.perf_counter()
-        for token in rng.integers(1, 1000, n):
-            model.forward(Batch([SeqChunk(kv, kv.length, np.array([token], np.int64))]))
-        return n / (time.perf_counter() - start)
-
-    tokens_per_second(16)
-    best = max(tokens_per_second(64) for _ in range(3))
+    decode_seconds(model, rng, 16)
+    best = max(64 / decode_seconds(model, rng, 64) for _ in range(3))
     print(f"{'compiled layers' if model.compiled_decode else 'op by op'}, {args.threads or 'all'} threads: "
           f"decode {best:.1f} tok/s", flush=True)
 

@@ -20,10 +20,12 @@ from pathlib import Path
 import numba
 import numpy as np
 
+# bench/ holds a cpu_kernels.py: drop the folder from the path so `cpu_kernels` is the package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.compiled_decode import decode_seconds  # noqa: E402
 from cpu_kernels import sync  # noqa: E402
 from hybrid.backends import cpu_decode_fused as fused  # noqa: E402
-from hybrid.batch import Batch, SeqChunk  # noqa: E402
 from hybrid.llm import LLM  # noqa: E402
 
 STAGE_NAMES = ("q k v", "rope, kv write", "attention", "o", "router", "gate+up", "down", "combine")
@@ -63,19 +65,11 @@ def main(argv=None):
     backend.decode_layer = timed_layer
     captured = []
 
-    def decode(n):
-        kv = model.new_sequence(n + 16)
-        model.forward(Batch([SeqChunk(kv, 0, rng.integers(1, 1000, 8).astype(np.int64))]))
-        start = time.perf_counter()
-        for token in rng.integers(1, 1000, n):
-            model.forward(Batch([SeqChunk(kv, kv.length, np.array([token], np.int64))]))
-        return time.perf_counter() - start
-
-    decode(16)  # compile and warm
+    decode_seconds(model, rng, 16)  # compile and warm
     workers = numba.get_num_threads()
     backend.stage_trace = np.zeros((workers, fused.TRACE_COLUMNS), dtype=np.int64)
     layer_seconds.clear()
-    step_seconds = decode(args.steps) / args.steps
+    step_seconds = decode_seconds(model, rng, args.steps) / args.steps
     rate = ticks_per_second()
     calls = len(layer_seconds)
     per_layer = backend.stage_trace / rate / calls * 1e6  # [W, TRACE_COLUMNS], us a layer call
