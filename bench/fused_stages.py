@@ -24,6 +24,7 @@ import numpy as np
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.compiled_decode import decode_seconds  # noqa: E402
+from bench.cpu_kernels import median_seconds  # noqa: E402
 from cpu_kernels import sync  # noqa: E402
 from hybrid.backends import cpu_decode_fused as fused  # noqa: E402
 from hybrid.llm import LLM  # noqa: E402
@@ -115,13 +116,7 @@ def call_costs(backend, decode_layer, args, kwargs):
     nothing = numba.njit(lambda *a: 0)
 
     def median_us(call):
-        call()
-        times = []
-        for _ in range(CALLS):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return 1e6 * float(np.median(times))
+        return 1e6 * median_seconds(call, CALLS)
 
     rest = full[1:]  # each call gets a fresh copy of x (the layer adds to it in place)
     return {"decode_layer": median_us(lambda: decode_layer(layer, x.copy(), step)),

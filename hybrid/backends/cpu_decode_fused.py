@@ -58,13 +58,6 @@ def format_parts(backend, weight):
 # -- the layer --------------------------------------------------------------------------------------------
 
 @njit(nogil=True)
-def _add(a, b, out):
-    for t in range(a.shape[0]):
-        for c in range(a.shape[1]):
-            out[t, c] = a[t, c] + b[t, c]
-
-
-@njit(nogil=True)
 def _rows_of_pairs(order, rows):
     """rows [T*K]: the row of each flat pair in `order`, -1 where it has none."""
     rows[:] = -1
@@ -114,10 +107,11 @@ def _weighted_columns(down, row_of_pair, weights, top_k, c0, c1, moe):
 
 
 @njit(nogil=True)
-def _add_columns(x2, moe, c0, c1, x):
-    for t in range(x.shape[0]):
+def _add_columns(a, b, c0, c1, out):
+    """out[:, c0:c1] = a + b over those columns."""
+    for t in range(out.shape[0]):
         for c in range(c0, c1):
-            x[t, c] = x2[t, c] + moe[t, c]
+            out[t, c] = a[t, c] + b[t, c]
 
 
 def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant, trace, work,
@@ -153,9 +147,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
     if trace.shape[0]:
         trace[0, PROLOGUE] += sync.cycles() - entry
     for w in prange(num_workers):
-        t = sync.cycles() if w < trace.shape[0] else 0
-        if w < trace.shape[0]:
-            trace[w, START] += t - entry
+        t = sync.mark(trace, w, START, entry)
         # q, k, v: each thread norms x and rounds it for the three formats itself
         h = h_of[w]  # [T, H]
         rmsnorm.rmsnorm_serial(x, attn_norm, eps, h)
@@ -239,7 +231,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
         t = sync.mark(trace, w, 3 * OUT + 2, t)
         # router: x + o and its norm stay on each thread until the combine writes x
         x2, h2 = x2_of[w], h2_of[w]  # [T, H] each
-        _add(x, o, x2)
+        _add_columns(x, o, 0, hidden, x2)
         rmsnorm.rmsnorm_serial(x2, ffn_norm, eps, h2)
         r_items, r_prep = R_PREP(r_raws, h2, one_expert, row_starts, act_quant)  # noqa: F821
         done = 0
