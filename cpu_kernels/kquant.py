@@ -218,6 +218,21 @@ def _subtract_mins(builder, acc, min_terms):
     return builder.fsub(acc, spread, flags=simd.FAST)
 
 
+def integer_runs(name, quants):
+    """runs_i16(builder, q, o) of a (scale, min) K-quant's block at byte o, for prefill_i16's unpacking: its 8
+    sub-blocks as <32 x i16> quant * scale_j (<= 31 * 63), factors <8 x float> of d and mins dmin * min_j."""
+    def runs_i16(builder, q, o):
+        scale_values, min_values = _scales_mins(builder, q, o)
+        scales = builder.zext(scale_values, simd.vec(simd.I16, 8))
+        runs = [builder.mul(values, simd.lanes(builder, scales, [j] * SUB))
+                for j, values in enumerate(quants(builder, q, o, simd.I16))]
+        d = simd.load_half(builder, q, o)
+        return runs, simd.splat(builder, d, 8), _scaled(builder, q, o, min_values, 2)
+
+    runs_i16.__name__ = f"{name}_runs_i16"
+    return runs_i16
+
+
 def vector_blocks(name, quants, pairs):
     """(block, block_i16, block_i8, weights) of a (scale, min) K-quant whose sub-block quants come from `quants`
     (and `pairs`, sub_block_pairs):

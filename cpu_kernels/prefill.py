@@ -79,11 +79,12 @@ _outer32 = _outer_intrinsic(PASS_TOKENS, ROWS_PER_PASS)
 
 
 @njit(nogil=True, cache=True)
-def token_panels(x, items):
+def token_panels(x, items, wanted=True):
     """x f32 [N, C] -> panels f32 [S, C, 64]: panel s holds token chunk s of the work items [W, 6] transposed,
-    zero past its end token; [0, C, 64] when every item has one token (decode reads x directly)."""
+    zero past its end token; [0, C, 64] when every item has one token (decode reads x directly) or not wanted
+    (integer prefill: prefill_i16)."""
     num_chunks = 0
-    for i in range(items.shape[0]):
+    for i in range(items.shape[0] if wanted else 0):
         if items[i, 3] - items[i, 2] > 1:
             num_chunks = items[items.shape[0] - 1, 4] + 1
             break

@@ -18,6 +18,7 @@ from . import simd
 from .act_quant import quantize_rows, without_int8
 from .half import read_half
 from .prefill import dot_tile, token_panels
+from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows, x_levels
 from .simd import F32, I8, I16, I32, I64
 from .target import int_dot_width
 from .tiles import ROWS_PER_ITEM, format_api, random_scales, work_items
@@ -56,6 +57,12 @@ def _weights(builder, q, o):
     return [(0, builder.fmul(builder.sitofp(_quants(builder, q, o), simd.vec(F32, BLOCK_SIZE)), d, flags=simd.FAST))]
 
 
+def _runs_i16(builder, q, o):
+    """The block at byte o of row q for prefill_i16's unpacking: q - 8 as <32 x i16>, factor d, no min."""
+    return [builder.sext(_quants(builder, q, o), simd.vec(I16, BLOCK_SIZE))], \
+        simd.splat(builder, simd.load_half(builder, q, o), 1), None
+
+
 def _block(builder, q, o, b, xs, aux, acc):
     """acc <32 x float> += d * float(q - 8) * x[32b:32b + 32] for the block at byte o of row q."""
     f32x = simd.vec(F32, BLOCK_SIZE)
@@ -77,6 +84,8 @@ def _block_i16(builder, q, o, b, xq, aux, acc):
 
 _block.acc_type, _block_i16.acc_type = simd.vec(F32, BLOCK_SIZE), simd.vec(F32, 16)
 _unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, BLOCK_SIZE)
+_X_LEVELS = x_levels(8)  # integer prefill: |x| levels for |weight integers| <= 8
+_unpack_row_i16 = unpack_row_i16_intrinsic(_runs_i16, BLOCK_BYTES, BLOCK_SIZE)
 _dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 _dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
@@ -104,7 +113,7 @@ def _rows_dot_i16(w, r0, r1, xq, aux, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, xq, xaux, panels, out, item, act_quant):
+def _tile(w, x, xq, xaux, panels, pxq, pdx, psums, out, item, act_quant):
     """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s, r1);
     panels [S, C, 64]."""
     r0, t0, t1 = item[1], item[2], item[3]
@@ -114,6 +123,12 @@ def _tile(w, x, xq, xaux, panels, out, item, act_quant):
         return
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], out[t0])
+        return
+    if integer_prefill(act_quant):
+        wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
+        for r in range(r0, r1):
+            _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])
+        tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
     buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
     for r in range(r0, r1):
@@ -131,9 +146,10 @@ def _dequantize(raw, out):
 def _prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
-    panels = token_panels(x, items)  # [S, C, 64]
+    panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # [S, C/2, 128], [S, C/32, 64] x 2 (integer prefill)
     xq, xaux = quantize_rows(x, items, without_int8(act_quant))  # [N, C], [N, C/16] (empty unless int16 decode)
-    return items, (xq, xaux, panels)
+    return items, (xq, xaux, panels, pxq, pdx, psums)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -141,8 +157,8 @@ def _run_item(raws, x, items, prep, outs, i, act_quant):
     """Item i of a moe_matmul call over its len(raws) weights: work item i % W of weight i // W."""
     num_items = items.shape[0]
     k, j = i // num_items, i % num_items
-    xq, xaux, panels = prep
-    _tile(raws[k][items[j, 0]], x, xq, xaux, panels, outs[k], items[j], act_quant)
+    xq, xaux, panels, pxq, pdx, psums = prep
+    _tile(raws[k][items[j, 0]], x, xq, xaux, panels, pxq, pdx, psums, outs[k], items[j], act_quant)
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)

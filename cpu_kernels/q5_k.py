@@ -18,8 +18,9 @@ from numba import njit, prange
 
 from . import simd
 from .act_quant import INT8, quantize_rows, quantize_rows_i8
-from .kquant import QK_K, SUB, join_bits, sub_block_pairs, sub_block_quants, sub_scales, vector_blocks
+from .kquant import QK_K, SUB, integer_runs, join_bits, sub_block_pairs, sub_block_quants, sub_scales, vector_blocks
 from .prefill import dot_tile, token_panels
+from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows, x_levels
 from .tiles import ROWS_PER_ITEM, decode_sub_block_sums, format_api, random_weight, work_items
 
 QTYPE = GGMLQuantizationType.Q5_K
@@ -51,6 +52,8 @@ def _unpack_row(row, dst):
 _block, _block_i16, _block_i8, _weights = vector_blocks("q5_k", sub_block_quants(_QS, _QH),
                                                       sub_block_pairs(_QS, _QH))
 _unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, QK_K)
+_X_LEVELS = x_levels(31 * 63)  # integer prefill: |x| levels for |weight integers| <= 31 * 63
+_unpack_row_i16 = unpack_row_i16_intrinsic(integer_runs("q5_k", sub_block_quants(_QS, _QH)), BLOCK_BYTES, QK_K)
 _dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 _dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
@@ -91,7 +94,7 @@ def _rows_dot_i8(w, r0, r1, xq, aux, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, xsum, xq, xaux, x8, x8aux, panels, out, item, act_quant):
+def _tile(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_quant):
     """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s, r1);
     xsum [N, C/32], panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
@@ -104,6 +107,12 @@ def _tile(w, x, xsum, xq, xaux, x8, x8aux, panels, out, item, act_quant):
         return
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], xsum[t0], out[t0])
+        return
+    if integer_prefill(act_quant):
+        wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
+        for r in range(r0, r1):
+            _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])
+        tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
     buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
     for r in range(r0, r1):
@@ -122,10 +131,11 @@ def _prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
     xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
-    panels = token_panels(x, items)  # [S, C, 64]
+    panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # [S, C/2, 128], [S, C/32, 64] x 2 (integer prefill)
     xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, True)  # [N, C], [N, C/16] (empty unless int8 decode)
-    return items, (xsum, xq, xaux, x8, x8aux, panels)
+    return items, (xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -133,8 +143,8 @@ def _run_item(raws, x, items, prep, outs, i, act_quant):
     """Item i of a moe_matmul call over its len(raws) weights: work item i % W of weight i // W."""
     num_items = items.shape[0]
     k, j = i // num_items, i % num_items
-    xsum, xq, xaux, x8, x8aux, panels = prep
-    _tile(raws[k][items[j, 0]], x, xsum, xq, xaux, x8, x8aux, panels, outs[k], items[j], act_quant)
+    xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums = prep
+    _tile(raws[k][items[j, 0]], x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, outs[k], items[j], act_quant)
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)

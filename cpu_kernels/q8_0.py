@@ -18,6 +18,7 @@ from . import simd
 from .act_quant import INT8, quantize_rows, quantize_rows_i8
 from .half import read_half
 from .prefill import dot_tile, token_panels
+from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows, x_levels
 from .simd import I8, I64
 from .target import int_dot_width
 from .tiles import ROWS_PER_ITEM, format_api, random_scales, work_items
@@ -57,6 +58,12 @@ def _weights(builder, q, o):
 
 
 _block.acc_type = simd.vec(simd.F32, BLOCK_SIZE)
+
+
+def _runs_i16(builder, q, o):
+    """The block at byte o of row q for prefill_i16's unpacking: its quants as <32 x i16>, factor d, no min."""
+    quants = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), simd.vec(I8, BLOCK_SIZE))
+    return [builder.sext(quants, simd.vec(simd.I16, BLOCK_SIZE))], simd.splat(builder, simd.load_half(builder, q, o), 1), None
 
 
 def _block_i16(builder, q, o, b, xq, aux, acc):
@@ -113,6 +120,8 @@ _dot_row_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, 1)
 _dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
 _unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, BLOCK_SIZE)
+_X_LEVELS = x_levels(128)  # integer prefill: |x| levels for |weight integers| <= 128
+_unpack_row_i16 = unpack_row_i16_intrinsic(_runs_i16, BLOCK_BYTES, BLOCK_SIZE)
 _dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
 _dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
 
@@ -148,7 +157,7 @@ def _rows_dot_i8(w, r0, r1, xq, aux, out):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, xq, xaux, x8, x8aux, panels, out, item, act_quant):
+def _tile(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_quant):
     """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s, r1);
     panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
@@ -161,6 +170,12 @@ def _tile(w, x, xq, xaux, x8, x8aux, panels, out, item, act_quant):
         return
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], out[t0])
+        return
+    if integer_prefill(act_quant):
+        wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
+        for r in range(r0, r1):
+            _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])
+        tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
     buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
     for r in range(r0, r1):
@@ -178,10 +193,11 @@ def _dequantize(raw, out):
 def _prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
-    panels = token_panels(x, items)  # [S, C, 64]
+    panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # [S, C/2, 128], [S, C/32, 64] x 2 (integer prefill)
     xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
-    return items, (xq, xaux, x8, x8aux, panels)
+    return items, (xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -189,8 +205,8 @@ def _run_item(raws, x, items, prep, outs, i, act_quant):
     """Item i of a moe_matmul call over its len(raws) weights: work item i % W of weight i // W."""
     num_items = items.shape[0]
     k, j = i // num_items, i % num_items
-    xq, xaux, x8, x8aux, panels = prep
-    _tile(raws[k][items[j, 0]], x, xq, xaux, x8, x8aux, panels, outs[k], items[j], act_quant)
+    xq, xaux, x8, x8aux, panels, pxq, pdx, psums = prep
+    _tile(raws[k][items[j, 0]], x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, outs[k], items[j], act_quant)
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)

@@ -1,4 +1,6 @@
 """F32, F16, BF16, Q8_0 and Q4_0 kernels vs gguf's dequantize and float64 NumPy references."""
+from functools import partial
+
 import gguf
 import numpy as np
 import pytest
@@ -41,13 +43,13 @@ def test_dequantize_matches_gguf_bitwise(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
 @pytest.mark.parametrize("num_tokens", [1, 40])
-def test_matmul_and_matvec_match_numpy(fmt, num_tokens, act_quant, act_rounding_bound):
+def test_matmul_and_matvec_match_numpy(fmt, num_tokens, act_quant, act_rounding_bound, prefill_rounding_bound):
     raw = _weights(fmt, (ROWS, COLS))
     raw.flags.writeable = False  # kernels must accept read-only (memory-mapped) weights
     x = np.random.default_rng(1).standard_normal((num_tokens, COLS), dtype=np.float32)  # [T, C]
     w = _dequant(fmt, raw)  # [R, C]
     ref = x.astype(np.float64) @ w.T  # [T, R]
-    extra = act_rounding_bound(x, np.abs(w), act_quant) if num_tokens == 1 else 0.0  # prefill multiplies in float
+    extra = (act_rounding_bound if num_tokens == 1 else partial(prefill_rounding_bound, fmt))(x, np.abs(w), act_quant)
     out = np.empty((num_tokens, ROWS), dtype=np.float32)
     fmt.matmul(raw, x, out, act_quant=act_quant)
     _assert_close(out, ref, extra)
@@ -57,7 +59,7 @@ def test_matmul_and_matvec_match_numpy(fmt, num_tokens, act_quant, act_rounding_
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)
-def test_moe_matmul_matches_numpy(fmt, act_quant, act_rounding_bound):
+def test_moe_matmul_matches_numpy(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
     raw = _weights(fmt, (5, ROWS, COLS))  # [E, R, B]
     expert_ids = np.array([3, 0, 4, 1, 3], dtype=np.int64)  # [G]; expert 3 twice
     sizes = [2, 0, 1, 35, 3]  # an empty group, a one-row group, one past a 32-token work item
@@ -72,7 +74,8 @@ def test_moe_matmul_matches_numpy(fmt, act_quant, act_rounding_bound):
             continue
         ref = x[rows].astype(np.float64) @ weights[e].T
         decode = row_starts[g + 1] - row_starts[g] == 1  # one-token groups take the decode dot
-        _assert_close(out[rows], ref, act_rounding_bound(x[rows], np.abs(weights[e]), act_quant) if decode else 0.0)
+        bound = act_rounding_bound if decode else partial(prefill_rounding_bound, fmt)
+        _assert_close(out[rows], ref, bound(x[rows], np.abs(weights[e]), act_quant))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__)

@@ -1,4 +1,6 @@
 """Q4_K, Q5_K, Q6_K kernels against gguf's dequantizer and NumPy float64 references."""
+from functools import partial
+
 import gguf
 import numpy as np
 import pytest
@@ -54,7 +56,7 @@ def test_dequantize_matches_gguf_on_random_bytes(fmt):
 
 
 @each_format
-def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound):
+def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
     raw = weight(fmt, (R, C), 2)
     x = np.random.default_rng(3).standard_normal((70, C)).astype(np.float32)  # [T, C]
     ref, bound = reference(fmt, raw, x)  # [T, R]
@@ -66,11 +68,12 @@ def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound):
     for num_tokens in (1, 40, 70):  # decode, prefill past one 32-token pass, past one 64-token item
         out = np.empty((num_tokens, R), dtype=np.float32)
         fmt.matmul(raw, x[:num_tokens], out, act_quant=act_quant)
-        assert_close(out, ref[:num_tokens], decode_bound if num_tokens == 1 else bound[:num_tokens])
+        prefill_bound = bound[:num_tokens] + prefill_rounding_bound(fmt, x[:num_tokens], w_abs, act_quant)
+        assert_close(out, ref[:num_tokens], decode_bound if num_tokens == 1 else prefill_bound)
 
 
 @each_format
-def test_moe_matmul(fmt, act_quant, act_rounding_bound):
+def test_moe_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
     num_experts = 5
     raw = weight(fmt, (num_experts, R, C), 4)  # [E, R, B]
     group_sizes = [3, 0, 1, 35, 2]  # an empty group, a 1-row (decode) group, one past a 32-token tile
@@ -82,9 +85,9 @@ def test_moe_matmul(fmt, act_quant, act_rounding_bound):
     for g, e in enumerate(expert_ids):
         rows = slice(row_starts[g], row_starts[g + 1])
         ref, bound = reference(fmt, raw[e], x[rows])
-        if group_sizes[g] == 1:  # the decode dot
-            w_abs = np.abs(gguf.quants.dequantize(raw[e], fmt.QTYPE).astype(np.float64))
-            bound = bound + act_rounding_bound(x[rows], w_abs, act_quant)
+        w_abs = np.abs(gguf.quants.dequantize(raw[e], fmt.QTYPE).astype(np.float64))
+        rounding = act_rounding_bound if group_sizes[g] == 1 else partial(prefill_rounding_bound, fmt)
+        bound = bound + rounding(x[rows], w_abs, act_quant)
         assert_close(out[rows], ref, bound)
 
 
