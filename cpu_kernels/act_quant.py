@@ -8,7 +8,8 @@ rounds x to int8 per 32-value block (error up to 1/254 of the block's largest va
 llama.cpp's q8_0 / q8_K activations) and dots it through vpdpbusd (AVX-512 VNNI / AVX-VNNI):
 Q8_0, Q4_K and Q6_K have int8 dots, the other formats take their int16 dot, and a target
 without VNNI takes int16 with a warning. Targets without AVX2 (STRATA_ISA_FLOOR=avx) always
-take the float path: their integer vectors are 128 bits.
+take the float path: their integer vectors are 128 bits. Prompt chunks round x to int16 their
+own way under int16 and int8 (prefill_i16), and multiply in float under float.
 
 Shape legend: N rows of x, C columns, C/32 blocks per row.
 """
@@ -171,7 +172,8 @@ def without_int8(act_quant):
 
 @njit(nogil=True, cache=True)
 def _num_decode_rows(x, items, wanted):
-    """x's row count if `wanted` and a work item [W, 6] has a single token (prefill multiplies in float), else 0."""
+    """x's row count if `wanted` and a work item [W, 6] has a single token (prefill rounds x its own way:
+    prefill_i16), else 0."""
     for i in range(items.shape[0] if wanted else 0):
         if items[i, 3] - items[i, 2] == 1:
             return x.shape[0]

@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from . import simd
-from .act_quant import FLOAT
+from .act_quant import FLOAT, _block_stats, _round_block
 from .simd import F32, I16, I32, I64
 from .target import int_dot_width
 from .tiles import ROWS_PER_ITEM, TOKENS_PER_ITEM
@@ -233,7 +233,7 @@ def token_panels_i16(x, items, act_quant, levels):
     return _panels_i16(x, spans, levels)
 
 
-@njit(parallel=True, nogil=True, fastmath=False, cache=True)  # no fast math (the serial twin's default) in x * inv
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
 def _panels_i16(x, spans, levels):
     num_chunks, num_cols = spans.shape[0], x.shape[1]
     xq = np.zeros((num_chunks, num_cols // 2, 2 * TOKENS_PER_ITEM), dtype=np.int16)  # [S, P, 128]
@@ -244,23 +244,23 @@ def _panels_i16(x, spans, levels):
     return xq, dx, sums
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, fastmath=True, cache=True)
 def _fill_panel_i16(x, t0, t1, levels, xq, dx, sums):
+    """One chunk's panels, each 32 values rounded as the decode rounding does (act_quant's block intrinsics:
+    the same bits under every caller's fast-math flags, which LLVM passes to what it inlines)."""
+    tmp = np.empty(SUB, dtype=np.int16)
     for t in range(t0, t1):
         tt = t - t0
+        row = x[t]
         for j in range(x.shape[1] // SUB):
-            amax = np.float32(0)
-            total = np.float32(0)
-            for c in range(SUB * j, SUB * j + SUB):
-                amax = max(amax, abs(x[t, c]))
-                total += x[t, c]
+            amax, total = _block_stats(row, j)
             sums[j, tt] = total
             if amax < TINY:  # all zero, or too small for levels / amax to stay finite: no integer part
                 continue
             dx[j, tt] = amax / levels
-            inv = levels / amax
-            for c in range(SUB * j, SUB * j + SUB):
-                xq[c // 2, 2 * tt + c % 2] = np.int16(np.rint(x[t, c] * inv))
+            _round_block(row, j, levels / amax, tmp, 0, -1)
+            for c in range(SUB):
+                xq[(SUB * j + c) // 2, 2 * tt + c % 2] = tmp[c]
 
 
 _panels_i16_serial = serial_twin(_panels_i16)

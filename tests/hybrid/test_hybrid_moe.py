@@ -109,11 +109,11 @@ def test_split_matches_cpu_path(gguf_models, target):
 
 
 def _assert_close(got, ref, name=""):
-    """The split only regroups sums: prompt rows (float dots) within 1e-5 of the largest logit. The
-    decode row's dots use int16 activations: an upstream difference of one float ulp can move a
-    value across a rounding step (2^-15 of its block's largest value), so it gets 1e-4."""
+    """The split only regroups sums, but the dots (prompt and decode) use int16 activations: an upstream
+    difference of one float ulp can move a value across a rounding step (2^-15 of its block's largest
+    value), so rows agree within 1e-4 of the largest logit, not to float rounding."""
     scale = np.abs(ref).max()
-    np.testing.assert_allclose(got[:-1], ref[:-1], rtol=0, atol=1e-5 * scale, err_msg=f"{name}: prompt rows")
+    np.testing.assert_allclose(got[:-1], ref[:-1], rtol=0, atol=1e-4 * scale, err_msg=f"{name}: prompt rows")
     np.testing.assert_allclose(got[-1:], ref[-1:], rtol=0, atol=1e-4 * scale, err_msg=f"{name}: decode row")
 
 
