@@ -79,18 +79,27 @@ _outer32 = _outer_intrinsic(PASS_TOKENS, ROWS_PER_PASS)
 
 
 @njit(nogil=True, cache=True)
-def token_panels(x, items, wanted=True):
-    """x f32 [N, C] -> panels f32 [S, C, 64]: panel s holds token chunk s of the work items [W, 6] transposed,
-    zero past its end token; [0, C, 64] when every item has one token (decode reads x directly) or not wanted
-    (integer prefill: prefill_i16)."""
+def chunk_spans(items, wanted):
+    """[S, 2]: each token chunk's (first token, end token) of the work items [W, 6]; [0, 2] when every item has
+    one token (decode reads x directly) or not wanted."""
     num_chunks = 0
     for i in range(items.shape[0] if wanted else 0):
         if items[i, 3] - items[i, 2] > 1:
             num_chunks = items[items.shape[0] - 1, 4] + 1
             break
-    spans = np.empty((num_chunks, 2), dtype=np.int64)  # [S, 2]: each chunk's (first token, end token)
+    spans = np.empty((num_chunks, 2), dtype=np.int64)  # [S, 2]
     for i in range(items.shape[0] if num_chunks else 0):
         spans[items[i, 4], 0], spans[items[i, 4], 1] = items[i, 2], items[i, 3]
+    return spans
+
+
+@njit(nogil=True, cache=True)
+def token_panels(x, items, wanted=True):
+    """x f32 [N, C] -> panels f32 [S, C, 64]: panel s holds token chunk s of the work items [W, 6] transposed,
+    zero past its end token; [0, C, 64] when every item has one token or not wanted (integer prefill:
+    prefill_i16)."""
+    spans = chunk_spans(items, wanted)
+    num_chunks = spans.shape[0]
     if num_chunks < PARALLEL_MIN_PANELS:
         return _panels_serial(x, spans)
     return _panels(x, spans)

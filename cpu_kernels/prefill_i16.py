@@ -10,9 +10,10 @@ row's factor times the tokens' scales; the min term comes from the tokens' float
 
 An int32 accumulator holds 32 columns of products, so x is rounded to at most 2^31 / (32 max|w|)
 levels (`x_levels`): 32767 (int16's), or 16383 for Q6_K; a value moves by at most half a level,
-max|x| / 65534 of its 32 columns (Q6_K: / 32766). Where the target has AVX-512 a pass covers 4 rows x 32 tokens (16 of the 32
-registers hold accumulators), on AVX2 4 rows x 16 tokens. Integer prefill runs wherever the
-integer decode dots do (act_quant not FLOAT); STRATA_ACT_QUANT=float keeps the float path.
+max|x| / 65534 of its 32 columns (Q6_K: / 32766). Where the target has AVX-512 a pass covers
+4 rows x 32 tokens (16 of the 32 registers hold accumulators), on AVX2 4 rows x 16 tokens.
+Integer prefill runs wherever the integer decode dots do (act_quant not FLOAT);
+STRATA_ACT_QUANT=float keeps the float path.
 
 Shape legend: N (token, expert) rows, C columns, J = C / 32 sub-blocks, K unpacked rows
 (ROWS_PER_ITEM), S token chunks, P = C / 2 column pairs, L int32 lanes of a vector.
@@ -27,6 +28,7 @@ from . import simd
 from .act_quant import FLOAT, _block_stats, _round_block
 from .simd import F32, I16, I32, I64
 from .target import int_dot_width
+from .prefill import chunk_spans
 from .tiles import ROWS_PER_ITEM, TOKENS_PER_ITEM
 from .twins import serial_twin
 
@@ -39,7 +41,6 @@ TINY = np.float32(1e-30)
 PARALLEL_MIN_PANELS = 4  # fewer token chunks are rounded serially (no parallel region to open)
 
 
-@njit(inline="always", nogil=True, cache=True)
 def x_levels(weight_max):
     """The largest |x| after rounding for integer weights of |w| <= weight_max: int32 sums of 32 columns of
     products stay exact (Q6_K's 4096: 16383; the other formats: int16's 32767)."""
@@ -72,7 +73,8 @@ def unpack_row_i16_intrinsic(block_fn, block_bytes, block_size):
             row_bytes = cgutils.unpack_tuple(builder, wa.shape)[1]
             first = context.cast(builder, args[1], signature.args[1], types.int64)
             q = builder.gep(wa.data, [builder.mul(first, row_bytes)])
-            dst_ptr, factor_ptr, min_ptr = (simd.data_ptr(context, builder, signature.args[i], args[i]) for i in (2, 3, 4))
+            dst_ptr, factor_ptr, min_ptr = (simd.data_ptr(context, builder, signature.args[i], args[i])
+                                            for i in (2, 3, 4))
             num_blocks = builder.udiv(row_bytes, ir.Constant(I64, block_bytes))
             zeros = ir.Constant(simd.vec(F32, runs_per_block), None)
 
@@ -136,7 +138,8 @@ def _outer_intrinsic(num_rows, num_vectors):
                 for p in range(SUB // 2):
                     pair = builder.add(builder.mul(j, ir.Constant(I64, SUB // 2)), ir.Constant(I64, p))
                     base = builder.gep(x0, [builder.mul(pair, pair_stride)])
-                    xv = [simd.load_at(builder, base, ir.Constant(I64, 2 * LANES * v), i16x) for v in range(num_vectors)]
+                    xv = [simd.load_at(builder, base, ir.Constant(I64, 2 * LANES * v), i16x)
+                          for v in range(num_vectors)]
                     for i, w_row in enumerate(w_rows):
                         word = builder.load(builder.gep(w_row, [pair]))
                         wv = builder.bitcast(builder.shuffle_vector(
@@ -217,18 +220,11 @@ def unpacked_rows(num_cols):
 @njit(nogil=True, cache=True)
 def token_panels_i16(x, items, act_quant, levels):
     """x f32 [N, C] -> (xq int16 [S, P, 128], dx f32 [S, J, 64], sums f32 [S, J, 64]): token chunk s of the work
-    items [W, 6] rounded per (token, 32 columns) to xq * dx with |xq| <= levels (x_levels), its column pairs interleaved by
-    token, and the float sums of x over each 32 columns; zero past the chunk's end token. Empty (S = 0) unless
-    integer_prefill(act_quant) and some item has several tokens."""
-    num_chunks = 0
-    for i in range(items.shape[0] if integer_prefill(act_quant) else 0):
-        if items[i, 3] - items[i, 2] > 1:
-            num_chunks = items[items.shape[0] - 1, 4] + 1
-            break
-    spans = np.zeros((num_chunks, 2), dtype=np.int64)  # [S, 2]: each chunk's (first token, end token)
-    for i in range(items.shape[0] if num_chunks else 0):
-        spans[items[i, 4], 0], spans[items[i, 4], 1] = items[i, 2], items[i, 3]
-    if num_chunks < PARALLEL_MIN_PANELS:
+    items [W, 6] rounded per (token, 32 columns) to xq * dx with |xq| <= levels (x_levels), its column pairs
+    interleaved by token, and the float sums of x over each 32 columns; zero past the chunk's end token.
+    Empty (S = 0) unless integer_prefill(act_quant) and some item has several tokens."""
+    spans = chunk_spans(items, integer_prefill(act_quant))  # [S, 2]
+    if spans.shape[0] < PARALLEL_MIN_PANELS:
         return _panels_i16_serial(x, spans, levels)
     return _panels_i16(x, spans, levels)
 

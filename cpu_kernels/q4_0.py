@@ -18,7 +18,8 @@ from . import simd
 from .act_quant import quantize_rows, without_int8
 from .half import read_half
 from .prefill import dot_tile, token_panels
-from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows, x_levels
+from .prefill_i16 import (integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows,
+                          x_levels)
 from .simd import F32, I8, I16, I32, I64
 from .target import int_dot_width
 from .tiles import ROWS_PER_ITEM, format_api, random_scales, work_items
@@ -147,7 +148,7 @@ def _prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
     panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
-    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # [S, C/2, 128], [S, C/32, 64] x 2 (integer prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # integer prefill: prefill_i16
     xq, xaux = quantize_rows(x, items, without_int8(act_quant))  # [N, C], [N, C/16] (empty unless int16 decode)
     return items, (xq, xaux, panels, pxq, pdx, psums)
 

@@ -17,9 +17,11 @@ from numba import njit, prange
 
 from . import simd
 from .act_quant import INT8, quantize_rows_i8, quantize_rows_split
-from .kquant import QK_K, SUB, integer_runs, split_block_i16, sub_block_pairs, sub_block_quants, sub_scales, ubits, vector_blocks
+from .kquant import (QK_K, SUB, integer_runs, split_block_i16, sub_block_pairs, sub_block_quants, sub_scales, ubits,
+                     vector_blocks)
 from .prefill import dot_tile, token_panels
-from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows, x_levels
+from .prefill_i16 import (integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows,
+                          x_levels)
 from .tiles import ROWS_PER_ITEM, decode_sub_block_sums, format_api, random_weight, work_items
 
 QTYPE = GGMLQuantizationType.Q4_K
@@ -131,7 +133,7 @@ def _prepare(raws, x, expert_ids, row_starts, act_quant):
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
     xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
     panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
-    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # [S, C/2, 128], [S, C/32, 64] x 2 (integer prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # integer prefill: prefill_i16
     xq, xaux = quantize_rows_split(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, True)  # [N, C], [N, C/16] (empty unless int8 decode)
     return items, (xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums)

@@ -21,7 +21,8 @@ from .act_quant import INT8, quantize_rows, quantize_rows_i8
 from .half import read_half
 from .kquant import QK_K, SUB, join_bits
 from .prefill import dot_tile, token_panels
-from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows, x_levels
+from .prefill_i16 import (integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows,
+                          x_levels)
 from .simd import F32, I8, I64
 from .target import int_dot_width
 from .tiles import ROWS_PER_ITEM, format_api, random_weight, work_items
@@ -104,7 +105,8 @@ def _runs_i16(builder, q, o):
     scales (|q * scale| <= 4096), factors <8 x float> of d, no mins."""
     scales = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, _SC)), simd.vec(I8, 16))
     scales = builder.sext(scales, simd.vec(simd.I16, 16))
-    runs = [builder.mul(builder.sext(quants, simd.vec(simd.I16, SUB)), simd.lanes(builder, scales, [2 * r] * 16 + [2 * r + 1] * 16))
+    runs = [builder.mul(builder.sext(quants, simd.vec(simd.I16, SUB)),
+                        simd.lanes(builder, scales, [2 * r] * 16 + [2 * r + 1] * 16))
             for r, quants in enumerate(_quants(builder, q, o))]
     return runs, simd.splat(builder, simd.load_half(builder, q, builder.add(o, ir.Constant(I64, _D))), 8), None
 
@@ -245,7 +247,7 @@ def _prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
     panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
-    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # [S, C/2, 128], [S, C/32, 64] x 2 (integer prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # integer prefill: prefill_i16
     xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
     return items, (xq, xaux, x8, x8aux, panels, pxq, pdx, psums)

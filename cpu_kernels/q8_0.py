@@ -18,7 +18,8 @@ from . import simd
 from .act_quant import INT8, quantize_rows, quantize_rows_i8
 from .half import read_half
 from .prefill import dot_tile, token_panels
-from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows, x_levels
+from .prefill_i16 import (integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows,
+                          x_levels)
 from .simd import I8, I64
 from .target import int_dot_width
 from .tiles import ROWS_PER_ITEM, format_api, random_scales, work_items
@@ -63,7 +64,8 @@ _block.acc_type = simd.vec(simd.F32, BLOCK_SIZE)
 def _runs_i16(builder, q, o):
     """The block at byte o of row q for prefill_i16's unpacking: its quants as <32 x i16>, factor d, no min."""
     quants = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 2)), simd.vec(I8, BLOCK_SIZE))
-    return [builder.sext(quants, simd.vec(simd.I16, BLOCK_SIZE))], simd.splat(builder, simd.load_half(builder, q, o), 1), None
+    d = simd.splat(builder, simd.load_half(builder, q, o), 1)
+    return [builder.sext(quants, simd.vec(simd.I16, BLOCK_SIZE))], d, None
 
 
 def _block_i16(builder, q, o, b, xq, aux, acc):
@@ -194,7 +196,7 @@ def _prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
     panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
-    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # [S, C/2, 128], [S, C/32, 64] x 2 (integer prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # integer prefill: prefill_i16
     xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
     return items, (xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
