@@ -11,7 +11,7 @@ bandwidth is a parallel float32 sum over a large array, per thread count.
 
     python bench/cpu_kernels.py [--threads 1,2] [--formats q8_0,q4_k] [--repeats 7] [--no-prefill]
 
-Writes the table to bench/results/cpu_kernels.md (or --out).
+Prints the table; --out also writes it to a file (bench/results/cpu_kernels.md keeps the history by hand).
 """
 import argparse
 import logging
@@ -34,7 +34,6 @@ log = logging.getLogger("bench.cpu_kernels")
 
 NUM_EXPERTS, ROWS, COLS = 128, 768, 2048  # Qwen3-30B-A3B gate/up: [E, R, C]
 PREFILL_EXPERTS, PREFILL_TOKENS = 16, 64  # a 512-token prompt gives each of 8 of 64 experts ~64 tokens
-RESULTS = Path(__file__).parent / "results" / "cpu_kernels.md"
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
@@ -168,7 +167,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--gib", type=float, default=1.5, help="bytes cycled per measurement, in GiB (beat the LLC)")
     parser.add_argument("--no-prefill", action="store_true", help="decode columns only")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the table goes")
+    parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     thread_counts = [int(t) for t in args.threads.split(",")]
@@ -176,8 +175,9 @@ def main():
     min_bytes = int(args.gib * 2**30)
     rows = run(format_names, thread_counts, args.repeats, min_bytes, prefill=not args.no_prefill)
     table = markdown(rows, args.repeats, min_bytes)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
     print(table)
 
 

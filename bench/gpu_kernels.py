@@ -3,13 +3,16 @@
 For each format, random experts of one Qwen3-30B-A3B MoE layer (128 experts, gate/up projection
 R=768, C=2048) sit in VRAM as expert-cache slots; a decode-sized step reads every expert once: one
 moe_matmul launch with 128 groups of one row (the one-token kernel). Four layer copies are cycled so
-the weights never sit in L2. Bandwidth = weight bytes read / time (CUDA events, median of the
-repeats). The copy bandwidth counts bytes read + written of a 2 GiB device-to-device copy. The
+the weights never sit in L2. Bandwidth = weight bytes read / time a launch (CUDA events, median of the
+repeats), timed over QUEUED launches queued back to back behind one untimed launch, as a decode step queues its
+kernels: a single launch on an idle GPU also times the host's launch latency, shown in its own column. The
+copy bandwidth counts bytes read + written of a 2 GiB device-to-device copy. The
 tuning (rows a lane group works on, slices a lane takes) is swept for --sweep formats over --rows x
---slices; the others run at their default tuning (gpu_kernels.kernels.DECODE_TUNING).
+--slices x --blocks (blocks an SM must hold, registers capped to fit; 0: the compiler's choice); the others
+run at their default tuning (gpu_kernels.kernels.DECODE_TUNING, DECODE_MIN_BLOCKS).
 
     python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--rows 1,2,4] [--slices 1,2,4]
-        [--repeats 20]
+        [--blocks 0] [--repeats 20]
 
 Prints the table; --output also writes it to a file (bench/results/gpu_kernels.md keeps the history by hand).
 """
@@ -30,19 +33,26 @@ from hybrid.formats.synthetic import encode  # noqa: E402
 log = logging.getLogger("bench.gpu_kernels")
 
 NUM_EXPERTS, ROWS, COLS, COPIES = 128, 768, 2048, 4
+QUEUED = 8  # launches timed together, the GPU kept busy between them
 
 
-def timed(rt, fn, repeats):
-    """Median seconds of fn() over `repeats` runs, by CUDA events, after one warm-up."""
+def timed(rt, fn, repeats, queued=QUEUED):
+    """Median seconds a call of fn() takes over `repeats` runs, by CUDA events, after one warm-up. queued > 0:
+    `queued` calls back to back, the first queued behind an untimed call so that the timing starts with the
+    GPU busy; 0: one call on an idle GPU (the host's launch latency included)."""
     fn()
+    rt.cp.cuda.Device().synchronize()
     times = []
     for _ in range(repeats):
         start, stop = rt.event(timing=True), rt.event(timing=True)
+        if queued:
+            fn()
         start.record()
-        fn()
+        for _ in range(max(1, queued)):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(rt.cp.cuda.get_elapsed_time(start, stop) / 1e3)
+        times.append(rt.cp.cuda.get_elapsed_time(start, stop) / 1e3 / max(1, queued))
     return float(np.median(times))
 
 
@@ -53,8 +63,8 @@ def copy_bandwidth(rt, repeats):
     return 2 * src.nbytes / seconds
 
 
-def expert_bandwidth(rt, tunings, qtype, repeats):
-    """{(decode_rows, lane_slices): (bytes per second, seconds)} of one decode step over a layer."""
+def _layer(rt, qtype):
+    """(host raw [E, R, B], COPIES device copies of it, x [E, C], out [E, R], decode work tiles) of one layer."""
     rng = np.random.default_rng(0)
     one = encode("w", rng.standard_normal((NUM_EXPERTS, ROWS, COLS)).astype(np.float32) * 0.02, qtype, rng).raw
     layers = [rt.to_device(one) for _ in range(COPIES)]  # [E, R, B] each
@@ -62,16 +72,25 @@ def expert_bandwidth(rt, tunings, qtype, repeats):
     out = rt.empty((NUM_EXPERTS, ROWS), np.float32)
     tiles = [rt.to_device(np.ascontiguousarray(t))
              for t in _work_tiles(np.arange(NUM_EXPERTS + 1), np.arange(NUM_EXPERTS), 1)]
+    return one, layers, x, out, tiles
+
+
+def expert_bandwidth(rt, tunings, qtype, repeats):
+    """{(decode_rows, lane_slices, min_blocks): (bytes per second, seconds queued, seconds alone, registers a
+    thread, local bytes a thread: spills)} of one decode step over a layer."""
+    one, layers, x, out, tiles = _layer(rt, qtype)
     step = iter(range(1 << 30))
     results = {}
-    for rows, lane_slices in tunings:
-        kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices)
+    for rows, lane_slices, blocks in tunings:
+        kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices, min_blocks=blocks)
 
         def run():
             kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
 
-        seconds = timed(rt, run, repeats)
-        results[rows, lane_slices] = (one.nbytes / seconds, seconds)
+        seconds, alone = timed(rt, run, repeats), timed(rt, run, repeats, queued=0)
+        fn = kernels._mm(qtype, "moe_matmul_1")
+        results[rows, lane_slices, blocks] = (one.nbytes / seconds, seconds, alone, getattr(fn, "num_regs", "?"),
+                                              getattr(fn, "local_size_bytes", "?"))
     return one.nbytes, results
 
 
@@ -81,6 +100,7 @@ def main(argv=None):
     p.add_argument("--sweep", default="q8_0,q4_k")
     p.add_argument("--rows", default="1,2,4", help="rows a lane group works on, swept")
     p.add_argument("--slices", default="1,2,4", help="slices a lane takes, swept")
+    p.add_argument("--blocks", default="0", help="blocks an SM must hold (registers capped to fit), swept; 0: none")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--output", type=Path, help="also write the table here")
     args = p.parse_args(argv)
@@ -95,19 +115,20 @@ def main(argv=None):
     lines = [f"# GPU expert matvec bandwidth ({rt.device_name}, {rt.name})", "",
              f"Decode step over one MoE layer: {NUM_EXPERTS} experts x [{ROWS}, {COLS}], one row each, one launch.",
              f"Device-to-device copy: {copy / 1e9:.0f} GB/s (read + write).",
-             "Default tuning (rows a lane group, slices a lane): "
+             "Default tuning (rows a lane group, slices a lane, blocks an SM or 0): "
              + ", ".join(f"{Q(q).name} {Kernels(rt).tuning(q)}" for q in Q if q in DECODE_TUNING) + ", others "
              + f"{Kernels(rt).tuning(Q.F32)}.", "",
-             "| format | rows / group | slices / lane | MiB read | time (us) | GB/s | % of copy |",
-             "|---|---|---|---|---|---|---|"]
+             "| format | rows / group | slices / lane | blocks / SM | registers | local bytes | MiB read | time (us) | "
+             "time alone (us) | GB/s | % of copy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.formats.split(","):
         qtype = Q[name.upper()]
-        tunings = ([(int(r), int(s)) for r in args.rows.split(",") for s in args.slices.split(",")] if qtype in sweep
-                   else [Kernels(rt).tuning(qtype)])
+        tunings = ([(int(r), int(s), int(b)) for r in args.rows.split(",") for s in args.slices.split(",")
+                    for b in args.blocks.split(",")] if qtype in sweep else [Kernels(rt).tuning(qtype)])
         nbytes, results = expert_bandwidth(rt, tunings, qtype, args.repeats)
-        for (rows, lane_slices), (bw, seconds) in results.items():
-            lines.append(f"| {qtype.name} | {rows} | {lane_slices} | {nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | "
-                         f"{bw / 1e9:.0f} | {100 * bw / copy:.0f} |")
+        for (rows, lane_slices, blocks), (bw, seconds, alone, regs, local) in results.items():
+            lines.append(f"| {qtype.name} | {rows} | {lane_slices} | {blocks} | {regs} | {local} | "
+                         f"{nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | {alone * 1e6:.1f} | {bw / 1e9:.0f} | "
+                         f"{100 * bw / copy:.0f} |")
             log.info(lines[-1])
     if args.output:
         args.output.write_text("\n".join(lines) + "\n")

@@ -12,7 +12,7 @@ with the same thread count. Medians over `--runs` runs.
     python bench/vs_llamacpp.py --model /tmp/bm-q4km.gguf --model /tmp/bm-q8.gguf --threads 1,2 \
         --llama-python /work/benchvenv/bin/python
 
-Writes bench/results/vs_llamacpp.md.
+Prints the table; --output also writes it to a file (bench/results/vs_llamacpp*.md keep the history by hand).
 """
 import argparse
 import json
@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 log = logging.getLogger("bench.vs_llamacpp")
-RESULTS = Path(__file__).parent / "results" / "vs_llamacpp.md"
 ROOT = Path(__file__).resolve().parent.parent
 SHORT_PROMPT = 8
 WARM_PROMPT = 96  # past the CPU backend's serial-twin thresholds (attention, norms, swiglu)
@@ -221,7 +220,7 @@ def parse_args(argv=None):
     p.add_argument("--llama-build", default="GGML_NATIVE=ON without AMX (-mno-amx-tile -mno-amx-int8 -mno-amx-bf16; "
                                             "its AMX path crashed on our VM)",
                    help="how that llama-cpp-python was built, for the table's header")
-    p.add_argument("--output", default=str(RESULTS))
+    p.add_argument("--output", help="also write the table here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -236,8 +235,9 @@ def main(argv=None):
     args.threads = [int(t) for t in args.threads.split(",")]
     args.llama_features = "not reported"
     table = markdown(measure(args), args)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(table)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(table)
     print(table)
 
 

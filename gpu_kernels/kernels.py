@@ -16,13 +16,16 @@ TILE_TOKENS = 8  # common.cuh's TILE_TOKENS: tokens per work tile of the tiled m
 UNIT_WEIGHTS = {Q.F32: 1, Q.F16: 1, Q.BF16: 1, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
 SLICE_WEIGHTS = {Q.F32: 4, Q.F16: 8, Q.BF16: 8, Q.Q8_0: 8, Q.Q4_0: 16, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 32}
 MAX_THREADS = 256
-MATMUL_THREADS = 256  # a matmul block: groups of `tpr` lanes, each on its own rows
+MATMUL_THREADS = 256  # common.cuh's MATMUL_THREADS: a matmul block, groups of `tpr` lanes each on its own rows
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
 LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
 # Per format (DECODE_ROWS, LANE_SLICES) of the one-token kernels where two H200 sweeps found better than
 # the default (bench/results/gpu_kernels.md, session 16): more rows a group or slices a lane keep more
 # loads in flight. BF16 is as fast at every tuning.
 DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), Q.Q5_K: (2, 8), Q.Q6_K: (2, 4)}
+# Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
+# that measured better than the compiler's choice (0).
+DECODE_MIN_BLOCKS = {}
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
 PA_MAX_ROWS = 16  # query rows (token, head) of a tiled block, sharing each K/V tile it loads
@@ -72,14 +75,16 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
 
 
 class Kernels:
-    """decode_rows, lane_slices: tuning of the one-token matmuls for every format (the benchmark sweeps
-    them); None: each format's DECODE_TUNING, else the defaults. max_splits: most key splits of
-    paged_attention (1: none)."""
+    """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
+    sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
+    key splits of paged_attention (1: none)."""
 
-    def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, max_splits=MAX_SPLITS):
+    def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
+                 max_splits=MAX_SPLITS):
         self.rt, self.stream = runtime, stream
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
+        self.min_blocks = min_blocks
         self._functions = {}  # (qtype or KV dtype, kernel name) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B) -> _mm_launch's (kernel, blocks, scalars)
         self._dummy = None  # stands in for an absent array argument
@@ -93,16 +98,17 @@ class Kernels:
         return self.rt.compile("ops", module_source("ops"), OPS_KERNELS)[name]
 
     def tuning(self, qtype):
-        """(rows a lane group, slices a lane) of qtype's one-token matmuls."""
+        """(rows a lane group, slices a lane, blocks an SM holds or 0) of qtype's one-token matmuls."""
         rows, slices = DECODE_TUNING.get(Q(qtype), (DECODE_ROWS, LANE_SLICES))
-        return self.decode_rows or rows, self.lane_slices or slices
+        blocks = DECODE_MIN_BLOCKS.get(Q(qtype), 0) if self.min_blocks is None else self.min_blocks
+        return self.decode_rows or rows, self.lane_slices or slices, blocks
 
     def _mm(self, qtype, name):
         key = (qtype, name)
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
-            mod, rows = module_name(qtype), self.tuning(qtype)[0]
-            source = f"#define DECODE_ROWS {rows}\n" + module_source(mod)
-            self._functions[key] = self.rt.compile(f"{mod}_r{rows}", source, MATMUL_KERNELS)[name]
+            mod, (rows, _, blocks) = module_name(qtype), self.tuning(qtype)
+            source = f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" + module_source(mod)
+            self._functions[key] = self.rt.compile(f"{mod}_r{rows}_b{blocks}", source, MATMUL_KERNELS)[name]
         return self._functions[key]
 
     def _kv(self, kv_dtype, name):
@@ -143,7 +149,7 @@ class Kernels:
             if rem:
                 raise ValueError(f"{Q(qtype).name} matmul: {num_cols} columns, not a multiple of "
                                  f"{SLICE_WEIGHTS[Q(qtype)]}")
-            rows_per_group, lane_slices = self.tuning(qtype) if one else (1, self.lane_slices or LANE_SLICES)
+            rows_per_group, lane_slices = self.tuning(qtype)[:2] if one else (1, self.lane_slices or LANE_SLICES)
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
             per_block = MATMUL_THREADS // tpr * rows_per_group
             launch = self._launches[key] = (

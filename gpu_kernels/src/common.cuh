@@ -89,6 +89,19 @@ __device__ __forceinline__ void load_words_a2(const u8* p, u32* out, int num_wor
 #ifndef DECODE_ROWS
 #define DECODE_ROWS 2
 #endif
+#define MATMUL_THREADS 256
+
+// The one-token kernels may cap their registers so that DECODE_MIN_BLOCKS blocks of MATMUL_THREADS fit on
+// an SM (more warps to hide the memory latency, at the risk of spills); 0 leaves it to the compiler. CUDA
+// only: HIP's second bound counts waves per execution unit, another quantity.
+#ifndef DECODE_MIN_BLOCKS
+#define DECODE_MIN_BLOCKS 0
+#endif
+#if DECODE_MIN_BLOCKS > 0 && !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC_RTC__)
+#define DECODE_BOUNDS __launch_bounds__(MATMUL_THREADS, DECODE_MIN_BLOCKS)
+#else
+#define DECODE_BOUNDS
+#endif
 
 // sum += wts[o .. o + 3] . xv (a float4 of the token's activations).
 #define DOT4(sum, wts, o, xv) \

@@ -32,18 +32,20 @@ def test_dequant_rows_bit_exact_with_gguf(runtime, kernels, qtype):
     assert np.array_equal(runtime.to_host(out), ref, equal_nan=True)
 
 
-@pytest.mark.parametrize("decode_rows,lane_slices", [(1, 1), (2, 2), (4, 4), (8, 8), (8, 2)])
+@pytest.mark.parametrize("decode_rows,lane_slices,min_blocks", [(1, 1, 0), (2, 2, 0), (4, 4, 0), (8, 8, 0), (8, 2, 0),
+                                                               (2, 8, 4), (4, 8, 3), (4, 4, 4)])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_matvec_tunings(runtime, reference_kernels, qtype, decode_rows, lane_slices):
-    """The one-token kernel at every tuning the benchmark sweeps (rows past the end, lanes past the slices)."""
+def test_matvec_tunings(runtime, reference_kernels, qtype, decode_rows, lane_slices, min_blocks):
+    """The one-token kernel at every tuning the benchmark sweeps (rows past the end, lanes past the slices,
+    registers capped by launch bounds)."""
     from gpu_kernels.kernels import Kernels
 
     rng = np.random.default_rng(int(qtype) + decode_rows)
     raw = quant(rng, qtype, (67, 2048))  # [R, B]
     x = rng.standard_normal((1, 2048)).astype(np.float32)  # [T, C]
     out = runtime.empty((1, 67), np.float32)
-    Kernels(runtime, decode_rows=decode_rows, lane_slices=lane_slices).matmul(runtime.to_device(raw), qtype,
-                                                                              runtime.to_device(x), out)
+    kernels = Kernels(runtime, decode_rows=decode_rows, lane_slices=lane_slices, min_blocks=min_blocks)
+    kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
     ref = np.empty((1, 67), np.float32)
     reference_kernels.matmul(raw, qtype, x, ref)
     assert rel_err(runtime.to_host(out), ref) < 1e-5

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu_kernels.kernels import DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS, SLICE_WEIGHTS, Kernels
+from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
+                                 SLICE_WEIGHTS, Kernels)
 from gpu_kernels.nvrtc import Nvrtc, find_library
 from gpu_kernels.sources import module_name, module_source
 
@@ -36,15 +37,18 @@ def _one_token_launch(qtype, **tuning):
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_one_token_launch_takes_the_format_tuning(qtype):
     rows, slices = DECODE_TUNING.get(qtype, (DECODE_ROWS, LANE_SLICES))
+    blocks = DECODE_MIN_BLOCKS.get(qtype, 0)
     name, source, function, grid, tpr = _one_token_launch(qtype)
-    assert function == "matmul_1" and name.endswith(f"_r{rows}") and f"#define DECODE_ROWS {rows}\n" in source
+    assert function == "matmul_1" and name.endswith(f"_r{rows}_b{blocks}")
+    assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" in source
     assert tpr == min(32, 1 << max(0, -(-2048 // SLICE_WEIGHTS[qtype] // slices) - 1).bit_length())
     assert grid == (-(-768 // (MATMUL_THREADS // tpr * rows)), 1)
 
 
 def test_explicit_tuning_wins_for_every_format():
-    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, decode_rows=1, lane_slices=1)
-    assert name.endswith("_r1") and tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
+    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, decode_rows=1, lane_slices=1, min_blocks=3)
+    assert name.endswith("_r1_b3") and "#define DECODE_MIN_BLOCKS 3\n" in source
+    assert tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
 
 
 def test_tiled_kernels_keep_the_default_lane_width():
@@ -58,7 +62,14 @@ def test_tiled_kernels_keep_the_default_lane_width():
 @pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("qtype", sorted(DECODE_TUNING), ids=lambda q: Q(q).name)
 def test_tuned_modules_compile_for_sm90(qtype):
-    rows = DECODE_TUNING[qtype][0]
-    cubin = Nvrtc().compile(f"{module_name(qtype)}_r{rows}", f"#define DECODE_ROWS {rows}\n" + module_source(
-        module_name(qtype)), "sm_90", ("--std=c++14",))
+    rows, blocks = DECODE_TUNING[qtype][0], DECODE_MIN_BLOCKS.get(qtype, 0)
+    source = f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" + module_source(module_name(qtype))
+    cubin = Nvrtc().compile(f"{module_name(qtype)}_r{rows}_b{blocks}", source, "sm_90", ("--std=c++14",))
     assert b"matmul_1" in cubin
+
+
+@pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
+def test_register_capped_module_compiles_for_sm90():
+    """The launch bounds the benchmark sweeps (4 blocks of 256 threads: at most 64 registers a thread)."""
+    source = "#define DECODE_ROWS 4\n#define DECODE_MIN_BLOCKS 4\n" + module_source(module_name(Q.Q4_K))
+    assert b"moe_matmul_1" in Nvrtc().compile("matmul_q4_k_r4_b4", source, "sm_90", ("--std=c++14",))
