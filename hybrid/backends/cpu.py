@@ -91,6 +91,14 @@ class _Scratch:
         return buf[:size].reshape(shape)
 
 
+class _StepSettings:
+    """What a compiled decode step decides once for all its layers (CpuBackend.decode_layer)."""
+
+    def __init__(self, threads, fused):
+        self.threads, self.fused = threads, fused
+        self.works = {}  # LayerPlan.shapes: the fused layers' work arrays for this step's batch and threads
+
+
 def expert_work_bytes(num_tokens, top_k, hidden, width):
     """Bytes of one thread's reused expert work arrays (_Scratch) after a step of num_tokens tokens:
     xs and down [N, H], gate and up [N, F] float32, N = num_tokens * top_k pairs."""
@@ -179,20 +187,29 @@ class CpuBackend:
 
     def decode_layer(self, layer, x, step):
         """x [T, H] += the whole layer for a decode batch (step: cpu_decode.DecodeStep), in one compiled call
-        (hybrid/backends/cpu_decode.py); returns the routing ids int64 [T, K]."""
-        from .cpu_decode import LayerPlan
-
+        (hybrid/backends/cpu_decode.py); returns the routing ids int64 [T, K]. The choices that hold for the
+        whole step (thread count, fused or not, the fused layers' work arrays) are made at its first layer:
+        between two layers the interpreter runs with its data evicted by the layer before, ~4x slower than
+        warm, so each layer's own Python is kept to a lookup and the call."""
         if self._plans is None:
             self._plans = {}
         plan = self._plans.get(layer.index)
         if plan is None or not plan.current(layer):
+            from .cpu_decode import LayerPlan
+
             plan = self._plans[layer.index] = LayerPlan(self, layer)  # (its weights' kernels set act_quant)
-        threads = numba.get_num_threads()
-        if _fused_decode(threads):
+        settings = step.settings
+        if settings is None:
+            threads = numba.get_num_threads()
+            settings = step.settings = _StepSettings(threads, _fused_decode(threads))
+        if settings.fused:
+            work = settings.works.get(plan.shapes)
+            if work is None:
+                work = settings.works[plan.shapes] = self._fused_work(plan, x.shape[0], settings.threads)
             fn, args = plan.fused()
             return fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, self.act_quant,
-                      self.stage_trace, self._fused_work(plan, x.shape[0], threads), *args)
-        return plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, _one_thread(),
+                      self.stage_trace, work, *args)
+        return plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, settings.threads == 1,
                        self.act_quant, *plan.args)
 
     def _fused_work(self, plan, num_tokens, threads):

@@ -19,6 +19,8 @@ Shape legend: T tokens (one a sequence), H hidden, Hq / Hkv query / kv heads, D 
 E experts, K top-k, N pairs, F expert width, L layers, NB pool blocks, BT positions a block,
 nb blocks of a sequence.
 """
+import operator
+
 import numpy as np
 from numba import njit
 
@@ -251,7 +253,12 @@ class LayerPlan:
         return self._fused
 
     def current(self, layer):
-        return all(a is b for a, b in zip(self.raws, (w.raw for w in _weights(layer))))
+        """Whether the layer's weights still hold the raws this plan was made for (C-level loops: this runs
+        once a layer a step, with the interpreter's data cold after the layer before)."""
+        return all(map(operator.is_, map(_RAW, _weights(layer)), self.raws))
+
+
+_RAW = operator.attrgetter("raw")
 
 
 def _weights(layer):
@@ -268,6 +275,7 @@ class DecodeStep:
         if any(c.kv.pool is not self.pool for c in batch.chunks):
             raise ValueError("a compiled decode step needs the batch's sequences in one KV pool")
         self.positions = batch.positions
+        self.settings = None  # the backend's per-step choices, made at the step's first layer (CpuBackend.decode_layer)
         width = max(len(c.kv.table) for c in batch.chunks)
         self.tables = np.zeros((len(batch.chunks), width), dtype=np.int32)
         for t, chunk in enumerate(batch.chunks):
