@@ -91,7 +91,9 @@ __device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, cons
 
 extern "C" __global__ void matmul(MATMUL_ARGS) { matmul_body<1, TILE_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr); }
 
-extern "C" __global__ void DECODE_BOUNDS matmul_1(MATMUL_ARGS) { matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr); }
+extern "C" __global__ void DECODE_BOUNDS matmul_1(MATMUL_ARGS) {
+    matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr);
+}
 
 extern "C" __global__ void moe_matmul(MOE_ARGS) {
     moe_matmul_body<1, TILE_TOKENS>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
