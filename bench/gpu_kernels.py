@@ -9,10 +9,12 @@ kernels: a single launch on an idle GPU also times the host's launch latency, sh
 copy bandwidth counts bytes read + written of a 2 GiB device-to-device copy. The
 tuning (rows a lane group works on, slices a lane takes) is swept for --sweep formats over --rows x
 --slices x --blocks (blocks an SM must hold, registers capped to fit; 0: the compiler's choice); the others
-run at their default tuning (gpu_kernels.kernels.DECODE_TUNING, DECODE_MIN_BLOCKS).
+run at their default tuning (gpu_kernels.kernels.DECODE_TUNING, DECODE_MIN_BLOCKS). --act runs each tuning with x
+as float and / or rounded to int16 in shared memory (the `_1q` kernels, formats in gpu_kernels.sources.INT_DECODE;
+the others take float whatever --act says).
 
     python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--rows 1,2,4] [--slices 1,2,4]
-        [--blocks 0] [--repeats 20]
+        [--blocks 0] [--act int16,float] [--repeats 20]
 
 Prints the table; --output also writes it to a file (bench/results/gpu_kernels.md keeps the history by hand).
 """
@@ -27,6 +29,7 @@ from gguf import GGMLQuantizationType as Q
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from gpu_kernels.kernels import DECODE_TUNING, Kernels  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
+from gpu_kernels.sources import INT_DECODE  # noqa: E402
 from hybrid.backends.gpu import _work_tiles  # noqa: E402
 from hybrid.formats.synthetic import encode  # noqa: E402
 
@@ -75,22 +78,23 @@ def _layer(rt, qtype):
     return one, layers, x, out, tiles
 
 
-def expert_bandwidth(rt, tunings, qtype, repeats):
-    """{(decode_rows, lane_slices, min_blocks): (bytes per second, seconds queued, seconds alone, registers a
+def expert_bandwidth(rt, tunings, acts, qtype, repeats):
+    """{(decode_rows, lane_slices, min_blocks, x as): (bytes per second, seconds queued, seconds alone, registers a
     thread, local bytes a thread: spills)} of one decode step over a layer."""
     one, layers, x, out, tiles = _layer(rt, qtype)
     step = iter(range(1 << 30))
     results = {}
     for rows, lane_slices, blocks in tunings:
-        kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices, min_blocks=blocks)
+        for act in acts if qtype in INT_DECODE else ["float"]:
+            kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices, min_blocks=blocks, act_quant=act)
 
-        def run():
-            kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
+            def run():
+                kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
 
-        seconds, alone = timed(rt, run, repeats), timed(rt, run, repeats, queued=0)
-        fn = kernels._mm(qtype, "moe_matmul_1")
-        results[rows, lane_slices, blocks] = (one.nbytes / seconds, seconds, alone, getattr(fn, "num_regs", "?"),
-                                              getattr(fn, "local_size_bytes", "?"))
+            seconds, alone = timed(rt, run, repeats), timed(rt, run, repeats, queued=0)
+            fn = kernels._mm_launch(qtype, "moe_matmul_1", ROWS, COLS, one.shape[-1], True)[0]
+            results[rows, lane_slices, blocks, act] = (one.nbytes / seconds, seconds, alone,
+                                                       getattr(fn, "num_regs", "?"), getattr(fn, "local_size_bytes", "?"))
     return one.nbytes, results
 
 
@@ -101,6 +105,7 @@ def main(argv=None):
     p.add_argument("--rows", default="1,2,4", help="rows a lane group works on, swept")
     p.add_argument("--slices", default="1,2,4", help="slices a lane takes, swept")
     p.add_argument("--blocks", default="0", help="blocks an SM must hold (registers capped to fit), swept; 0: none")
+    p.add_argument("--act", default="int16,float", help="x as int16 and / or float (INT_DECODE formats)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--output", type=Path, help="also write the table here")
     args = p.parse_args(argv)
@@ -118,15 +123,15 @@ def main(argv=None):
              "Default tuning (rows a lane group, slices a lane, blocks an SM or 0): "
              + ", ".join(f"{Q(q).name} {Kernels(rt).tuning(q)}" for q in Q if q in DECODE_TUNING) + ", others "
              + f"{Kernels(rt).tuning(Q.F32)}.", "",
-             "| format | rows / group | slices / lane | blocks / SM | registers | local bytes | MiB read | time (us) | "
-             "time alone (us) | GB/s | % of copy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| format | x | rows / group | slices / lane | blocks / SM | registers | local bytes | MiB read | time (us) | "
+             "time alone (us) | GB/s | % of copy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.formats.split(","):
         qtype = Q[name.upper()]
         tunings = ([(int(r), int(s), int(b)) for r in args.rows.split(",") for s in args.slices.split(",")
                     for b in args.blocks.split(",")] if qtype in sweep else [Kernels(rt).tuning(qtype)])
-        nbytes, results = expert_bandwidth(rt, tunings, qtype, args.repeats)
-        for (rows, lane_slices, blocks), (bw, seconds, alone, regs, local) in results.items():
-            lines.append(f"| {qtype.name} | {rows} | {lane_slices} | {blocks} | {regs} | {local} | "
+        nbytes, results = expert_bandwidth(rt, tunings, args.act.split(","), qtype, args.repeats)
+        for (rows, lane_slices, blocks, act), (bw, seconds, alone, regs, local) in results.items():
+            lines.append(f"| {qtype.name} | {act} | {rows} | {lane_slices} | {blocks} | {regs} | {local} | "
                          f"{nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | {alone * 1e6:.1f} | {bw / 1e9:.0f} | "
                          f"{100 * bw / copy:.0f} |")
             log.info(lines[-1])

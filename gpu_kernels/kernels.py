@@ -5,12 +5,16 @@ C columns, B bytes per row, nH heads, D head dim, Hq / Hkv query / kv heads, S c
 E experts, K top-k, N pair rows, W work tiles, M gathered rows; paged KV: NB pool blocks, BT positions
 a block, nS stage blocks, nb logical blocks.
 """
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .sources import KV_KERNELS, MATMUL_KERNELS, OPS_KERNELS, kv_module_name, module_name, module_source
+from .sources import INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source
+
+log = logging.getLogger(__name__)
 
 TILE_TOKENS = 8  # common.cuh's TILE_TOKENS: tokens per work tile of the tiled matmuls
 UNIT_WEIGHTS = {Q.F32: 1, Q.F16: 1, Q.BF16: 1, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
@@ -26,6 +30,8 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
+ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernels.act_quant)
+XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
 PA_MAX_ROWS = 16  # query rows (token, head) of a tiled block, sharing each K/V tile it loads
@@ -36,6 +42,24 @@ PD_MAX_HEAD_DIM = 128  # the one-token kernel's lane groups hold 4 values a lane
 SPLIT_BLOCKS = 512  # keys are split (flash-decoding) until a launch has about this many blocks
 SPLIT_MIN_KEYS = 256  # fewest keys a split takes
 MAX_SPLITS = 64
+
+
+def gpu_act_quant(name=None):
+    """How the one-token matmuls of INT_DECODE formats take x: "int16" (rounded once per block into shared
+    memory, as the CPU's default decode) or "float". name: STRATA_ACT_QUANT's value (None: the environment);
+    "int8" gives int16 here, the GPU kernels have no int8 dot."""
+    name = (os.environ.get("STRATA_ACT_QUANT") if name is None else name) or "int16"
+    name = name.strip().lower()
+    if name not in ACT_QUANTS:
+        raise ValueError(f"STRATA_ACT_QUANT={name!r}: expected one of {', '.join(ACT_QUANTS)}")
+    if name == "int8":
+        log.info("STRATA_ACT_QUANT=int8: the GPU matmuls round activations to int16")
+    return "float" if name == "float" else "int16"
+
+
+def xq_shared_bytes(num_cols):
+    """common.cuh's XQ_SHARED_BYTES: int8 hi and lo [C], f32 scale and sum [C/32]."""
+    return 2 * num_cols + 8 * (num_cols // 32)
 
 
 def _pow2_at_least(n):
@@ -77,11 +101,12 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
 class Kernels:
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
-    key splits of paged_attention (1: none)."""
+    key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: STRATA_ACT_QUANT)."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
-                 max_splits=MAX_SPLITS):
+                 max_splits=MAX_SPLITS, act_quant=None):
         self.rt, self.stream = runtime, stream
+        self.act_quant = gpu_act_quant(act_quant)
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
         self.min_blocks = min_blocks
@@ -108,7 +133,7 @@ class Kernels:
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
             mod, (rows, _, blocks) = module_name(qtype), self.tuning(qtype)
             source = f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" + module_source(mod)
-            self._functions[key] = self.rt.compile(f"{mod}_r{rows}_b{blocks}", source, MATMUL_KERNELS)[name]
+            self._functions[key] = self.rt.compile(f"{mod}_r{rows}_b{blocks}", source, matmul_kernels(qtype))[name]
         return self._functions[key]
 
     def _kv(self, kv_dtype, name):
@@ -140,8 +165,9 @@ class Kernels:
         return self._threads(num_cols // UNIT_WEIGHTS[Q(qtype)], cap=128)
 
     def _mm_launch(self, qtype, kernel, num_rows, num_cols, row_bytes, one):
-        """(compiled kernel, blocks over the rows, (R, C, B, tpr) as kernel scalars) of a matmul launch (one:
-        the one-token kernel's), kept per shape: a decode step launches the same few shapes hundreds of times."""
+        """(compiled kernel, blocks over the rows, (R, C, B, tpr) as kernel scalars, shared memory bytes) of a
+        matmul launch (one: the one-token kernel's, `_1q` where x goes in as int16), kept per shape: a decode step
+        launches the same few shapes hundreds of times."""
         key = (qtype, kernel, num_rows, num_cols, row_bytes)
         launch = self._launches.get(key)
         if launch is None:
@@ -152,28 +178,32 @@ class Kernels:
             rows_per_group, lane_slices = self.tuning(qtype)[:2] if one else (1, self.lane_slices or LANE_SLICES)
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
             per_block = MATMUL_THREADS // tpr * rows_per_group
+            shared = 0
+            if one and self.act_quant == "int16" and Q(qtype) in INT_DECODE and \
+                    xq_shared_bytes(num_cols) <= XQ_MAX_SHARED:
+                kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
             launch = self._launches[key] = (
                 self._mm(qtype, kernel), (num_rows + per_block - 1) // per_block,
-                (np.int32(num_rows), np.int32(num_cols), np.int64(row_bytes), np.int32(tpr)))
+                (np.int32(num_rows), np.int32(num_cols), np.int64(row_bytes), np.int32(tpr)), shared)
         return launch
 
     def matmul(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous."""
         num_tokens, num_cols = x.shape
         one = num_tokens == 1
-        fn, num_blocks, scalars = self._mm_launch(qtype, "matmul_1" if one else "matmul", raw.shape[0], num_cols,
-                                                  raw.shape[-1], one)
+        fn, num_blocks, scalars, shared = self._mm_launch(qtype, "matmul_1" if one else "matmul", raw.shape[0],
+                                                          num_cols, raw.shape[-1], one)
         grid = (num_blocks, 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
-        self._launch(fn, grid, MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars)
+        self._launch(fn, grid, MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars, shared_mem=shared)
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=TILE_TOKENS):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W]
         of at most `tile_tokens` rows (1: the one-row kernel, else TILE_TOKENS)."""
         one = tile_tokens == 1
-        fn, num_blocks, scalars = self._mm_launch(qtype, "moe_matmul_1" if one else "moe_matmul", raw.shape[1],
-                                                  x.shape[1], raw.shape[-1], one)
+        fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul_1" if one else "moe_matmul",
+                                                          raw.shape[1], x.shape[1], raw.shape[-1], one)
         self._launch(fn, (num_blocks, len(tile_slot)), MATMUL_THREADS,
-                     (raw, x, out, tile_slot, tile_row, tile_count) + scalars)
+                     (raw, x, out, tile_slot, tile_row, tile_count) + scalars, shared_mem=shared)
 
     def dequant_rows(self, raw, qtype, row_ids, out):
         """out [M, C] = dequant(raw [rows, B][row_ids]); row_ids int64 [M] on the device."""

@@ -20,6 +20,8 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",
                "combine_rows", "decode_tiles", "add_into", "pack_decode")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "dequant_rows")
+INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q")  # one token, x rounded to int16 (formats in INT_DECODE)
+INT_DECODE = frozenset({Q.Q8_0, Q.Q4_K})  # formats whose header defines INT_DECODE (slice_dot_q)
 KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type
 KV_KERNELS = ("paged_attention", "paged_attention_1", "paged_attention_merge", "kv_write")
 
@@ -34,9 +36,14 @@ def kv_module_name(kv_dtype):
     return f"kv_{kv_dtype}"
 
 
+def matmul_kernels(qtype):
+    """The kernel names of qtype's matmul module."""
+    return MATMUL_KERNELS + (INT_DECODE_KERNELS if Q(qtype) in INT_DECODE else ())
+
+
 def all_modules():
     """Every module: (name, kernel names)."""
-    return ([(module_name(), OPS_KERNELS)] + [(module_name(q), MATMUL_KERNELS) for q in FORMAT_HEADERS]
+    return ([(module_name(), OPS_KERNELS)] + [(module_name(q), matmul_kernels(q)) for q in FORMAT_HEADERS]
             + [(kv_module_name(d), KV_KERNELS) for d in KV_DEFINES])
 
 

@@ -106,3 +106,65 @@ __device__ __forceinline__ void load_words_a2(const u8* p, u32* out, int num_wor
 // sum += wts[o .. o + 3] . xv (a float4 of the token's activations).
 #define DOT4(sum, wts, o, xv) \
     sum = fmaf(wts[o + 3], xv.w, fmaf(wts[o + 2], xv.z, fmaf(wts[o + 1], xv.y, fmaf(wts[o], xv.x, sum))))
+
+// ---- int16 activations for the one-token matmuls (the `_1q` kernels of formats that define INT_DECODE)
+// A block rounds its token's x [C] once into shared memory, as the CPU's default decode does
+// (cpu_kernels.act_quant, int16): per 32-value block a scale amax / XQ_LEVELS and x / scale rounded half to
+// even, kept as two signed bytes (hi * 256 + lo, lo in -128..127) so that the weights' integer quants dot
+// them with two 4-byte integer dots (dp4a) instead of one float conversion and FMA a weight. XQ_LEVELS
+// keeps hi within a signed byte. Sums of 32 products of |quants| <= 127 stay exact in int32 and in float.
+#define XQ_LEVELS 32639.0f
+#define XQ_BLOCK 32
+
+struct XQ {
+    const i8* hi;        // [C]
+    const i8* lo;        // [C]
+    const float* scale;  // [C / 32] amax / XQ_LEVELS
+    const float* sum;    // [C / 32] the block's sum of x (float)
+};
+
+// Dynamic shared memory bytes of a block's XQ for C columns.
+#define XQ_SHARED_BYTES(C) (2 * (C) + 8 * ((C) / XQ_BLOCK))
+
+// Round x [C] into shared memory `smem` (XQ_SHARED_BYTES(C)); the whole block takes part, then syncs.
+// Groups of 32 threads take 32-value blocks (shuffles of width 32 work on waves of 32 and 64).
+__device__ __forceinline__ XQ stage_xq(const float* __restrict__ x, int C, unsigned char* smem) {
+    XQ xq;
+    i8* hi = (i8*)smem;
+    i8* lo = hi + C;
+    float* scale = (float*)(smem + 2 * C);  // 2C is a multiple of 64: aligned
+    float* sum = scale + C / XQ_BLOCK;
+    int lane = threadIdx.x & 31;
+    for (int b = threadIdx.x >> 5; b < C / XQ_BLOCK; b += blockDim.x >> 5) {
+        float v = x[XQ_BLOCK * b + lane], amax = fabsf(v), total = v;
+        for (int m = 16; m > 0; m >>= 1) {
+            amax = fmaxf(amax, SHFL_XOR(amax, m, 32));
+            total += SHFL_XOR(total, m, 32);
+        }
+        float inv = amax > 0.0f ? XQ_LEVELS / amax : 0.0f;
+        int q = __float2int_rn(v * inv);
+        int h = (q + 128) >> 8;
+        hi[XQ_BLOCK * b + lane] = (i8)h;
+        lo[XQ_BLOCK * b + lane] = (i8)(q - 256 * h);
+        if (lane == 0) {
+            scale[b] = amax / XQ_LEVELS;
+            sum[b] = total;
+        }
+    }
+    __syncthreads();
+    xq.hi = hi;
+    xq.lo = lo;
+    xq.scale = scale;
+    xq.sum = sum;
+    return xq;
+}
+
+// c + the dot of a's and b's 4 signed bytes.
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    for (int i = 0; i < 32; i += 8) c += ((a << (24 - i)) >> 24) * ((b << (24 - i)) >> 24);
+    return c;
+}
+#else
+__device__ __forceinline__ int dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
+#endif

@@ -3,6 +3,8 @@
 // registers), load_slice (slice s of a row; slices s and s + 1 lie side by side, so neighbouring lanes
 // read neighbouring bytes) and slice_dot (a thread's RPT rows' slices dotted with a tile of tokens).
 // For dequant_rows: UNIT_WEIGHTS and unit_dequant, bit-exact with gguf.
+// A format that defines INT_DECODE also has slice_dot_q (one token, x as int16 in shared memory: XQ)
+// and gets the `_1q` kernels.
 //
 // Shape legend: R output rows, C columns, B bytes per row, T tokens, TT tokens per tile,
 // S expert slots, N (token, expert) pair rows sorted by expert, W work tiles.
@@ -11,11 +13,29 @@
 // tiles of TILE_TOKENS tokens, one row a group, and `_1` (decode: one token, DECODE_ROWS rows a group,
 // fewer registers, so more groups in flight).
 
-// acc [RPT, TT] = rows r0 .. r0 + RPT - 1 (clamped to R - 1) of `raw` dotted with x [n, C].
+// Where a slice_dot reads the activations: float rows of x, or (the `_1q` kernels) one token's x rounded
+// to int16 in shared memory (common.cuh's XQ, formats that define INT_DECODE).
+struct FloatRows {
+    const float* x;  // [n, C]
+    int C, n;
+};
+
 template <int RPT, int TT>
-__device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 row_bytes, int R, int r0,
-                                               const float* __restrict__ x, int C, int n, int tpr,
-                                               float (&acc)[RPT][TT]) {
+__device__ __forceinline__ void slice_run(const Slice (&sl)[RPT], int s, const FloatRows& xs, float (&acc)[RPT][TT]) {
+    slice_dot<RPT, TT>(sl, s, xs.x, xs.C, xs.n, acc);
+}
+
+#ifdef INT_DECODE
+template <int RPT>
+__device__ __forceinline__ void slice_run(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+    slice_dot_q<RPT>(sl, s, xq, acc);
+}
+#endif
+
+// acc [RPT, TT] = rows r0 .. r0 + RPT - 1 (clamped to R - 1) of `raw` dotted with the n token rows of xs.
+template <int RPT, int TT, class X>
+__device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 row_bytes, int R, int r0, const X& xs,
+                                               int C, int n, int tpr, float (&acc)[RPT][TT]) {
     const u8* row[RPT];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
@@ -34,7 +54,7 @@ __device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 r
 #pragma unroll
             for (int r = 0; r < RPT; ++r) next[r] = load_slice(row[r], s + tpr);
         }
-        slice_dot<RPT, TT>(cur, s, x, C, n, acc);
+        slice_run(cur, s, xs, acc);
 #pragma unroll
         for (int r = 0; r < RPT; ++r) cur[r] = next[r];
     }
@@ -64,7 +84,7 @@ __device__ __forceinline__ void matmul_body(const u8* __restrict__ raw, const fl
     int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * RPT, t0 = blockIdx.y * TT;
     int n = min(TT, T - t0);
     float acc[RPT][TT];
-    group_rows_dot<RPT, TT>(raw, row_bytes, R, r0, x + (i64)t0 * C, C, n, tpr, acc);
+    group_rows_dot<RPT, TT>(raw, row_bytes, R, r0, FloatRows{x + (i64)t0 * C, C, n}, C, n, tpr, acc);
     store_rows<RPT, TT>(out + (i64)t0 * R, R, r0, n, tpr, acc);
 }
 
@@ -79,8 +99,8 @@ __device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, cons
     int row0 = tile_row[w], n = tile_count[w];
     if (n <= 0) return;  // a decode pair whose expert is not resident (decode_tiles): nothing to read
     float acc[RPT][TT];
-    group_rows_dot<RPT, TT>(raw + (i64)tile_slot[w] * R * row_bytes, row_bytes, R, r0, x + (i64)row0 * C, C, n,
-                            tpr, acc);
+    group_rows_dot<RPT, TT>(raw + (i64)tile_slot[w] * R * row_bytes, row_bytes, R, r0,
+                            FloatRows{x + (i64)row0 * C, C, n}, C, n, tpr, acc);
     store_rows<RPT, TT>(out + (i64)row0 * R, R, r0, n, tpr, acc);
 }
 
@@ -102,6 +122,30 @@ extern "C" __global__ void moe_matmul(MOE_ARGS) {
 extern "C" __global__ void DECODE_BOUNDS moe_matmul_1(MOE_ARGS) {
     moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
 }
+
+#ifdef INT_DECODE
+// The one-token kernels with x rounded to int16 once per block (XQ_SHARED_BYTES(C) of dynamic shared memory):
+// the same grids, lane groups and rows as matmul_1 and moe_matmul_1.
+extern "C" __global__ void DECODE_BOUNDS matmul_1q(MATMUL_ARGS) {
+    extern __shared__ float4 xq_smem[];
+    XQ xq = stage_xq(x, C, (unsigned char*)xq_smem);
+    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * DECODE_ROWS;
+    float acc[DECODE_ROWS][1];
+    group_rows_dot<DECODE_ROWS, 1>(raw, row_bytes, R, r0, xq, C, 1, tpr, acc);
+    store_rows<DECODE_ROWS, 1>(out, R, r0, 1, tpr, acc);
+}
+
+extern "C" __global__ void DECODE_BOUNDS moe_matmul_1q(MOE_ARGS) {
+    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * DECODE_ROWS, w = blockIdx.y;
+    int row0 = tile_row[w];
+    if (tile_count[w] <= 0) return;  // the whole block: a pair whose expert is not resident
+    extern __shared__ float4 xq_smem[];
+    XQ xq = stage_xq(x + (i64)row0 * C, C, (unsigned char*)xq_smem);
+    float acc[DECODE_ROWS][1];
+    group_rows_dot<DECODE_ROWS, 1>(raw + (i64)tile_slot[w] * R * row_bytes, row_bytes, R, r0, xq, C, 1, tpr, acc);
+    store_rows<DECODE_ROWS, 1>(out + (i64)row0 * R, R, r0, 1, tpr, acc);
+}
+#endif
 
 // out [M, C] = dequant(raw [rows][row_ids]) (embedding lookup and the dequantize test); grid (M).
 extern "C" __global__ void dequant_rows(const u8* raw, const i64* row_ids, float* out, int C, i64 row_bytes) {

@@ -57,3 +57,18 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
         }
     }
 }
+
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): d * dx * (sum of q * x, exact in
+// int32 through dp4a).
+#define INT_DECODE 1
+template <int RPT>
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+    uint2 h = *(const uint2*)(xq.hi + 8 * s), l = *(const uint2*)(xq.lo + 8 * s);
+    float dx = xq.scale[s >> 2];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        int q0 = (int)sl[r].q[0], q1 = (int)sl[r].q[1];
+        int a = dp4a(q1, (int)h.y, dp4a(q0, (int)h.x, 0)), b = dp4a(q1, (int)l.y, dp4a(q0, (int)l.x, 0));
+        acc[r][0] = fmaf(half_to_float(sl[r].d) * dx, (float)(256 * a + b), acc[r][0]);
+    }
+}

@@ -32,6 +32,18 @@ def dequant(raw, qtype, num_cols):
     return out.reshape(*raw.shape[:-1], num_cols)
 
 
+def xq_rounded(x):
+    """x [T, C] as the `_1q` kernels see it (common.cuh's stage_xq): per 32-value block rounded half to even to
+    multiples of amax / 32639, float64 [T, C]."""
+    levels = np.float32(32639)
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, levels / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv)
+    return (q.astype(np.float64) * (amax / levels).astype(np.float64)).reshape(x.shape)
+
+
 def silu(x):
     return x / (1.0 + np.exp(-x.astype(np.float64)))
 

@@ -5,8 +5,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from gpu_kernels.errors import KernelCompileError
+from gpu_kernels.sources import INT_DECODE
 from hybrid.backends.gpu import _work_tiles
 from hybrid.formats.synthetic import encode
+
+from .conftest import xq_rounded
 
 pytestmark = pytest.mark.gpu
 
@@ -19,6 +22,17 @@ def rel_err(got, ref):
 
 def quant(rng, qtype, shape):
     return encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw
+
+
+ACT_QUANTS = ["float", "int16"]
+INT_TOL = 5e-5  # the `_1q` kernels against x rounded as they round it (the Q4_K min terms use the unrounded sums)
+
+
+def decode_x(act_quant, qtype, x):
+    """(x the reference multiplies, tolerance) for a one-token kernel taking x as act_quant."""
+    if act_quant == "int16" and qtype in INT_DECODE:
+        return xq_rounded(x), INT_TOL
+    return x, 1e-5
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
@@ -35,20 +49,23 @@ def test_dequant_rows_bit_exact_with_gguf(runtime, kernels, qtype):
 @pytest.mark.parametrize("decode_rows,lane_slices,min_blocks", [(1, 1, 0), (2, 2, 0), (4, 4, 0), (8, 8, 0), (8, 2, 0),
                                                                (2, 8, 4), (4, 8, 3), (4, 4, 4)])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_matvec_tunings(runtime, reference_kernels, qtype, decode_rows, lane_slices, min_blocks):
+@pytest.mark.parametrize("act_quant", ACT_QUANTS)
+def test_matvec_tunings(runtime, reference_kernels, qtype, decode_rows, lane_slices, min_blocks, act_quant):
     """The one-token kernel at every tuning the benchmark sweeps (rows past the end, lanes past the slices,
-    registers capped by launch bounds)."""
+    registers capped by launch bounds), x as float and, for INT_DECODE formats, as int16."""
     from gpu_kernels.kernels import Kernels
 
     rng = np.random.default_rng(int(qtype) + decode_rows)
     raw = quant(rng, qtype, (67, 2048))  # [R, B]
-    x = rng.standard_normal((1, 2048)).astype(np.float32)  # [T, C]
+    x = (rng.standard_normal((1, 2048)) * rng.uniform(0.01, 10, (1, 64)).repeat(32, axis=1)).astype(np.float32)
     out = runtime.empty((1, 67), np.float32)
-    kernels = Kernels(runtime, decode_rows=decode_rows, lane_slices=lane_slices, min_blocks=min_blocks)
+    kernels = Kernels(runtime, decode_rows=decode_rows, lane_slices=lane_slices, min_blocks=min_blocks,
+                      act_quant=act_quant)
     kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
     ref = np.empty((1, 67), np.float32)
-    reference_kernels.matmul(raw, qtype, x, ref)
-    assert rel_err(runtime.to_host(out), ref) < 1e-5
+    x_ref, tol = decode_x(act_quant, qtype, x)
+    reference_kernels.matmul(raw, qtype, x_ref, ref)
+    assert rel_err(runtime.to_host(out), ref) < tol
 
 
 @pytest.mark.parametrize("num_tokens", [1, 19])
@@ -60,15 +77,20 @@ def test_matmul(runtime, kernels, reference_kernels, qtype, num_tokens):
     out = runtime.empty((num_tokens, 67), np.float32)
     kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
     ref = np.empty((num_tokens, 67), np.float32)
-    reference_kernels.matmul(raw, qtype, x, ref)
-    assert rel_err(runtime.to_host(out), ref) < 1e-5
+    x_ref, tol = decode_x(kernels.act_quant, qtype, x) if num_tokens == 1 else (x, 1e-5)
+    reference_kernels.matmul(raw, qtype, x_ref, ref)
+    assert rel_err(runtime.to_host(out), ref) < tol
 
 
 @pytest.mark.parametrize("rows_per_expert,tile_tokens", [([1, 0, 2, 1], 1), ([1, 0, 2, 1], 8), ([13, 1, 30, 9], 8)],
                          ids=["decode", "decode-tiled", "prefill"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_moe_matmul_all_experts_in_one_launch(runtime, kernels, reference_kernels, qtype, rows_per_expert,
-                                              tile_tokens):
+@pytest.mark.parametrize("act_quant", ACT_QUANTS)
+def test_moe_matmul_all_experts_in_one_launch(runtime, reference_kernels, qtype, rows_per_expert, tile_tokens,
+                                              act_quant):
+    from gpu_kernels.kernels import Kernels
+
+    kernels = Kernels(runtime, act_quant=act_quant)
     rng = np.random.default_rng(int(qtype) + 100)
     raw = quant(rng, qtype, (4, 51, 768))  # [S, R, B]
     sizes = np.array(rows_per_expert)
@@ -80,8 +102,9 @@ def test_moe_matmul_all_experts_in_one_launch(runtime, kernels, reference_kernel
     kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
                        *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles], tile_tokens=tile_tokens)
     ref = np.empty((len(x), 51), np.float32)
-    reference_kernels.moe_matmul(raw, qtype, x, ref, *tiles)
-    assert rel_err(runtime.to_host(out), ref) < 1e-5
+    x_ref, tol = decode_x(act_quant, qtype, x) if tile_tokens == 1 else (x, 1e-5)
+    reference_kernels.moe_matmul(raw, qtype, x_ref, ref, *tiles)
+    assert rel_err(runtime.to_host(out), ref) < tol
 
 
 @pytest.mark.parametrize("rows,width", [(1, 2048), (37, 96), (64, 128)])

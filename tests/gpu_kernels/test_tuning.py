@@ -5,9 +5,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
-                                 SLICE_WEIGHTS, Kernels)
+                                 SLICE_WEIGHTS, Kernels, gpu_act_quant)
 from gpu_kernels.nvrtc import Nvrtc, find_library
-from gpu_kernels.sources import module_name, module_source
+from gpu_kernels.sources import INT_DECODE, module_name, module_source
 
 
 class LaunchRecorder:
@@ -16,7 +16,7 @@ class LaunchRecorder:
     warp_size = 32
 
     def __init__(self):
-        self.compiled, self.launches = [], []
+        self.compiled, self.launches, self.shared = [], [], []
 
     def compile(self, name, source, kernel_names):
         self.compiled.append((name, source))
@@ -24,6 +24,7 @@ class LaunchRecorder:
 
     def launch(self, function, grid, block, args, shared_mem=0, stream=None):
         self.launches.append((function, grid, args))
+        self.shared.append(shared_mem)
 
 
 def _one_token_launch(qtype, **tuning):
@@ -39,7 +40,7 @@ def test_one_token_launch_takes_the_format_tuning(qtype):
     rows, slices = DECODE_TUNING.get(qtype, (DECODE_ROWS, LANE_SLICES))
     blocks = DECODE_MIN_BLOCKS.get(qtype, 0)
     name, source, function, grid, tpr = _one_token_launch(qtype)
-    assert function == "matmul_1" and name.endswith(f"_r{rows}_b{blocks}")
+    assert function == ("matmul_1q" if qtype in INT_DECODE else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}")
     assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" in source
     assert tpr == min(32, 1 << max(0, -(-2048 // SLICE_WEIGHTS[qtype] // slices) - 1).bit_length())
     assert grid == (-(-768 // (MATMUL_THREADS // tpr * rows)), 1)
@@ -73,3 +74,28 @@ def test_register_capped_module_compiles_for_sm90():
     """The launch bounds the benchmark sweeps (4 blocks of 256 threads: at most 64 registers a thread)."""
     source = "#define DECODE_ROWS 4\n#define DECODE_MIN_BLOCKS 4\n" + module_source(module_name(Q.Q4_K))
     assert b"moe_matmul_1" in Nvrtc().compile("matmul_q4_k_r4_b4", source, "sm_90", ("--std=c++14",))
+
+
+@pytest.mark.parametrize("qtype,act_quant,num_cols,kernel,shared", [
+    (Q.Q4_K, "int16", 2048, "matmul_1q", 2 * 2048 + 8 * 64),
+    (Q.Q8_0, "int16", 768, "matmul_1q", 2 * 768 + 8 * 24),
+    (Q.Q4_K, "float", 2048, "matmul_1", 0),
+    (Q.Q6_K, "int16", 2048, "matmul_1", 0),  # no int16 dot: the float kernel
+    (Q.Q8_0, "int16", 32768, "matmul_1", 0),  # x would not fit the shared memory cap
+], ids=["q4_k", "q8_0", "q4_k-float", "q6_k", "q8_0-wide"])
+def test_one_token_kernel_takes_x_as_int16_where_it_can(qtype, act_quant, num_cols, kernel, shared):
+    rt = LaunchRecorder()
+    raw = np.zeros((768, 8), np.uint8)
+    Kernels(rt, act_quant=act_quant).matmul(raw, qtype, np.zeros((1, num_cols), np.float32),
+                                            np.zeros((1, 768), np.float32))
+    assert rt.launches[-1][0] == kernel and rt.shared[-1] == shared
+
+
+def test_act_quant_setting(monkeypatch):
+    monkeypatch.delenv("STRATA_ACT_QUANT", raising=False)
+    assert gpu_act_quant() == "int16"
+    monkeypatch.setenv("STRATA_ACT_QUANT", "Float")
+    assert gpu_act_quant() == "float"
+    assert gpu_act_quant("int8") == "int16"  # no int8 dot on the GPU
+    with pytest.raises(ValueError, match="STRATA_ACT_QUANT='fp8'"):
+        gpu_act_quant("fp8")
