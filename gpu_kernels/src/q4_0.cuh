@@ -61,3 +61,30 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
         }
     }
 }
+
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): d * dx * (sum of q * x - 8 sum of x),
+// exact in int32 through dp4a; the sums of x are the rows' shared work.
+#define INT_DECODE 1
+template <int RPT>
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+    int at = 32 * (s >> 1) + 8 * (s & 1);  // x index of the low nibbles' first weight (high: +16)
+    uint2 h0 = *(const uint2*)(xq.hi + at), h1 = *(const uint2*)(xq.hi + at + 16);
+    uint2 l0 = *(const uint2*)(xq.lo + at), l1 = *(const uint2*)(xq.lo + at + 16);
+    const int ones = 0x01010101;
+    int xh = dp4a(ones, (int)h0.x, dp4a(ones, (int)h0.y, dp4a(ones, (int)h1.x, dp4a(ones, (int)h1.y, 0))));
+    int xl = dp4a(ones, (int)l0.x, dp4a(ones, (int)l0.y, dp4a(ones, (int)l1.x, dp4a(ones, (int)l1.y, 0))));
+    int bias = 8 * (256 * xh + xl);
+    float dx = xq.scale[s >> 1];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        int a = 0, b = 0;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            u32 v = sl[r].q[i];
+            int lo = (int)(v & 0x0F0F0F0Fu), hi = (int)((v >> 4) & 0x0F0F0F0Fu);
+            a = dp4a(lo, (int)(i ? h0.y : h0.x), dp4a(hi, (int)(i ? h1.y : h1.x), a));
+            b = dp4a(lo, (int)(i ? l0.y : l0.x), dp4a(hi, (int)(i ? l1.y : l1.x), b));
+        }
+        acc[r][0] = fmaf(half_to_float(sl[r].d) * dx, (float)(256 * a + b - bias), acc[r][0]);
+    }
+}

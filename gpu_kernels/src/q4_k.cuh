@@ -100,40 +100,23 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
 }
 
 // The same slice dotted with int16 activations (XQ, the `_1q` kernels): per sub-block one exact integer
-// sum of q * x through dp4a, then (d * scale_j) * (dx_j * sum) - (dmin * min_j) * sum(x_j). The lane of a
-// sub-block pair's second 16 bytes leaves the min terms to the lane of its first 16.
+// sum of q * x through dp4a (kquant.cuh's kquant_pair_sum does the rest).
 #define INT_DECODE 1
 template <int RPT>
 __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
-    int k = s & 7, c = k >> 1, second = k & 1, blk = 8 * (s >> 3) + 2 * c;
-    int at = XQ_BLOCK * blk + 16 * second;  // x index of this slice's first weight of sub-block 2c (2c + 1: +32)
-    uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 32);
-    uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 32);
-    float dx0 = xq.scale[blk], dx1 = xq.scale[blk + 1];
-    float xs0 = second ? 0.0f : xq.sum[blk], xs1 = second ? 0.0f : xq.sum[blk + 1];
-    // (scale, min) of sub-blocks 2c, 2c + 1 as the bytes [sc0, sc1, m0, m1] (scale_min_k4, four at once)
-    u32 jj = (2 * c) & 3, sel = jj | ((jj + 1) << 4) | ((jj + 4) << 8) | ((jj + 5) << 12);
-    bool upper = c >= 2;
-    u32 mask_low6 = upper ? 0xC0C0C0C0u : 0x3F3F3F3Fu, shift = upper ? 2u : 0u, mask_nib = upper ? 0x0F0F0F0Fu : 0u;
+    KquantXQ k = kquant_xq(xq, s);
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
-        u32 s2 = sl[r].head.w;
-        u32 lows = __byte_perm(sl[r].head.y, sl[r].head.z, sel), nibs = __byte_perm(s2, s2 >> 4, sel);
-        u32 sm = ((lows & mask_low6) >> shift) | (nibs & mask_nib);
         int a0 = 0, b0 = 0, a1 = 0, b1 = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             u32 v = WORD(sl[r].q, i);
             int lo = (int)(v & 0x0F0F0F0Fu), hi = (int)((v >> 4) & 0x0F0F0F0Fu);
-            a0 = dp4a(lo, (int)WORD(h0, i), a0);
-            b0 = dp4a(lo, (int)WORD(l0, i), b0);
-            a1 = dp4a(hi, (int)WORD(h1, i), a1);
-            b1 = dp4a(hi, (int)WORD(l1, i), b1);
+            a0 = dp4a(lo, (int)WORD(k.h0, i), a0);
+            b0 = dp4a(lo, (int)WORD(k.l0, i), b0);
+            a1 = dp4a(hi, (int)WORD(k.h1, i), a1);
+            b1 = dp4a(hi, (int)WORD(k.l1, i), b1);
         }
-        float d = half_to_float(sl[r].head.x & 0xffffu), dmin = half_to_float(sl[r].head.x >> 16);
-        float dots = fmaf(BYTE_FLOAT(sm, 0, 0.0f) * dx0, (float)(256 * a0 + b0),
-                          BYTE_FLOAT(sm, 1, 0.0f) * dx1 * (float)(256 * a1 + b1));
-        float mins = fmaf(BYTE_FLOAT(sm, 2, 0.0f), xs0, BYTE_FLOAT(sm, 3, 0.0f) * xs1);
-        acc[r][0] += fmaf(d, dots, -dmin * mins);
+        acc[r][0] += kquant_pair_sum(sl[r].head, k.c, 256 * a0 + b0, 256 * a1 + b1, k.dx0, k.dx1, k.xs0, k.xs1);
     }
 }

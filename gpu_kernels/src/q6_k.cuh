@@ -76,3 +76,38 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
         }
     }
 }
+
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): per part p (8 weights, x block
+// 8 (s / 8) + 4h + p) d * scale_p * dx * (sum of q * x - 32 sum of x), the integer sums exact through dp4a,
+// the sums of x the rows' shared work.
+#define INT_DECODE 1
+template <int RPT>
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+    int k = s & 7, blk = 8 * (s >> 3) + 4 * (k >> 2);
+    int at = XQ_BLOCK * blk + 8 * (k & 3);  // x index of part 0's first weight (part p: + 32p)
+    const int ones = 0x01010101;
+    float part[RPT][4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        uint2 h = *(const uint2*)(xq.hi + at + 32 * p), l = *(const uint2*)(xq.lo + at + 32 * p);
+        int bias = 32 * (256 * dp4a(ones, (int)h.x, dp4a(ones, (int)h.y, 0)) + dp4a(ones, (int)l.x, dp4a(ones, (int)l.y, 0)));
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            int a = 0, b = 0;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                int q = (int)(((sl[r].ql[p & 1][i] >> (4 * (p >> 1))) & 0x0F0F0F0Fu) | (((sl[r].qh[i] >> (2 * p)) & 0x03030303u) << 4));
+                a = dp4a(q, (int)(i ? h.y : h.x), a);
+                b = dp4a(q, (int)(i ? l.y : l.x), b);
+            }
+            part[r][p] = (float)sl[r].sc[p] * (float)(256 * a + b - bias);  // exact ints: |q * x| sums < 2^24
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        float sum = part[r][0] * xq.scale[blk];
+#pragma unroll
+        for (int p = 1; p < 4; ++p) sum = fmaf(part[r][p], xq.scale[blk + p], sum);
+        acc[r][0] = fmaf(half_to_float(sl[r].d), sum, acc[r][0]);
+    }
+}

@@ -80,9 +80,9 @@ def test_register_capped_module_compiles_for_sm90():
     (Q.Q4_K, "int16", 2048, "matmul_1q", 2 * 2048 + 8 * 64),
     (Q.Q8_0, "int16", 768, "matmul_1q", 2 * 768 + 8 * 24),
     (Q.Q4_K, "float", 2048, "matmul_1", 0),
-    (Q.Q6_K, "int16", 2048, "matmul_1", 0),  # no int16 dot: the float kernel
+    (Q.BF16, "int16", 2048, "matmul_1", 0),  # no int16 dot: the float kernel
     (Q.Q8_0, "int16", 32768, "matmul_1", 0),  # x would not fit the shared memory cap
-], ids=["q4_k", "q8_0", "q4_k-float", "q6_k", "q8_0-wide"])
+], ids=["q4_k", "q8_0", "q4_k-float", "bf16", "q8_0-wide"])
 def test_one_token_kernel_takes_x_as_int16_where_it_can(qtype, act_quant, num_cols, kernel, shared):
     rt = LaunchRecorder()
     raw = np.zeros((768, 8), np.uint8)
