@@ -282,8 +282,9 @@ class GpuBackend:
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
         self._expert_width = max(layer.gate_exps.shape[1] for layer in model.layers)
         self.borrow_bytes_per_second = self._measure_upload()
-        log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s", self.name, self.rt.device_name,
-                 self.rt.name, self.rt.warp_size, self.budget.describe(), self.borrow_bytes_per_second / 1e9)
+        log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s; one-token matmuls take x as %s "
+                 "(STRATA_ACT_QUANT)", self.name, self.rt.device_name, self.rt.name, self.rt.warp_size,
+                 self.budget.describe(), self.borrow_bytes_per_second / 1e9, self.kernels.act_quant)
 
     def _measure_upload(self):
         """Bytes per second of a pinned host -> device copy (PCIE_PROBE_BYTES, best of three)."""
