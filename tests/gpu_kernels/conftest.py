@@ -32,16 +32,29 @@ def dequant(raw, qtype, num_cols):
     return out.reshape(*raw.shape[:-1], num_cols)
 
 
-def xq_rounded(x):
-    """x [T, C] as the `_1q` kernels see it (common.cuh's stage_xq): per 32-value block rounded half to even to
-    multiples of amax / 32639, float64 [T, C]."""
-    levels = np.float32(32639)
-    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)
+XQ_LEVELS = np.float32(32639)  # common.cuh's XQ_LEVELS
+
+
+def xq_arrays(x):
+    """What common.cuh's stage_xq makes of x [C]: (hi, lo int8 [C] with x / scale rounded half to even =
+    256 hi + lo, scale f32 [C/32] = amax / XQ_LEVELS, sum f32 [C/32] of x) per 32-value block."""
+    blocks = x.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, levels / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv)
-    return (q.astype(np.float64) * (amax / levels).astype(np.float64)).reshape(x.shape)
+        inv = np.where(amax > 0, XQ_LEVELS / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv).astype(np.int32).reshape(-1)
+    hi = (q + 128) >> 8
+    return (hi.astype(np.int8), (q - 256 * hi).astype(np.int8), (amax[:, 0] / XQ_LEVELS).astype(np.float32),
+            blocks.sum(axis=1, dtype=np.float32))
+
+
+def xq_rounded(x):
+    """x [T, C] as the `_1q` kernels see it: float64 [T, C] of the rounded values (xq_arrays)."""
+    rows = []
+    for row in x:
+        hi, lo, scale, _ = xq_arrays(row)
+        rows.append((256 * hi.astype(np.float64) + lo) * np.repeat(scale.astype(np.float64), 32))
+    return np.array(rows).reshape(x.shape)
 
 
 def silu(x):
