@@ -78,6 +78,8 @@ def paged_rows(pool, pool_scale, stage, stage_scale, table, positions):
 class ReferenceKernels:
     """NumPy versions of the GPU kernels, same arguments, results into `out`."""
 
+    act_quant = "float"  # x as it comes (Kernels.act_quant)
+
     def matmul(self, raw, qtype, x, out):
         out[:] = x.astype(np.float64) @ dequant(raw, qtype, x.shape[1]).T.astype(np.float64)
 
