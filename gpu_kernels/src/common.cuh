@@ -112,7 +112,7 @@ __device__ __forceinline__ void load_words_a2(const u8* p, u32* out, int num_wor
 // (cpu_kernels.act_quant, int16): per 32-value block a scale amax / XQ_LEVELS and x / scale rounded half to
 // even, kept as two signed bytes (hi * 256 + lo, lo in -128..127) so that the weights' integer quants dot
 // them with two 4-byte integer dots (dp4a) instead of one float conversion and FMA a weight. XQ_LEVELS
-// keeps hi within a signed byte. Sums of 32 products of |quants| <= 127 stay exact in int32 and in float.
+// keeps hi within a signed byte. The integer sums of a block's products (|quants| <= 127) stay exact in int32.
 #define XQ_LEVELS 32639.0f
 #define XQ_BLOCK 32
 
