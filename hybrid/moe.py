@@ -68,6 +68,9 @@ class ExpertSplit:
     decode_host_thread: the same for a decode token, off by default: its device part is queued first (one
     graph a layer), so the calling thread would only wait for the worker, and the hand-over cost more than
     it hid (H200, 50 % resident: 44.8 tok/s with the worker, 51.9 inline; bench/results/gpu_model.md).
+    compiled_host_decode: a decode token's host part as one compiled call (CpuBackend.host_decode_experts: the pair
+    selection and grouping too) rather than NumPy bookkeeping and grouped_experts; bit-identical, on where the host
+    has it.
     """
 
     def __init__(self, host, resident, cpu_share=None):
@@ -77,6 +80,7 @@ class ExpertSplit:
         self.trace = None
         self.host_thread = True
         self.decode_host_thread = False
+        self.compiled_host_decode = hasattr(host, "host_decode_experts")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
         self._deferred = []  # (layer, queued routing copy) to record at finish_step
         self._deferred_host = []  # (layer, routing ids [1, K] on the host) of decode layers, to record at finish_step
@@ -169,11 +173,20 @@ class ExpertSplit:
         self._deferred, self._deferred_host = [], []
 
     def _run_host_decode(self, device, layer, routing, usage):
-        """(out [1, H] or None, seconds): the token's non-resident pairs, in the worker thread."""
+        """(out [1, H] or None, seconds): the token's non-resident pairs, inline or in the worker thread."""
         ids_host, weights_host, x = device.wait_routing(routing)  # [1, K], [1, K], [1, H]
         experts = ids_host[0].astype(np.int64)  # [K]
         if usage is not None:  # recorded at finish_step, off this layer's path
             self._deferred_host.append((layer.index, experts[None]))
+        if self.compiled_host_decode:
+            t0 = time.perf_counter()
+            out, num_pairs = self.host.host_decode_experts(layer, x, ids_host, weights_host,
+                                                           self.resident[layer.index])
+            if num_pairs == 0:
+                return None, 0.0
+            seconds = time.perf_counter() - t0
+            self._measure_host(layer, num_pairs, seconds)
+            return out, seconds
         slots = np.flatnonzero(~self.resident[layer.index][experts])  # pair slots j the host runs
         if len(slots) == 0:
             return None, 0.0

@@ -112,6 +112,7 @@ class CpuBackend:
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
     _local = None  # per thread: the _Scratch of grouped_experts
     _plans = None  # layer index: cpu_decode.LayerPlan, made at the layer's first decode step
+    _host_plans = None  # layer index: cpu_host_experts.HostExpertsPlan, made at the layer's first hybrid decode step
     # int64 [W, cpu_decode_fused.TRACE_COLUMNS]: ticks each worker of a fused decode layer spends per stage,
     # summed over calls (fused_template; bench/fused_stages.py sets it); zero rows: not profiled
     stage_trace = np.zeros((0, 0), dtype=np.int64)
@@ -268,6 +269,18 @@ class CpuBackend:
     def group_pairs(self, ids, num_experts):
         """ids int64 [T, K] -> (order [N], expert_ids [G], row_starts [G+1]): pairs sorted by expert."""
         return routing.group_by_expert(ids, num_experts)
+
+    def host_decode_experts(self, layer, x, ids, weights, resident):
+        """One decode token's pairs whose experts are not resident (bool [E]), as one compiled call
+        (cpu_host_experts): (out [1, H], pairs run) for x [1, H], ids [1, K], weights [1, K]."""
+        if self._host_plans is None:
+            self._host_plans = {}
+        plan = self._host_plans.get(layer.index)
+        if plan is None or not plan.current(layer):
+            from .cpu_host_experts import HostExpertsPlan
+
+            plan = self._host_plans[layer.index] = HostExpertsPlan(self, layer)  # (sets act_quant)
+        return plan.fn(x, ids, weights, resident, plan.gu_raws, plan.d_raws, _one_thread(), self.act_quant)
 
     def grouped_experts(self, x, weights, groups, gate_exps, up_exps, down_exps):
         """The pairs of `groups` (order, expert_ids, row_starts; a subset of the [T, K] pairs), combined

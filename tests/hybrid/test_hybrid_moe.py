@@ -183,3 +183,44 @@ def test_borrow_cost_model():
     split.cpu_share = 0.06  # the least-used experts up to 6 % of the rows stay on the host
     assert split.plan_borrow(layer, groups, bytes_per_second=1.0).tolist() == [False, True, True, True]
 
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
+def test_compiled_host_decode_is_bit_identical(gguf_models, target):
+    """A decode token's host part as one compiled call (CpuBackend.host_decode_experts) gives the op-by-op
+    path's logits bit for bit: the same kernels on the same rows in the same order."""
+    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
+    weights = load_model(path)
+    c = weights.config
+    mask = _masks(c.num_layers, c.num_experts)["half"]
+    scores = {}
+    for compiled in (False, True):
+        host = CpuBackend()
+        model = Model(weights, StandInDevice(mask), host=host)
+        assert model.split.compiled_host_decode  # on by default where the host has it
+        model.split.compiled_host_decode = compiled
+        scores[compiled] = _score(model)
+        assert bool(host._host_plans) == compiled
+    np.testing.assert_array_equal(scores[True], scores[False])
+
+
+@pytest.mark.parametrize("resident_share", [0.0, 0.5, 1.0])
+def test_host_decode_experts_picks_the_non_resident_pairs(gguf_models, resident_share):
+    path, _ = gguf_models("kquant", "Q4_K_M")
+    weights = load_model(path)
+    host = CpuBackend()
+    layer, c = Model(weights, host).layers[1], weights.config
+    rng = np.random.default_rng(int(resident_share * 10))
+    x = rng.standard_normal((1, c.hidden_size)).astype(np.float32)  # [1, H]
+    k = c.num_experts_per_tok
+    ids = rng.choice(c.num_experts, k, replace=False)[None].astype(np.int32)  # [1, K], not sorted
+    w = rng.random((1, k)).astype(np.float32)  # [1, K]
+    resident = rng.random(c.num_experts) < resident_share  # [E]
+    out, num_pairs = host.host_decode_experts(layer, x, ids, w, resident)
+    slots = np.flatnonzero(~resident[ids[0]])
+    assert num_pairs == len(slots)
+    order = slots[np.argsort(ids[0][slots], kind="stable")]
+    groups = PairGroups(order, ids[0][order].astype(np.int64), np.arange(len(order) + 1))
+    ref = host.grouped_experts(x, w, groups, layer.gate_exps, layer.up_exps, layer.down_exps) if len(slots) \
+        else np.zeros_like(x)
+    np.testing.assert_array_equal(out, ref)

@@ -1,0 +1,93 @@
+"""A decode token's host experts (the hybrid split's CPU part) as one compiled call a layer.
+
+In a hybrid decode step the CPU runs the token's pairs whose experts the device does not hold. The
+op-by-op way (ExpertSplit's bookkeeping in NumPy, then CpuBackend.grouped_experts) costs ~20 Python
+operations and five kernel calls a layer, and between layers the interpreter runs cold (its data evicted
+by the layer's weights: ~4x a warm operation's cost, bench/results/vs_llamacpp.md, session 21). Here the
+selection of the host's pairs, their order by expert, the gather, gate/up, SwiGLU, down and the weighted
+sum are one call into an instance of host_experts_template over the layer's expert formats: the same
+kernels on the same rows as grouped_experts, so the result is bit-identical.
+
+Shape legend: H hidden, F expert width, E experts, K top-k, N the host's pairs (<= K).
+"""
+import operator
+
+import numpy as np
+
+from cpu_kernels import activation, moe_combine
+
+from .cpu import SERIAL_MAX_ELEMENTS, TINY_MAX_ELEMENTS
+from .cpu_decode import _runners, _small, instance, split_pair
+
+
+def host_experts_template(x, ids, weights, resident, gu_raws, d_raws, one_thread, act_quant):
+    """(out [1, H], N): out = the sum over the token's pairs j whose expert ids[0, j] is not resident of
+    weights[0, j] * expert(x [1, H]); resident bool [E]. The pairs run in expert order (stable), as
+    ExpertSplit groups them. N = 0: out is zeros."""
+    top_k, hidden = ids.shape[1], x.shape[1]
+    order = np.empty(top_k, dtype=np.int64)  # [K], the first N used: pair slots by expert id
+    num_pairs = 0
+    for j in range(top_k):
+        if not resident[ids[0, j]]:
+            i = num_pairs
+            while i > 0 and ids[0, order[i - 1]] > ids[0, j]:  # insertion keeps equal ids in slot order
+                order[i] = order[i - 1]
+                i -= 1
+            order[i] = j
+            num_pairs += 1
+    out = np.zeros((1, hidden), dtype=np.float32)  # [1, H]
+    if num_pairs == 0:
+        return out, 0
+    order = order[:num_pairs]  # [N]
+    expert_ids = np.empty(num_pairs, dtype=np.int64)  # [N]: one pair an expert (a token routes each once)
+    for i in range(num_pairs):
+        expert_ids[i] = ids[0, order[i]]
+    row_starts = np.arange(num_pairs + 1)  # [N + 1]
+    width = gu_raws[0].shape[1]
+    small = _small(num_pairs * max(hidden, width), TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread)
+    xs = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
+    if small:
+        moe_combine.gather_rows_serial(x, order, top_k, xs)
+    else:
+        moe_combine.gather_rows(x, order, top_k, xs)
+    gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
+    up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
+    GU_PAR(gu_raws, xs, expert_ids, row_starts, (gate, up), act_quant)  # noqa: F821 (instance globals)
+    if small:
+        activation.swiglu_serial(gate, up, gate)
+    else:
+        activation.swiglu(gate, up, gate)
+    down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
+    D_PAR(d_raws, gate, expert_ids, row_starts, (down,), act_quant)  # noqa: F821
+    if small:
+        moe_combine.scatter_add_weighted_serial(down, order, weights.reshape(-1), top_k, out)
+    else:
+        moe_combine.scatter_add_weighted(down, order, weights.reshape(-1), top_k, out)
+    return out, num_pairs
+
+
+class HostExpertsPlan:
+    """One layer's compiled host-experts function and its weights' raws (an instance per format pair)."""
+
+    def __init__(self, backend, layer):
+        gate, up, down = (_runners(backend, w) for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
+        hidden, width = layer.gate_exps.shape[2], layer.gate_exps.shape[1]
+        if (backend._kernels_of(layer.down_exps).cols, layer.down_exps.shape[1]) != (width, hidden) \
+                or layer.up_exps.shape != layer.gate_exps.shape:
+            raise ValueError(f"host experts of layer {layer.index}: {layer.gate_exps.name} {layer.gate_exps.shape}, "
+                             f"{layer.up_exps.name} {layer.up_exps.shape} and {layer.down_exps.name} "
+                             f"{layer.down_exps.shape} do not fit")
+        paired = (layer.up_exps.qtype == layer.gate_exps.qtype and layer.up_exps.raw.shape == layer.gate_exps.raw.shape
+                  and layer.up_exps.raw.flags.writeable == layer.gate_exps.raw.flags.writeable)
+        gu = gate[0] if paired else instance(split_pair, f"{gate[4]}_{up[4]}", FIRST=gate[0], SECOND=up[0])
+        names = (gate[4], up[4], down[4], "paired" if paired else "split")
+        self.fn = instance(host_experts_template, "_".join(names), GU_PAR=gu, D_PAR=down[0])
+        self.raws = tuple(w.raw for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
+        self.gu_raws, self.d_raws = gate[2] + up[2], down[2]
+
+    def current(self, layer):
+        """Whether the layer's expert weights still hold the raws this plan was made for."""
+        return all(map(operator.is_, map(_RAW, (layer.gate_exps, layer.up_exps, layer.down_exps)), self.raws))
+
+
+_RAW = operator.attrgetter("raw")
