@@ -31,6 +31,9 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
 ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernels.act_quant)
+# Whether the `_1q` kernels run without STRATA_ACT_QUANT=int16 set: not until they have run on a GPU (their slice
+# arithmetic is checked on the CPU in CI, tests/gpu_kernels/test_slice_emulation.py; the shared-memory staging is not).
+GPU_INT16_BY_DEFAULT = False
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
@@ -46,9 +49,10 @@ MAX_SPLITS = 64
 
 def gpu_act_quant(name=None):
     """How the one-token matmuls of INT_DECODE formats take x: "int16" (rounded once per block into shared
-    memory, as the CPU's default decode) or "float". name: STRATA_ACT_QUANT's value (None: the environment);
-    "int8" gives int16 here, the GPU kernels have no int8 dot."""
-    name = (os.environ.get("STRATA_ACT_QUANT") if name is None else name) or "int16"
+    memory, as the CPU's default decode) or "float". name: STRATA_ACT_QUANT's value (None: the environment;
+    unset: GPU_INT16_BY_DEFAULT); "int8" gives int16 here, the GPU kernels have no int8 dot."""
+    name = (os.environ.get("STRATA_ACT_QUANT") if name is None else name) or \
+        ("int16" if GPU_INT16_BY_DEFAULT else "float")
     name = name.strip().lower()
     if name not in ACT_QUANTS:
         raise ValueError(f"STRATA_ACT_QUANT={name!r}: expected one of {', '.join(ACT_QUANTS)}")

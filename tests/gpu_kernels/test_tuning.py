@@ -5,7 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
-                                 SLICE_WEIGHTS, Kernels, gpu_act_quant)
+                                 GPU_INT16_BY_DEFAULT, SLICE_WEIGHTS, Kernels, gpu_act_quant)
 from gpu_kernels.nvrtc import Nvrtc, find_library
 from gpu_kernels.sources import INT_DECODE, module_name, module_source
 
@@ -40,7 +40,8 @@ def test_one_token_launch_takes_the_format_tuning(qtype):
     rows, slices = DECODE_TUNING.get(qtype, (DECODE_ROWS, LANE_SLICES))
     blocks = DECODE_MIN_BLOCKS.get(qtype, 0)
     name, source, function, grid, tpr = _one_token_launch(qtype)
-    assert function == ("matmul_1q" if qtype in INT_DECODE else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}")
+    int16 = qtype in INT_DECODE and GPU_INT16_BY_DEFAULT
+    assert function == ("matmul_1q" if int16 else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}")
     assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" in source
     assert tpr == min(32, 1 << max(0, -(-2048 // SLICE_WEIGHTS[qtype] // slices) - 1).bit_length())
     assert grid == (-(-768 // (MATMUL_THREADS // tpr * rows)), 1)
@@ -93,7 +94,8 @@ def test_one_token_kernel_takes_x_as_int16_where_it_can(qtype, act_quant, num_co
 
 def test_act_quant_setting(monkeypatch):
     monkeypatch.delenv("STRATA_ACT_QUANT", raising=False)
-    assert gpu_act_quant() == "int16"
+    assert gpu_act_quant() == ("int16" if GPU_INT16_BY_DEFAULT else "float")
+    assert gpu_act_quant("int16") == "int16"
     monkeypatch.setenv("STRATA_ACT_QUANT", "Float")
     assert gpu_act_quant() == "float"
     assert gpu_act_quant("int8") == "int16"  # no int8 dot on the GPU
