@@ -175,9 +175,8 @@ class ExpertSplit:
     def _run_host_decode(self, device, layer, routing, usage):
         """(out [1, H] or None, seconds): the token's non-resident pairs, inline or in the worker thread."""
         ids_host, weights_host, x = device.wait_routing(routing)  # [1, K], [1, K], [1, H]
-        experts = ids_host[0].astype(np.int64)  # [K]
         if usage is not None:  # recorded at finish_step, off this layer's path
-            self._deferred_host.append((layer.index, experts[None]))
+            self._deferred_host.append((layer.index, ids_host.astype(np.int64)))
         if self.compiled_host_decode:
             t0 = time.perf_counter()
             out, num_pairs = self.host.host_decode_experts(layer, x, ids_host, weights_host,
@@ -187,6 +186,7 @@ class ExpertSplit:
             seconds = time.perf_counter() - t0
             self._measure_host(layer, num_pairs, seconds)
             return out, seconds
+        experts = ids_host[0].astype(np.int64)  # [K]
         slots = np.flatnonzero(~self.resident[layer.index][experts])  # pair slots j the host runs
         if len(slots) == 0:
             return None, 0.0
