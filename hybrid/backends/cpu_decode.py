@@ -199,6 +199,21 @@ def _runners(backend, weight):
     return par, ser, raws, weight.raw.nbytes, name
 
 
+def expert_runners(backend, layer, what):
+    """(gate+up runner, down runner, gate+up raws, down raws, format names) of a layer's experts: gate and up in
+    one region where they share a format, as grouped_experts runs them, else split_pair. `what` names the caller
+    in the error raised when the three weights' shapes do not fit together."""
+    gate, up, down = (_runners(backend, w) for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
+    paired = (layer.up_exps.qtype == layer.gate_exps.qtype and layer.up_exps.raw.shape == layer.gate_exps.raw.shape
+              and layer.up_exps.raw.flags.writeable == layer.gate_exps.raw.flags.writeable)
+    gu = gate[0] if paired else instance(split_pair, f"{gate[4]}_{up[4]}", FIRST=gate[0], SECOND=up[0])
+    hidden, width = layer.gate_exps.shape[2], layer.gate_exps.shape[1]
+    if (backend._kernels_of(layer.down_exps).cols, layer.down_exps.shape[1]) != (width, hidden):
+        raise ValueError(f"{what}: {layer.gate_exps.name} {layer.gate_exps.shape} and "
+                         f"{layer.down_exps.name} {layer.down_exps.shape} do not fit")
+    return gu, down[0], gate[2] + up[2], down[2], [gate[4], up[4], down[4], "paired" if paired else "split"]
+
+
 class LayerPlan:
     """One layer's compiled decode function and the arguments that do not change between steps."""
 
@@ -212,26 +227,16 @@ class LayerPlan:
             raws_of[key] = raws
             serial.append(nbytes <= SERIAL_MAX_WEIGHT_BYTES)
             names.append(name)
-        gate, up, down = (_runners(backend, w) for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
-        paired = (layer.up_exps.qtype == layer.gate_exps.qtype and layer.up_exps.raw.shape == layer.gate_exps.raw.shape
-                  and layer.up_exps.raw.flags.writeable == layer.gate_exps.raw.flags.writeable)
-        if paired:  # one region for both, as grouped_experts does
-            gu = gate[0]
-        else:
-            gu = instance(split_pair, f"{gate[4]}_{up[4]}", FIRST=gate[0], SECOND=up[0])
-        names += [gate[4], up[4], down[4], "paired" if paired else "split"]
+        gu, down, gu_raws, d_raws, expert_names = expert_runners(backend, layer, f"decode layer {layer.index}")
+        names += expert_names
         qk_norm = layer.attn_q_norm is not None
-        hidden, width = layer.gate_exps.shape[2], layer.gate_exps.shape[1]
-        if (backend._kernels_of(layer.down_exps).cols, layer.down_exps.shape[1]) != (width, hidden):
-            raise ValueError(f"decode layer {layer.index}: {layer.gate_exps.name} {layer.gate_exps.shape} and "
-                             f"{layer.down_exps.name} {layer.down_exps.shape} do not fit")
         self.fn = instance(layer_template, "_".join(names + ["qknorm" if qk_norm else "plain"]),
-                           QK_NORM=qk_norm, GU_PAR=gu, D_PAR=down[0], **kernels)
+                           QK_NORM=qk_norm, GU_PAR=gu, D_PAR=down, **kernels)
         self.args = (
             layer.attn_norm, layer.ffn_norm, layer.attn_q_norm if qk_norm else NO_NORM,
             layer.attn_k_norm if qk_norm else NO_NORM, float(layer.eps), float(layer.rope_theta),
             float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim,
-            raws_of["Q"], raws_of["K"], raws_of["V"], raws_of["O"], raws_of["R"], gate[2] + up[2], down[2],
+            raws_of["Q"], raws_of["K"], raws_of["V"], raws_of["O"], raws_of["R"], gu_raws, d_raws,
             layer.num_experts_per_tok, bool(layer.norm_topk_prob), np.array(serial))
         self._layer, self._backend, self._fused = layer, backend, None
         # what cpu_decode_fused.new_work's arrays depend on besides batch size and threads

@@ -17,7 +17,7 @@ import numpy as np
 from cpu_kernels import activation, moe_combine
 
 from .cpu import SERIAL_MAX_ELEMENTS, TINY_MAX_ELEMENTS
-from .cpu_decode import _runners, _small, instance, split_pair
+from .cpu_decode import _small, expert_runners, instance
 
 
 def host_experts_template(x, ids, weights, resident, gu_raws, d_raws, one_thread, act_quant):
@@ -70,20 +70,13 @@ class HostExpertsPlan:
     """One layer's compiled host-experts function and its weights' raws (an instance per format pair)."""
 
     def __init__(self, backend, layer):
-        gate, up, down = (_runners(backend, w) for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
-        hidden, width = layer.gate_exps.shape[2], layer.gate_exps.shape[1]
-        if (backend._kernels_of(layer.down_exps).cols, layer.down_exps.shape[1]) != (width, hidden) \
-                or layer.up_exps.shape != layer.gate_exps.shape:
-            raise ValueError(f"host experts of layer {layer.index}: {layer.gate_exps.name} {layer.gate_exps.shape}, "
-                             f"{layer.up_exps.name} {layer.up_exps.shape} and {layer.down_exps.name} "
-                             f"{layer.down_exps.shape} do not fit")
-        paired = (layer.up_exps.qtype == layer.gate_exps.qtype and layer.up_exps.raw.shape == layer.gate_exps.raw.shape
-                  and layer.up_exps.raw.flags.writeable == layer.gate_exps.raw.flags.writeable)
-        gu = gate[0] if paired else instance(split_pair, f"{gate[4]}_{up[4]}", FIRST=gate[0], SECOND=up[0])
-        names = (gate[4], up[4], down[4], "paired" if paired else "split")
-        self.fn = instance(host_experts_template, "_".join(names), GU_PAR=gu, D_PAR=down[0])
+        what = f"host experts of layer {layer.index}"
+        if layer.up_exps.shape != layer.gate_exps.shape:
+            raise ValueError(f"{what}: {layer.gate_exps.name} {layer.gate_exps.shape} and {layer.up_exps.name} "
+                             f"{layer.up_exps.shape} do not fit")
+        gu, down, self.gu_raws, self.d_raws, names = expert_runners(backend, layer, what)
+        self.fn = instance(host_experts_template, "_".join(names), GU_PAR=gu, D_PAR=down)
         self.raws = tuple(w.raw for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
-        self.gu_raws, self.d_raws = gate[2] + up[2], down[2]
 
     def current(self, layer):
         """Whether the layer's expert weights still hold the raws this plan was made for."""
