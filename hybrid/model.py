@@ -132,13 +132,15 @@ class Model:
                 x += attention_block(be, self.spec.attention, layer, h, batch)
                 h = be.rmsnorm(x, layer.ffn_norm, eps)
                 x += moe_block(be, self.spec.moe, layer, h, self.split, self.usage)
-        if self.split is not None and self.usage is not None:
+        if len(batch.logit_rows) == 0:
+            logits = np.empty((0, self.config.vocab_size), dtype=np.float32)
+        else:
+            x = be.take_rows(x, batch.logit_rows)  # [T_out, H]
+            logits = be.to_host(be.linear(self.output, be.rmsnorm(x, self.output_norm, eps)))  # [T_out, V]
+        if self.split is not None:  # after the logits: a relayed step is only done, or known failed, then
             self.split.finish_step(be, self.usage)
         if self.residency is not None:
             self.residency.after_step(self.usage)
         for chunk in batch.chunks:
             chunk.kv.commit(chunk.start + len(chunk.token_ids))
-        if len(batch.logit_rows) == 0:
-            return np.empty((0, self.config.vocab_size), dtype=np.float32)
-        x = be.take_rows(x, batch.logit_rows)  # [T_out, H]
-        return be.to_host(be.linear(self.output, be.rmsnorm(x, self.output_norm, eps)))  # [T_out, V]
+        return logits

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cpu_kernels.mailbox import ticks_per_second
+from cpu_kernels.sync import LINE
 from cpu_kernels.target import use_chosen_threads
+
+from .relay import HostRelay, Mailbox
 
 BORROW_MIN_TOKENS = 32  # chunks of fewer tokens never borrow
 HOST_FLOPS_DEFAULT = 2e11  # the host's expert FLOP/s until measured
@@ -31,6 +35,8 @@ HOST_FLOPS_MIN_ROWS = 256  # host calls of at least this many pair rows update t
 # a moment between its compiled calls while the calling thread queues the device part in Python;
 # at the default 5 ms each such hand-over could wait for the whole queuing, serialising the two.
 GIL_SWITCH_S = 5e-5
+# The decode relay's default: off until it has run on a GPU (STRATA_DECODE_RELAY=1 turns it on).
+RELAY_BY_DEFAULT = False
 
 
 @dataclass
@@ -71,6 +77,10 @@ class ExpertSplit:
     compiled_host_decode: a decode token's host part as one compiled call (CpuBackend.host_decode_experts: the pair
     selection and grouping too) rather than NumPy bookkeeping and grouped_experts; bit-identical, on where the host
     has it.
+    decode_relay: a decode token's host part through the relay (hybrid/relay.py): the calling thread never waits
+    inside the step; the device and a host worker hand the routing and the rows over through mapped memory.
+    STRATA_DECODE_RELAY; on where both sides have it. Its trace is read at finish_step, step_s from the device's
+    clock (routing posted to host rows added).
     """
 
     def __init__(self, host, resident, cpu_share=None):
@@ -84,11 +94,17 @@ class ExpertSplit:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
         self._deferred = []  # (layer, queued routing copy) to record at finish_step
         self._deferred_host = []  # (layer, routing ids [1, K] on the host) of decode layers, to record at finish_step
+        self.decode_relay = _relay_from_env()
+        self._relay, self._relay_ready = None, set()  # a HostRelay, made at the first relayed layer
+        self._relayed = []  # (layer, pending device part, queuing seconds) of this step's relayed layers
+        self._step = 0  # the step's number, posted on the relay's flags
         if sys.getswitchinterval() > GIL_SWITCH_S:
             sys.setswitchinterval(GIL_SWITCH_S)
 
     def run(self, device, layer, h, ids, weights, usage=None):
         """The layer's expert mixture [T, H]; `usage` (an ExpertUsage) records the routing."""
+        if len(h) == 1 and self._relays(device) and not self.resident[layer.index].all():
+            return self._run_relay(device, layer, h, ids, weights)
         if self.trace is not None:
             device.synchronize()  # time this layer's expert work alone
         if len(h) == 1 and hasattr(device, "submit_decode_experts"):
@@ -150,6 +166,68 @@ class ExpertSplit:
         self._traced(device, layer, 1, t0, pending, cpu_s, queue_s)
         return out
 
+    def _relays(self, device):
+        """Whether decode tokens go through the relay: asked for, and both sides have it."""
+        return self.decode_relay and hasattr(device, "publish_decode") and hasattr(self.host, "relay_decode_experts")
+
+    def _run_relay(self, device, layer, h, ids, weights):
+        """One token through the decode relay (hybrid/relay.py): the calling thread only queues. Usage and
+        trace are read at finish_step, once the step's results are in."""
+        t0 = time.perf_counter()
+        relay = self._relay_for(device, layer, h.shape[1], ids.shape[1])
+        device.publish_decode(layer, h, ids, weights, relay.mailbox, self._step)
+        relay.submit(layer, self._step, self.resident[layer.index])
+        pending = None
+        if self.resident[layer.index].any():
+            pending = device.submit_decode_experts(layer, h, ids, weights)
+        out = device.wait_experts(pending) if pending is not None else device.zeros_like(h)  # [1, H]
+        out = device.await_host_rows(out, layer, relay.mailbox, self._step, relay.timeout_s)
+        self._relayed.append((layer, pending, time.perf_counter() - t0))
+        return out
+
+    def _relay_for(self, device, layer, hidden, top_k):
+        """The relay (made at the first relayed layer, again if the shapes change), its host side of `layer`
+        compiled and run once on a scratch mailbox first: the device must not wait through a compilation."""
+        num_layers = self.resident.shape[0]
+        if self._relay is None or not self._relay.mailbox.fits(num_layers, top_k, hidden):
+            if self._relay is not None:
+                self._relay.close()
+            self._relay = HostRelay(self.host, device.decode_mailbox(num_layers, top_k, hidden))
+            self._relay_ready = set()
+        if layer.index not in self._relay_ready:
+            scratch = Mailbox.allocate(num_layers, top_k, hidden)
+            scratch.inbox[layer.index, :top_k] = np.arange(top_k, dtype=np.int32).view(np.float32)
+            scratch.flags_in[layer.index * LINE] = 1
+            self.host.relay_decode_experts(layer, scratch, 1, np.zeros_like(self.resident[layer.index]),
+                                           self._relay.limit_ticks)
+            self._relay_ready.add(layer.index)
+        return self._relay
+
+    def _finish_relay(self, device, usage):
+        """After a step's logits: the relayed layers' results; raises if any layer's host rows were missing."""
+        relayed, self._relayed = self._relayed, []
+        results = self._relay.collect()
+        device.synchronize()
+        mailbox = self._relay.mailbox
+        problems = [r.problem() for r in results if r.problem() is not None]
+        failed = mailbox.device_error()
+        if failed is not None:
+            mailbox.clear_error()
+            problems.append(f"layer {failed[1]}: the device waited {self._relay.timeout_s:.0f} s for the host "
+                            f"rows of step {failed[0]} and gave up")
+        if problems:
+            raise RuntimeError("decode relay: " + "; ".join(problems))
+        if usage is not None:
+            for layer, _, _ in relayed:
+                usage.record(layer.index, mailbox.routing_ids(layer.index))
+        if self.trace is not None:
+            rate = ticks_per_second() or 1.0
+            for (layer, pending, queue_s), result in zip(relayed, results):
+                start, stop = mailbox.times[layer.index]
+                gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
+                self.trace.append(dict(layer=layer.index, tokens=1, cpu_s=(result.posted - result.seen) / rate,
+                                       gpu_s=gpu_s, queue_s=queue_s, step_s=(stop - start) * 1e-9, borrowed=0))
+
     def _traced(self, device, layer, tokens, t0, pending, cpu_s=0.0, queue_s=0.0, borrowed=0):
         """With a trace on, append this layer's timings (after the device is done with it)."""
         if self.trace is None:
@@ -160,16 +238,24 @@ class ExpertSplit:
                                step_s=time.perf_counter() - t0, borrowed=borrowed))
 
     def begin_step(self):
-        """Before a forward step's layers: drop routing copies a failed step left unrecorded."""
-        self._deferred, self._deferred_host = [], []
+        """Before a forward step's layers: drop routing copies a failed step left unrecorded and stop the
+        relay jobs it left waiting; the step's number for the relay's flags."""
+        self._deferred, self._deferred_host, self._relayed = [], [], []
+        if self._relay is not None:
+            self._relay.abandon()
+        self._step += 1
 
-    def finish_step(self, device, usage):
-        """After a forward step's layers: record the decode routings, those of fully resident layers
-        (queued copies, never waited for) and those the host part read."""
-        for layer_index, handle in self._deferred:
-            usage.record(layer_index, device.wait_rows(handle))
-        for layer_index, ids in self._deferred_host:
-            usage.record(layer_index, ids)
+    def finish_step(self, device, usage=None):
+        """After a forward step's logits: the relayed layers' results (an error if any is missing); record
+        the decode routings, those of fully resident layers (queued copies, never waited for) and those the
+        host part read."""
+        if self._relayed:
+            self._finish_relay(device, usage)
+        if usage is not None:
+            for layer_index, handle in self._deferred:
+                usage.record(layer_index, device.wait_rows(handle))
+            for layer_index, ids in self._deferred_host:
+                usage.record(layer_index, ids)
         self._deferred, self._deferred_host = [], []
 
     def _run_host_decode(self, device, layer, routing, usage):
@@ -233,6 +319,14 @@ def _expert_flops_per_row(layer):
 
 def _expert_bytes(layer):
     return sum(t.raw.nbytes // t.raw.shape[0] for t in (layer.gate_exps, layer.up_exps, layer.down_exps))
+
+
+def _relay_from_env():
+    """STRATA_DECODE_RELAY=1 hands decode tokens' host experts over through the relay (hybrid/relay.py)."""
+    value = os.environ.get("STRATA_DECODE_RELAY", "1" if RELAY_BY_DEFAULT else "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"STRATA_DECODE_RELAY={value}: expected 0 or 1")
+    return value == "1"
 
 
 def _cpu_share_from_env():

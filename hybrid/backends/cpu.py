@@ -273,6 +273,20 @@ class CpuBackend:
     def host_decode_experts(self, layer, x, ids, weights, resident):
         """One decode token's pairs whose experts are not resident (bool [E]), as one compiled call
         (cpu_host_experts): (out [1, H], pairs run) for x [1, H], ids [1, K], weights [1, K]."""
+        plan = self._host_plan(layer)
+        return plan.fn(x, ids, weights, resident, plan.gu_raws, plan.d_raws, _one_thread(), self.act_quant)
+
+    def relay_decode_experts(self, layer, mailbox, seq, resident, limit_ticks):
+        """The host side of the decode relay for one layer of step `seq` (hybrid/relay.py), as one compiled
+        call that waits for the routing in `mailbox`: (status, pairs run, ticks at the routing seen, ticks at
+        the rows posted)."""
+        plan = self._host_plan(layer)
+        mb = mailbox
+        return plan.relay(mb.inbox, mb.inbox.view(np.int32), mb.outbox, mb.flags_in, mb.flags_out, mb.abort,
+                          layer.index, seq, limit_ticks, resident, plan.gu_raws, plan.d_raws, _one_thread(),
+                          self.act_quant)
+
+    def _host_plan(self, layer):
         if self._host_plans is None:
             self._host_plans = {}
         plan = self._host_plans.get(layer.index)
@@ -280,7 +294,7 @@ class CpuBackend:
             from .cpu_host_experts import HostExpertsPlan
 
             plan = self._host_plans[layer.index] = HostExpertsPlan(self, layer)  # (sets act_quant)
-        return plan.fn(x, ids, weights, resident, plan.gu_raws, plan.d_raws, _one_thread(), self.act_quant)
+        return plan
 
     def grouped_experts(self, x, weights, groups, gate_exps, up_exps, down_exps):
         """The pairs of `groups` (order, expert_ids, row_starts; a subset of the [T, K] pairs), combined

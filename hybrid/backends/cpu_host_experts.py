@@ -15,6 +15,8 @@ import operator
 import numpy as np
 
 from cpu_kernels import activation, moe_combine
+from cpu_kernels.mailbox import WAIT_OK, atomic_store, wait_for
+from cpu_kernels.sync import LINE, cycles
 
 from .cpu import SERIAL_MAX_ELEMENTS, TINY_MAX_ELEMENTS
 from .cpu_decode import _small, expert_runners, instance
@@ -66,6 +68,34 @@ def host_experts_template(x, ids, weights, resident, gu_raws, d_raws, one_thread
     return out, num_pairs
 
 
+def host_relay_template(inbox, inbox_bits, outbox, flags_in, flags_out, abort, index, seq, limit_ticks, resident,
+                        gu_raws, d_raws, one_thread, act_quant):
+    """Layer `index`'s host side of the decode relay (hybrid/relay.py): wait until flags_in[index * LINE] reaches
+    seq, run the token's non-resident pairs (HOST: this plan's host experts) on inbox[index] f32 [2K + H] (ids
+    [K] as int32 bits, read through inbox_bits, weights [K], x [H]), write their sum to outbox[index] f32 [H]
+    and post seq on flags_out[index * LINE]. Returns (status, pairs, ticks when the routing was seen, ticks
+    when the rows were posted); a wait that ends without the routing (aborted, timed out) posts nothing."""
+    status = wait_for(flags_in, index * LINE, seq, abort, limit_ticks)
+    seen = cycles()
+    if status != WAIT_OK:
+        return status, 0, seen, seen
+    hidden = outbox.shape[1]
+    top_k = (inbox.shape[1] - hidden) // 2
+    ids = np.empty((1, top_k), dtype=np.int32)  # [1, K]
+    weights = np.empty((1, top_k), dtype=np.float32)  # [1, K]
+    for j in range(top_k):
+        ids[0, j] = inbox_bits[index, j]
+        weights[0, j] = inbox[index, top_k + j]
+    x = np.empty((1, hidden), dtype=np.float32)  # [1, H]
+    for d in range(hidden):
+        x[0, d] = inbox[index, 2 * top_k + d]
+    out, pairs = HOST(x, ids, weights, resident, gu_raws, d_raws, one_thread, act_quant)  # noqa: F821
+    for d in range(hidden):
+        outbox[index, d] = out[0, d]
+    atomic_store(flags_out, index * LINE, seq)
+    return WAIT_OK, pairs, seen, cycles()
+
+
 class HostExpertsPlan:
     """One layer's compiled host-experts function and its weights' raws (an instance per format pair)."""
 
@@ -76,6 +106,7 @@ class HostExpertsPlan:
                              f"{layer.up_exps.shape} do not fit")
         gu, down, self.gu_raws, self.d_raws, names = expert_runners(backend, layer, what)
         self.fn = instance(host_experts_template, "_".join(names), GU_PAR=gu, D_PAR=down)
+        self.relay = instance(host_relay_template, "_".join(names), HOST=self.fn)
         self.raws = tuple(w.raw for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
 
     def current(self, layer):

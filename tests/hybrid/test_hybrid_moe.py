@@ -3,6 +3,7 @@
 Whatever the resident mask, the split (resident pairs on the "device", the rest on the host at
 the same time, then combined) must give the plain CPU path's logits.
 """
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,7 +12,10 @@ import pytest
 from hybrid.backends import CpuBackend, select_backends
 from hybrid.formats import load_model
 from hybrid.model import Model
+from cpu_kernels.mailbox import WAIT_OK, post, ticks, wait_for
+from cpu_kernels.sync import LINE
 from hybrid.moe import PairGroups
+from hybrid.relay import Mailbox
 
 TOKENS = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8, 77, 120, 19, 2, 45]
 
@@ -27,7 +31,7 @@ class StandInDevice(CpuBackend):
         self.requested = resident
         self.prefill_borrow, self.borrow_bytes_per_second = prefill_borrow, borrow_bytes_per_second
         self.pool = ThreadPoolExecutor(1)
-        self.submitted = self.borrowed = self.decode_submitted = 0
+        self.submitted = self.borrowed = self.decode_submitted = self.published = 0
 
     def place(self, model):
         self.resident = self.requested
@@ -79,6 +83,29 @@ class StandInDevice(CpuBackend):
 
     def add_from_host(self, out, host_part):
         out += host_part
+        return out
+
+    # the device side of the decode relay, as the GPU kernels do it: post the routing, wait for the rows
+
+    def decode_mailbox(self, num_layers, top_k, hidden):
+        return Mailbox.allocate(num_layers, top_k, hidden)
+
+    def publish_decode(self, layer, x, ids, weights, mailbox, seq):
+        self.published += 1
+        k = ids.shape[1]
+        row = mailbox.inbox[layer.index]  # [2K + H]
+        row[:k] = ids[0].astype(np.int32).view(np.float32)
+        row[k:2 * k], row[2 * k:] = weights[0], x[0]
+        mailbox.times[layer.index, 0] = time.perf_counter_ns()
+        post(mailbox.flags_in, layer.index * LINE, seq)
+
+    def await_host_rows(self, out, layer, mailbox, seq, timeout_s):
+        never = np.zeros(LINE, np.int64)
+        if wait_for(mailbox.flags_out, layer.index * LINE, seq, never, ticks(timeout_s)) != WAIT_OK:
+            mailbox.error[:2] = seq, layer.index
+            return out
+        out += mailbox.outbox[layer.index]
+        mailbox.times[layer.index, 1] = time.perf_counter_ns()
         return out
 
 
@@ -224,3 +251,91 @@ def test_host_decode_experts_picks_the_non_resident_pairs(gguf_models, resident_
     ref = host.grouped_experts(x, w, groups, layer.gate_exps, layer.up_exps, layer.down_exps) if len(slots) \
         else np.zeros_like(x)
     np.testing.assert_array_equal(out, ref)
+
+
+def _decode_steps(model, steps=3):
+    """Logits [steps + 1, V]: the prompt's last row, then `steps` decode tokens (fixed ids) one at a time."""
+    from hybrid.batch import Batch, SeqChunk
+
+    kv = model.new_sequence(256)
+    rows = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:-steps]), "last")]))]
+    for token in TOKENS[-steps:]:
+        rows.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([token]))])))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
+def test_decode_relay_is_bit_identical(gguf_models, target):
+    """Decode tokens whose host part goes through the relay (the stand-in device posts the routing to the
+    mailbox and waits for the rows there, a worker thread runs the host experts) give the inline path's
+    logits bit for bit, over several steps (the flags' step numbers grow) and every resident mask."""
+    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
+    weights = load_model(path)
+    c = weights.config
+    for name, mask in _masks(c.num_layers, c.num_experts).items():
+        scores, devices = {}, {}
+        for relay in (False, True):
+            device = devices[relay] = StandInDevice(mask)
+            model = Model(weights, device, host=CpuBackend())
+            model.split.decode_relay = relay
+            model.split.trace = []
+            scores[relay] = _decode_steps(model)
+        np.testing.assert_array_equal(scores[True], scores[False], err_msg=name)
+        hybrid_layers = int((~mask).any(axis=1).sum())
+        assert devices[True].published == 3 * hybrid_layers, name  # fully resident layers never relay
+        assert devices[False].published == 0
+
+
+def test_decode_relay_records_usage_and_trace(gguf_models):
+    from hybrid.expert_usage import ExpertUsage
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    mask = _masks(c.num_layers, c.num_experts)["half"]
+    usages = {}
+    for relay in (False, True):
+        model = Model(weights, StandInDevice(mask), host=CpuBackend())
+        model.split.decode_relay = relay
+        model.usage = usages[relay] = ExpertUsage(c.num_layers, c.num_experts, c.num_experts_per_tok)
+        model.split.trace = []
+        _decode_steps(model, steps=2)
+    for name in ("prefill", "decode", "coactivation"):
+        np.testing.assert_array_equal(getattr(usages[True], name), getattr(usages[False], name), err_msg=name)
+    assert usages[True].decode.sum() == 2 * c.num_layers * c.num_experts_per_tok
+    trace = model.split.trace[-c.num_layers:]  # the last decode step's layers, relayed
+    assert [t["layer"] for t in trace] == list(range(c.num_layers))
+    for t in trace:
+        assert t["cpu_s"] > 0 and t["step_s"] >= t["cpu_s"] * 0.5 and t["queue_s"] > 0, t
+
+
+def test_decode_relay_failure_fails_the_step_and_the_next_one_runs(gguf_models, monkeypatch):
+    """Host experts that raise in the relay's worker: that step raises an error naming the layer (its device
+    wait ends at once, on zero rows), the next step runs as before."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    mask = _masks(c.num_layers, c.num_experts)["none"]
+    ref = _decode_steps(Model(weights, CpuBackend()), steps=2)
+    host = CpuBackend()
+    model = Model(weights, StandInDevice(mask), host=host)
+    model.split.decode_relay = True
+    real = host.relay_decode_experts
+    failed = []
+
+    def flaky(layer, mailbox, *args):
+        if mailbox is model.split._relay.mailbox and layer.index == 1 and not failed:  # not a warm-up's scratch
+            failed.append(layer.index)
+            raise MemoryError("test: no room")
+        return real(layer, mailbox, *args)
+
+    monkeypatch.setattr(host, "relay_decode_experts", flaky)
+    from hybrid.batch import Batch, SeqChunk
+
+    kv = model.new_sequence(256)
+    prompt = model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:-2]), "last")]))
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"decode relay: layer 1: the host experts failed: MemoryError"):
+        model.forward(Batch([SeqChunk(kv, kv.length, np.asarray(TOKENS[-2:-1]))]))
+    assert time.perf_counter() - start < 20  # no device wait ran into its timeout
+    assert kv.length == len(TOKENS) - 2  # the failed step appended nothing
+    rows = [prompt] + [model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([t]))])) for t in TOKENS[-2:]]
+    _assert_close(np.concatenate(rows), ref)

@@ -1,0 +1,156 @@
+"""The decode relay: a decode token's host experts handed over through host memory the device reads
+and writes, so the calling thread never waits on the device inside a step.
+
+Without it, each hybrid layer of a decode step made the calling thread wait for the routing to come
+back, run the host experts, then queue the add of their rows: about 0.23 ms a layer of fixed host
+work in series with the host experts on the H200 (bench/results/gpu_model.md, session 18). With it,
+per hybrid layer the calling thread only queues: the device posts the layer's routing and row to the
+`Mailbox` (a kernel writes them into mapped pinned memory, then the layer's flag), a `HostRelay`
+worker thread waiting on that flag (compiled, GIL released) runs the non-resident pairs and posts
+their sum, and a device kernel queued behind the resident experts waits for that flag and adds the
+rows. The calling thread runs ahead through the step's layers meanwhile and waits once, for the
+logits. Flags carry the step's number, which only grows (cpu_kernels/mailbox.py).
+
+Both sides give up after `timeout_s` (the device writes what it gave up on into `error`) and the step
+fails with an error that names the layer; the engine goes on with the next request.
+Shape legend: L layers, K top-k, H hidden.
+"""
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpu_kernels.mailbox import WAIT_ABORTED, WAIT_OK, WAIT_TIMED_OUT, new_flags, post, ticks
+from cpu_kernels.sync import LINE
+from cpu_kernels.target import use_chosen_threads
+
+RELAY_TIMEOUT_S = 30.0  # longest wait on either side: a token's host experts take milliseconds
+WAIT_FAILED = 3  # the host experts raised (the worker's own status, beside cpu_kernels.mailbox's)
+_REASONS = {WAIT_ABORTED: "were stopped (the step was abandoned)",
+            WAIT_TIMED_OUT: "never got the routing from the device", WAIT_FAILED: "failed"}
+
+
+@dataclass
+class Mailbox:
+    """Host memory both sides use (pinned and mapped into the device where the device is a GPU)."""
+
+    inbox: np.ndarray  # f32 [L, 2K + H]: per layer ids [K] (int32 bits), weights [K], x [H]; device-written
+    outbox: np.ndarray  # f32 [L, H]: per layer the host pairs' sum; host-written
+    flags_in: np.ndarray  # int64 [L * LINE]: the step number whose routing inbox[l] holds
+    flags_out: np.ndarray  # int64 [L * LINE]: the step number whose rows outbox[l] holds
+    abort: np.ndarray  # int64 [LINE]: nonzero stops the host's waits
+    error: np.ndarray  # int64 [LINE]: (step number, layer) of a device wait that gave up; 0 while none did
+    times: np.ndarray  # int64 [L, 2]: the device clock (ns) when layer l's routing was posted / its rows added
+
+    @classmethod
+    def allocate(cls, num_layers, top_k, hidden, empty=np.empty):
+        """A zeroed mailbox; `empty(shape, dtype)` allocates each array (pinned memory for a GPU)."""
+        def zeros(shape, dtype):
+            array = empty(shape, dtype)
+            array[...] = 0
+            return array
+
+        return cls(zeros((num_layers, 2 * top_k + hidden), np.float32), zeros((num_layers, hidden), np.float32),
+                   new_flags(num_layers, empty), new_flags(num_layers, empty), new_flags(1, empty),
+                   new_flags(1, empty), zeros((num_layers, 2), np.int64))
+
+    @property
+    def top_k(self):
+        return (self.inbox.shape[1] - self.outbox.shape[1]) // 2
+
+    def fits(self, num_layers, top_k, hidden):
+        return self.inbox.shape == (num_layers, 2 * top_k + hidden)
+
+    def routing_ids(self, layer_index):
+        """int64 [1, K]: the ids layer_index's routing posted."""
+        return self.inbox[layer_index, :self.top_k].view(np.int32).astype(np.int64).reshape(1, -1)
+
+    def device_error(self):
+        """(step number, layer) of a device wait that gave up, or None."""
+        return None if self.error[0] == 0 else (int(self.error[0]), int(self.error[1]))
+
+    def clear_error(self):
+        self.error[:2] = 0
+
+
+@dataclass
+class RelayResult:
+    layer: int
+    status: int  # WAIT_OK, WAIT_ABORTED, WAIT_TIMED_OUT or WAIT_FAILED
+    pairs: int  # pairs the host ran
+    seen: int  # time-stamp counter ticks when the routing was seen
+    posted: int  # ... when the rows were posted
+    error: BaseException = None
+
+    def problem(self):
+        """None, or why this layer's host part gave no rows."""
+        if self.status == WAIT_OK:
+            return None
+        reason = _REASONS.get(self.status, f"ended with status {self.status}")
+        return f"layer {self.layer}: the host experts {reason}" + (f": {self.error!r}" if self.error else "")
+
+
+class HostRelay:
+    """The host worker: one job a hybrid layer of a decode step, run in submission order in its thread.
+
+    host: the CPU backend (relay_decode_experts). A job that cannot give rows (its wait ended, the host
+    experts raised) still posts zero rows, so the device goes on and the step fails at collect()."""
+
+    def __init__(self, host, mailbox, timeout_s=RELAY_TIMEOUT_S):
+        self.host, self.mailbox, self.timeout_s = host, mailbox, timeout_s
+        self.limit_ticks = ticks(timeout_s)
+        self._jobs, self._done = queue.SimpleQueue(), queue.SimpleQueue()
+        self.outstanding = 0
+        self._thread = threading.Thread(target=self._serve, name="host-relay", daemon=True)
+        self._thread.start()
+
+    def submit(self, layer, seq, resident):
+        """Queue layer's host part of step `seq`; resident: bool [E], the experts the device runs."""
+        self.outstanding += 1
+        self._jobs.put((layer, seq, resident))
+
+    def collect(self):
+        """The results of every job submitted since the last collect, in order. A worker that does not
+        answer within the timeout (plus a margin) is stopped and RuntimeError raised."""
+        results = []
+        while self.outstanding:
+            try:
+                result = self._done.get(timeout=self.timeout_s + 5.0)
+            except queue.Empty:
+                self.mailbox.abort[0] = 1
+                raise RuntimeError(f"decode relay: the host worker gave no answer in {self.timeout_s + 5:.0f} s")
+            self.outstanding -= 1
+            results.append(result)
+        self.mailbox.abort[0] = 0
+        return results
+
+    def abandon(self):
+        """Stop the waits of a step that will not finish (its layers' routing may never be posted)."""
+        if self.outstanding:
+            self.mailbox.abort[0] = 1
+            try:
+                self.collect()
+            finally:
+                self.mailbox.abort[0] = 0
+
+    def close(self):
+        self._jobs.put(None)
+
+    def _serve(self):
+        use_chosen_threads()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            layer, seq, resident = job
+            try:
+                status, pairs, seen, posted = self.host.relay_decode_experts(layer, self.mailbox, seq, resident,
+                                                                             self.limit_ticks)
+                error = None
+            except Exception as exc:  # any failure of the host part: the step fails, the worker goes on
+                status, pairs, seen, posted, error = WAIT_FAILED, 0, 0, 0, exc
+            if status != WAIT_OK:  # zero rows, so a device wait ends now rather than at its timeout
+                self.mailbox.outbox[layer.index] = 0.0
+                post(self.mailbox.flags_out, layer.index * LINE, seq)
+            self._done.put(RelayResult(layer.index, int(status), int(pairs), int(seen), int(posted), error))
