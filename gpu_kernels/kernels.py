@@ -315,6 +315,22 @@ class Kernels:
         self._launch(self._ops("pack_decode"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
                      (ids, weights, x, packed, np.int32(k), np.int32(hidden)))
 
+    def publish_decode(self, packed, box, flag, seq, times):
+        """The decode relay's post (ops.cu): packed f32 [n] (device) copied to box, then the device clock to
+        times[0] and seq (int64) to flag; box, flag, times: device addresses (np.uint64) of mapped host memory."""
+        n = packed.size
+        self._launch(self._ops("publish_decode"), (1,), self._threads(n), (packed, box, np.int32(n), flag,
+                                                                             np.int64(seq), times))
+
+    def await_host_add(self, out, rows, flag, seq, timeout_ns, error, layer, times):
+        """The decode relay's wait (ops.cu): once the host posts seq on flag, out f32 [n] += rows [n]; after
+        timeout_ns, error [2] = (seq, layer) instead. rows, flag, error, times: device addresses of mapped
+        host memory (np.uint64)."""
+        n = out.size
+        self._launch(self._ops("await_host_add"), (1,), self._threads(n),
+                     (out, rows, np.int32(n), flag, np.int64(seq), np.int64(timeout_ns), error, np.int32(layer),
+                      times))
+
     def add_into(self, out, src):
         """out += src, elementwise over contiguous arrays of one size; src may be a device address (np.uint64) of
         host memory the device reads directly."""

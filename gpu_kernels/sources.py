@@ -18,7 +18,8 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
 }
 
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",
-               "combine_rows", "decode_tiles", "add_into", "pack_decode")
+               "combine_rows", "decode_tiles", "add_into", "pack_decode", "publish_decode",
+               "await_host_add")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "dequant_rows")
 INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q")  # one token, x rounded to int16 (formats in INT_DECODE)
 INT_DECODE = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # formats whose header defines INT_DECODE (slice_dot_q)

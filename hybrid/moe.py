@@ -14,6 +14,7 @@ share of the non-resident pair rows (the least-used experts) on the host.
 Shape legend: T tokens, H hidden, E experts, K experts per token, N pairs, G experts with pairs,
 F expert width.
 """
+import logging
 import os
 import sys
 import time
@@ -27,6 +28,8 @@ from cpu_kernels.sync import LINE
 from cpu_kernels.target import use_chosen_threads
 
 from .relay import HostRelay, Mailbox
+
+log = logging.getLogger(__name__)
 
 BORROW_MIN_TOKENS = 32  # chunks of fewer tokens never borrow
 HOST_FLOPS_DEFAULT = 2e11  # the host's expert FLOP/s until measured
@@ -104,7 +107,9 @@ class ExpertSplit:
     def run(self, device, layer, h, ids, weights, usage=None):
         """The layer's expert mixture [T, H]; `usage` (an ExpertUsage) records the routing."""
         if len(h) == 1 and self._relays(device) and not self.resident[layer.index].all():
-            return self._run_relay(device, layer, h, ids, weights)
+            relay = self._relay_for(device, layer, h.shape[1], ids.shape[1])
+            if relay is not None:
+                return self._run_relay(device, relay, layer, h, ids, weights)
         if self.trace is not None:
             device.synchronize()  # time this layer's expert work alone
         if len(h) == 1 and hasattr(device, "submit_decode_experts"):
@@ -170,11 +175,10 @@ class ExpertSplit:
         """Whether decode tokens go through the relay: asked for, and both sides have it."""
         return self.decode_relay and hasattr(device, "publish_decode") and hasattr(self.host, "relay_decode_experts")
 
-    def _run_relay(self, device, layer, h, ids, weights):
+    def _run_relay(self, device, relay, layer, h, ids, weights):
         """One token through the decode relay (hybrid/relay.py): the calling thread only queues. Usage and
         trace are read at finish_step, once the step's results are in."""
         t0 = time.perf_counter()
-        relay = self._relay_for(device, layer, h.shape[1], ids.shape[1])
         device.publish_decode(layer, h, ids, weights, relay.mailbox, self._step)
         relay.submit(layer, self._step, self.resident[layer.index])
         pending = None
@@ -187,12 +191,18 @@ class ExpertSplit:
 
     def _relay_for(self, device, layer, hidden, top_k):
         """The relay (made at the first relayed layer, again if the shapes change), its host side of `layer`
-        compiled and run once on a scratch mailbox first: the device must not wait through a compilation."""
+        compiled and run once on a scratch mailbox first: the device must not wait through a compilation.
+        None (logged, the relay off) where the device has no mailbox."""
         num_layers = self.resident.shape[0]
         if self._relay is None or not self._relay.mailbox.fits(num_layers, top_k, hidden):
             if self._relay is not None:
                 self._relay.close()
-            self._relay = HostRelay(self.host, device.decode_mailbox(num_layers, top_k, hidden))
+            mailbox = device.decode_mailbox(num_layers, top_k, hidden)
+            if mailbox is None:
+                log.warning("decode relay off: the device cannot read and write host memory directly here")
+                self.decode_relay, self._relay = False, None
+                return None
+            self._relay = HostRelay(self.host, mailbox)
             self._relay_ready = set()
         if layer.index not in self._relay_ready:
             scratch = Mailbox.allocate(num_layers, top_k, hidden)

@@ -42,6 +42,7 @@ class Mailbox:
     abort: np.ndarray  # int64 [LINE]: nonzero stops the host's waits
     error: np.ndarray  # int64 [LINE]: (step number, layer) of a device wait that gave up; 0 while none did
     times: np.ndarray  # int64 [L, 2]: the device clock (ns) when layer l's routing was posted / its rows added
+    addresses: dict = None  # the arrays' device addresses by name, where the device is a GPU
 
     @classmethod
     def allocate(cls, num_layers, top_k, hidden, empty=np.empty):

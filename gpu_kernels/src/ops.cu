@@ -143,3 +143,44 @@ extern "C" __global__ void add_into(float* out, const float* src, i64 n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] += src[i];
 }
+
+// The decode relay's device side (hybrid/relay.py); box, flag, rows, error and times live in host memory the
+// device maps. publish_decode: box [n] = packed [n], then, once those writes reach the host, times[0] = the
+// clock and *flag = seq (the host worker waits on it). grid (1).
+extern "C" __global__ void publish_decode(const float* packed, float* box, int n, i64* flag, i64 seq, i64* times) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) box[i] = packed[i];
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        times[0] = clock_ns();
+        __threadfence_system();
+        *(volatile i64*)flag = seq;
+    }
+}
+
+// await_host_add: waits until the host posts seq on *flag, then out [n] += rows [n]. After timeout_ns without
+// it, error [2] = (seq, layer) and out is left as it was. times[1] = the clock at the end. grid (1).
+extern "C" __global__ void await_host_add(float* out, const float* rows, int n, const i64* flag, i64 seq,
+                                          i64 timeout_ns, i64* error, int layer, i64* times) {
+    __shared__ int arrived;
+    if (threadIdx.x == 0) {
+        const volatile i64* posted = (const volatile i64*)flag;
+        i64 start = clock_ns();
+        while (*posted < seq && clock_ns() - start < timeout_ns) {
+        }
+        arrived = *posted >= seq;
+        if (!arrived) {
+            ((volatile i64*)error)[1] = layer;
+            __threadfence_system();
+            *(volatile i64*)error = seq;
+        }
+        __threadfence_system();  // the rows are read after the flag
+    }
+    __syncthreads();
+    if (arrived) {
+        const volatile float* host_rows = (const volatile float*)rows;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] += host_rows[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) times[1] = clock_ns();
+}

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpu_kernels.rope import inv_freq_f32
+from cpu_kernels.sync import LINE
 from gpu_kernels.expert_cache import MIB, ExpertCache, expert_bytes, plan
 from gpu_kernels.kernels import TILE_TOKENS, Kernels
 
 from ..formats.weights import QuantTensor
 from .. import kv_store
 from ..kv_cache import BLOCK_TOKENS, KVPool, SequenceKV, blocks_for, vram_blocks
+from ..relay import Mailbox
 from .cpu import paged_attention as host_paged_attention
 
 log = logging.getLogger(__name__)
@@ -626,6 +628,36 @@ class GpuBackend:
             self.staging.queued(f"borrow_{name}", self.stream)
             slabs.append(slots)
         return slabs
+
+    # -- the device side of the decode relay (hybrid/relay.py) ---------------------------------------
+
+    def decode_mailbox(self, num_layers, top_k, hidden):
+        """A relay Mailbox in pinned host memory with its arrays' device addresses (mailbox.addresses), or None
+        where this runtime does not map pinned memory into the device."""
+        mailbox = Mailbox.allocate(num_layers, top_k, hidden, empty=self.rt.pinned_empty)
+        mapped = getattr(self.rt, "mapped_address", lambda _: None)
+        addresses = {name: mapped(getattr(mailbox, name))
+                     for name in ("inbox", "outbox", "flags_in", "flags_out", "error", "times")}
+        if not all(addresses.values()):
+            return None
+        mailbox.addresses = {name: np.uint64(a) for name, a in addresses.items()}
+        return mailbox
+
+    def publish_decode(self, layer, x, ids, weights, mailbox, seq):
+        """Queue the post of one token's routing (ids [1, K], weights [1, K]) and row x [1, H] to the mailbox's
+        inbox[layer], flagged with step number seq."""
+        s = self._stage_decode(x, ids, weights)
+        a, i = mailbox.addresses, layer.index
+        self.kernels.publish_decode(s["in"], a["inbox"] + np.uint64(i * mailbox.inbox[0].nbytes),
+                                    a["flags_in"] + np.uint64(i * LINE * 8), seq, a["times"] + np.uint64(i * 16))
+
+    def await_host_rows(self, out, layer, mailbox, seq, timeout_s):
+        """Queue out [1, H] += the host rows of step seq in outbox[layer], once the host posts them; returns out."""
+        a, i = mailbox.addresses, layer.index
+        self.kernels.await_host_add(out, a["outbox"] + np.uint64(i * mailbox.outbox[0].nbytes),
+                                    a["flags_out"] + np.uint64(i * LINE * 8), seq, int(timeout_s * 1e9),
+                                    a["error"], i, a["times"] + np.uint64(i * 16))
+        return out
 
     def wait_experts(self, pending):
         """The device part's result; stream order makes later device work see it, so no host wait."""

@@ -50,3 +50,87 @@ def test_add_into(runtime, kernels):
     out = runtime.to_device(a)
     kernels.add_into(out, runtime.to_device(b))
     np.testing.assert_array_equal(runtime.to_host(out), a + b)
+
+
+def test_relay_publish_and_await_through_mapped_memory(runtime, kernels):
+    """The decode relay's kernels: publish_decode posts a token's packed routing and row to mapped host memory,
+    then its flag; await_host_add waits until the host posts its flag (a thread, 0.1 s later), then adds the
+    host rows; with no post it gives up at its timeout, adds nothing and writes (step, layer) to the error."""
+    import threading
+
+    from cpu_kernels.mailbox import WAIT_OK, post, ticks, wait_for
+    from cpu_kernels.sync import LINE
+    from hybrid.relay import Mailbox
+
+    rng = np.random.default_rng(5)
+    num_layers, k, hidden, layer, seq = 3, 8, 300, 1, 7
+    mb = Mailbox.allocate(num_layers, k, hidden, empty=runtime.pinned_empty)
+    a = {name: np.uint64(runtime.mapped_address(getattr(mb, name)))
+         for name in ("inbox", "outbox", "flags_in", "flags_out", "error", "times")}
+    flag_at, times_at = np.uint64(layer * LINE * 8), np.uint64(layer * 16)
+    packed = rng.standard_normal(2 * k + hidden).astype(np.float32)
+    kernels.publish_decode(runtime.to_device(packed), a["inbox"] + np.uint64(layer * mb.inbox[0].nbytes),
+                           a["flags_in"] + flag_at, seq, a["times"] + times_at)
+    never = np.zeros(LINE, np.int64)
+    assert wait_for(mb.flags_in, layer * LINE, seq, never, ticks(10)) == WAIT_OK
+    np.testing.assert_array_equal(mb.inbox[layer], packed)
+    assert not mb.inbox[[0, 2]].any() and mb.times[layer, 0] > 0
+
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    rows = rng.standard_normal(hidden).astype(np.float32)
+
+    def host_posts():
+        mb.outbox[layer] = rows
+        post(mb.flags_out, layer * LINE, seq)
+
+    out = runtime.to_device(x)
+    timer = threading.Timer(0.1, host_posts)
+    timer.start()
+    kernels.await_host_add(out, a["outbox"] + np.uint64(layer * mb.outbox[0].nbytes), a["flags_out"] + flag_at, seq,
+                           int(10e9), a["error"], layer, a["times"] + times_at)
+    np.testing.assert_array_equal(runtime.to_host(out), x + rows)
+    timer.join()
+    assert mb.error[0] == 0 and mb.times[layer, 1] - mb.times[layer, 0] > 0.05e9  # it waited for the post
+
+    out = runtime.to_device(x)
+    kernels.await_host_add(out, a["outbox"] + np.uint64(layer * mb.outbox[0].nbytes), a["flags_out"] + flag_at,
+                           seq + 1, int(0.05e9), a["error"], layer, a["times"] + times_at)
+    np.testing.assert_array_equal(runtime.to_host(out), x)  # gave up: nothing added
+    assert mb.error[:2].tolist() == [seq + 1, layer]
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
+def test_decode_relay_matches_the_cpu_engine(runtime, gguf_models, target):
+    """Greedy decode with the host experts through the relay gives the CPU engine's tokens at 0 % and 50 %
+    resident, its trace has each hybrid layer's timings, and a failing host part fails that request only."""
+    from hybrid import LLM
+
+    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
+    prompt = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250]
+    cpu = LLM(path, device="cpu", max_context=256)
+    ref_tokens = cpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+    c = cpu.config
+    rng = np.random.default_rng(0)
+    for name, mask in {"0%": np.zeros((c.num_layers, c.num_experts), bool),
+                       "50%": rng.random((c.num_layers, c.num_experts)) < 0.5}.items():
+        gpu = LLM(path, device="gpu", max_context=256, resident=mask)
+        split = gpu.model.split
+        split.decode_relay, split.trace = True, []
+        assert gpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens, name
+        relayed = [t for t in split.trace if t["tokens"] == 1]
+        assert len(relayed) == 7 * int((~mask).any(axis=1).sum()), name  # 7 decode steps (the 8th token's
+        assert all(t["cpu_s"] > 0 and t["step_s"] > 0 for t in relayed), name  # logits need no step)
+        assert split._relay is not None
+    host = gpu.model.split.host
+    real = host.relay_decode_experts
+
+    def failing(layer, mailbox, *args):
+        if mailbox is split._relay.mailbox:
+            raise MemoryError("test: no room")
+        return real(layer, mailbox, *args)
+
+    host.relay_decode_experts = failing
+    with pytest.raises(RuntimeError, match="decode relay: layer"):
+        gpu.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    del host.relay_decode_experts
+    assert gpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens
