@@ -205,6 +205,7 @@ class ExpertSplit:
             self._relay = HostRelay(self.host, mailbox)
             self._relay_ready = set()
         if layer.index not in self._relay_ready:
+            self._relay.wait_idle()  # the worker's compiled calls and these never run at once
             scratch = Mailbox.allocate(num_layers, top_k, hidden)
             scratch.inbox[layer.index, :top_k] = np.arange(top_k, dtype=np.int32).view(np.float32)
             scratch.flags_in[layer.index * LINE] = 1

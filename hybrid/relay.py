@@ -101,8 +101,10 @@ class HostRelay:
     def __init__(self, host, mailbox, timeout_s=RELAY_TIMEOUT_S):
         self.host, self.mailbox, self.timeout_s = host, mailbox, timeout_s
         self.limit_ticks = ticks(timeout_s)
-        self._jobs, self._done = queue.SimpleQueue(), queue.SimpleQueue()
-        self.outstanding = 0
+        self._jobs = queue.SimpleQueue()
+        self._answered = threading.Condition()
+        self._results = []  # RelayResult of the jobs answered since the last collect
+        self.outstanding = 0  # jobs submitted since the last collect
         self._thread = threading.Thread(target=self._serve, name="host-relay", daemon=True)
         self._thread.start()
 
@@ -111,18 +113,20 @@ class HostRelay:
         self.outstanding += 1
         self._jobs.put((layer, seq, resident))
 
+    def wait_idle(self):
+        """Wait until every job submitted so far is answered (the worker runs no compiled code after)."""
+        with self._answered:
+            if not self._answered.wait_for(lambda: len(self._results) >= self.outstanding, self.timeout_s + 5.0):
+                self.mailbox.abort[0] = 1
+                raise RuntimeError(f"decode relay: the host worker gave no answer in {self.timeout_s + 5:.0f} s")
+
     def collect(self):
         """The results of every job submitted since the last collect, in order. A worker that does not
         answer within the timeout (plus a margin) is stopped and RuntimeError raised."""
-        results = []
-        while self.outstanding:
-            try:
-                result = self._done.get(timeout=self.timeout_s + 5.0)
-            except queue.Empty:
-                self.mailbox.abort[0] = 1
-                raise RuntimeError(f"decode relay: the host worker gave no answer in {self.timeout_s + 5:.0f} s")
-            self.outstanding -= 1
-            results.append(result)
+        self.wait_idle()
+        with self._answered:
+            results, self._results = self._results, []
+        self.outstanding = 0
         self.mailbox.abort[0] = 0
         return results
 
@@ -154,4 +158,6 @@ class HostRelay:
             if status != WAIT_OK:  # zero rows, so a device wait ends now rather than at its timeout
                 self.mailbox.outbox[layer.index] = 0.0
                 post(self.mailbox.flags_out, layer.index * LINE, seq)
-            self._done.put(RelayResult(layer.index, int(status), int(pairs), int(seen), int(posted), error))
+            with self._answered:
+                self._results.append(RelayResult(layer.index, int(status), int(pairs), int(seen), int(posted), error))
+                self._answered.notify_all()

@@ -24,18 +24,6 @@ __device__ __forceinline__ float half_to_float(u16 h) {
 }
 #endif
 
-// The device's clock in ns, one for all its SMs (CUDA: %globaltimer; HIP: the constant-rate wall clock, taken as
-// 100 MHz, its rate on gfx9 and gfx11).
-#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
-__device__ __forceinline__ i64 clock_ns() { return (i64)wall_clock64() * 10; }
-#else
-__device__ __forceinline__ i64 clock_ns() {
-    i64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-#endif
-
 __device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float((u32)h << 16); }
 
 __device__ __forceinline__ u16 load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }

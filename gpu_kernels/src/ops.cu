@@ -144,6 +144,18 @@ extern "C" __global__ void add_into(float* out, const float* src, i64 n) {
     if (i < n) out[i] += src[i];
 }
 
+// The device's clock in ns, one for all its SMs (CUDA: %globaltimer; HIP: the constant-rate wall clock, taken as
+// 100 MHz, its rate on gfx9 and gfx11).
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
+__device__ __forceinline__ i64 clock_ns() { return (i64)wall_clock64() * 10; }
+#else
+__device__ __forceinline__ i64 clock_ns() {
+    i64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
+
 // The decode relay's device side (hybrid/relay.py); box, flag, rows, error and times live in host memory the
 // device maps. publish_decode: box [n] = packed [n], then, once those writes reach the host, times[0] = the
 // clock and *flag = seq (the host worker waits on it). grid (1).
