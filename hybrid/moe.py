@@ -82,8 +82,8 @@ class ExpertSplit:
     has it.
     decode_relay: a decode token's host part through the relay (hybrid/relay.py): the calling thread never waits
     inside the step; the device and a host worker hand the routing and the rows over through mapped memory.
-    STRATA_DECODE_RELAY; on where both sides have it. Its trace is read at finish_step, step_s from the device's
-    clock (routing posted to host rows added).
+    STRATA_DECODE_RELAY (RELAY_BY_DEFAULT), used where both sides have it. Its trace is read at finish_step, step_s
+    from the device's clock (routing posted to host rows added).
     """
 
     def __init__(self, host, resident, cpu_share=None):
