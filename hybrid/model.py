@@ -2,6 +2,7 @@
 
 Only calls kernels through a backend. Shape legend: T tokens, H hidden, V vocab.
 """
+import logging
 import os
 from dataclasses import dataclass
 
@@ -12,6 +13,8 @@ from .backends.cpu_decode import DecodeStep
 from .blocks import attention_block
 from .kv_store import KV_DTYPES
 from .moe import ExpertSplit, moe_block
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,6 +93,10 @@ class Model:
             host.place(self)  # first: the host's weight copies (CPU experts) are what the device uploads from
         backend.place(self)
         self.split = None if host is None else ExpertSplit(host, backend.resident)
+        if self.split is not None:
+            log.info("hybrid MoE: %d of %d experts resident; a decode token's CPU experts %s (STRATA_DECODE_RELAY)",
+                     self.split.resident.sum(), self.split.resident.size,
+                     "handed over through mapped memory" if self.split.decode_relay else "run by the serving thread")
         c = self.config
         self.kv_pool = backend.new_kv_pool(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype,
                                            kv_tokens or c.context_length)
