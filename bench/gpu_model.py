@@ -76,6 +76,9 @@ def overlap_rows(label, trace):
     step = np.array([t["step_s"] for t in trace]) * 1e3
     queue = np.array([t["queue_s"] for t in trace]) * 1e3
     ratio = step / np.maximum(np.maximum(cpu, gpu), 1e-9)
+    layers = np.array([t["layer"] for t in trace])
+    log.info("%s: median step / max by layer: %s", label,
+             " ".join(f"{np.median(ratio[layers == i]):.2f}" for i in np.unique(layers)))
     return [f"| {label} | {trace[0]['tokens']} | {cpu.mean():.3f} | {gpu.mean():.3f} | {queue.mean():.3f} | "
             f"{step.mean():.3f} | "
             f"{np.median(ratio):.2f} | {np.percentile(ratio, 90):.2f} | "
