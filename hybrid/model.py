@@ -139,6 +139,8 @@ class Model:
                 x += attention_block(be, self.spec.attention, layer, h, batch)
                 h = be.rmsnorm(x, layer.ffn_norm, eps)
                 x += moe_block(be, self.spec.moe, layer, h, self.split, self.usage)
+        if self.split is not None:
+            self.split.wait_host()
         if len(batch.logit_rows) == 0:
             logits = np.empty((0, self.config.vocab_size), dtype=np.float32)
         else:
