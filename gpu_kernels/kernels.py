@@ -31,9 +31,10 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
 ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernels.act_quant)
-# Whether the `_1q` kernels run without STRATA_ACT_QUANT=int16 set: not until they have run on a GPU (their slice
-# arithmetic is checked on the CPU in CI, tests/gpu_kernels/test_slice_emulation.py; the shared-memory staging is not).
-GPU_INT16_BY_DEFAULT = False
+# Formats whose one-token matmuls take x as int16 with STRATA_ACT_QUANT unset ("auto"): where that measured faster
+# than float x (H100, bench/results/gpu_kernels.md, session 23: Q4_K 60 % of the copy bandwidth against 57 %; Q8_0
+# 66 % against 76 % and Q6_K 52 % against 55 %, so those stay float).
+GPU_INT16_FORMATS = frozenset({Q.Q4_K})
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
@@ -49,16 +50,31 @@ MAX_SPLITS = 64
 
 def gpu_act_quant(name=None):
     """How the one-token matmuls of INT_DECODE formats take x: "int16" (rounded once per block into shared
-    memory, as the CPU's default decode) or "float". name: STRATA_ACT_QUANT's value (None: the environment;
-    unset: GPU_INT16_BY_DEFAULT); "int8" gives int16 here, the GPU kernels have no int8 dot."""
-    name = (os.environ.get("STRATA_ACT_QUANT") if name is None else name) or \
-        ("int16" if GPU_INT16_BY_DEFAULT else "float")
+    memory, as the CPU's default decode), "float", or "auto" (int16 for GPU_INT16_FORMATS, float for the others).
+    name: STRATA_ACT_QUANT's value (None: the environment; unset: "auto"); "int8" gives int16 here, the GPU
+    kernels have no int8 dot."""
+    name = (os.environ.get("STRATA_ACT_QUANT") if name is None else name) or "auto"
     name = name.strip().lower()
+    if name == "auto":
+        return name
     if name not in ACT_QUANTS:
         raise ValueError(f"STRATA_ACT_QUANT={name!r}: expected one of {', '.join(ACT_QUANTS)}")
     if name == "int8":
         log.info("STRATA_ACT_QUANT=int8: the GPU matmuls round activations to int16")
     return "float" if name == "float" else "int16"
+
+
+def describe_act_quant(act_quant):
+    """gpu_act_quant's setting in words, for the start-up log."""
+    if act_quant != "auto":
+        return act_quant
+    return f"int16 for {', '.join(sorted(q.name for q in GPU_INT16_FORMATS))}, float for the others (auto)"
+
+
+def takes_int16(act_quant, qtype):
+    """Whether qtype's one-token matmuls take x as int16 under gpu_act_quant's `act_quant`."""
+    q = Q(qtype)
+    return q in INT_DECODE and (act_quant == "int16" or (act_quant == "auto" and q in GPU_INT16_FORMATS))
 
 
 def xq_shared_bytes(num_cols):
@@ -183,8 +199,7 @@ class Kernels:
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
             per_block = MATMUL_THREADS // tpr * rows_per_group
             shared = 0
-            if one and self.act_quant == "int16" and Q(qtype) in INT_DECODE and \
-                    xq_shared_bytes(num_cols) <= XQ_MAX_SHARED:
+            if one and takes_int16(self.act_quant, qtype) and xq_shared_bytes(num_cols) <= XQ_MAX_SHARED:
                 kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
             launch = self._launches[key] = (
                 self._mm(qtype, kernel), (num_rows + per_block - 1) // per_block,

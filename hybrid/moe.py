@@ -38,8 +38,10 @@ HOST_FLOPS_MIN_ROWS = 256  # host calls of at least this many pair rows update t
 # a moment between its compiled calls while the calling thread queues the device part in Python;
 # at the default 5 ms each such hand-over could wait for the whole queuing, serialising the two.
 GIL_SWITCH_S = 5e-5
-# The decode relay's default: off until it has run on a GPU (STRATA_DECODE_RELAY=1 turns it on).
-RELAY_BY_DEFAULT = False
+# The decode relay's default (STRATA_DECODE_RELAY=0 turns it off). On the H100 host (16-layer Q4_K_M, two runs) it
+# met the overlap target (median step / max 1.01-1.03, inline 1.27-1.70) and decoded faster at 50 and 75 % resident
+# (+2 to +34 %), slower with no expert resident (-9 and -14 %): bench/results/gpu_model.md, session 23.
+RELAY_BY_DEFAULT = True
 
 
 @dataclass

@@ -22,7 +22,7 @@ import numpy as np
 from cpu_kernels.rope import inv_freq_f32
 from cpu_kernels.sync import LINE
 from gpu_kernels.expert_cache import MIB, ExpertCache, expert_bytes, plan
-from gpu_kernels.kernels import TILE_TOKENS, Kernels
+from gpu_kernels.kernels import TILE_TOKENS, Kernels, describe_act_quant
 
 from ..formats.weights import QuantTensor
 from .. import kv_store
@@ -286,7 +286,8 @@ class GpuBackend:
         self.borrow_bytes_per_second = self._measure_upload()
         log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s; one-token matmuls take x as %s "
                  "(STRATA_ACT_QUANT)", self.name, self.rt.device_name, self.rt.name, self.rt.warp_size,
-                 self.budget.describe(), self.borrow_bytes_per_second / 1e9, self.kernels.act_quant)
+                 self.budget.describe(), self.borrow_bytes_per_second / 1e9,
+                 describe_act_quant(self.kernels.act_quant))
 
     def _measure_upload(self):
         """Bytes per second of a pinned host -> device copy (PCIE_PROBE_BYTES, best of three)."""

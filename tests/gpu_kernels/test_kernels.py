@@ -5,7 +5,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from gpu_kernels.errors import KernelCompileError
-from gpu_kernels.sources import INT_DECODE
+from gpu_kernels.kernels import takes_int16
 from hybrid.backends.gpu import _work_tiles
 from hybrid.formats.synthetic import encode
 
@@ -24,13 +24,13 @@ def quant(rng, qtype, shape):
     return encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw
 
 
-ACT_QUANTS = ["float", "int16"]
+ACT_QUANTS = ["float", "int16", "auto"]
 INT_TOL = 1e-4  # the `_1q` kernels against x rounded as they round it (K-quant min terms use the unrounded sums)
 
 
 def decode_x(act_quant, qtype, x):
     """(x the reference multiplies, tolerance) for a one-token kernel taking x as act_quant."""
-    if act_quant == "int16" and qtype in INT_DECODE:
+    if takes_int16(act_quant, qtype):
         return xq_rounded(x), INT_TOL
     return x, 1e-5
 

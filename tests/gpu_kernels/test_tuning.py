@@ -5,7 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
-                                 GPU_INT16_BY_DEFAULT, SLICE_WEIGHTS, Kernels, gpu_act_quant)
+                                 GPU_INT16_FORMATS, SLICE_WEIGHTS, Kernels, gpu_act_quant)
 from gpu_kernels.nvrtc import Nvrtc, find_library
 from gpu_kernels.sources import INT_DECODE, module_name, module_source
 
@@ -40,7 +40,7 @@ def test_one_token_launch_takes_the_format_tuning(qtype):
     rows, slices = DECODE_TUNING.get(qtype, (DECODE_ROWS, LANE_SLICES))
     blocks = DECODE_MIN_BLOCKS.get(qtype, 0)
     name, source, function, grid, tpr = _one_token_launch(qtype)
-    int16 = qtype in INT_DECODE and GPU_INT16_BY_DEFAULT
+    int16 = qtype in INT_DECODE and qtype in GPU_INT16_FORMATS
     assert function == ("matmul_1q" if int16 else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}")
     assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" in source
     assert tpr == min(32, 1 << max(0, -(-2048 // SLICE_WEIGHTS[qtype] // slices) - 1).bit_length())
@@ -83,7 +83,9 @@ def test_register_capped_module_compiles_for_sm90():
     (Q.Q4_K, "float", 2048, "matmul_1", 0),
     (Q.BF16, "int16", 2048, "matmul_1", 0),  # no int16 dot: the float kernel
     (Q.Q8_0, "int16", 32768, "matmul_1", 0),  # x would not fit the shared memory cap
-], ids=["q4_k", "q8_0", "q4_k-float", "bf16", "q8_0-wide"])
+    (Q.Q4_K, "auto", 2048, "matmul_1q", 2 * 2048 + 8 * 64),  # measured faster with int16 x
+    (Q.Q8_0, "auto", 768, "matmul_1", 0),  # measured faster with float x
+], ids=["q4_k", "q8_0", "q4_k-float", "bf16", "q8_0-wide", "q4_k-auto", "q8_0-auto"])
 def test_one_token_kernel_takes_x_as_int16_where_it_can(qtype, act_quant, num_cols, kernel, shared):
     rt = LaunchRecorder()
     raw = np.zeros((768, 8), np.uint8)
@@ -94,7 +96,8 @@ def test_one_token_kernel_takes_x_as_int16_where_it_can(qtype, act_quant, num_co
 
 def test_act_quant_setting(monkeypatch):
     monkeypatch.delenv("STRATA_ACT_QUANT", raising=False)
-    assert gpu_act_quant() == ("int16" if GPU_INT16_BY_DEFAULT else "float")
+    assert gpu_act_quant() == "auto"
+    assert gpu_act_quant("AUTO") == "auto"
     assert gpu_act_quant("int16") == "int16"
     monkeypatch.setenv("STRATA_ACT_QUANT", "Float")
     assert gpu_act_quant() == "float"
