@@ -5,8 +5,10 @@ experts as one grouped launch on the device backend, the others on the host back
 same time: the host part starts in a worker thread, the device part is queued meanwhile, then
 both are waited for and combined. A decode token (one row) never makes the calling thread wait
 for the device part: the device finds its resident pairs from the routing it holds, so that part
-is queued first (one graph launch) and the host part then fetches the routing and runs the others
-(in the calling thread, or in the worker with `decode_host_thread` on). Prefill borrow: for a large chunk, a
+is queued first (one graph launch) and the host part goes through the decode relay by default
+(hybrid/relay.py: the device posts the routing to a host worker and waits on the device for its rows,
+so the calling thread does not wait at all); with the relay off, the host part fetches the routing and
+runs the others (in the calling thread, or in the worker with `decode_host_thread` on). Prefill borrow: for a large chunk, a
 non-resident expert many tokens use may be cheaper to copy to the device and run there; a cost
 model (`plan_borrow`) from the device's measured copy speed and the host's measured expert speed
 decides per expert, balancing the two sides. STRATA_PREFILL_CPU_SHARE (0..1) instead keeps that
