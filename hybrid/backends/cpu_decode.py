@@ -158,6 +158,17 @@ def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread
     else:
         routing.route_softmax_topk(logits, top_k, normalize, ids, weights)
     order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
+    moe = np.zeros((num_tokens, hidden), dtype=np.float32)  # [T, H]
+    MIXTURE(h, order, expert_ids, pair_starts, weights, gu_raws, d_raws, one_thread, act_quant, moe)  # noqa: F821
+    x += moe
+    return ids
+
+
+def expert_mixture_template(h, order, expert_ids, row_starts, weights, gu_raws, d_raws, one_thread, act_quant, out):
+    """out [T, H] += for each pair row i (pair order[i] = t * K + j, sorted by expert: rows row_starts[g]:row_starts[g
+    + 1] of expert expert_ids[g]) weights[t, j] * expert(h[t]): gather, gate/up (GU_PAR), SwiGLU, down (D_PAR), the
+    weighted sum, each serial or parallel by size as grouped_experts chooses. h [T, H], weights [T, K]."""
+    top_k, hidden = weights.shape[1], h.shape[1]
     num_pairs, width = order.size, gu_raws[0].shape[1]
     small = _small(num_pairs * max(hidden, width), TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread)
     xs = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
@@ -167,20 +178,17 @@ def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread
         moe_combine.gather_rows(h, order, top_k, xs)
     gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
     up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
-    GU_PAR(gu_raws, xs, expert_ids, pair_starts, (gate, up), act_quant)  # noqa: F821
+    GU_PAR(gu_raws, xs, expert_ids, row_starts, (gate, up), act_quant)  # noqa: F821 (instance globals)
     if small:
         activation.swiglu_serial(gate, up, gate)
     else:
         activation.swiglu(gate, up, gate)
     down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
-    D_PAR(d_raws, gate, expert_ids, pair_starts, (down,), act_quant)  # noqa: F821
-    moe = np.zeros((num_tokens, hidden), dtype=np.float32)  # [T, H]
+    D_PAR(d_raws, gate, expert_ids, row_starts, (down,), act_quant)  # noqa: F821
     if small:
-        moe_combine.scatter_add_weighted_serial(down, order, weights.reshape(-1), top_k, moe)
+        moe_combine.scatter_add_weighted_serial(down, order, weights.reshape(-1), top_k, out)
     else:
-        moe_combine.scatter_add_weighted(down, order, weights.reshape(-1), top_k, moe)
-    x += moe
-    return ids
+        moe_combine.scatter_add_weighted(down, order, weights.reshape(-1), top_k, out)
 
 
 # -- per layer: the instance and its arguments ------------------------------------------------------------
@@ -199,10 +207,10 @@ def _runners(backend, weight):
     return par, ser, raws, weight.raw.nbytes, name
 
 
-def expert_runners(backend, layer, what):
-    """(gate+up runner, down runner, gate+up raws, down raws, format names) of a layer's experts: gate and up in
-    one region where they share a format, as grouped_experts runs them, else split_pair. `what` names the caller
-    in the error raised when the three weights' shapes do not fit together."""
+def expert_mixture(backend, layer, what):
+    """(expert_mixture_template's instance, gate+up raws, down raws, format names) of a layer's experts: gate and
+    up in one region where they share a format, as grouped_experts runs them, else split_pair. `what` names the
+    caller in the error raised when the three weights' shapes do not fit together."""
     gate, up, down = (_runners(backend, w) for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
     paired = (layer.up_exps.qtype == layer.gate_exps.qtype and layer.up_exps.raw.shape == layer.gate_exps.raw.shape
               and layer.up_exps.raw.flags.writeable == layer.gate_exps.raw.flags.writeable)
@@ -211,7 +219,9 @@ def expert_runners(backend, layer, what):
     if (backend._kernels_of(layer.down_exps).cols, layer.down_exps.shape[1]) != (width, hidden):
         raise ValueError(f"{what}: {layer.gate_exps.name} {layer.gate_exps.shape} and "
                          f"{layer.down_exps.name} {layer.down_exps.shape} do not fit")
-    return gu, down[0], gate[2] + up[2], down[2], [gate[4], up[4], down[4], "paired" if paired else "split"]
+    names = [gate[4], up[4], down[4], "paired" if paired else "split"]
+    mixture = instance(expert_mixture_template, "_".join(names), GU_PAR=gu, D_PAR=down[0])
+    return mixture, gate[2] + up[2], down[2], names
 
 
 class LayerPlan:
@@ -227,11 +237,11 @@ class LayerPlan:
             raws_of[key] = raws
             serial.append(nbytes <= SERIAL_MAX_WEIGHT_BYTES)
             names.append(name)
-        gu, down, gu_raws, d_raws, expert_names = expert_runners(backend, layer, f"decode layer {layer.index}")
+        mixture, gu_raws, d_raws, expert_names = expert_mixture(backend, layer, f"decode layer {layer.index}")
         names += expert_names
         qk_norm = layer.attn_q_norm is not None
         self.fn = instance(layer_template, "_".join(names + ["qknorm" if qk_norm else "plain"]),
-                           QK_NORM=qk_norm, GU_PAR=gu, D_PAR=down, **kernels)
+                           QK_NORM=qk_norm, MIXTURE=mixture, **kernels)
         self.args = (
             layer.attn_norm, layer.ffn_norm, layer.attn_q_norm if qk_norm else NO_NORM,
             layer.attn_k_norm if qk_norm else NO_NORM, float(layer.eps), float(layer.rope_theta),

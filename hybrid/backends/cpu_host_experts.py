@@ -14,12 +14,10 @@ import operator
 
 import numpy as np
 
-from cpu_kernels import activation, moe_combine
 from cpu_kernels.mailbox import WAIT_OK, atomic_store, wait_for
 from cpu_kernels.sync import LINE, cycles
 
-from .cpu import SERIAL_MAX_ELEMENTS, TINY_MAX_ELEMENTS
-from .cpu_decode import _small, expert_runners, instance
+from .cpu_decode import expert_mixture, instance
 
 
 def host_experts_template(x, ids, weights, resident, gu_raws, d_raws, one_thread, act_quant):
@@ -45,26 +43,7 @@ def host_experts_template(x, ids, weights, resident, gu_raws, d_raws, one_thread
     for i in range(num_pairs):
         expert_ids[i] = ids[0, order[i]]
     row_starts = np.arange(num_pairs + 1)  # [N + 1]
-    width = gu_raws[0].shape[1]
-    small = _small(num_pairs * max(hidden, width), TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread)
-    xs = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
-    if small:
-        moe_combine.gather_rows_serial(x, order, top_k, xs)
-    else:
-        moe_combine.gather_rows(x, order, top_k, xs)
-    gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
-    up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
-    GU_PAR(gu_raws, xs, expert_ids, row_starts, (gate, up), act_quant)  # noqa: F821 (instance globals)
-    if small:
-        activation.swiglu_serial(gate, up, gate)
-    else:
-        activation.swiglu(gate, up, gate)
-    down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
-    D_PAR(d_raws, gate, expert_ids, row_starts, (down,), act_quant)  # noqa: F821
-    if small:
-        moe_combine.scatter_add_weighted_serial(down, order, weights.reshape(-1), top_k, out)
-    else:
-        moe_combine.scatter_add_weighted(down, order, weights.reshape(-1), top_k, out)
+    MIXTURE(x, order, expert_ids, row_starts, weights, gu_raws, d_raws, one_thread, act_quant, out)  # noqa: F821
     return out, num_pairs
 
 
@@ -104,8 +83,8 @@ class HostExpertsPlan:
         if layer.up_exps.shape != layer.gate_exps.shape:
             raise ValueError(f"{what}: {layer.gate_exps.name} {layer.gate_exps.shape} and {layer.up_exps.name} "
                              f"{layer.up_exps.shape} do not fit")
-        gu, down, self.gu_raws, self.d_raws, names = expert_runners(backend, layer, what)
-        self.fn = instance(host_experts_template, "_".join(names), GU_PAR=gu, D_PAR=down)
+        mixture, self.gu_raws, self.d_raws, names = expert_mixture(backend, layer, what)
+        self.fn = instance(host_experts_template, "_".join(names), MIXTURE=mixture)
         self.relay = instance(host_relay_template, "_".join(names), HOST=self.fn)
         self.raws = tuple(w.raw for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
 
