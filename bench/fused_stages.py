@@ -32,16 +32,6 @@ from hybrid.llm import LLM  # noqa: E402
 STAGE_NAMES = ("q k v", "rope, kv write", "attention", "o", "router", "gate+up", "down", "combine")
 
 
-def ticks_per_second(seconds=0.2):
-    """The time-stamp counter's rate, against perf_counter."""
-    tick = numba.njit(lambda: sync.cycles())
-    tick()
-    t0, c0 = time.perf_counter(), tick()
-    while time.perf_counter() - t0 < seconds:
-        pass
-    return (tick() - c0) / (time.perf_counter() - t0)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -71,7 +61,7 @@ def main(argv=None):
     backend.stage_trace = np.zeros((workers, fused.TRACE_COLUMNS), dtype=np.int64)
     layer_seconds.clear()
     step_seconds = decode_seconds(model, rng, args.steps) / args.steps
-    rate = ticks_per_second()
+    rate = sync.ticks_per_second()
     calls = len(layer_seconds)
     per_layer = backend.stage_trace / rate / calls * 1e6  # [W, TRACE_COLUMNS], us a layer call
     layers_per_step = calls / args.steps

@@ -41,6 +41,12 @@ DECODE_NOTES = {"inline": "one compiled call in the calling thread",
 DEFAULT_MODE = "relay" if RELAY_BY_DEFAULT else "inline"
 
 
+def use_mode(split, mode):
+    """Set the ExpertSplit's decode settings to DECODE_MODES[mode]."""
+    for name, value in DECODE_MODES[mode].items():
+        setattr(split, name, value)
+
+
 def first_experts(config, share):
     mask = np.zeros((config.num_layers, config.num_experts), bool)  # [L, E]
     mask[:, : round(share / 100 * config.num_experts)] = True
@@ -107,8 +113,7 @@ def main(argv=None):
         device = llm.model.backend.rt.device_name
         log.info("share %d %%: loaded in %.1f s", share, time.perf_counter() - t0)
         if llm.model.split is not None:
-            for name, value in DECODE_MODES[DEFAULT_MODE].items():
-                setattr(llm.model.split, name, value)
+            use_mode(llm.model.split, DEFAULT_MODE)
         decode_rate(llm, 4)  # warm-up: compiles the kernels
         rate = decode_rate(llm, args.decode_tokens)
         decode.append(f"| {share} | {rate:.1f} |")
@@ -117,16 +122,14 @@ def main(argv=None):
             log.info("decode profile at %d %% resident:\n%s", share, profiled(lambda: decode_rate(llm, 16)))
         if share < 100:
             split = llm.model.split
-            for mode, settings in DECODE_MODES.items():
-                for name, value in settings.items():
-                    setattr(split, name, value)
+            for mode in DECODE_MODES:
+                use_mode(split, mode)
                 decode_rate(llm, 2)  # warm-up: the relay compiles its host side per layer
                 trace = [t for t in traced(llm, lambda: decode_rate(llm, 8)) if t["tokens"] == 1]
                 overlap += overlap_rows(f"decode, {share} % resident, {mode}", trace)
                 if mode != DEFAULT_MODE:
                     decode[-1] += f" {decode_rate(llm, args.decode_tokens):.1f} |"
-            for name, value in DECODE_MODES[DEFAULT_MODE].items():
-                setattr(split, name, value)
+            use_mode(split, DEFAULT_MODE)
         else:
             decode[-1] += " |" * (len(DECODE_MODES) - 1)
         if share == args.borrow_share:

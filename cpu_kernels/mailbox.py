@@ -7,13 +7,11 @@ the flag (release); the reader waits until the flag reaches the step's number (a
 reads the data. Flags are int64 each on its own cache line (LINE), numbers only ever grow, so a flag
 left over from an earlier step never passes a later step's wait.
 """
-import time
-
 import numpy as np
 from numba import njit, types
 from numba.core.extending import intrinsic
 
-from .sync import LINE, atomic_load, cycles, pause
+from .sync import LINE, atomic_load, cycles, pause, ticks_per_second
 
 WAIT_OK, WAIT_ABORTED, WAIT_TIMED_OUT = 0, 1, 2
 _CHECK_EVERY = 256  # spins between looks at the abort flag and the clock
@@ -61,26 +59,6 @@ def new_flags(count, empty=np.empty):
     flags = empty((count * LINE,), np.int64)
     flags[:] = 0
     return flags
-
-
-_TICKS_PER_SECOND = None
-
-
-def ticks_per_second():
-    """The time-stamp counter's rate, measured once over 50 ms (0 where the counter does not run)."""
-    global _TICKS_PER_SECOND
-    if _TICKS_PER_SECOND is None:
-        _now()  # compiled before the clocks are read
-        t0, c0 = time.perf_counter(), _now()
-        time.sleep(0.05)
-        t1, c1 = time.perf_counter(), _now()
-        _TICKS_PER_SECOND = max(0.0, (c1 - c0) / (t1 - t0))
-    return _TICKS_PER_SECOND
-
-
-@njit(nogil=True, cache=True)
-def _now():
-    return cycles()
 
 
 def ticks(seconds):

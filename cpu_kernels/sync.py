@@ -13,6 +13,8 @@ claimed is an item some running thread finishes.
 Counters: int64 [stages, W + 1, LINE] (new_counters), zero at the start: per stage each worker's
 claim count, then the done count, each on its own cache line.
 """
+import time
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -60,7 +62,7 @@ def pause(typingctx):
 
 @intrinsic
 def cycles(typingctx):
-    """The CPU's time-stamp counter (int64 ticks at a fixed rate; bench/fused_stages.py converts them)."""
+    """The CPU's time-stamp counter (int64 ticks at a fixed rate: ticks_per_second)."""
     def codegen(context, builder, signature, args):
         fn = builder.module.globals.get("llvm.readcyclecounter")
         if fn is None:
@@ -68,6 +70,27 @@ def cycles(typingctx):
         return builder.call(fn, [])
 
     return types.int64(), codegen
+
+
+_TICKS_PER_SECOND = None
+
+
+def ticks_per_second():
+    """The time-stamp counter's rate (cycles() ticks a second), measured once over 50 ms against perf_counter;
+    0 where the counter does not run."""
+    global _TICKS_PER_SECOND
+    if _TICKS_PER_SECOND is None:
+        _now()  # compiled before the clocks are read
+        t0, c0 = time.perf_counter(), _now()
+        time.sleep(0.05)
+        t1, c1 = time.perf_counter(), _now()
+        _TICKS_PER_SECOND = max(0.0, (c1 - c0) / (t1 - t0))
+    return _TICKS_PER_SECOND
+
+
+@njit(nogil=True, cache=True)
+def _now():
+    return cycles()
 
 
 @njit(inline="always", nogil=True)

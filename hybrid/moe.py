@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cpu_kernels.mailbox import ticks_per_second
-from cpu_kernels.sync import LINE
+from cpu_kernels.sync import LINE, ticks_per_second
 from cpu_kernels.target import use_chosen_threads
 
 from .relay import HostRelay, Mailbox
