@@ -30,6 +30,8 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
+# Per format, slices ahead that the one-token kernels hint into L2 (common.cuh's DECODE_AHEAD; 0: no hints).
+DECODE_AHEAD = {}
 ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernels.act_quant)
 # Formats whose one-token matmuls take x as int16 with STRATA_ACT_QUANT unset ("auto"): where that measured faster
 # than float x (H100, bench/results/gpu_kernels.md, session 23: Q4_K 60 % of the copy bandwidth against 57 %; Q8_0
@@ -121,15 +123,18 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
 class Kernels:
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
-    key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: STRATA_ACT_QUANT)."""
+    key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: STRATA_ACT_QUANT).
+    row_chunks: runs of rows a matmul block walks (matmul.cu's block_walk); None: _row_chunks decides. decode_ahead:
+    slices ahead the one-token kernels hint into L2; None: each format's DECODE_AHEAD, else 0."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
-                 max_splits=MAX_SPLITS, act_quant=None):
+                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, decode_ahead=None):
         self.rt, self.stream = runtime, stream
         self.act_quant = gpu_act_quant(act_quant)
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
-        self.min_blocks = min_blocks
+        self.min_blocks, self.row_chunks, self.decode_ahead = min_blocks, row_chunks, decode_ahead
+        self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
         self._functions = {}  # (qtype or KV dtype, kernel name) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B) -> _mm_launch's (kernel, blocks, scalars)
         self._dummy = None  # stands in for an absent array argument
@@ -148,12 +153,18 @@ class Kernels:
         blocks = DECODE_MIN_BLOCKS.get(Q(qtype), 0) if self.min_blocks is None else self.min_blocks
         return self.decode_rows or rows, self.lane_slices or slices, blocks
 
+    def ahead(self, qtype):
+        """Slices ahead that qtype's one-token matmuls hint into L2 (0: none)."""
+        return DECODE_AHEAD.get(Q(qtype), 0) if self.decode_ahead is None else int(self.decode_ahead)
+
     def _mm(self, qtype, name):
         key = (qtype, name)
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
-            mod, (rows, _, blocks) = module_name(qtype), self.tuning(qtype)
-            source = f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" + module_source(mod)
-            self._functions[key] = self.rt.compile(f"{mod}_r{rows}_b{blocks}", source, matmul_kernels(qtype))[name]
+            mod, (rows, _, blocks), ahead = module_name(qtype), self.tuning(qtype), self.ahead(qtype)
+            source = (f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n#define DECODE_AHEAD {ahead}\n"
+                      + module_source(mod))
+            self._functions[key] = self.rt.compile(f"{mod}_r{rows}_b{blocks}_a{ahead}", source,
+                                                   matmul_kernels(qtype))[name]
         return self._functions[key]
 
     def _kv(self, kv_dtype, name):
@@ -185,9 +196,9 @@ class Kernels:
         return self._threads(num_cols // UNIT_WEIGHTS[Q(qtype)], cap=128)
 
     def _mm_launch(self, qtype, kernel, num_rows, num_cols, row_bytes, one):
-        """(compiled kernel, blocks over the rows, (R, C, B, tpr) as kernel scalars, shared memory bytes) of a
-        matmul launch (one: the one-token kernel's, `_1q` where x goes in as int16), kept per shape: a decode step
-        launches the same few shapes hundreds of times."""
+        """(compiled kernel, blocks over the rows at one chunk a block, (R, C, B, tpr) as kernel scalars, shared
+        memory bytes) of a matmul launch (one: the one-token kernel's, `_1q` where x goes in as int16), kept per
+        shape: a decode step launches the same few shapes hundreds of times."""
         key = (qtype, kernel, num_rows, num_cols, row_bytes)
         launch = self._launches.get(key)
         if launch is None:
@@ -206,14 +217,37 @@ class Kernels:
                 (np.int32(num_rows), np.int32(num_cols), np.int64(row_bytes), np.int32(tpr)), shared)
         return launch
 
+    def _row_chunks(self, fn, num_blocks, num_tiles, shared, one):
+        """Runs of rows a matmul block walks, given the launch's num_blocks x num_tiles blocks at one run a block.
+        The one-token kernels take 1 while those blocks fit on the GPU at once, else the fewest runs that make them
+        fit: each block then stages its x once for all its runs, and its loads go on from one run into the next
+        instead of the block ending and another one starting cold. The tiled kernels take 1."""
+        if self.row_chunks is not None:
+            return max(1, min(int(self.row_chunks), num_blocks))
+        if not one:
+            return 1
+        key = (fn, shared)
+        resident = self._resident.get(key)
+        if resident is None:
+            resident = self._resident[key] = self.rt.resident_blocks(fn, MATMUL_THREADS, shared)
+        total = num_blocks * num_tiles
+        return 1 if total <= resident else min(num_blocks, -(-total // resident))
+
+    def _mm_grid_x(self, fn, num_blocks, num_tiles, shared, one):
+        """(blocks over the rows, runs of rows a block) of a matmul launch: _row_chunks."""
+        chunks = self._row_chunks(fn, num_blocks, num_tiles, shared, one)
+        return -(-num_blocks // chunks), np.int32(chunks)
+
     def matmul(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous."""
         num_tokens, num_cols = x.shape
         one = num_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "matmul_1" if one else "matmul", raw.shape[0],
                                                           num_cols, raw.shape[-1], one)
-        grid = (num_blocks, 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS)
-        self._launch(fn, grid, MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars, shared_mem=shared)
+        num_tiles = 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
+        grid_x, chunks = self._mm_grid_x(fn, num_blocks, num_tiles, shared, one)
+        self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars + (chunks,),
+                     shared_mem=shared)
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=TILE_TOKENS):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W]
@@ -221,8 +255,9 @@ class Kernels:
         one = tile_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul_1" if one else "moe_matmul",
                                                           raw.shape[1], x.shape[1], raw.shape[-1], one)
-        self._launch(fn, (num_blocks, len(tile_slot)), MATMUL_THREADS,
-                     (raw, x, out, tile_slot, tile_row, tile_count) + scalars, shared_mem=shared)
+        grid_x, chunks = self._mm_grid_x(fn, num_blocks, len(tile_slot), shared, one)
+        self._launch(fn, (grid_x, len(tile_slot)), MATMUL_THREADS,
+                     (raw, x, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)
 
     def dequant_rows(self, raw, qtype, row_ids, out):
         """out [M, C] = dequant(raw [rows, B][row_ids]); row_ids int64 [M] on the device."""

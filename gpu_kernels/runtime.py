@@ -39,6 +39,8 @@ class CupyRuntime:
         props = cupy.cuda.runtime.getDeviceProperties(device_index)
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.warp_size = int(props["warpSize"])
+        self.multiprocessors = int(props["multiProcessorCount"])
+        self.registers_per_multiprocessor = int(props.get("regsPerMultiprocessor", 65536))
         self.name = "cupy-rocm" if self.is_hip else "cupy-cuda"
         self._modules = {}
 
@@ -130,6 +132,16 @@ class CupyRuntime:
             self._modules[name] = {k: module.get_function(k) for k in kernel_names}
             log.debug("compiled GPU kernel module %s", name)
         return self._modules[name]
+
+    def resident_blocks(self, function, threads, shared_mem=0):
+        """Blocks of `threads` threads (and shared_mem dynamic shared bytes) of the compiled `function` that the whole
+        GPU holds at once: the driver's occupancy, else an estimate from the kernel's registers."""
+        try:
+            per_unit = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, shared_mem)
+        except Exception:  # a CuPy build without the call, or a function object without .ptr
+            registers = max(1, int(getattr(function, "num_regs", 64) or 64))
+            per_unit = min(2048 // threads, self.registers_per_multiprocessor // (registers * threads))
+        return self.multiprocessors * max(1, int(per_unit))
 
     def launch(self, function, grid, block, args, shared_mem=0, stream=None):
         """Run `function` on `grid` x `block` threads; args: device arrays and NumPy scalars."""

@@ -103,6 +103,18 @@ __device__ __forceinline__ void load_words_a2(const u8* p, u32* out, int num_wor
 #define DECODE_BOUNDS
 #endif
 
+// The one-token kernels may also ask L2 for the bytes they will read DECODE_AHEAD slices later (0: not), so that
+// more of the weights' reads are in flight than the registers waiting for them can hold. A hint: no register
+// waits for it, and HIP gets nothing.
+#ifndef DECODE_AHEAD
+#define DECODE_AHEAD 0
+#endif
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
+#define PREFETCH_L2(p) ((void)(p))
+#else
+#define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
+#endif
+
 // sum += wts[o .. o + 3] . xv (a float4 of the token's activations).
 #define DOT4(sum, wts, o, xv) \
     sum = fmaf(wts[o + 3], xv.w, fmaf(wts[o + 2], xv.z, fmaf(wts[o + 1], xv.y, fmaf(wts[o], xv.x, sum))))
@@ -127,28 +139,41 @@ struct XQ {
 #define XQ_SHARED_BYTES(C) (2 * (C) + 8 * ((C) / XQ_BLOCK))
 
 // Round x [C] into shared memory `smem` (XQ_SHARED_BYTES(C)); the whole block takes part, then syncs.
-// Groups of 32 threads take 32-value blocks (shuffles of width 32 work on waves of 32 and 64).
+// Groups of 32 threads take 32-value blocks (shuffles of width 32 work on waves of 32 and 64); a group loads
+// XQ_LOADS blocks' values before it reduces any, so that their reads are in flight together.
+#define XQ_LOADS 4
 __device__ __forceinline__ XQ stage_xq(const float* __restrict__ x, int C, unsigned char* smem) {
     XQ xq;
     i8* hi = (i8*)smem;
     i8* lo = hi + C;
     float* scale = (float*)(smem + 2 * C);  // 2C is a multiple of 64: aligned
     float* sum = scale + C / XQ_BLOCK;
-    int lane = threadIdx.x & 31;
-    for (int b = threadIdx.x >> 5; b < C / XQ_BLOCK; b += blockDim.x >> 5) {
-        float v = x[XQ_BLOCK * b + lane], amax = fabsf(v), total = v;
-        for (int m = 16; m > 0; m >>= 1) {
-            amax = fmaxf(amax, SHFL_XOR(amax, m, 32));
-            total += SHFL_XOR(total, m, 32);
+    int lane = threadIdx.x & 31, groups = blockDim.x >> 5, num_blocks = C / XQ_BLOCK;
+    for (int b0 = threadIdx.x >> 5; b0 < num_blocks; b0 += XQ_LOADS * groups) {
+        float v[XQ_LOADS];
+#pragma unroll
+        for (int u = 0; u < XQ_LOADS; ++u) {
+            int b = b0 + u * groups;
+            v[u] = b < num_blocks ? x[XQ_BLOCK * b + lane] : 0.0f;
         }
-        float inv = amax > 0.0f ? XQ_LEVELS / amax : 0.0f;
-        int q = __float2int_rn(v * inv);
-        int h = (q + 128) >> 8;
-        hi[XQ_BLOCK * b + lane] = (i8)h;
-        lo[XQ_BLOCK * b + lane] = (i8)(q - 256 * h);
-        if (lane == 0) {
-            scale[b] = amax / XQ_LEVELS;
-            sum[b] = total;
+#pragma unroll
+        for (int u = 0; u < XQ_LOADS; ++u) {
+            int b = b0 + u * groups;
+            if (b >= num_blocks) break;  // the same b for the whole group: its shuffles stay together
+            float amax = fabsf(v[u]), total = v[u];
+            for (int m = 16; m > 0; m >>= 1) {
+                amax = fmaxf(amax, SHFL_XOR(amax, m, 32));
+                total += SHFL_XOR(total, m, 32);
+            }
+            float inv = amax > 0.0f ? XQ_LEVELS / amax : 0.0f;
+            int q = __float2int_rn(v[u] * inv);
+            int h = (q + 128) >> 8;
+            hi[XQ_BLOCK * b + lane] = (i8)h;
+            lo[XQ_BLOCK * b + lane] = (i8)(q - 256 * h);
+            if (lane == 0) {
+                scale[b] = amax / XQ_LEVELS;
+                sum[b] = total;
+            }
         }
     }
     __syncthreads();

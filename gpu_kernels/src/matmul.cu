@@ -32,40 +32,6 @@ __device__ __forceinline__ void slice_run(const Slice (&sl)[RPT], int s, const X
 }
 #endif
 
-// acc [RPT, TT] = rows r0 .. r0 + RPT - 1 (clamped to R - 1) of `raw` dotted with the n token rows of xs.
-template <int RPT, int TT, class X>
-__device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 row_bytes, int R, int r0, const X& xs,
-                                               int C, int n, int tpr, float (&acc)[RPT][TT]) {
-    const u8* row[RPT];
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-        row[r] = raw + (i64)min(r0 + r, R - 1) * row_bytes;
-#pragma unroll
-        for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
-    }
-    int lane = threadIdx.x & (tpr - 1), num_slices = C / SLICE_WEIGHTS;
-    Slice cur[RPT], next[RPT];
-    if (lane < num_slices) {
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) cur[r] = load_slice(row[r], lane);
-    }
-    for (int s = lane; s < num_slices; s += tpr) {
-        if (s + tpr < num_slices) {  // the next slices' loads are in flight while these are dotted
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) next[r] = load_slice(row[r], s + tpr);
-        }
-        slice_run(cur, s, xs, acc);
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) cur[r] = next[r];
-    }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r)
-#pragma unroll
-        for (int t = 0; t < TT; ++t)
-            if (t < n)
-                for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][t] += SHFL_XOR(acc[r][t], m, tpr);
-}
-
 // out [n, R] rows t of `out` (R apart) = acc, by the group's first lane.
 template <int RPT, int TT>
 __device__ __forceinline__ void store_rows(float* out, int R, int r0, int n, int tpr, const float (&acc)[RPT][TT]) {
@@ -77,50 +43,137 @@ __device__ __forceinline__ void store_rows(float* out, int R, int r0, int n, int
             if (t < n && r0 + r < R) out[(i64)t * R + r0 + r] = acc[r][t];
 }
 
-// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / (RPT * blockDim / tpr)), ceil(T / TT)).
+// A lane group's walk: `chunks` runs of RPT rows, `stride` rows apart, from row r0 (clamped to R - 1). A block
+// takes several runs of its rows where its launch would not fit on the GPU at once (the host's row_chunks): it
+// then stages its x once for all of them, and its loads run on from one chunk into the next.
+
+// The group's first slices, loaded before a `_1q` block stages its x so that their reads overlap the staging.
+template <int RPT>
+__device__ __forceinline__ void first_slices(const u8* __restrict__ raw, i64 row_bytes, int R, int r0, int C, int tpr,
+                                             Slice (&cur)[RPT]) {
+    int lane = threadIdx.x & (tpr - 1);
+    if (lane < C / SLICE_WEIGHTS) {
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) cur[r] = load_slice(raw + (i64)min(r0 + r, R - 1) * row_bytes, lane);
+    }
+}
+
+// out [n, R] (rows t R apart), rows of each chunk = those rows of `raw` dotted with the n token rows of xs;
+// cur: first_slices' loads. The group sums its lanes with shuffles and its first lane stores.
+template <int RPT, int TT, class X>
+__device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 row_bytes, int R, int r0, int stride,
+                                               int chunks, const X& xs, int C, int n, int tpr, Slice (&cur)[RPT],
+                                               float* out) {
+    int lane = threadIdx.x & (tpr - 1), num_slices = C / SLICE_WEIGHTS;
+    int per_lane = lane < num_slices ? (num_slices - 1 - lane) / tpr + 1 : 0;  // slices lane, lane + tpr, ...
+    // Where the L2 hints of a lane's i-th slices go: about the bytes of its slice i + DECODE_AHEAD (slices are
+    // row_bytes / num_slices bytes on average; tpr of them are whole blocks where tpr slices fill blocks).
+    int hint = (int)((i64)(lane + DECODE_AHEAD * tpr) * row_bytes / num_slices);
+    int hint_step = (int)((i64)tpr * row_bytes / num_slices);
+    Slice next[RPT];
+    for (int c = 0; c < chunks; ++c) {
+        int rc = r0 + c * stride;
+        const u8* row[RPT];
+        float acc[RPT][TT];
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            row[r] = raw + (i64)min(rc + r, R - 1) * row_bytes;
+#pragma unroll
+            for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+        }
+        for (int i = 0; i < per_lane; ++i) {  // the next slices' loads are in flight while these are dotted
+            int s = lane + i * tpr;
+            if (DECODE_AHEAD > 0 && TT == 1 && i + DECODE_AHEAD < per_lane) {  // the lanes' hints cover those bytes
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) PREFETCH_L2(row[r] + hint + (i64)i * hint_step);
+            }
+            bool last = i + 1 == per_lane;
+            if (!last || c + 1 < chunks) {  // after a chunk's last slices: the next chunk's first
+#pragma unroll
+                for (int r = 0; r < RPT; ++r)
+                    next[r] = load_slice(last ? raw + (i64)min(rc + stride + r, R - 1) * row_bytes : row[r],
+                                         last ? lane : s + tpr);
+            }
+            slice_run(cur, s, xs, acc);
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) cur[r] = next[r];
+        }
+#pragma unroll
+        for (int r = 0; r < RPT; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t)
+                if (t < n)
+                    for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][t] += SHFL_XOR(acc[r][t], m, tpr);
+        store_rows<RPT, TT>(out, R, rc, n, tpr, acc);
+    }
+}
+
+// A lane group's rows in a grid of blocks over R rows: block b takes `chunks` runs of blockDim / tpr groups of
+// RPT rows (those of them that start below R).
+struct Walk {
+    int r0, stride, chunks;
+};
+
+template <int RPT>
+__device__ __forceinline__ Walk block_walk(int R, int tpr, int chunks) {
+    Walk w;
+    w.stride = (int)(blockDim.x / tpr) * RPT;
+    int first = blockIdx.x * chunks * w.stride;
+    w.r0 = first + (int)(threadIdx.x / tpr) * RPT;
+    w.chunks = min(chunks, (R - first + w.stride - 1) / w.stride);
+    return w;
+}
+
+// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / (RPT * blockDim / tpr * chunks)), ceil(T / TT)).
 template <int RPT, int TT>
 __device__ __forceinline__ void matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
-                                            float* __restrict__ out, int T, int R, int C, i64 row_bytes, int tpr) {
-    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * RPT, t0 = blockIdx.y * TT;
-    int n = min(TT, T - t0);
-    float acc[RPT][TT];
-    group_rows_dot<RPT, TT>(raw, row_bytes, R, r0, FloatRows{x + (i64)t0 * C, C, n}, C, n, tpr, acc);
-    store_rows<RPT, TT>(out + (i64)t0 * R, R, r0, n, tpr, acc);
+                                            float* __restrict__ out, int T, int R, int C, i64 row_bytes, int tpr,
+                                            int chunks) {
+    Walk wk = block_walk<RPT>(R, tpr, chunks);
+    int t0 = blockIdx.y * TT, n = min(TT, T - t0);
+    Slice cur[RPT];
+    first_slices<RPT>(raw, row_bytes, R, wk.r0, C, tpr, cur);
+    rows_dot_store<RPT, TT>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, FloatRows{x + (i64)t0 * C, C, n}, C, n,
+                            tpr, cur, out + (i64)t0 * R);
 }
 
 // Every resident expert of a layer in one launch. Work tile w covers pair rows
 // [tile_row[w], tile_row[w] + tile_count[w]) of x [N, C] (tile_count <= TT), all of expert slot
-// tile_slot[w]; out [N, R] = x @ dequant(raw [S, R, B][slot]).T. grid (ceil(R / (RPT * blockDim / tpr)), W).
+// tile_slot[w]; out [N, R] = x @ dequant(raw [S, R, B][slot]).T. grid (ceil(R / (RPT * blockDim / tpr * chunks)), W).
 template <int RPT, int TT>
 __device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
                                                 float* __restrict__ out, const int* tile_slot, const int* tile_row,
-                                                const int* tile_count, int R, int C, i64 row_bytes, int tpr) {
-    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * RPT, w = blockIdx.y;
-    int row0 = tile_row[w], n = tile_count[w];
+                                                const int* tile_count, int R, int C, i64 row_bytes, int tpr,
+                                                int chunks) {
+    int w = blockIdx.y, row0 = tile_row[w], n = tile_count[w];
     if (n <= 0) return;  // a decode pair whose expert is not resident (decode_tiles): nothing to read
-    float acc[RPT][TT];
-    group_rows_dot<RPT, TT>(raw + (i64)tile_slot[w] * R * row_bytes, row_bytes, R, r0,
-                            FloatRows{x + (i64)row0 * C, C, n}, C, n, tpr, acc);
-    store_rows<RPT, TT>(out + (i64)row0 * R, R, r0, n, tpr, acc);
+    const u8* expert = raw + (i64)tile_slot[w] * R * row_bytes;
+    Walk wk = block_walk<RPT>(R, tpr, chunks);
+    Slice cur[RPT];
+    first_slices<RPT>(expert, row_bytes, R, wk.r0, C, tpr, cur);
+    rows_dot_store<RPT, TT>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks, FloatRows{x + (i64)row0 * C, C, n}, C,
+                            n, tpr, cur, out + (i64)row0 * R);
 }
 
-#define MATMUL_ARGS const u8 *raw, const float *x, float *out, int T, int R, int C, i64 row_bytes, int tpr
+#define MATMUL_ARGS const u8 *raw, const float *x, float *out, int T, int R, int C, i64 row_bytes, int tpr, int chunks
 #define MOE_ARGS                                                                                        \
     const u8 *raw, const float *x, float *out, const int *tile_slot, const int *tile_row, const int *tile_count, \
-        int R, int C, i64 row_bytes, int tpr
+        int R, int C, i64 row_bytes, int tpr, int chunks
 
-extern "C" __global__ void matmul(MATMUL_ARGS) { matmul_body<1, TILE_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr); }
+extern "C" __global__ void matmul(MATMUL_ARGS) {
+    matmul_body<1, TILE_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr, chunks);
+}
 
 extern "C" __global__ void DECODE_BOUNDS matmul_1(MATMUL_ARGS) {
-    matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr);
+    matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr, chunks);
 }
 
 extern "C" __global__ void moe_matmul(MOE_ARGS) {
-    moe_matmul_body<1, TILE_TOKENS>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
+    moe_matmul_body<1, TILE_TOKENS>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks);
 }
 
 extern "C" __global__ void DECODE_BOUNDS moe_matmul_1(MOE_ARGS) {
-    moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
+    moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks);
 }
 
 #ifdef INT_DECODE
@@ -128,22 +181,24 @@ extern "C" __global__ void DECODE_BOUNDS moe_matmul_1(MOE_ARGS) {
 // the same grids, lane groups and rows as matmul_1 and moe_matmul_1.
 extern "C" __global__ void DECODE_BOUNDS matmul_1q(MATMUL_ARGS) {
     extern __shared__ float4 xq_smem[];
+    Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
+    Slice cur[DECODE_ROWS];
+    first_slices<DECODE_ROWS>(raw, row_bytes, R, wk.r0, C, tpr, cur);
     XQ xq = stage_xq(x, C, (unsigned char*)xq_smem);
-    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * DECODE_ROWS;
-    float acc[DECODE_ROWS][1];
-    group_rows_dot<DECODE_ROWS, 1>(raw, row_bytes, R, r0, xq, C, 1, tpr, acc);
-    store_rows<DECODE_ROWS, 1>(out, R, r0, 1, tpr, acc);
+    rows_dot_store<DECODE_ROWS, 1>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur, out);
 }
 
 extern "C" __global__ void DECODE_BOUNDS moe_matmul_1q(MOE_ARGS) {
-    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * DECODE_ROWS, w = blockIdx.y;
-    int row0 = tile_row[w];
+    int w = blockIdx.y, row0 = tile_row[w];
     if (tile_count[w] <= 0) return;  // the whole block: a pair whose expert is not resident
     extern __shared__ float4 xq_smem[];
+    const u8* expert = raw + (i64)tile_slot[w] * R * row_bytes;
+    Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
+    Slice cur[DECODE_ROWS];
+    first_slices<DECODE_ROWS>(expert, row_bytes, R, wk.r0, C, tpr, cur);
     XQ xq = stage_xq(x + (i64)row0 * C, C, (unsigned char*)xq_smem);
-    float acc[DECODE_ROWS][1];
-    group_rows_dot<DECODE_ROWS, 1>(raw + (i64)tile_slot[w] * R * row_bytes, row_bytes, R, r0, xq, C, 1, tpr, acc);
-    store_rows<DECODE_ROWS, 1>(out + (i64)row0 * R, R, r0, 1, tpr, acc);
+    rows_dot_store<DECODE_ROWS, 1>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur,
+                                   out + (i64)row0 * R);
 }
 #endif
 

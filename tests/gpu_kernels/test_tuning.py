@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
+from gpu_kernels.kernels import (DECODE_AHEAD, DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
                                  GPU_INT16_FORMATS, SLICE_WEIGHTS, Kernels, gpu_act_quant)
 from gpu_kernels.nvrtc import Nvrtc, find_library
 from gpu_kernels.sources import INT_DECODE, module_name, module_source
@@ -14,9 +14,15 @@ class LaunchRecorder:
     """The runtime calls Kernels makes to launch a matmul, recorded instead of run."""
 
     warp_size = 32
+    resident = 264  # blocks the GPU holds at once: 2 an SM on 132 SMs (an H100 at ~120 registers a thread)
 
     def __init__(self):
         self.compiled, self.launches, self.shared = [], [], []
+        self.resident_asked = []
+
+    def resident_blocks(self, function, threads, shared_mem=0):
+        self.resident_asked.append((function, threads, shared_mem))
+        return self.resident
 
     def compile(self, name, source, kernel_names):
         self.compiled.append((name, source))
@@ -32,7 +38,7 @@ def _one_token_launch(qtype, **tuning):
     raw = np.zeros((768, 8), np.uint8)  # the launch reads only its shape
     Kernels(rt, **tuning).matmul(raw, qtype, np.zeros((1, 2048), np.float32), np.zeros((1, 768), np.float32))
     (name, source), (function, grid, args) = rt.compiled[-1], rt.launches[-1]
-    return name, source, function, grid, int(args[-1])
+    return name, source, function, grid, int(args[-2])
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
@@ -41,15 +47,16 @@ def test_one_token_launch_takes_the_format_tuning(qtype):
     blocks = DECODE_MIN_BLOCKS.get(qtype, 0)
     name, source, function, grid, tpr = _one_token_launch(qtype)
     int16 = qtype in INT_DECODE and qtype in GPU_INT16_FORMATS
-    assert function == ("matmul_1q" if int16 else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}")
-    assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" in source
+    ahead = DECODE_AHEAD.get(qtype, 0)
+    assert function == ("matmul_1q" if int16 else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}_a{ahead}")
+    assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n#define DECODE_AHEAD {ahead}\n" in source
     assert tpr == min(32, 1 << max(0, -(-2048 // SLICE_WEIGHTS[qtype] // slices) - 1).bit_length())
     assert grid == (-(-768 // (MATMUL_THREADS // tpr * rows)), 1)
 
 
 def test_explicit_tuning_wins_for_every_format():
-    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, decode_rows=1, lane_slices=1, min_blocks=3)
-    assert name.endswith("_r1_b3") and "#define DECODE_MIN_BLOCKS 3\n" in source
+    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, decode_rows=1, lane_slices=1, min_blocks=3, decode_ahead=2)
+    assert name.endswith("_r1_b3_a2") and "#define DECODE_MIN_BLOCKS 3\n#define DECODE_AHEAD 2\n" in source
     assert tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
 
 
@@ -58,7 +65,42 @@ def test_tiled_kernels_keep_the_default_lane_width():
     raw = np.zeros((768, 8), np.uint8)
     Kernels(rt).matmul(raw, Q.Q4_K, np.zeros((19, 2048), np.float32), np.zeros((19, 768), np.float32))
     function, grid, args = rt.launches[-1]
-    assert function == "matmul" and int(args[-1]) == 2048 // SLICE_WEIGHTS[Q.Q4_K] // LANE_SLICES
+    assert function == "matmul" and int(args[-2]) == 2048 // SLICE_WEIGHTS[Q.Q4_K] // LANE_SLICES
+    assert int(args[-1]) == 1  # one run of rows a block: the tiled kernels never walk several
+
+
+def _moe_launch(rt, qtype, num_rows, num_tiles, tile_tokens=1, **options):
+    raw = np.zeros((4, num_rows, 8), np.uint8)  # [S, R, B]: the launch reads only its shape
+    tiles = [np.zeros(num_tiles, np.int32)] * 3
+    Kernels(rt, **options).moe_matmul(raw, qtype, np.zeros((num_tiles, 2048), np.float32),
+                                      np.zeros((num_tiles, num_rows), np.float32), *tiles, tile_tokens=tile_tokens)
+    function, grid, args = rt.launches[-1]
+    return grid, int(args[-2]), int(args[-1])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_one_token_blocks_walk_runs_of_rows_once_the_gpu_is_full(qtype):
+    rt = LaunchRecorder()
+    per_block = lambda tpr: MATMUL_THREADS // tpr * Kernels(rt).tuning(qtype)[0]  # noqa: E731
+    # decode: 8 pairs of a token, fewer blocks than the GPU holds: one run a block
+    grid, tpr, chunks = _moe_launch(rt, qtype, 768, 8)
+    assert chunks == 1 and grid == (-(-768 // per_block(tpr)), 8)
+    # a bench-sized step, 128 pairs: the fewest runs that fit the launch on the GPU at once
+    grid, tpr, chunks = _moe_launch(rt, qtype, 768, 128)
+    blocks = -(-768 // per_block(tpr))
+    assert blocks * 128 > rt.resident and chunks == -(-blocks * 128 // rt.resident)
+    assert grid == (-(-blocks // chunks), 128) and grid[0] * grid[1] <= rt.resident
+    assert rt.resident_asked and rt.resident_asked[-1][1] == MATMUL_THREADS
+
+
+def test_row_chunks_setting_wins_and_stays_within_the_rows():
+    rt = LaunchRecorder()
+    grid, tpr, chunks = _moe_launch(rt, Q.Q4_K, 768, 8, row_chunks=2)
+    assert chunks == 2 and grid[0] == -(-(-(-768 // (MATMUL_THREADS // tpr * 4))) // 2)
+    grid, _, chunks = _moe_launch(rt, Q.Q4_K, 51, 8, row_chunks=5)  # one block's rows: at most one run
+    assert chunks == 1 and grid[0] == 1
+    grid, _, chunks = _moe_launch(rt, Q.Q4_K, 768, 300, tile_tokens=8)  # tiled: 1 unless set
+    assert chunks == 1
 
 
 @pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
@@ -75,6 +117,14 @@ def test_register_capped_module_compiles_for_sm90():
     """The launch bounds the benchmark sweeps (4 blocks of 256 threads: at most 64 registers a thread)."""
     source = "#define DECODE_ROWS 4\n#define DECODE_MIN_BLOCKS 4\n" + module_source(module_name(Q.Q4_K))
     assert b"moe_matmul_1" in Nvrtc().compile("matmul_q4_k_r4_b4", source, "sm_90", ("--std=c++14",))
+
+
+@pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda q: q.name)
+def test_l2_hinting_module_compiles_for_sm90(qtype):
+    """The L2 hints the benchmark sweeps (DECODE_AHEAD slices ahead)."""
+    source = "#define DECODE_ROWS 2\n#define DECODE_AHEAD 3\n" + module_source(module_name(qtype))
+    assert b"moe_matmul_1" in Nvrtc().compile(f"{module_name(qtype)}_a3", source, "sm_90", ("--std=c++14",))
 
 
 @pytest.mark.parametrize("qtype,act_quant,num_cols,kernel,shared", [
