@@ -12,11 +12,10 @@ tuning (rows a lane group works on, slices a lane takes) is swept for --sweep fo
 run at their default tuning (gpu_kernels.kernels.DECODE_TUNING, DECODE_MIN_BLOCKS). --act runs each tuning with x
 as float and / or rounded to int16 in shared memory (the `_1q` kernels, formats in gpu_kernels.sources.INT_DECODE;
 the others take float whatever --act says). --chunks runs each with blocks that walk that many runs of rows
-(matmul.cu's block_walk; "auto": Kernels' choice, the fewest runs that fit the launch on the GPU at once); --ahead
-with the one-token kernels hinting into L2 the slices that many ahead ("default": gpu_kernels.kernels.DECODE_AHEAD).
+(matmul.cu's block_walk; "auto": Kernels' choice, the fewest runs that fit the launch on the GPU at once).
 
     python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--rows 1,2,4] [--slices 1,2,4]
-        [--blocks 0] [--act int16,float] [--chunks auto,1] [--ahead default,0,2] [--repeats 20]
+        [--blocks 0] [--act int16,float] [--chunks auto,1] [--repeats 20]
 
 Prints the table; --output also writes it to a file (bench/results/gpu_kernels.md keeps the history by hand).
 """
@@ -80,19 +79,17 @@ def _layer(rt, qtype):
     return one, layers, x, out, tiles
 
 
-def expert_bandwidth(rt, tunings, acts, chunk_counts, aheads, qtype, repeats):
-    """{(decode_rows, lane_slices, min_blocks, x as, runs of rows a block, slices hinted ahead): (bytes per second,
-    seconds queued, seconds alone, registers a thread, local bytes a thread: spills)} of one decode step over a
-    layer."""
+def expert_bandwidth(rt, tunings, acts, chunk_counts, qtype, repeats):
+    """{(decode_rows, lane_slices, min_blocks, x as, runs of rows a block): (bytes per second, seconds queued,
+    seconds alone, registers a thread, local bytes a thread: spills)} of one decode step over a layer."""
     one, layers, x, out, tiles = _layer(rt, qtype)
     step = iter(range(1 << 30))
     results = {}
     for rows, lane_slices, blocks in tunings:
         for act in acts if qtype in INT_DECODE else ["float"]:
-            for chunks, ahead in [(c, a) for c in chunk_counts for a in aheads]:
+            for chunks in chunk_counts:
                 kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices, min_blocks=blocks, act_quant=act,
-                                  row_chunks=None if chunks == "auto" else int(chunks),
-                                  decode_ahead=None if ahead == "default" else int(ahead))
+                                  row_chunks=None if chunks == "auto" else int(chunks))
 
                 def run():
                     kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
@@ -101,7 +98,7 @@ def expert_bandwidth(rt, tunings, acts, chunk_counts, aheads, qtype, repeats):
                 fn, num_blocks, _, shared = kernels._mm_launch(qtype, "moe_matmul_1", ROWS, COLS, one.shape[-1], True)
                 runs = int(kernels._row_chunks(fn, num_blocks, NUM_EXPERTS, shared, True))
                 runs = f"{runs}" + (" (auto)" if chunks == "auto" else "")
-                results[rows, lane_slices, blocks, act, runs, kernels.ahead(qtype)] = (
+                results[rows, lane_slices, blocks, act, runs] = (
                     one.nbytes / seconds, seconds, alone, getattr(fn, "num_regs", "?"),
                     getattr(fn, "local_size_bytes", "?"))
     return one.nbytes, results
@@ -116,7 +113,6 @@ def main(argv=None):
     p.add_argument("--blocks", default="0", help="blocks an SM must hold (registers capped to fit), swept; 0: none")
     p.add_argument("--act", default="int16,float", help="x as int16 and / or float (INT_DECODE formats)")
     p.add_argument("--chunks", default="auto", help="runs of rows a block walks, swept; auto: Kernels' choice")
-    p.add_argument("--ahead", default="default", help="slices ahead hinted into L2, swept; default: Kernels' choice")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--output", type=Path, help="also write the table here")
     args = p.parse_args(argv)
@@ -134,18 +130,16 @@ def main(argv=None):
              "Default tuning (rows a lane group, slices a lane, blocks an SM or 0): "
              + ", ".join(f"{Q(q).name} {Kernels(rt).tuning(q)}" for q in Q if q in DECODE_TUNING) + ", others "
              + f"{Kernels(rt).tuning(Q.F32)}.", "",
-             "| format | x | rows / group | slices / lane | blocks / SM | runs / block | slices hinted ahead | registers | "
-             "local bytes | MiB read | time (us) | time alone (us) | GB/s | % of copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| format | x | rows / group | slices / lane | blocks / SM | runs / block | registers | local bytes | MiB read | "
+             "time (us) | time alone (us) | GB/s | % of copy |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.formats.split(","):
         qtype = Q[name.upper()]
         tunings = ([(int(r), int(s), int(b)) for r in args.rows.split(",") for s in args.slices.split(",")
                     for b in args.blocks.split(",")] if qtype in sweep else [Kernels(rt).tuning(qtype)])
-        nbytes, results = expert_bandwidth(rt, tunings, args.act.split(","), args.chunks.split(","),
-                                           args.ahead.split(","), qtype, args.repeats)
-        for (rows, lane_slices, blocks, act, runs, ahead), (bw, seconds, alone, regs, local) in results.items():
-            lines.append(f"| {qtype.name} | {act} | {rows} | {lane_slices} | {blocks} | {runs} | {ahead} | {regs} | "
-                         f"{local} | "
+        nbytes, results = expert_bandwidth(rt, tunings, args.act.split(","), args.chunks.split(","), qtype,
+                                           args.repeats)
+        for (rows, lane_slices, blocks, act, runs), (bw, seconds, alone, regs, local) in results.items():
+            lines.append(f"| {qtype.name} | {act} | {rows} | {lane_slices} | {blocks} | {runs} | {regs} | {local} | "
                          f"{nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | {alone * 1e6:.1f} | {bw / 1e9:.0f} | "
                          f"{100 * bw / copy:.0f} |")
             log.info(lines[-1])

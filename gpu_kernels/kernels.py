@@ -30,8 +30,6 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
-# Per format, slices ahead that the one-token kernels hint into L2 (common.cuh's DECODE_AHEAD; 0: no hints).
-DECODE_AHEAD = {}
 ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernels.act_quant)
 # Formats whose one-token matmuls take x as int16 with STRATA_ACT_QUANT unset ("auto"): where that measured faster
 # than float x (H100, bench/results/gpu_kernels.md, session 23: Q4_K 60 % of the copy bandwidth against 57 %; Q8_0
@@ -124,16 +122,15 @@ class Kernels:
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
     key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: STRATA_ACT_QUANT).
-    row_chunks: runs of rows a matmul block walks (matmul.cu's block_walk); None: _row_chunks decides. decode_ahead:
-    slices ahead the one-token kernels hint into L2; None: each format's DECODE_AHEAD, else 0."""
+    row_chunks: runs of rows a matmul block walks (matmul.cu's block_walk); None: _row_chunks decides."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
-                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, decode_ahead=None):
+                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None):
         self.rt, self.stream = runtime, stream
         self.act_quant = gpu_act_quant(act_quant)
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
-        self.min_blocks, self.row_chunks, self.decode_ahead = min_blocks, row_chunks, decode_ahead
+        self.min_blocks, self.row_chunks = min_blocks, row_chunks
         self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
         self._functions = {}  # (qtype or KV dtype, kernel name) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B) -> _mm_launch's (kernel, blocks, scalars)
@@ -153,18 +150,12 @@ class Kernels:
         blocks = DECODE_MIN_BLOCKS.get(Q(qtype), 0) if self.min_blocks is None else self.min_blocks
         return self.decode_rows or rows, self.lane_slices or slices, blocks
 
-    def ahead(self, qtype):
-        """Slices ahead that qtype's one-token matmuls hint into L2 (0: none)."""
-        return DECODE_AHEAD.get(Q(qtype), 0) if self.decode_ahead is None else int(self.decode_ahead)
-
     def _mm(self, qtype, name):
         key = (qtype, name)
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
-            mod, (rows, _, blocks), ahead = module_name(qtype), self.tuning(qtype), self.ahead(qtype)
-            source = (f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n#define DECODE_AHEAD {ahead}\n"
-                      + module_source(mod))
-            self._functions[key] = self.rt.compile(f"{mod}_r{rows}_b{blocks}_a{ahead}", source,
-                                                   matmul_kernels(qtype))[name]
+            mod, (rows, _, blocks) = module_name(qtype), self.tuning(qtype)
+            source = f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" + module_source(mod)
+            self._functions[key] = self.rt.compile(f"{mod}_r{rows}_b{blocks}", source, matmul_kernels(qtype))[name]
         return self._functions[key]
 
     def _kv(self, kv_dtype, name):

@@ -103,18 +103,6 @@ __device__ __forceinline__ void load_words_a2(const u8* p, u32* out, int num_wor
 #define DECODE_BOUNDS
 #endif
 
-// The one-token kernels may also ask L2 for the bytes they will read DECODE_AHEAD slices later (0: not), so that
-// more of the weights' reads are in flight than the registers waiting for them can hold. A hint: no register
-// waits for it, and HIP gets nothing.
-#ifndef DECODE_AHEAD
-#define DECODE_AHEAD 0
-#endif
-#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
-#define PREFETCH_L2(p) ((void)(p))
-#else
-#define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
-#endif
-
 // sum += wts[o .. o + 3] . xv (a float4 of the token's activations).
 #define DOT4(sum, wts, o, xv) \
     sum = fmaf(wts[o + 3], xv.w, fmaf(wts[o + 2], xv.z, fmaf(wts[o + 1], xv.y, fmaf(wts[o], xv.x, sum))))

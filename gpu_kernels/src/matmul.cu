@@ -66,10 +66,6 @@ __device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 r
                                                float* out) {
     int lane = threadIdx.x & (tpr - 1), num_slices = C / SLICE_WEIGHTS;
     int per_lane = lane < num_slices ? (num_slices - 1 - lane) / tpr + 1 : 0;  // slices lane, lane + tpr, ...
-    // Where the L2 hints of a lane's i-th slices go: about the bytes of its slice i + DECODE_AHEAD (slices are
-    // row_bytes / num_slices bytes on average; tpr of them are whole blocks where tpr slices fill blocks).
-    int hint = (int)((i64)(lane + DECODE_AHEAD * tpr) * row_bytes / num_slices);
-    int hint_step = (int)((i64)tpr * row_bytes / num_slices);
     Slice next[RPT];
     for (int c = 0; c < chunks; ++c) {
         int rc = r0 + c * stride;
@@ -83,10 +79,6 @@ __device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 r
         }
         for (int i = 0; i < per_lane; ++i) {  // the next slices' loads are in flight while these are dotted
             int s = lane + i * tpr;
-            if (DECODE_AHEAD > 0 && TT == 1 && i + DECODE_AHEAD < per_lane) {  // the lanes' hints cover those bytes
-#pragma unroll
-                for (int r = 0; r < RPT; ++r) PREFETCH_L2(row[r] + hint + (i64)i * hint_step);
-            }
             bool last = i + 1 == per_lane;
             if (!last || c + 1 < chunks) {  // after a chunk's last slices: the next chunk's first
 #pragma unroll

@@ -113,11 +113,10 @@ def test_moe_matmul_all_experts_in_one_launch(runtime, reference_kernels, qtype,
 @pytest.mark.parametrize("act_quant", ["float", "int16"])
 def test_blocks_walking_several_runs_of_rows(runtime, reference_kernels, qtype, num_tokens, row_chunks, act_quant):
     """Blocks that take several runs of rows (matmul.cu's block_walk): runs past the last row, a last block with
-    fewer runs, x staged once for all runs (int16), the loads carried from one run into the next, L2 hints two
-    slices ahead; dense and MoE."""
+    fewer runs, x staged once for all runs (int16), the loads carried from one run into the next; dense and MoE."""
     from gpu_kernels.kernels import Kernels
 
-    kernels = Kernels(runtime, decode_rows=2, lane_slices=4, act_quant=act_quant, row_chunks=row_chunks, decode_ahead=2)
+    kernels = Kernels(runtime, decode_rows=2, lane_slices=4, act_quant=act_quant, row_chunks=row_chunks)
     rng = np.random.default_rng(int(qtype) * 7 + num_tokens + row_chunks)
     raw = quant(rng, qtype, (3, 300, 768))  # [S, R, B]: 300 rows, several blocks of runs, the last one short
     x = (rng.standard_normal((num_tokens, 768)) * rng.uniform(0.1, 4, (num_tokens, 1))).astype(np.float32)  # [T, C]

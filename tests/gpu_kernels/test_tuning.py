@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu_kernels.kernels import (DECODE_AHEAD, DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
+from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
                                  GPU_INT16_FORMATS, SLICE_WEIGHTS, Kernels, gpu_act_quant)
 from gpu_kernels.nvrtc import Nvrtc, find_library
 from gpu_kernels.sources import INT_DECODE, module_name, module_source
@@ -47,16 +47,15 @@ def test_one_token_launch_takes_the_format_tuning(qtype):
     blocks = DECODE_MIN_BLOCKS.get(qtype, 0)
     name, source, function, grid, tpr = _one_token_launch(qtype)
     int16 = qtype in INT_DECODE and qtype in GPU_INT16_FORMATS
-    ahead = DECODE_AHEAD.get(qtype, 0)
-    assert function == ("matmul_1q" if int16 else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}_a{ahead}")
-    assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n#define DECODE_AHEAD {ahead}\n" in source
+    assert function == ("matmul_1q" if int16 else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}")
+    assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" in source
     assert tpr == min(32, 1 << max(0, -(-2048 // SLICE_WEIGHTS[qtype] // slices) - 1).bit_length())
     assert grid == (-(-768 // (MATMUL_THREADS // tpr * rows)), 1)
 
 
 def test_explicit_tuning_wins_for_every_format():
-    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, decode_rows=1, lane_slices=1, min_blocks=3, decode_ahead=2)
-    assert name.endswith("_r1_b3_a2") and "#define DECODE_MIN_BLOCKS 3\n#define DECODE_AHEAD 2\n" in source
+    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, decode_rows=1, lane_slices=1, min_blocks=3)
+    assert name.endswith("_r1_b3") and "#define DECODE_MIN_BLOCKS 3\n" in source
     assert tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
 
 
@@ -118,13 +117,6 @@ def test_register_capped_module_compiles_for_sm90():
     source = "#define DECODE_ROWS 4\n#define DECODE_MIN_BLOCKS 4\n" + module_source(module_name(Q.Q4_K))
     assert b"moe_matmul_1" in Nvrtc().compile("matmul_q4_k_r4_b4", source, "sm_90", ("--std=c++14",))
 
-
-@pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda q: q.name)
-def test_l2_hinting_module_compiles_for_sm90(qtype):
-    """The L2 hints the benchmark sweeps (DECODE_AHEAD slices ahead)."""
-    source = "#define DECODE_ROWS 2\n#define DECODE_AHEAD 3\n" + module_source(module_name(qtype))
-    assert b"moe_matmul_1" in Nvrtc().compile(f"{module_name(qtype)}_a3", source, "sm_90", ("--std=c++14",))
 
 
 @pytest.mark.parametrize("qtype,act_quant,num_cols,kernel,shared", [
