@@ -18,30 +18,28 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     }
 }
 
-// A slice: the 32 bytes of qs of a pair of sub-blocks, 64 weights, read as two 16-byte loads (super-blocks are
-// 16-byte multiples). Slice s: super-block s / 4, pair c = s % 4, bytes qs[32c .. 32c + 31]: low nibbles are
-// sub-block 2c's weights, high ones sub-block 2c + 1's. Half h of the slice (q[h]) holds their weights 16h .. 16h + 15.
-#define SLICE_WEIGHTS 64
+// A slice: 16 bytes of qs, 32 weights, read as one 16-byte load (super-blocks are 16-byte multiples).
+// Slice s: super-block s / 8, k = s % 8, pair c = k / 2 of sub-blocks, bytes l0 = 16 (k % 2) .. + 15 of
+// its 32: low nibbles are sub-block 2c's weights l0 + 0..15, high ones sub-block 2c + 1's.
+#define SLICE_WEIGHTS 32
 struct Slice {
     uint4 head;  // d, dmin, scales[12]
-    uint4 q[2];
+    uint4 q;
 };
 
 __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
-    const u8* b = row + 144 * (s >> 2);
-    const uint4* q = (const uint4*)(b + 16 + 32 * (s & 3));
+    const u8* b = row + 144 * (s >> 3);
     Slice sl;
     sl.head = *(const uint4*)b;
-    sl.q[0] = q[0];
-    sl.q[1] = q[1];
+    sl.q = *(const uint4*)(b + 16 + 16 * (s & 7));
     return sl;
 }
 
 template <int RPT, int TT>
 __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
                                           float (&acc)[RPT][TT]) {
-    int c = s & 3;
-    const float* xs = x + 256 * (s >> 2) + 64 * c;  // sub-block 2c's x; 2c + 1's 32 further
+    int k = s & 7, c = k >> 1;
+    const float* xs = x + 256 * (s >> 3) + 64 * c + 16 * (k & 1);
     float ds[RPT][2], dm[RPT][2];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
@@ -63,11 +61,11 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
         for (int r = 0; r < RPT; ++r) dq[r][t][0] = dq[r][t][1] = 0.0f;
     }
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {  // word w of the slice: weights 4w .. 4w + 3 of each sub-block's 32
+    for (int i = 0; i < 4; ++i) {  // word i: weights 4i .. 4i + 3 of each sub-block's 16
         float q[RPT][8];
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
-            u32 v = WORD(sl[r].q[w >> 2], w & 3), lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
+            u32 v = WORD(sl[r].q, i), lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
                 q[r][b] = BYTE_FLOAT(lo, b, 0.0f);
@@ -77,7 +75,7 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
 #pragma unroll
         for (int t = 0; t < TT; ++t) {
             if (t < n) {
-                float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * w), x1 = *(const float4*)(xs + (i64)t * C + 32 + 4 * w);
+                float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * i), x1 = *(const float4*)(xs + (i64)t * C + 32 + 4 * i);
                 xsum[t][0] += (x0.x + x0.y) + (x0.z + x0.w);
                 xsum[t][1] += (x1.x + x1.y) + (x1.z + x1.w);
 #pragma unroll
@@ -101,35 +99,24 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
     }
 }
 
-// The same slice dotted with int16 activations (XQ, the `_1q` kernels): per sub-block one exact integer sum of
-// q * x through dp4a (kquant.cuh's kquant_pair_sum does the rest, once for the slice's 64 weights).
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): per sub-block one exact integer
+// sum of q * x through dp4a (kquant.cuh's kquant_pair_sum does the rest).
 #define INT_DECODE 1
 template <int RPT>
 __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
-    int c = s & 3, blk = 8 * (s >> 2) + 2 * c, at = XQ_BLOCK * blk;  // x index of sub-block 2c's first weight
-    const uint4 *h0 = (const uint4*)(xq.hi + at), *h1 = (const uint4*)(xq.hi + at + 32);
-    const uint4 *l0 = (const uint4*)(xq.lo + at), *l1 = (const uint4*)(xq.lo + at + 32);
-    float dx0 = xq.scale[blk], dx1 = xq.scale[blk + 1], xs0 = xq.sum[blk], xs1 = xq.sum[blk + 1];
-    int a0[RPT], b0[RPT], a1[RPT], b1[RPT];
+    KquantXQ k = kquant_xq(xq, s);
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) a0[r] = b0[r] = a1[r] = b1[r] = 0;
+    for (int r = 0; r < RPT; ++r) {
+        int a0 = 0, b0 = 0, a1 = 0, b1 = 0;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // half h: x bytes 16h .. 16h + 15 of each sub-block, from shared memory once
-        uint4 xh0 = h0[h], xh1 = h1[h], xl0 = l0[h], xl1 = l1[h];
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                u32 v = WORD(sl[r].q[h], i);
-                int lo = (int)(v & 0x0F0F0F0Fu), hi = (int)((v >> 4) & 0x0F0F0F0Fu);
-                a0[r] = dp4a(lo, (int)WORD(xh0, i), a0[r]);
-                b0[r] = dp4a(lo, (int)WORD(xl0, i), b0[r]);
-                a1[r] = dp4a(hi, (int)WORD(xh1, i), a1[r]);
-                b1[r] = dp4a(hi, (int)WORD(xl1, i), b1[r]);
-            }
+        for (int i = 0; i < 4; ++i) {
+            u32 v = WORD(sl[r].q, i);
+            int lo = (int)(v & 0x0F0F0F0Fu), hi = (int)((v >> 4) & 0x0F0F0F0Fu);
+            a0 = dp4a(lo, (int)WORD(k.h0, i), a0);
+            b0 = dp4a(lo, (int)WORD(k.l0, i), b0);
+            a1 = dp4a(hi, (int)WORD(k.h1, i), a1);
+            b1 = dp4a(hi, (int)WORD(k.l1, i), b1);
         }
+        acc[r][0] += kquant_pair_sum(sl[r].head, k.c, 256 * a0 + b0, 256 * a1 + b1, k.dx0, k.dx1, k.xs0, k.xs1);
     }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r)
-        acc[r][0] += kquant_pair_sum(sl[r].head, c, 256 * a0[r] + b0[r], 256 * a1[r] + b1[r], dx0, dx1, xs0, xs1);
 }
