@@ -32,9 +32,10 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 DECODE_MIN_BLOCKS = {}
 ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernels.act_quant)
 # Formats whose one-token matmuls take x as int16 with STRATA_ACT_QUANT unset ("auto"): where that measured faster
-# than float x (H100, bench/results/gpu_kernels.md, session 23: Q4_K 60 % of the copy bandwidth against 57 %; Q8_0
-# 66 % against 76 % and Q6_K 52 % against 55 %, so those stay float).
-GPU_INT16_FORMATS = frozenset({Q.Q4_K})
+# than float x (H100, bench/results/gpu_kernels.md, session 24, blocks walking runs of rows: Q4_K 73 % of the copy
+# bandwidth against 53-58 %, Q6_K 68 % against 55 %, Q8_0 76 % against 73 %). Q5_K and Q4_0 were not measured with
+# int16 x: they stay float.
+GPU_INT16_FORMATS = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0})
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
@@ -122,7 +123,7 @@ class Kernels:
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
     key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: STRATA_ACT_QUANT).
-    row_chunks: runs of rows a matmul block walks (matmul.cu's block_walk); None: _row_chunks decides."""
+    row_chunks: runs of rows a one-token matmul block walks (matmul.cu's block_walk); None: _row_chunks decides."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
                  max_splits=MAX_SPLITS, act_quant=None, row_chunks=None):
@@ -212,11 +213,12 @@ class Kernels:
         """Runs of rows a matmul block walks, given the launch's num_blocks x num_tiles blocks at one run a block.
         The one-token kernels take 1 while those blocks fit on the GPU at once, else the fewest runs that make them
         fit: each block then stages its x once for all its runs, and its loads go on from one run into the next
-        instead of the block ending and another one starting cold. The tiled kernels take 1."""
-        if self.row_chunks is not None:
-            return max(1, min(int(self.row_chunks), num_blocks))
+        instead of the block ending and another one starting cold. The tiled kernels always take 1 (on the
+        bench's prefill shapes, their walking version was slower)."""
         if not one:
             return 1
+        if self.row_chunks is not None:
+            return max(1, min(int(self.row_chunks), num_blocks))
         key = (fn, shared)
         resident = self._resident.get(key)
         if resident is None:

@@ -43,6 +43,40 @@ __device__ __forceinline__ void store_rows(float* out, int R, int r0, int n, int
             if (t < n && r0 + r < R) out[(i64)t * R + r0 + r] = acc[r][t];
 }
 
+// acc [RPT, TT] = rows r0 .. r0 + RPT - 1 (clamped to R - 1) of `raw` dotted with the n token rows of xs.
+template <int RPT, int TT, class X>
+__device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 row_bytes, int R, int r0, const X& xs,
+                                               int C, int n, int tpr, float (&acc)[RPT][TT]) {
+    const u8* row[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        row[r] = raw + (i64)min(r0 + r, R - 1) * row_bytes;
+#pragma unroll
+        for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+    }
+    int lane = threadIdx.x & (tpr - 1), num_slices = C / SLICE_WEIGHTS;
+    Slice cur[RPT], next[RPT];
+    if (lane < num_slices) {
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) cur[r] = load_slice(row[r], lane);
+    }
+    for (int s = lane; s < num_slices; s += tpr) {
+        if (s + tpr < num_slices) {  // the next slices' loads are in flight while these are dotted
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) next[r] = load_slice(row[r], s + tpr);
+        }
+        slice_run(cur, s, xs, acc);
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) cur[r] = next[r];
+    }
+#pragma unroll
+    for (int r = 0; r < RPT; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+            if (t < n)
+                for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][t] += SHFL_XOR(acc[r][t], m, tpr);
+}
+
 // A lane group's walk: `chunks` runs of RPT rows, `stride` rows apart, from row r0 (clamped to R - 1). A block
 // takes several runs of its rows where its launch would not fit on the GPU at once (the host's row_chunks): it
 // then stages its x once for all of them, and its loads run on from one chunk into the next.
@@ -116,9 +150,37 @@ __device__ __forceinline__ Walk block_walk(int R, int tpr, int chunks) {
     return w;
 }
 
-// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / (RPT * blockDim / tpr * chunks)), ceil(T / TT)).
+// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / (RPT * blockDim / tpr)), ceil(T / TT)).
 template <int RPT, int TT>
 __device__ __forceinline__ void matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
+                                            float* __restrict__ out, int T, int R, int C, i64 row_bytes, int tpr) {
+    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * RPT, t0 = blockIdx.y * TT;
+    int n = min(TT, T - t0);
+    float acc[RPT][TT];
+    group_rows_dot<RPT, TT>(raw, row_bytes, R, r0, FloatRows{x + (i64)t0 * C, C, n}, C, n, tpr, acc);
+    store_rows<RPT, TT>(out + (i64)t0 * R, R, r0, n, tpr, acc);
+}
+
+// Every resident expert of a layer in one launch. Work tile w covers pair rows
+// [tile_row[w], tile_row[w] + tile_count[w]) of x [N, C] (tile_count <= TT), all of expert slot
+// tile_slot[w]; out [N, R] = x @ dequant(raw [S, R, B][slot]).T. grid (ceil(R / (RPT * blockDim / tpr)), W).
+template <int RPT, int TT>
+__device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
+                                                float* __restrict__ out, const int* tile_slot, const int* tile_row,
+                                                const int* tile_count, int R, int C, i64 row_bytes, int tpr) {
+    int r0 = (blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr) * RPT, w = blockIdx.y;
+    int row0 = tile_row[w], n = tile_count[w];
+    if (n <= 0) return;  // a decode pair whose expert is not resident (decode_tiles): nothing to read
+    float acc[RPT][TT];
+    group_rows_dot<RPT, TT>(raw + (i64)tile_slot[w] * R * row_bytes, row_bytes, R, r0,
+                            FloatRows{x + (i64)row0 * C, C, n}, C, n, tpr, acc);
+    store_rows<RPT, TT>(out + (i64)row0 * R, R, r0, n, tpr, acc);
+}
+
+// The one-token kernels (TT = 1) walk runs of rows (block_walk): out [1, R] = x [1, C] @ dequant(raw [R, B]).T;
+// grid (ceil(R / (RPT * blockDim / tpr * chunks)), 1).
+template <int RPT, int TT>
+__device__ __forceinline__ void walk_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
                                             float* __restrict__ out, int T, int R, int C, i64 row_bytes, int tpr,
                                             int chunks) {
     Walk wk = block_walk<RPT>(R, tpr, chunks);
@@ -129,11 +191,9 @@ __device__ __forceinline__ void matmul_body(const u8* __restrict__ raw, const fl
                             tpr, cur, out + (i64)t0 * R);
 }
 
-// Every resident expert of a layer in one launch. Work tile w covers pair rows
-// [tile_row[w], tile_row[w] + tile_count[w]) of x [N, C] (tile_count <= TT), all of expert slot
-// tile_slot[w]; out [N, R] = x @ dequant(raw [S, R, B][slot]).T. grid (ceil(R / (RPT * blockDim / tpr * chunks)), W).
+// moe_matmul_body's one-token twin on the walk: grid (ceil(R / (RPT * blockDim / tpr * chunks)), W).
 template <int RPT, int TT>
-__device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
+__device__ __forceinline__ void walk_moe_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
                                                 float* __restrict__ out, const int* tile_slot, const int* tile_row,
                                                 const int* tile_count, int R, int C, i64 row_bytes, int tpr,
                                                 int chunks) {
@@ -152,20 +212,19 @@ __device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, cons
     const u8 *raw, const float *x, float *out, const int *tile_slot, const int *tile_row, const int *tile_count, \
         int R, int C, i64 row_bytes, int tpr, int chunks
 
-extern "C" __global__ void matmul(MATMUL_ARGS) {
-    matmul_body<1, TILE_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr, chunks);
-}
+// The tiled kernels take one run of rows a block: `chunks` is there for the common argument list (the host passes 1).
+extern "C" __global__ void matmul(MATMUL_ARGS) { matmul_body<1, TILE_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr); }
 
 extern "C" __global__ void DECODE_BOUNDS matmul_1(MATMUL_ARGS) {
-    matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr, chunks);
+    walk_matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr, chunks);
 }
 
 extern "C" __global__ void moe_matmul(MOE_ARGS) {
-    moe_matmul_body<1, TILE_TOKENS>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks);
+    moe_matmul_body<1, TILE_TOKENS>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
 }
 
 extern "C" __global__ void DECODE_BOUNDS moe_matmul_1(MOE_ARGS) {
-    moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks);
+    walk_moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks);
 }
 
 #ifdef INT_DECODE

@@ -98,8 +98,8 @@ def test_row_chunks_setting_wins_and_stays_within_the_rows():
     assert chunks == 2 and grid[0] == -(-(-(-768 // (MATMUL_THREADS // tpr * 4))) // 2)
     grid, _, chunks = _moe_launch(rt, Q.Q4_K, 51, 8, row_chunks=5)  # one block's rows: at most one run
     assert chunks == 1 and grid[0] == 1
-    grid, _, chunks = _moe_launch(rt, Q.Q4_K, 768, 300, tile_tokens=8)  # tiled: 1 unless set
-    assert chunks == 1
+    grid, tpr, chunks = _moe_launch(rt, Q.Q4_K, 768, 300, tile_tokens=8, row_chunks=3)  # tiled: always 1
+    assert chunks == 1 and grid == (-(-768 // (MATMUL_THREADS // tpr)), 300)
 
 
 @pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
@@ -126,8 +126,9 @@ def test_register_capped_module_compiles_for_sm90():
     (Q.BF16, "int16", 2048, "matmul_1", 0),  # no int16 dot: the float kernel
     (Q.Q8_0, "int16", 32768, "matmul_1", 0),  # x would not fit the shared memory cap
     (Q.Q4_K, "auto", 2048, "matmul_1q", 2 * 2048 + 8 * 64),  # measured faster with int16 x
-    (Q.Q8_0, "auto", 768, "matmul_1", 0),  # measured faster with float x
-], ids=["q4_k", "q8_0", "q4_k-float", "bf16", "q8_0-wide", "q4_k-auto", "q8_0-auto"])
+    (Q.Q8_0, "auto", 768, "matmul_1q", 2 * 768 + 8 * 24),  # measured faster with int16 x
+    (Q.Q5_K, "auto", 768, "matmul_1", 0),  # not measured with int16 x: float
+], ids=["q4_k", "q8_0", "q4_k-float", "bf16", "q8_0-wide", "q4_k-auto", "q8_0-auto", "q5_k-auto"])
 def test_one_token_kernel_takes_x_as_int16_where_it_can(qtype, act_quant, num_cols, kernel, shared):
     rt = LaunchRecorder()
     raw = np.zeros((768, 8), np.uint8)
