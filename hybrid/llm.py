@@ -93,6 +93,16 @@ class LLM:
             self.model.usage = ExpertUsage.for_config(self.config)
         log.info("expert cache: dynamic, %s", self.model.residency.policy.settings)
 
+    def close(self):
+        """Stop the engine threads the model started (hybrid MoE workers); `with LLM(...) as llm:` calls it."""
+        self.model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def warm_up(self):
         """Read a 2-token prompt and decode one token on a scratch sequence, so that the kernels a request
         needs are compiled (or loaded from Numba's cache) before the first one arrives; the model's usage

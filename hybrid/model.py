@@ -104,6 +104,11 @@ class Model:
         self.residency = None  # a dynamic expert cache (placement/dynamic.py), told after each step's layers
         self.compiled_decode = compiled_decode_from_env()  # decode layers as one compiled call each where possible
 
+    def close(self):
+        """Stop the threads of the hybrid MoE step (its host-experts pool and decode relay worker)."""
+        if self.split is not None:
+            self.split.close()
+
     def new_sequence(self, max_tokens=None):
         return self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)
 

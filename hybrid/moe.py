@@ -107,6 +107,15 @@ class ExpertSplit:
         if sys.getswitchinterval() > GIL_SWITCH_S:
             sys.setswitchinterval(GIL_SWITCH_S)
 
+    def close(self):
+        """Stop the threads this split started (the host-experts pool, the relay's worker); a later layer starts
+        them again."""
+        if self._relay is not None:
+            self._relay.close()
+            self._relay, self._relay_ready = None, set()
+        self._pool.shutdown(wait=True)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
+
     def run(self, device, layer, h, ids, weights, usage=None):
         """The layer's expert mixture [T, H]; `usage` (an ExpertUsage) records the routing."""
         if len(h) == 1 and self._relays(device) and not self.resident[layer.index].all():

@@ -139,8 +139,16 @@ class HostRelay:
             finally:
                 self.mailbox.abort[0] = 0
 
-    def close(self):
+    def close(self, timeout_s=5.0):
+        """Stop the worker and wait for it (at most timeout_s): a wait of its in progress ends at once (abort),
+        jobs still queued post zero rows."""
+        self.mailbox.abort[0] = 1
         self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self):
+        return self._thread.is_alive()
 
     def _serve(self):
         use_chosen_threads()

@@ -104,4 +104,5 @@ def run(args):
         engine.stop()
         if args.profile_out:
             save_profile(engine, engine.model.weights, args.profile_out)
+        engine.model.close()
     return 0

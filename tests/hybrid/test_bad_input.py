@@ -116,6 +116,6 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
 
 def test_prompt_longer_than_context(gguf_models):
     path, _ = gguf_models("small", "Q8_0")
-    llm = hybrid.LLM(path, max_context=16)
-    with pytest.raises(hybrid.RequestError, match="prompt has 20 tokens; the context holds 16"):
-        llm.generate(list(range(1, 21)), max_tokens=2)
+    with hybrid.LLM(path, max_context=16) as llm:  # closed on the way out, the error raised through it
+        with pytest.raises(hybrid.RequestError, match="prompt has 20 tokens; the context holds 16"):
+            llm.generate(list(range(1, 21)), max_tokens=2)

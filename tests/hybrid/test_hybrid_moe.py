@@ -287,6 +287,22 @@ def test_decode_relay_is_bit_identical(gguf_models, target):
         assert devices[False].published == 0
 
 
+def test_closing_the_model_stops_the_relay_worker_and_a_later_step_starts_it_again(gguf_models):
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    model = Model(weights, StandInDevice(_masks(c.num_layers, c.num_experts)["half"]), host=CpuBackend())
+    model.split.decode_relay = True
+    first = _decode_steps(model, steps=1)
+    relay = model.split._relay
+    assert relay is not None and relay.alive
+    model.close()
+    assert not relay.alive and model.split._relay is None
+    model.close()  # twice: nothing left to stop
+    np.testing.assert_array_equal(_decode_steps(model, steps=1), first)
+    assert model.split._relay.alive
+    model.close()
+
+
 def test_decode_relay_records_usage_and_trace(gguf_models):
     from hybrid.expert_usage import ExpertUsage
 
