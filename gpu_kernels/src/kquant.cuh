@@ -67,3 +67,25 @@ __device__ __forceinline__ KquantXQ kquant_xq(const XQ& xq, int s) {
     k.c = (s & 7) >> 1;
     return k;
 }
+
+// The int16-x dot of a (scale, min) K-quant slice s (the `_1q` kernels of Q4_K and Q5_K): per sub-block one exact
+// integer sum of q * x through dp4a, then kquant_pair_sum. The format's slice_quants(slice, i, c, &lo, &hi) gives
+// the four quants of word i of sub-blocks 2c (lo) and 2c + 1 (hi), one a byte.
+template <int RPT, class S>
+__device__ __forceinline__ void kquant_slice_dot_q(const S (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+    KquantXQ k = kquant_xq(xq, s);
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        int a0 = 0, b0 = 0, a1 = 0, b1 = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int lo, hi;
+            slice_quants(sl[r], i, k.c, &lo, &hi);
+            a0 = dp4a(lo, (int)WORD(k.h0, i), a0);
+            b0 = dp4a(lo, (int)WORD(k.l0, i), b0);
+            a1 = dp4a(hi, (int)WORD(k.h1, i), a1);
+            b1 = dp4a(hi, (int)WORD(k.l1, i), b1);
+        }
+        acc[r][0] += kquant_pair_sum(sl[r].head, k.c, 256 * a0 + b0, 256 * a1 + b1, k.dx0, k.dx1, k.xs0, k.xs1);
+    }
+}

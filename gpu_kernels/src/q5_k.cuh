@@ -84,24 +84,16 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
     }
 }
 
-// The same slice dotted with int16 activations (XQ, the `_1q` kernels), as Q4_K's with the fifth bits.
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): kquant.cuh's kquant_slice_dot_q, with
+// word i's quants the nibbles and their fifth bits (bits 2c and 2c + 1 of qh).
+__device__ __forceinline__ void slice_quants(const Slice& sl, int i, int c, int* lo, int* hi) {
+    u32 v = WORD(sl.q, i), h = WORD(sl.qh, i) >> (2 * c);
+    *lo = (int)((v & 0x0F0F0F0Fu) | ((h & 0x01010101u) << 4));
+    *hi = (int)(((v >> 4) & 0x0F0F0F0Fu) | (((h >> 1) & 0x01010101u) << 4));
+}
+
 #define INT_DECODE 1
 template <int RPT>
 __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
-    KquantXQ k = kquant_xq(xq, s);
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-        int a0 = 0, b0 = 0, a1 = 0, b1 = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u32 v = WORD(sl[r].q, i), h = WORD(sl[r].qh, i) >> (2 * k.c);
-            int lo = (int)((v & 0x0F0F0F0Fu) | ((h & 0x01010101u) << 4));
-            int hi = (int)(((v >> 4) & 0x0F0F0F0Fu) | (((h >> 1) & 0x01010101u) << 4));
-            a0 = dp4a(lo, (int)WORD(k.h0, i), a0);
-            b0 = dp4a(lo, (int)WORD(k.l0, i), b0);
-            a1 = dp4a(hi, (int)WORD(k.h1, i), a1);
-            b1 = dp4a(hi, (int)WORD(k.l1, i), b1);
-        }
-        acc[r][0] += kquant_pair_sum(sl[r].head, k.c, 256 * a0 + b0, 256 * a1 + b1, k.dx0, k.dx1, k.xs0, k.xs1);
-    }
+    kquant_slice_dot_q<RPT>(sl, s, xq, acc);
 }
