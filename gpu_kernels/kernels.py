@@ -32,10 +32,10 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 DECODE_MIN_BLOCKS = {}
 ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernels.act_quant)
 # Formats whose one-token matmuls take x as int16 with STRATA_ACT_QUANT unset ("auto"): where that measured faster
-# than float x (H100, bench/results/gpu_kernels.md, session 24, blocks walking runs of rows: Q4_K 73 % of the copy
-# bandwidth against 53-58 %, Q6_K 68 % against 55 %, Q8_0 76 % against 73 %). Q5_K and Q4_0 were not measured with
-# int16 x: they stay float.
-GPU_INT16_FORMATS = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0})
+# than float x, which is every format with an integer dot (H100, bench/results/gpu_kernels.md, session 24, blocks
+# walking runs of rows: Q4_K 73 % of the copy bandwidth against 53 %, Q8_0 76 against 73, Q6_K 68 against 55, Q5_K 71
+# against 52, Q4_0 67 against 54).
+GPU_INT16_FORMATS = INT_DECODE
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)

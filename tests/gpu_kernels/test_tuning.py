@@ -127,8 +127,9 @@ def test_register_capped_module_compiles_for_sm90():
     (Q.Q8_0, "int16", 32768, "matmul_1", 0),  # x would not fit the shared memory cap
     (Q.Q4_K, "auto", 2048, "matmul_1q", 2 * 2048 + 8 * 64),  # measured faster with int16 x
     (Q.Q8_0, "auto", 768, "matmul_1q", 2 * 768 + 8 * 24),  # measured faster with int16 x
-    (Q.Q5_K, "auto", 768, "matmul_1", 0),  # not measured with int16 x: float
-], ids=["q4_k", "q8_0", "q4_k-float", "bf16", "q8_0-wide", "q4_k-auto", "q8_0-auto", "q5_k-auto"])
+    (Q.Q5_K, "auto", 768, "matmul_1q", 2 * 768 + 8 * 24),
+    (Q.BF16, "auto", 768, "matmul_1", 0),  # no int16 dot: float
+], ids=["q4_k", "q8_0", "q4_k-float", "bf16", "q8_0-wide", "q4_k-auto", "q8_0-auto", "q5_k-auto", "bf16-auto"])
 def test_one_token_kernel_takes_x_as_int16_where_it_can(qtype, act_quant, num_cols, kernel, shared):
     rt = LaunchRecorder()
     raw = np.zeros((768, 8), np.uint8)
