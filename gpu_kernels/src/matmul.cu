@@ -177,12 +177,12 @@ __device__ __forceinline__ void moe_matmul_body(const u8* __restrict__ raw, cons
     store_rows<RPT, TT>(out + (i64)row0 * R, R, r0, n, tpr, acc);
 }
 
-// The one-token kernels (TT = 1) walk runs of rows (block_walk): out [1, R] = x [1, C] @ dequant(raw [R, B]).T;
-// grid (ceil(R / (RPT * blockDim / tpr * chunks)), 1).
+// The one-token kernels walk runs of rows (block_walk; instanced with TT = 1): out [1, R] = x [1, C] @
+// dequant(raw [R, B]).T; grid (ceil(R / (RPT * blockDim / tpr * chunks)), 1).
 template <int RPT, int TT>
 __device__ __forceinline__ void walk_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
-                                            float* __restrict__ out, int T, int R, int C, i64 row_bytes, int tpr,
-                                            int chunks) {
+                                                 float* __restrict__ out, int T, int R, int C, i64 row_bytes, int tpr,
+                                                 int chunks) {
     Walk wk = block_walk<RPT>(R, tpr, chunks);
     int t0 = blockIdx.y * TT, n = min(TT, T - t0);
     Slice cur[RPT];
@@ -194,9 +194,9 @@ __device__ __forceinline__ void walk_matmul_body(const u8* __restrict__ raw, con
 // moe_matmul_body's one-token twin on the walk: grid (ceil(R / (RPT * blockDim / tpr * chunks)), W).
 template <int RPT, int TT>
 __device__ __forceinline__ void walk_moe_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
-                                                float* __restrict__ out, const int* tile_slot, const int* tile_row,
-                                                const int* tile_count, int R, int C, i64 row_bytes, int tpr,
-                                                int chunks) {
+                                                     float* __restrict__ out, const int* tile_slot, const int* tile_row,
+                                                     const int* tile_count, int R, int C, i64 row_bytes, int tpr,
+                                                     int chunks) {
     int w = blockIdx.y, row0 = tile_row[w], n = tile_count[w];
     if (n <= 0) return;  // a decode pair whose expert is not resident (decode_tiles): nothing to read
     const u8* expert = raw + (i64)tile_slot[w] * R * row_bytes;
