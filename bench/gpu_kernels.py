@@ -13,9 +13,10 @@ run at their default tuning (gpu_kernels.kernels.DECODE_TUNING, DECODE_MIN_BLOCK
 as float and / or rounded to int16 in shared memory (the `_1q` kernels, formats in gpu_kernels.sources.INT_DECODE;
 the others take float whatever --act says). --chunks runs each with blocks that walk that many runs of rows
 (matmul.cu's block_walk; "auto": Kernels' choice, the fewest runs that fit the launch on the GPU at once).
+--tiled also times each format's tiled kernel (prefill: PREFILL_ROWS rows an expert, tiles of TILE_TOKENS).
 
     python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--rows 1,2,4] [--slices 1,2,4]
-        [--blocks 0] [--act int16,float] [--chunks auto,1] [--repeats 20]
+        [--blocks 0] [--act int16,float] [--chunks auto,1] [--tiled] [--repeats 20]
 
 Prints the table; --output also writes it to a file (bench/results/gpu_kernels.md keeps the history by hand).
 """
@@ -28,7 +29,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from gpu_kernels.kernels import DECODE_TUNING, Kernels  # noqa: E402
+from gpu_kernels.kernels import DECODE_TUNING, TILE_TOKENS, Kernels  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from gpu_kernels.sources import INT_DECODE  # noqa: E402
 from hybrid.backends.gpu import _work_tiles  # noqa: E402
@@ -38,6 +39,7 @@ log = logging.getLogger("bench.gpu_kernels")
 
 NUM_EXPERTS, ROWS, COLS, COPIES = 128, 768, 2048, 4
 QUEUED = 8  # launches timed together, the GPU kept busy between them
+PREFILL_ROWS = 16  # --tiled: pair rows an expert, as a prompt chunk gives the busier experts
 
 
 def timed(rt, fn, repeats, queued=QUEUED):
@@ -104,6 +106,25 @@ def expert_bandwidth(rt, tunings, acts, chunk_counts, qtype, repeats):
     return one.nbytes, results
 
 
+def tiled_speed(rt, qtype, repeats):
+    """(seconds, multiply-adds a second) of one tiled moe_matmul launch over a layer: every expert with
+    PREFILL_ROWS pair rows, in tiles of TILE_TOKENS (the prefill kernel, float x)."""
+    one, layers, _, _, _ = _layer(rt, qtype)
+    rng = np.random.default_rng(1)
+    x = rt.to_device(rng.standard_normal((NUM_EXPERTS * PREFILL_ROWS, COLS)).astype(np.float32))  # [N, C]
+    out = rt.empty((NUM_EXPERTS * PREFILL_ROWS, ROWS), np.float32)  # [N, R]
+    row_starts = np.arange(0, NUM_EXPERTS * PREFILL_ROWS + 1, PREFILL_ROWS)
+    tiles = [rt.to_device(np.ascontiguousarray(t))
+             for t in _work_tiles(row_starts, np.arange(NUM_EXPERTS), TILE_TOKENS)]  # [3, W]
+    kernels, step = Kernels(rt), iter(range(1 << 30))
+
+    def run():
+        kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=TILE_TOKENS)
+
+    seconds = timed(rt, run, repeats)
+    return seconds, NUM_EXPERTS * PREFILL_ROWS * ROWS * COLS / seconds
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="f16,bf16,q8_0,q4_0,q4_k,q5_k,q6_k")
@@ -113,6 +134,7 @@ def main(argv=None):
     p.add_argument("--blocks", default="0", help="blocks an SM must hold (registers capped to fit), swept; 0: none")
     p.add_argument("--act", default="int16,float", help="x as int16 and / or float (INT_DECODE formats)")
     p.add_argument("--chunks", default="auto", help="runs of rows a block walks, swept; auto: Kernels' choice")
+    p.add_argument("--tiled", action="store_true", help="also time the tiled (prefill) kernel of each format")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--output", type=Path, help="also write the table here")
     args = p.parse_args(argv)
@@ -130,8 +152,9 @@ def main(argv=None):
              "Default tuning (rows a lane group, slices a lane, blocks an SM or 0): "
              + ", ".join(f"{Q(q).name} {Kernels(rt).tuning(q)}" for q in Q if q in DECODE_TUNING) + ", others "
              + f"{Kernels(rt).tuning(Q.F32)}.", "",
-             "| format | x | rows / group | slices / lane | blocks / SM | runs / block | registers | local bytes | MiB read | "
-             "time (us) | time alone (us) | GB/s | % of copy |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| format | x | rows / group | slices / lane | blocks / SM | runs / block | registers | local bytes | "
+             "MiB read | time (us) | time alone (us) | GB/s | % of copy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.formats.split(","):
         qtype = Q[name.upper()]
         tunings = ([(int(r), int(s), int(b)) for r in args.rows.split(",") for s in args.slices.split(",")
@@ -142,6 +165,13 @@ def main(argv=None):
             lines.append(f"| {qtype.name} | {act} | {rows} | {lane_slices} | {blocks} | {runs} | {regs} | {local} | "
                          f"{nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | {alone * 1e6:.1f} | {bw / 1e9:.0f} | "
                          f"{100 * bw / copy:.0f} |")
+            log.info(lines[-1])
+    if args.tiled:
+        lines += ["", f"Tiled kernel (prefill): {NUM_EXPERTS} experts x {PREFILL_ROWS} rows, tiles of {TILE_TOKENS}, "
+                  "float x, one launch.", "", "| format | time (us) | G multiply-adds / s |", "|---|---|---|"]
+        for name in args.formats.split(","):
+            seconds, rate = tiled_speed(rt, Q[name.upper()], args.repeats)
+            lines.append(f"| {Q[name.upper()].name} | {seconds * 1e6:.1f} | {rate / 1e9:.0f} |")
             log.info(lines[-1])
     if args.output:
         args.output.write_text("\n".join(lines) + "\n")
