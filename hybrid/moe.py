@@ -97,7 +97,7 @@ class ExpertSplit:
         self.host_thread = True
         self.decode_host_thread = False
         self.compiled_host_decode = hasattr(host, "host_decode_experts")
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
+        self._pool = _host_pool()
         self._deferred = []  # (layer, queued routing copy) to record at finish_step
         self._deferred_host = []  # (layer, routing ids [1, K] on the host) of decode layers, to record at finish_step
         self.decode_relay = _relay_from_env()
@@ -114,7 +114,7 @@ class ExpertSplit:
             self._relay.close()
             self._relay, self._relay_ready = None, set()
         self._pool.shutdown(wait=True)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
+        self._pool = _host_pool()
 
     def run(self, device, layer, h, ids, weights, usage=None):
         """The layer's expert mixture [T, H]; `usage` (an ExpertUsage) records the routing."""
@@ -349,6 +349,11 @@ def _expert_flops_per_row(layer):
 
 def _expert_bytes(layer):
     return sum(t.raw.nbytes // t.raw.shape[0] for t in (layer.gate_exps, layer.up_exps, layer.down_exps))
+
+
+def _host_pool():
+    """The one-thread pool that runs a split's host experts beside the device part."""
+    return ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
 
 
 def _relay_from_env():

@@ -43,6 +43,17 @@ __device__ __forceinline__ void store_rows(float* out, int R, int r0, int n, int
             if (t < n && r0 + r < R) out[(i64)t * R + r0 + r] = acc[r][t];
 }
 
+// Every lane of a group of tpr lanes gets the group's sum of acc (the first n token columns), by shuffles.
+template <int RPT, int TT>
+__device__ __forceinline__ void group_sum(float (&acc)[RPT][TT], int n, int tpr) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+            if (t < n)
+                for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][t] += SHFL_XOR(acc[r][t], m, tpr);
+}
+
 // acc [RPT, TT] = rows r0 .. r0 + RPT - 1 (clamped to R - 1) of `raw` dotted with the n token rows of xs.
 template <int RPT, int TT, class X>
 __device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 row_bytes, int R, int r0, const X& xs,
@@ -69,12 +80,7 @@ __device__ __forceinline__ void group_rows_dot(const u8* __restrict__ raw, i64 r
 #pragma unroll
         for (int r = 0; r < RPT; ++r) cur[r] = next[r];
     }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r)
-#pragma unroll
-        for (int t = 0; t < TT; ++t)
-            if (t < n)
-                for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][t] += SHFL_XOR(acc[r][t], m, tpr);
+    group_sum<RPT, TT>(acc, n, tpr);
 }
 
 // A lane group's walk: `chunks` runs of RPT rows, `stride` rows apart, from row r0 (clamped to R - 1). A block
@@ -124,12 +130,7 @@ __device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 r
 #pragma unroll
             for (int r = 0; r < RPT; ++r) cur[r] = next[r];
         }
-#pragma unroll
-        for (int r = 0; r < RPT; ++r)
-#pragma unroll
-            for (int t = 0; t < TT; ++t)
-                if (t < n)
-                    for (int m = tpr >> 1; m > 0; m >>= 1) acc[r][t] += SHFL_XOR(acc[r][t], m, tpr);
+        group_sum<RPT, TT>(acc, n, tpr);
         store_rows<RPT, TT>(out, R, rc, n, tpr, acc);
     }
 }
