@@ -136,7 +136,8 @@ def main(argv=None):
             prefill += prefill_rows(llm, args.prompt_tokens, share)
             overlap += overlap_rows(f"prefill chunk, {share} % resident, borrow",
                                     traced(llm, lambda: llm.score(prompt(llm, 512, 3))))
-        del llm
+        llm.close()  # its relay worker and host pool stop before the next share loads
+        del llm  # and its VRAM is free
     lines = [f"# Hybrid GPU + CPU serving ({device}, {os.cpu_count()} host cores)", "",
              f"Model: `{Path(args.model).name}`, {size_gb:.1f} GB (bench/make_model.py, qwen3moe, random weights).",
              "Resident experts: the first n of each layer (no profile). Greedy decode after a 32-token prompt.", "",
