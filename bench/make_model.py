@@ -18,7 +18,8 @@ written as Q8_0 (F16 for odd widths) when the main type has no encoder (K-quants
 random blocks would lose the shared direction the router bias reads).
 
     python bench/make_model.py --type Q4_K_M -o /tmp/bench-q4km.gguf            # ~1.5 GB
-    python bench/make_model.py --type Q8_0 --layers 48 -o /tmp/bench-16g.gguf   # ~16 GB variant
+    python bench/make_model.py --type Q8_0 --layers 52 -o /tmp/bench-8g.gguf    # 8.5 GB (bench/gpu_model.py)
+    python bench/make_model.py --type Q8_0 --layers 100 -o /tmp/bench-16g.gguf  # ~16 GB
 """
 import argparse
 import logging
