@@ -22,7 +22,8 @@ import numpy as np
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from hybrid import LLM  # noqa: E402
-from hybrid.moe import RELAY_BY_DEFAULT  # noqa: E402
+from cpu_kernels.target import chosen_threads  # noqa: E402
+from hybrid.moe import RELAY_BY_DEFAULT, relay_threads_from_env  # noqa: E402
 
 log = logging.getLogger("bench.gpu_model")
 
@@ -31,20 +32,25 @@ log = logging.getLogger("bench.gpu_model")
 DECODE_MODES = {
     "inline": dict(decode_relay=False, decode_host_thread=False, compiled_host_decode=True),
     "relay": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True),
+    "relay, a core spare": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True,
+                                relay_threads=lambda: max(1, chosen_threads() - 1)),
     "thread": dict(decode_relay=False, decode_host_thread=True, compiled_host_decode=True),
     "inline, op by op": dict(decode_relay=False, decode_host_thread=False, compiled_host_decode=False),
 }
 DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "relay": "handed to a host worker through mapped memory, the calling thread never waits",
+                "relay, a core spare": "the same, the worker's experts on one Numba thread fewer "
+                "(STRATA_RELAY_THREADS), leaving the calling thread a core",
                 "thread": "one compiled call in a worker thread", "inline, op by op": "NumPy bookkeeping and five "
                 "kernel calls"}
 DEFAULT_MODE = "relay" if RELAY_BY_DEFAULT else "inline"
 
 
 def use_mode(split, mode):
-    """Set the ExpertSplit's decode settings to DECODE_MODES[mode]."""
-    for name, value in DECODE_MODES[mode].items():
-        setattr(split, name, value)
+    """Set the ExpertSplit's decode settings to DECODE_MODES[mode] (relay_threads: the environment's unless set)."""
+    settings = {"relay_threads": relay_threads_from_env(), **DECODE_MODES[mode]}
+    for name, value in settings.items():
+        setattr(split, name, value() if callable(value) else value)
 
 
 def first_experts(config, share):

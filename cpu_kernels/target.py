@@ -106,6 +106,15 @@ def set_threads(num_threads=None):
     return num_threads
 
 
+def chosen_threads():
+    """The Numba thread count set_threads chose, else the one a new thread starts with (NUMBA_NUM_THREADS)."""
+    if _chosen_threads is not None:
+        return _chosen_threads
+    import numba
+
+    return numba.config.NUMBA_NUM_THREADS
+
+
 def use_chosen_threads():
     """In the calling thread, the Numba thread count set_threads chose (nothing when none was chosen)."""
     if _chosen_threads is not None:

@@ -87,6 +87,9 @@ class ExpertSplit:
     inside the step; the device and a host worker hand the routing and the rows over through mapped memory.
     STRATA_DECODE_RELAY (RELAY_BY_DEFAULT), used where both sides have it. Its trace is read at finish_step, step_s
     from the device's clock (routing posted to host rows added).
+    relay_threads: Numba threads of the relay worker's experts (STRATA_RELAY_THREADS; None: set_threads' count).
+    While the calling thread queues a step's first layers it takes a core, and a parallel region of every core
+    then waits on the thread that shares one; fewer threads leave it a core.
     """
 
     def __init__(self, host, resident, cpu_share=None):
@@ -101,6 +104,7 @@ class ExpertSplit:
         self._deferred = []  # (layer, queued routing copy) to record at finish_step
         self._deferred_host = []  # (layer, routing ids [1, K] on the host) of decode layers, to record at finish_step
         self.decode_relay = _relay_from_env()
+        self.relay_threads = relay_threads_from_env()
         self._relay, self._relay_ready = None, set()  # a HostRelay, made at the first relayed layer
         self._relayed = []  # (layer, pending device part, queuing seconds) of this step's relayed layers
         self._step = 0  # the step's number, posted on the relay's flags
@@ -216,6 +220,7 @@ class ExpertSplit:
                 return None
             self._relay = HostRelay(self.host, mailbox)
             self._relay_ready = set()
+        self._relay.threads = self.relay_threads
         if layer.index not in self._relay_ready:
             self._relay.wait_idle()  # the worker's compiled calls and these never run at once
             scratch = Mailbox.allocate(num_layers, top_k, hidden)
@@ -354,6 +359,16 @@ def _expert_bytes(layer):
 def _host_pool():
     """The one-thread pool that runs a split's host experts beside the device part."""
     return ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
+
+
+def relay_threads_from_env():
+    """STRATA_RELAY_THREADS=N: the relay worker's experts on N Numba threads (unset: set_threads' count)."""
+    value = os.environ.get("STRATA_RELAY_THREADS", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"STRATA_RELAY_THREADS={value}: expected a thread count >= 1")
+    return int(value)
 
 
 def _relay_from_env():

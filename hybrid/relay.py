@@ -19,11 +19,12 @@ import queue
 import threading
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from cpu_kernels.mailbox import WAIT_ABORTED, WAIT_OK, WAIT_TIMED_OUT, new_flags, post, ticks
 from cpu_kernels.sync import LINE
-from cpu_kernels.target import use_chosen_threads
+from cpu_kernels.target import chosen_threads
 
 RELAY_TIMEOUT_S = 30.0  # longest wait on either side: a token's host experts take milliseconds
 WAIT_FAILED = 3  # the host experts raised (the worker's own status, beside cpu_kernels.mailbox's)
@@ -98,8 +99,9 @@ class HostRelay:
     host: the CPU backend (relay_decode_experts). A job that cannot give rows (its wait ended, the host
     experts raised) still posts zero rows, so the device goes on and the step fails at collect()."""
 
-    def __init__(self, host, mailbox, timeout_s=RELAY_TIMEOUT_S):
+    def __init__(self, host, mailbox, timeout_s=RELAY_TIMEOUT_S, threads=None):
         self.host, self.mailbox, self.timeout_s = host, mailbox, timeout_s
+        self.threads = threads  # Numba threads of the worker's experts, read at each job; None: set_threads' choice
         self.limit_ticks = ticks(timeout_s)
         self._jobs = queue.SimpleQueue()
         self._answered = threading.Condition()
@@ -151,12 +153,12 @@ class HostRelay:
         return self._thread.is_alive()
 
     def _serve(self):
-        use_chosen_threads()
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             layer, seq, resident = job
+            numba.set_num_threads(self.threads or chosen_threads())
             try:
                 status, pairs, seen, posted = self.host.relay_decode_experts(layer, self.mailbox, seq, resident,
                                                                              self.limit_ticks)

@@ -3,6 +3,7 @@
 Whatever the resident mask, the split (resident pairs on the "device", the rest on the host at
 the same time, then combined) must give the plain CPU path's logits.
 """
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,7 @@ from hybrid.formats import load_model
 from hybrid.model import Model
 from cpu_kernels.mailbox import WAIT_OK, post, ticks, wait_for
 from cpu_kernels.sync import LINE
+from cpu_kernels.target import chosen_threads
 from hybrid.moe import PairGroups
 from hybrid.relay import Mailbox
 
@@ -301,6 +303,48 @@ def test_closing_the_model_stops_the_relay_worker_and_a_later_step_starts_it_aga
     np.testing.assert_array_equal(_decode_steps(model, steps=1), first)
     assert model.split._relay.alive
     model.close()
+
+
+def test_relay_worker_runs_its_experts_on_the_chosen_thread_count(gguf_models, monkeypatch):
+    """relay_threads (STRATA_RELAY_THREADS) sets the worker's Numba threads at each job, unset the count
+    set_threads chose; the logits stay the inline path's bit for bit."""
+    import numba
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    mask = _masks(c.num_layers, c.num_experts)["half"]
+    inline = Model(weights, StandInDevice(mask), host=CpuBackend())
+    inline.split.decode_relay = False
+    ref = _decode_steps(inline, steps=2)
+    host = CpuBackend()
+    seen = []
+    real = host.relay_decode_experts
+
+    def counting(layer, mailbox, *args):
+        seen.append((threading.current_thread().name, numba.get_num_threads()))
+        return real(layer, mailbox, *args)
+
+    monkeypatch.setattr(host, "relay_decode_experts", counting)
+    model = Model(weights, StandInDevice(mask), host=host)
+    model.split.decode_relay = True
+    for threads in (None, 1):
+        model.split.relay_threads = threads
+        seen.clear()
+        np.testing.assert_array_equal(_decode_steps(model, steps=2), ref, err_msg=str(threads))
+        worker = [n for name, n in seen if name == "host-relay"]  # not the warm-ups, in the calling thread
+        assert worker and set(worker) == {threads or chosen_threads()}, (threads, seen)
+    model.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_relay_threads_from_the_environment_must_be_a_count(monkeypatch, value):
+    from hybrid.moe import relay_threads_from_env
+
+    monkeypatch.setenv("STRATA_RELAY_THREADS", value)
+    with pytest.raises(ValueError, match=f"STRATA_RELAY_THREADS={value}: expected a thread count >= 1"):
+        relay_threads_from_env()
+    monkeypatch.setenv("STRATA_RELAY_THREADS", "3")
+    assert relay_threads_from_env() == 3
 
 
 def test_decode_relay_records_usage_and_trace(gguf_models):
