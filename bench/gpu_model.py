@@ -43,6 +43,8 @@ DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "(STRATA_RELAY_THREADS), leaving the calling thread a core",
                 "thread": "one compiled call in a worker thread", "inline, op by op": "NumPy bookkeeping and five "
                 "kernel calls"}
+MODE_KEYS = {"inline": "inline", "relay": "relay", "spare": "relay, a core spare", "thread": "thread",
+             "opbyop": "inline, op by op"}  # --modes names
 DEFAULT_MODE = "relay" if RELAY_BY_DEFAULT else "inline"
 
 
@@ -108,7 +110,13 @@ def main(argv=None):
                    "by hand)")
     p.add_argument("--profile-share", type=int, default=None,
                    help="also profile (cProfile) a 16-token decode at this resident share and log the top functions")
+    p.add_argument("--modes", default=",".join(MODE_KEYS), help="decode host-part ways to time below 100 %% resident "
+                   f"({', '.join(f'{k}: {v}' for k, v in MODE_KEYS.items())}); the default way always runs")
     args = p.parse_args(argv)
+    unknown = set(args.modes.split(",")) - set(MODE_KEYS)
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODE_KEYS)})")
+    modes = [DEFAULT_MODE] + [MODE_KEYS[k] for k in args.modes.split(",") if MODE_KEYS[k] != DEFAULT_MODE]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     size_gb = os.path.getsize(args.model) / 1e9
     decode, overlap, prefill, device = [], [], [], ""
@@ -128,7 +136,7 @@ def main(argv=None):
             log.info("decode profile at %d %% resident:\n%s", share, profiled(lambda: decode_rate(llm, 16)))
         if share < 100:
             split = llm.model.split
-            for mode in DECODE_MODES:
+            for mode in modes:
                 use_mode(split, mode)
                 decode_rate(llm, 2)  # warm-up: the relay compiles its host side per layer
                 trace = [t for t in traced(llm, lambda: decode_rate(llm, 8)) if t["tokens"] == 1]
@@ -137,21 +145,20 @@ def main(argv=None):
                     decode[-1] += f" {decode_rate(llm, args.decode_tokens):.1f} |"
             use_mode(split, DEFAULT_MODE)
         else:
-            decode[-1] += " |" * (len(DECODE_MODES) - 1)
+            decode[-1] += " |" * (len(modes) - 1)
         if share == args.borrow_share:
             prefill += prefill_rows(llm, args.prompt_tokens, share)
             overlap += overlap_rows(f"prefill chunk, {share} % resident, borrow",
-                                    traced(llm, lambda: llm.score(prompt(llm, 512, 3))))
+                                    traced(llm, lambda: llm.score(prompt(llm, min(512, args.prompt_tokens), 3))))
         llm.close()  # its relay worker and host pool stop before the next share loads
         del llm  # and its VRAM is free
     lines = [f"# Hybrid GPU + CPU serving ({device}, {os.cpu_count()} host cores)", "",
              f"Model: `{Path(args.model).name}`, {size_gb:.1f} GB (bench/make_model.py, qwen3moe, random weights).",
              "Resident experts: the first n of each layer (no profile). Greedy decode after a 32-token prompt.", "",
              f"## Decode ({args.decode_tokens} tokens)", "", "Host part of a decode token: " + "; ".join(
-                 f"{m}: {DECODE_NOTES[m]}" for m in DECODE_MODES) + ".", "",
+                 f"{m}: {DECODE_NOTES[m]}" for m in modes) + ".", "",
              "| resident % | " + " | ".join(f"tok/s ({m}{', the default' if m == DEFAULT_MODE else ''})"
-                                           for m in [DEFAULT_MODE] + [m for m in DECODE_MODES if m != DEFAULT_MODE])
-             + " |", "|---|" + "---|" * len(DECODE_MODES), *decode, "",
+                                           for m in modes) + " |", "|---|" + "---|" * len(modes), *decode, "",
              f"## Prefill ({args.prompt_tokens}-token prompt, {args.borrow_share} % resident)", "",
              "| prefill borrow | tok/s |", "|---|---|", *prefill, "",
              "## Overlap of the hybrid MoE step, mean per layer", "",

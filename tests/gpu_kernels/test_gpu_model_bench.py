@@ -1,0 +1,46 @@
+"""bench/gpu_model.py end to end on the GPU backend's CPU stand-in (NumPy arrays, reference kernels): its
+shares, decode ways, prefill and overlap tables come out whole, so a device call does not find it broken."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from gpu_kernels import runtime as gpu_runtime
+from hybrid.backends import gpu as gpu_backend
+
+from .conftest import NumpyRuntime, ReferenceKernels
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_model.py"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.setattr(gpu_runtime, "probe", lambda: gpu_runtime.Probe(NumpyRuntime(), ""))
+    monkeypatch.setattr(gpu_backend, "Kernels", lambda runtime, stream=None: ReferenceKernels())
+    monkeypatch.setenv("STRATA_ACT_QUANT", "float")
+    spec = importlib.util.spec_from_file_location("gpu_model_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_writes_every_table(bench, gguf_models, tmp_path):
+    path, _ = gguf_models("small", "Q8_0")
+    out = tmp_path / "model.md"
+    assert bench.main(["--model", path, "--shares", "0,50,100", "--decode-tokens", "3", "--prompt-tokens", "40",
+                       "--borrow-share", "50", "--modes", "inline,spare", "--output", str(out)]) == 0
+    text = out.read_text()
+    header = "| resident % | tok/s (relay, the default) | tok/s (inline) | tok/s (relay, a core spare) |"
+    assert header in text
+    rows = [line for line in text.splitlines() if line.startswith(("| 0 |", "| 50 |", "| 100 |"))]
+    assert len(rows) == 3 and all(line.count("|") == 5 for line in rows), rows
+    assert "| on |" in text and "| off |" in text
+    for run in ("decode, 50 % resident, relay |", "decode, 50 % resident, relay, a core spare |",
+                "decode, 50 % resident, inline |", "prefill chunk, 50 % resident, borrow |"):
+        assert run in text, run
+
+
+def test_bench_names_an_unknown_mode(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "unused.gguf", "--modes", "relay,sideways"])
+    assert "--modes: unknown sideways (known: inline, relay, spare, thread, opbyop)" in capsys.readouterr().err
