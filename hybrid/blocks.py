@@ -5,18 +5,25 @@ Shape legend: T tokens in the batch, H hidden, Hq / Hkv query / kv heads, D head
 import numpy as np
 
 
+def separate_projections(backend, layer, h):
+    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], None): a backend's project_qkv as three matmuls."""
+    num_tokens, hq, hkv, d = h.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q = backend.linear(layer.attn_q, h).reshape(num_tokens, hq, d)
+    k = backend.linear(layer.attn_k, h).reshape(num_tokens, hkv, d)
+    v = backend.linear(layer.attn_v, h).reshape(num_tokens, hkv, d)
+    return q, k, v, None
+
+
 def attention_block(backend, spec, layer, h, batch):
     """h [T, H] (normed hidden) -> attention output [T, H]; appends this step's K/V to each chunk's cache."""
     num_tokens = h.shape[0]
-    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    q = backend.linear(layer.attn_q, h).reshape(num_tokens, hq, d)  # [T, Hq, D]
-    k = backend.linear(layer.attn_k, h).reshape(num_tokens, hkv, d)  # [T, Hkv, D]
-    v = backend.linear(layer.attn_v, h).reshape(num_tokens, hkv, d)  # [T, Hkv, D]
+    hq, d = layer.num_heads, layer.head_dim
+    q, k, v, qk = backend.project_qkv(layer, h)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]; qk: q and k as one view
     if spec.qk_norm:
         backend.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
         backend.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)
-    backend.rope(q, batch.positions, layer.rope_theta)
-    backend.rope(k, batch.positions, layer.rope_theta)
+    for x in (q, k) if qk is None else (qk,):
+        backend.rope(x, batch.positions, layer.rope_theta)
     out = np.empty_like(q)  # [T, Hq, D]
     scale = 1.0 / np.sqrt(d)
     for chunk, (lo, hi) in zip(batch.chunks, batch.row_ranges):

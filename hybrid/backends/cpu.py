@@ -32,6 +32,7 @@ from cpu_kernels import activation, attention, format_for, is_supported, moe_com
 from cpu_kernels.act_quant import act_quant_code
 from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
+from ..blocks import separate_projections
 from ..host_memory import huge_page_copy
 from ..kv_cache import KVPool, SequenceKV, blocks_for
 
@@ -243,6 +244,10 @@ class CpuBackend:
         """In place over x [T, nH, D]."""
         rows = x.reshape(-1, x.shape[-1])  # [T*nH, D], a view
         _small_or_parallel(x.size, rmsnorm.rmsnorm_serial, rmsnorm.rmsnorm)(rows, weight, eps, rows)
+
+    def project_qkv(self, layer, h):
+        """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], None)."""
+        return separate_projections(self, layer, h)
 
     def rope(self, x, positions, theta):
         """In place over x [T, nH, D]."""

@@ -26,6 +26,7 @@ from gpu_kernels.kernels import TILE_TOKENS, Kernels, describe_act_quant
 
 from ..formats.weights import QuantTensor
 from .. import kv_store
+from ..blocks import separate_projections
 from ..kv_cache import BLOCK_TOKENS, KVPool, SequenceKV, blocks_for, vram_blocks
 from ..relay import Mailbox
 from .cpu import paged_attention as host_paged_attention
@@ -277,8 +278,13 @@ class GpuBackend:
         self.budget, self.resident = plan(free, total, dense_bytes, kv, scratch, self.reserve,
                                           [expert_bytes(layer) for layer in model.layers], c.num_experts,
                                           self.cache_bytes, self.requested_resident)
+        projections = [(layer.attn_q, layer.attn_k, layer.attn_v) for layer in model.layers]
+        self._projections = {layer.index: self._upload_projections(p) for layer, p in zip(model.layers, projections)}
+        uploaded = {id(w) for p in projections for w in p}
         for w in unique.values():
-            self._dev[id(w)] = (self.rt.to_device(np.ascontiguousarray(w.raw if isinstance(w, QuantTensor) else w)), w)
+            if id(w) not in uploaded:
+                self._dev[id(w)] = (self.rt.to_device(np.ascontiguousarray(w.raw if isinstance(w, QuantTensor) else w)),
+                                    w)
         self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, num_blocks=kv_blocks,
                               max_blocks=kv_blocks, allocate=self.rt.empty, where="VRAM")
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
@@ -336,6 +342,27 @@ class GpuBackend:
     def _weight(self, host):
         return self._dev[id(host)][0]
 
+    def _upload_projections(self, weights):
+        """Device copies of a layer's q, k and v weights: each run of them with one type and row size is one array,
+        their rows one after another (each weight's copy is its rows' view), so that a one-token step projects
+        the run with one launch. [(device raw [R, B], qtype, rows of each weight)] in q, k, v order."""
+        runs = [[weights[0]]]
+        for w in weights[1:]:
+            last = runs[-1][-1]
+            if (w.qtype, w.raw.shape[1:], w.raw.dtype) == (last.qtype, last.raw.shape[1:], last.raw.dtype):
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+        out = []
+        for run in runs:
+            dev = self.rt.to_device(np.ascontiguousarray(np.concatenate([w.raw for w in run])))  # [R, B]
+            start = 0
+            for w in run:
+                self._dev[id(w)] = (dev[start:start + w.raw.shape[0]], w)
+                start += w.raw.shape[0]
+            out.append((dev, run[0].qtype, [w.raw.shape[0] for w in run]))
+        return out
+
     # -- dense ops -------------------------------------------------------------------------
 
     def linear(self, weight, x):
@@ -343,6 +370,25 @@ class GpuBackend:
         out = self.rt.empty((x.shape[0], weight.shape[0]), np.float32)
         self.kernels.matmul(self._weight(weight), weight.qtype, x, out)
         return out
+
+    def project_qkv(self, layer, h):
+        """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], qk). One token: one launch for each run of
+        the weights that share a device array (_upload_projections), and where q and k share one, qk is
+        [1, Hq + Hkv, D] over both (one RoPE launch for the two); else None."""
+        if h.shape[0] != 1:
+            return separate_projections(self, layer, h)
+        d, parts, qk = layer.head_dim, [], None
+        for i, (raw, qtype, rows) in enumerate(self._projections[layer.index]):
+            out = self.rt.empty((1, sum(rows)), np.float32)
+            self.kernels.matmul(raw, qtype, h, out)
+            flat, start = out.reshape(-1), 0  # [R], contiguous: its slices are too
+            for r in rows:
+                parts.append(flat[start:start + r].reshape(1, r // d, d))
+                start += r
+            if i == 0 and len(rows) > 1:
+                qk = flat[:rows[0] + rows[1]].reshape(1, (rows[0] + rows[1]) // d, d)
+        q, k, v = parts
+        return q, k, v, qk
 
     def embed(self, weight, token_ids):
         """Starts every forward pass: makes the backend's stream current in the calling thread."""

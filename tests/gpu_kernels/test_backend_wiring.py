@@ -74,6 +74,61 @@ def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, refer
         assert numpy_runtime.captures == 0 and not backend._graphs
 
 
+class ProjectionCounter:
+    """Reference kernels that count the dense matmuls of each row count and the RoPE launches of each head count."""
+
+    def __init__(self, kernels):
+        self.kernels, self.matmul_rows, self.rope_heads = kernels, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+    def matmul(self, raw, qtype, x, out):
+        self.matmul_rows.append((x.shape[0], raw.shape[0], qtype))
+        self.kernels.matmul(raw, qtype, x, out)
+
+    def rope_neox(self, x, positions, inv_freq):
+        self.rope_heads.append(x.shape[:2])
+        self.kernels.rope_neox(x, positions, inv_freq)
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
+def test_one_token_projects_each_run_of_one_type_with_one_matmul(gguf_models, numpy_runtime, reference_kernels,
+                                                                  target):
+    """q, k and v weights of one type share one device array: a decode token projects them in one matmul (Q4_K_M:
+    q and k in one, its Q6_K v in another) and ropes q and k in one launch; a prompt chunk still runs three matmuls
+    over the same device rows. The logits stay the CPU engine's."""
+    from gguf import GGMLQuantizationType as Q
+
+    weights = load_model(gguf_models("small" if target == "Q8_0" else "kquant", target)[0])
+    c = weights.config
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    backend = GpuBackend(numpy_runtime, max_context=256, resident=np.ones((c.num_layers, c.num_experts), bool))
+    counter = backend.kernels = ProjectionCounter(reference_kernels)
+    logits = {}
+    for name, model in (("gpu", Model(weights, backend, host=CpuBackend())), ("cpu", Model(weights, CpuBackend()))):
+        kv = model.new_sequence(64)
+        prompt = model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:5]), "last")]))
+        prompt_rows = list(counter.matmul_rows)
+        counter.matmul_rows.clear(), counter.rope_heads.clear()
+        step = model.forward(Batch([SeqChunk(kv, kv.length, np.asarray(TOKENS[5:6]))]))
+        logits[name] = np.concatenate([prompt, step])
+        if name == "gpu":
+            layer = model.layers[0]
+            decode_rows, decode_ropes, chunk_rows = list(counter.matmul_rows), list(counter.rope_heads), prompt_rows
+    ref = logits["cpu"]
+    np.testing.assert_allclose(logits["gpu"], ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+    qkv = [(1, q_rows + 2 * kv_rows, Q.Q8_0)] if target == "Q8_0" else [(1, q_rows + kv_rows, Q.Q4_K),
+                                                                          (1, kv_rows, Q.Q6_K)]
+    if target == "Q4_K_M":
+        assert layer.attn_v.qtype == Q.Q6_K and layer.attn_q.qtype == layer.attn_k.qtype == Q.Q4_K
+    for row in qkv:
+        assert decode_rows.count(row) == c.num_layers, decode_rows
+    assert decode_ropes == [(1, c.num_heads + c.num_kv_heads)] * c.num_layers
+    assert sum(r == q_rows for _, r, _ in chunk_rows) >= c.num_layers  # the prompt's own q matmuls, 5 rows each
+    assert all(t == 5 for t, r, _ in chunk_rows if r in (q_rows, kv_rows))
+
+
 POISON = 7  # a prompt holding this token id makes the device's expert launches fail
 
 
