@@ -141,9 +141,9 @@ class Model:
         else:
             for layer in self.layers:
                 h = be.rmsnorm(x, layer.attn_norm, eps)
-                x += attention_block(be, self.spec.attention, layer, h, batch)
+                be.add_into(x, attention_block(be, self.spec.attention, layer, h, batch))
                 h = be.rmsnorm(x, layer.ffn_norm, eps)
-                x += moe_block(be, self.spec.moe, layer, h, self.split, self.usage)
+                be.add_into(x, moe_block(be, self.spec.moe, layer, h, self.split, self.usage))
         if self.split is not None:
             self.split.wait_host()
         if len(batch.logit_rows) == 0:

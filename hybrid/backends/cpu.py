@@ -245,6 +245,10 @@ class CpuBackend:
         rows = x.reshape(-1, x.shape[-1])  # [T*nH, D], a view
         _small_or_parallel(x.size, rmsnorm.rmsnorm_serial, rmsnorm.rmsnorm)(rows, weight, eps, rows)
 
+    def add_into(self, x, y):
+        """x += y in place (the residual stream)."""
+        x += y
+
     def project_qkv(self, layer, h):
         """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], None)."""
         return separate_projections(self, layer, h)

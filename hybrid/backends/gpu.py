@@ -371,6 +371,14 @@ class GpuBackend:
         self.kernels.matmul(self._weight(weight), weight.qtype, x, out)
         return out
 
+    def add_into(self, x, y):
+        """x += y in place (the residual stream) with our add kernel rather than CuPy's `+=`, whose elementwise
+        dispatch took ~25-30 us of host time each, twice a decode layer, against ~12 us for one of our launches
+        (cProfile of a 100 %-resident decode on an H100 host, bench/results/gpu_model.md, session 25)."""
+        if x.shape != y.shape or not (x.flags.c_contiguous and y.flags.c_contiguous):
+            raise ValueError(f"add_into: {x.shape} and {y.shape}: expected contiguous arrays of one shape")
+        self.kernels.add_into(x, y)
+
     def project_qkv(self, layer, h):
         """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], qk). One token: one launch for each run of
         the weights that share a device array (_upload_projections), and where q and k share one, qk is
