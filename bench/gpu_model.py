@@ -1,13 +1,13 @@
-"""Hybrid GPU + CPU serving of a generated qwen3moe model: decode tok/s at several resident shares,
-prefill tok/s of a long prompt with and without prefill borrow, and the per-layer overlap of the
-hybrid MoE step (CPU busy, GPU busy, step time).
+"""Hybrid GPU + CPU serving of a generated qwen3moe model: decode tok/s at several resident shares (one
+user, and --users at once through the serving engine), prefill tok/s of a long prompt with and without
+prefill borrow, and the per-layer overlap of the hybrid MoE step (CPU busy, GPU busy, step time).
 
 The resident experts are the first n of each layer (n = share of E): a plain placement, not a
 profile's, so the hit rate is about the share. Make the model with bench/make_model.py, e.g.
 `--type Q8_0 --layers 52` (8.4 GB).
 
     python bench/gpu_model.py --model /tmp/bench-8g.gguf [--shares 0,25,50,75,100] [--decode-tokens 32]
-        [--prompt-tokens 4096] [--borrow-share 50]
+        [--prompt-tokens 4096] [--borrow-share 50] [--users 4] [--modes relay,spare,inline]
 
 Prints the tables; --output also writes them to a file.
 """
@@ -70,6 +70,29 @@ def decode_rate(llm, num_tokens):
     return out.timings["predicted_per_second"]
 
 
+def concurrent_rates(llm, users, num_tokens):
+    """(tok/s each user saw, mean; tok/s of all users together): `users` greedy requests decoded at once by the
+    serving engine (one decode batch of `users` tokens a step), each after its own 32-token prompt."""
+    from hybrid.engine import Engine
+    from hybrid.request import Finished, Request
+    from hybrid.sampling import SamplingParams
+
+    engine = Engine(llm, num_slots=users).start()
+    try:
+        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        handles = [engine.submit(Request(prompt(llm, 32, 10 + u), params)) for u in range(users)]
+        results = [h.result() for h in handles]
+        wall = time.perf_counter() - t0
+    finally:
+        engine.stop()
+    failed = [r for r in results if not isinstance(r, Finished)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {users} concurrent requests failed: {failed[0]}")
+    return (float(np.mean([r.timings["predicted_per_second"] for r in results])),
+            sum(len(r.token_ids) for r in results) / wall)
+
+
 def traced(llm, run):
     """Per-layer trace of the MoE step over `run()`: [{layer, tokens, cpu_s, gpu_s, step_s, borrowed}]."""
     split, backend = llm.model.split, llm.model.backend
@@ -110,6 +133,8 @@ def main(argv=None):
                    "by hand)")
     p.add_argument("--profile-share", type=int, default=None,
                    help="also profile (cProfile) a 16-token decode at this resident share and log the top functions")
+    p.add_argument("--users", type=int, default=4, help="also decode this many requests at once through the serving "
+                   "engine at each share (0: not)")
     p.add_argument("--modes", default=",".join(MODE_KEYS), help="decode host-part ways to time below 100 %% resident "
                    f"({', '.join(f'{k}: {v}' for k, v in MODE_KEYS.items())}); the default way always runs")
     args = p.parse_args(argv)
@@ -119,10 +144,10 @@ def main(argv=None):
     modes = [DEFAULT_MODE] + [MODE_KEYS[k] for k in args.modes.split(",") if MODE_KEYS[k] != DEFAULT_MODE]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     size_gb = os.path.getsize(args.model) / 1e9
-    decode, overlap, prefill, device = [], [], [], ""
+    decode, overlap, prefill, concurrent, device = [], [], [], [], ""
     for share in [int(s) for s in args.shares.split(",")]:
         t0 = time.perf_counter()
-        llm = LLM(args.model, device="gpu", max_context=args.prompt_tokens + 64,
+        llm = LLM(args.model, device="gpu", max_context=args.prompt_tokens + 64, kv_sequences=max(1, args.users),
                   resident=first_experts(model_config(args.model), share))
         device = llm.model.backend.rt.device_name
         log.info("share %d %%: loaded in %.1f s", share, time.perf_counter() - t0)
@@ -146,6 +171,10 @@ def main(argv=None):
             use_mode(split, DEFAULT_MODE)
         else:
             decode[-1] += " |" * (len(modes) - 1)
+        if args.users:
+            each, together = concurrent_rates(llm, args.users, args.decode_tokens)
+            concurrent.append(f"| {share} | {each:.1f} | {together:.1f} |")
+            log.info("%d users at once: %s", args.users, concurrent[-1])
         if share == args.borrow_share:
             prefill += prefill_rows(llm, args.prompt_tokens, share)
             overlap += overlap_rows(f"prefill chunk, {share} % resident, borrow",
@@ -159,6 +188,7 @@ def main(argv=None):
                  f"{m}: {DECODE_NOTES[m]}" for m in modes) + ".", "",
              "| resident % | " + " | ".join(f"tok/s ({m}{', the default' if m == DEFAULT_MODE else ''})"
                                            for m in modes) + " |", "|---|" + "---|" * len(modes), *decode, "",
+             *(users_table(args.users, args.decode_tokens, concurrent) if concurrent else []),
              f"## Prefill ({args.prompt_tokens}-token prompt, {args.borrow_share} % resident)", "",
              "| prefill borrow | tok/s |", "|---|---|", *prefill, "",
              "## Overlap of the hybrid MoE step, mean per layer", "",
@@ -175,6 +205,12 @@ def main(argv=None):
         args.output.write_text("\n".join(lines))
         log.info("wrote %s", args.output)
     return 0
+
+
+def users_table(users, num_tokens, rows):
+    return [f"## {users} users at once ({num_tokens} tokens each, the serving engine's decode batches)", "",
+            "| resident % | tok/s each user saw (mean) | generated tok/s all together (prompts included) |",
+            "|---|---|---|", *rows, ""]
 
 
 def prefill_rows(llm, num_tokens, share):

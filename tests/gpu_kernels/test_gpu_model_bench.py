@@ -28,13 +28,17 @@ def test_bench_writes_every_table(bench, gguf_models, tmp_path):
     path, _ = gguf_models("small", "Q8_0")
     out = tmp_path / "model.md"
     assert bench.main(["--model", path, "--shares", "0,50,100", "--decode-tokens", "3", "--prompt-tokens", "40",
-                       "--borrow-share", "50", "--modes", "inline,spare", "--output", str(out)]) == 0
+                       "--borrow-share", "50", "--modes", "inline,spare", "--users", "3", "--output", str(out)]) == 0
     text = out.read_text()
     header = "| resident % | tok/s (relay, the default) | tok/s (inline) | tok/s (relay, a core spare) |"
     assert header in text
-    rows = [line for line in text.splitlines() if line.startswith(("| 0 |", "| 50 |", "| 100 |"))]
+    decode = text[text.index("## Decode"):text.index("## 3 users at once")]
+    rows = [line for line in decode.splitlines() if line.startswith(("| 0 |", "| 50 |", "| 100 |"))]
     assert len(rows) == 3 and all(line.count("|") == 5 for line in rows), rows
     assert "| on |" in text and "| off |" in text
+    users = text[text.index("## 3 users at once"):text.index("## Prefill")]
+    assert "| resident % | tok/s each user saw (mean) | generated tok/s all together (prompts included) |" in users
+    assert len([line for line in users.splitlines() if line.startswith(("| 0 |", "| 50 |", "| 100 |"))]) == 3
     for run in ("decode, 50 % resident, relay |", "decode, 50 % resident, relay, a core spare |",
                 "decode, 50 % resident, inline |", "prefill chunk, 50 % resident, borrow |"):
         assert run in text, run
