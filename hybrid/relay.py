@@ -158,8 +158,8 @@ class HostRelay:
             if job is None:
                 return
             layer, seq, resident = job
-            numba.set_num_threads(self.threads or chosen_threads())
             try:
+                numba.set_num_threads(min(self.threads or chosen_threads(), numba.config.NUMBA_NUM_THREADS))
                 status, pairs, seen, posted = self.host.relay_decode_experts(layer, self.mailbox, seq, resident,
                                                                              self.limit_ticks)
                 error = None
