@@ -173,8 +173,12 @@ def main(argv=None):
         else:
             decode[-1] += " |" * (len(modes) - 1)
         if args.users:
-            each, together = concurrent_rates(llm, args.users, args.decode_tokens)
-            concurrent.append(f"| {share} | {each:.1f} | {together:.1f} |")
+            try:
+                each, together = concurrent_rates(llm, args.users, args.decode_tokens)
+                concurrent.append(f"| {share} | {each:.1f} | {together:.1f} |")
+            except Exception as exc:  # the other tables still come out
+                log.exception("%d users at once at %d %% resident failed", args.users, share)
+                concurrent.append(f"| {share} | failed: {type(exc).__name__}: {exc} | |")
             log.info("%d users at once: %s", args.users, concurrent[-1])
         if share == args.borrow_share:
             prefill += prefill_rows(llm, args.prompt_tokens, share)

@@ -48,3 +48,17 @@ def test_bench_names_an_unknown_mode(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--model", "unused.gguf", "--modes", "relay,sideways"])
     assert "--modes: unknown sideways (known: inline, relay, spare, thread, opbyop)" in capsys.readouterr().err
+
+
+def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path, monkeypatch):
+    def fail(llm, users, num_tokens):
+        raise RuntimeError("2 of 3 concurrent requests failed: injected")
+
+    monkeypatch.setattr(bench, "concurrent_rates", fail)
+    path, _ = gguf_models("small", "Q8_0")
+    out = tmp_path / "model.md"
+    assert bench.main(["--model", path, "--shares", "50", "--decode-tokens", "2", "--prompt-tokens", "40",
+                       "--borrow-share", "-1", "--modes", "relay", "--users", "3", "--output", str(out)]) == 0
+    text = out.read_text()
+    assert "| 50 | failed: RuntimeError: 2 of 3 concurrent requests failed: injected | |" in text
+    assert "decode, 50 % resident, relay |" in text
