@@ -87,6 +87,9 @@ class ExpertSplit:
     inside the step; the device and a host worker hand the routing and the rows over through mapped memory.
     STRATA_DECODE_RELAY (RELAY_BY_DEFAULT), used where both sides have it. Its trace is read at finish_step, step_s
     from the device's clock (routing posted to host rows added).
+    relay_tokens: the most tokens of a decode step (several users' tokens decoded together) that go through the
+    relay, their resident pairs found by the device too (STRATA_DECODE_RELAY_TOKENS, 1 by default: a step of
+    more tokens fetches its routing and runs as a prompt chunk does).
     relay_threads: Numba threads of the relay worker's experts (STRATA_RELAY_THREADS; None: set_threads' count).
     While the calling thread queues a step's first layers it takes a core, and a parallel region of every core
     then waits on the thread that shares one; fewer threads leave it a core.
@@ -105,8 +108,9 @@ class ExpertSplit:
         self._deferred_host = []  # (layer, routing ids [1, K] on the host) of decode layers, to record at finish_step
         self.decode_relay = _relay_from_env()
         self.relay_threads = relay_threads_from_env()
+        self.relay_tokens = relay_tokens_from_env()
         self._relay, self._relay_ready = None, set()  # a HostRelay, made at the first relayed layer
-        self._relayed = []  # (layer, pending device part, queuing seconds) of this step's relayed layers
+        self._relayed = []  # (layer, pending device part, queuing seconds, tokens) of the relayed layers
         self._step = 0  # the step's number, posted on the relay's flags
         if sys.getswitchinterval() > GIL_SWITCH_S:
             sys.setswitchinterval(GIL_SWITCH_S)
@@ -122,13 +126,14 @@ class ExpertSplit:
 
     def run(self, device, layer, h, ids, weights, usage=None):
         """The layer's expert mixture [T, H]; `usage` (an ExpertUsage) records the routing."""
-        if len(h) == 1 and self._relays(device) and not self.resident[layer.index].all():
+        batch = len(h) > 1 and self._relays_batch(device, len(h), ids.shape[1])
+        if (len(h) == 1 or batch) and self._relays(device) and not self.resident[layer.index].all():
             relay = self._relay_for(device, layer, h.shape[1], ids.shape[1])
             if relay is not None:
                 return self._run_relay(device, relay, layer, h, ids, weights)
         if self.trace is not None:
             device.synchronize()  # time this layer's expert work alone
-        if len(h) == 1 and hasattr(device, "submit_decode_experts"):
+        if hasattr(device, "submit_decode_experts") and (len(h) == 1 or batch and self.resident[layer.index].all()):
             return self._run_decode(device, layer, h, ids, weights, usage)
         t0 = time.perf_counter()
         ids_host, weights_host = device.fetch_routing(ids, weights)  # [T, K] each
@@ -162,14 +167,15 @@ class ExpertSplit:
         return out
 
     def _run_decode(self, device, layer, h, ids, weights, usage):
-        """One token: the device resolves which of its pairs are resident from the routing it holds,
-        so the calling thread only queues; the worker fetches the routing and runs the rest."""
+        """One token (or a relayed step's tokens, in a fully resident layer): the device resolves which of its pairs
+        are resident from the routing it holds, so the calling thread only queues; the worker fetches the routing
+        and runs the rest."""
         t0 = time.perf_counter()
         if self.resident[layer.index].all():  # nothing for the host: no wait for the routing at all
             if usage is not None:
                 self._deferred.append((layer.index, device.queue_ids(ids, f"ids.{layer.index}")))
             pending = device.submit_decode_experts(layer, h, ids, weights)
-            self._traced(device, layer, 1, t0, pending)
+            self._traced(device, layer, len(h), t0, pending)
             return device.wait_experts(pending)
         routing = device.queue_routing(ids, weights, h)
         pending, queue_s = None, 0.0
@@ -191,29 +197,35 @@ class ExpertSplit:
         """Whether decode tokens go through the relay: asked for, and both sides have it."""
         return self.decode_relay and hasattr(device, "publish_decode") and hasattr(self.host, "relay_decode_experts")
 
+    def _relays_batch(self, device, num_tokens, top_k):
+        """Whether a step of num_tokens > 1 tokens goes the decode way (the relay, the device's own pair tiles):
+        at most relay_tokens of them, and no more pairs than the device's tiles take."""
+        return (num_tokens <= self.relay_tokens and self._relays(device)
+                and num_tokens * top_k <= getattr(device, "max_decode_pairs", num_tokens * top_k))
+
     def _run_relay(self, device, relay, layer, h, ids, weights):
-        """One token through the decode relay (hybrid/relay.py): the calling thread only queues. Usage and
-        trace are read at finish_step, once the step's results are in."""
+        """A decode step's n tokens (one, or up to relay_tokens) through the decode relay (hybrid/relay.py): the
+        calling thread only queues. Usage and trace are read at finish_step, once the step's results are in."""
         t0 = time.perf_counter()
         device.publish_decode(layer, h, ids, weights, relay.mailbox, self._step)
-        relay.submit(layer, self._step, self.resident[layer.index])
+        relay.submit(layer, self._step, self.resident[layer.index], len(h))
         pending = None
         if self.resident[layer.index].any():
             pending = device.submit_decode_experts(layer, h, ids, weights)
-        out = device.wait_experts(pending) if pending is not None else device.zeros_like(h)  # [1, H]
+        out = device.wait_experts(pending) if pending is not None else device.zeros_like(h)  # [n, H]
         out = device.await_host_rows(out, layer, relay.mailbox, self._step, relay.timeout_s)
-        self._relayed.append((layer, pending, time.perf_counter() - t0))
+        self._relayed.append((layer, pending, time.perf_counter() - t0, len(h)))
         return out
 
     def _relay_for(self, device, layer, hidden, top_k):
         """The relay (made at the first relayed layer, again if the shapes change), its host side of `layer`
         compiled and run once on a scratch mailbox first: the device must not wait through a compilation.
         None (logged, the relay off) where the device has no mailbox."""
-        num_layers = self.resident.shape[0]
-        if self._relay is None or not self._relay.mailbox.fits(num_layers, top_k, hidden):
+        num_layers, max_tokens = self.resident.shape[0], max(1, self.relay_tokens)
+        if self._relay is None or not self._relay.mailbox.fits(num_layers, top_k, hidden, max_tokens):
             if self._relay is not None:
                 self._relay.close()
-            mailbox = device.decode_mailbox(num_layers, top_k, hidden)
+            mailbox = device.decode_mailbox(num_layers, top_k, hidden, max_tokens)
             if mailbox is None:
                 log.warning("decode relay off: the device cannot read and write host memory directly here")
                 self.decode_relay, self._relay = False, None
@@ -246,14 +258,14 @@ class ExpertSplit:
         if problems:
             raise RuntimeError("decode relay: " + "; ".join(problems))
         if usage is not None:
-            for layer, _, _ in relayed:
-                usage.record(layer.index, mailbox.routing_ids(layer.index))
+            for layer, _, _, num_tokens in relayed:
+                usage.record(layer.index, mailbox.routing_ids(layer.index, num_tokens))
         if self.trace is not None:
             rate = ticks_per_second() or 1.0
-            for (layer, pending, queue_s), result in zip(relayed, results):
+            for (layer, pending, queue_s, num_tokens), result in zip(relayed, results):
                 start, stop = mailbox.times[layer.index]
                 gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
-                self.trace.append(dict(layer=layer.index, tokens=1, cpu_s=(result.posted - result.seen) / rate,
+                self.trace.append(dict(layer=layer.index, tokens=num_tokens, cpu_s=(result.posted - result.seen) / rate,
                                        gpu_s=gpu_s, queue_s=queue_s, step_s=(stop - start) * 1e-9, borrowed=0))
 
     def _traced(self, device, layer, tokens, t0, pending, cpu_s=0.0, queue_s=0.0, borrowed=0):
@@ -359,6 +371,14 @@ def _expert_bytes(layer):
 def _host_pool():
     """The one-thread pool that runs a split's host experts beside the device part."""
     return ThreadPoolExecutor(1, thread_name_prefix="host-experts", initializer=use_chosen_threads)
+
+
+def relay_tokens_from_env():
+    """STRATA_DECODE_RELAY_TOKENS=N: decode steps of up to N tokens go through the relay (default 1)."""
+    value = os.environ.get("STRATA_DECODE_RELAY_TOKENS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"STRATA_DECODE_RELAY_TOKENS={value}: expected a token count >= 1")
+    return int(value)
 
 
 def relay_threads_from_env():

@@ -13,7 +13,7 @@ logits. Flags carry the step's number, which only grows (cpu_kernels/mailbox.py)
 
 Both sides give up after `timeout_s` (the device writes what it gave up on into `error`) and the step
 fails with an error that names the layer; the engine goes on with the next request.
-Shape legend: L layers, K top-k, H hidden.
+Shape legend: L layers, K top-k, H hidden, T the most tokens of a relayed step, n its tokens.
 """
 import queue
 import threading
@@ -34,39 +34,48 @@ _REASONS = {WAIT_ABORTED: "were stopped (the step was abandoned)",
 
 @dataclass
 class Mailbox:
-    """Host memory both sides use (pinned and mapped into the device where the device is a GPU)."""
+    """Host memory both sides use (pinned and mapped into the device where the device is a GPU). A layer's slot
+    holds one step's n <= max_tokens decode tokens: ids [n, K], weights [n, K] and rows x [n, H] one after
+    another (n = 1: ids [K], weights [K], x [H]), and their host rows [n, H]."""
 
-    inbox: np.ndarray  # f32 [L, 2K + H]: per layer ids [K] (int32 bits), weights [K], x [H]; device-written
-    outbox: np.ndarray  # f32 [L, H]: per layer the host pairs' sum; host-written
+    inbox: np.ndarray  # f32 [L, T * (2K + H)]: per layer ids [n, K] (int32 bits), weights [n, K], x [n, H]
+    outbox: np.ndarray  # f32 [L, T * H]: per layer the host pairs' sums [n, H]; host-written
     flags_in: np.ndarray  # int64 [L * LINE]: the step number whose routing inbox[l] holds
     flags_out: np.ndarray  # int64 [L * LINE]: the step number whose rows outbox[l] holds
     abort: np.ndarray  # int64 [LINE]: nonzero stops the host's waits
     error: np.ndarray  # int64 [LINE]: (step number, layer) of a device wait that gave up; 0 while none did
     times: np.ndarray  # int64 [L, 2]: the device clock (ns) when layer l's routing was posted / its rows added
+    top_k: int = 1
+    max_tokens: int = 1  # T: the most tokens a step's slot holds
     addresses: dict = None  # the arrays' device addresses by name, where the device is a GPU
 
     @classmethod
-    def allocate(cls, num_layers, top_k, hidden, empty=np.empty):
-        """A zeroed mailbox; `empty(shape, dtype)` allocates each array (pinned memory for a GPU)."""
+    def allocate(cls, num_layers, top_k, hidden, empty=np.empty, max_tokens=1):
+        """A zeroed mailbox for steps of up to max_tokens tokens; `empty(shape, dtype)` allocates each array
+        (pinned memory for a GPU)."""
         def zeros(shape, dtype):
             array = empty(shape, dtype)
             array[...] = 0
             return array
 
-        return cls(zeros((num_layers, 2 * top_k + hidden), np.float32), zeros((num_layers, hidden), np.float32),
+        return cls(zeros((num_layers, max_tokens * (2 * top_k + hidden)), np.float32),
+                   zeros((num_layers, max_tokens * hidden), np.float32),
                    new_flags(num_layers, empty), new_flags(num_layers, empty), new_flags(1, empty),
-                   new_flags(1, empty), zeros((num_layers, 2), np.int64))
+                   new_flags(1, empty), zeros((num_layers, 2), np.int64), top_k=top_k, max_tokens=max_tokens)
 
     @property
-    def top_k(self):
-        return (self.inbox.shape[1] - self.outbox.shape[1]) // 2
+    def hidden(self):
+        return self.outbox.shape[1] // self.max_tokens
 
-    def fits(self, num_layers, top_k, hidden):
-        return self.inbox.shape == (num_layers, 2 * top_k + hidden)
+    def fits(self, num_layers, top_k, hidden, max_tokens=1):
+        """Whether this mailbox serves these layers and shapes, for steps of up to max_tokens tokens."""
+        return (self.inbox.shape[0], self.top_k, self.hidden) == (num_layers, top_k, hidden) \
+            and self.max_tokens >= max_tokens
 
-    def routing_ids(self, layer_index):
-        """int64 [1, K]: the ids layer_index's routing posted."""
-        return self.inbox[layer_index, :self.top_k].view(np.int32).astype(np.int64).reshape(1, -1)
+    def routing_ids(self, layer_index, num_tokens=1):
+        """int64 [n, K]: the ids layer_index's routing of an n-token step posted."""
+        k = self.top_k
+        return self.inbox[layer_index, :num_tokens * k].view(np.int32).astype(np.int64).reshape(num_tokens, k)
 
     def device_error(self):
         """(step number, layer) of a device wait that gave up, or None."""
@@ -110,10 +119,11 @@ class HostRelay:
         self._thread = threading.Thread(target=self._serve, name="host-relay", daemon=True)
         self._thread.start()
 
-    def submit(self, layer, seq, resident):
-        """Queue layer's host part of step `seq`; resident: bool [E], the experts the device runs."""
+    def submit(self, layer, seq, resident, num_tokens=1):
+        """Queue layer's host part of step `seq` (num_tokens decode tokens); resident: bool [E], the experts the
+        device runs."""
         self.outstanding += 1
-        self._jobs.put((layer, seq, resident))
+        self._jobs.put((layer, seq, resident, num_tokens))
 
     def wait_idle(self):
         """Wait until every job submitted so far is answered (the worker runs no compiled code after)."""
@@ -157,11 +167,11 @@ class HostRelay:
             job = self._jobs.get()
             if job is None:
                 return
-            layer, seq, resident = job
+            layer, seq, resident, num_tokens = job
             try:
                 numba.set_num_threads(min(self.threads or chosen_threads(), numba.config.NUMBA_NUM_THREADS))
                 status, pairs, seen, posted = self.host.relay_decode_experts(layer, self.mailbox, seq, resident,
-                                                                             self.limit_ticks)
+                                                                             self.limit_ticks, num_tokens)
                 error = None
             except Exception as exc:  # any failure of the host part: the step fails, the worker goes on
                 status, pairs, seen, posted, error = WAIT_FAILED, 0, 0, 0, exc

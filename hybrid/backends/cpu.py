@@ -280,20 +280,20 @@ class CpuBackend:
         return routing.group_by_expert(ids, num_experts)
 
     def host_decode_experts(self, layer, x, ids, weights, resident):
-        """One decode token's pairs whose experts are not resident (bool [E]), as one compiled call
-        (cpu_host_experts): (out [1, H], pairs run) for x [1, H], ids [1, K], weights [1, K]."""
+        """A decode step's pairs whose experts are not resident (bool [E]), as one compiled call
+        (cpu_host_experts): (out [n, H], pairs run) for x [n, H], ids [n, K], weights [n, K]."""
         plan = self._host_plan(layer)
         return plan.fn(x, ids, weights, resident, plan.gu_raws, plan.d_raws, _one_thread(), self.act_quant)
 
-    def relay_decode_experts(self, layer, mailbox, seq, resident, limit_ticks):
-        """The host side of the decode relay for one layer of step `seq` (hybrid/relay.py), as one compiled
-        call that waits for the routing in `mailbox`: (status, pairs run, ticks at the routing seen, ticks at
-        the rows posted)."""
+    def relay_decode_experts(self, layer, mailbox, seq, resident, limit_ticks, num_tokens=1):
+        """The host side of the decode relay for one layer of step `seq` (num_tokens tokens; hybrid/relay.py), as
+        one compiled call that waits for the routing in `mailbox`: (status, pairs run, ticks at the routing seen,
+        ticks at the rows posted)."""
         plan = self._host_plan(layer)
         mb = mailbox
         return plan.relay(mb.inbox, mb.inbox.view(np.int32), mb.outbox, mb.flags_in, mb.flags_out, mb.abort,
                           layer.index, seq, limit_ticks, resident, plan.gu_raws, plan.d_raws, _one_thread(),
-                          self.act_quant)
+                          self.act_quant, num_tokens, mb.top_k, mb.hidden)
 
     def _host_plan(self, layer):
         if self._host_plans is None:

@@ -1,4 +1,4 @@
-"""A decode token's host experts (the hybrid split's CPU part) as one compiled call a layer.
+"""A decode step's host experts (the hybrid split's CPU part) as one compiled call a layer.
 
 In a hybrid decode step the CPU runs the token's pairs whose experts the device does not hold. The
 op-by-op way (ExpertSplit's bookkeeping in NumPy, then CpuBackend.grouped_experts) costs ~20 Python
@@ -8,7 +8,8 @@ selection of the host's pairs, their order by expert, the gather, gate/up, SwiGL
 sum are one call into an instance of host_experts_template over the layer's expert formats: the same
 kernels on the same rows as grouped_experts, so the result is bit-identical.
 
-Shape legend: H hidden, F expert width, E experts, K top-k, N the host's pairs (<= K).
+Shape legend: n tokens (a decode step's), H hidden, F expert width, E experts, K top-k, N the host's pairs
+(<= n * K), G their distinct experts.
 """
 import operator
 
@@ -21,56 +22,64 @@ from .cpu_decode import expert_mixture, instance
 
 
 def host_experts_template(x, ids, weights, resident, gu_raws, d_raws, one_thread, act_quant):
-    """(out [1, H], N): out = the sum over the token's pairs j whose expert ids[0, j] is not resident of
-    weights[0, j] * expert(x [1, H]); resident bool [E]. The pairs run in expert order (stable), as
-    ExpertSplit groups them. N = 0: out is zeros."""
-    top_k, hidden = ids.shape[1], x.shape[1]
-    order = np.empty(top_k, dtype=np.int64)  # [K], the first N used: pair slots by expert id
+    """(out [n, H], N): out = per token t the sum over its pairs j whose expert ids[t, j] is not resident of
+    weights[t, j] * expert(x[t]); resident bool [E]. The pairs (p = t * K + j) run in expert order, stable, as
+    ExpertSplit groups them: one group a distinct expert. N = 0: out is zeros."""
+    num_tokens, top_k, hidden = ids.shape[0], ids.shape[1], x.shape[1]
+    order = np.empty(num_tokens * top_k, dtype=np.int64)  # [n*K], the first N used: pairs by expert id
     num_pairs = 0
-    for j in range(top_k):
-        if not resident[ids[0, j]]:
+    for p in range(num_tokens * top_k):
+        expert = ids[p // top_k, p % top_k]
+        if not resident[expert]:
             i = num_pairs
-            while i > 0 and ids[0, order[i - 1]] > ids[0, j]:  # insertion keeps equal ids in slot order
+            while i > 0 and ids[order[i - 1] // top_k, order[i - 1] % top_k] > expert:  # equal ids keep pair order
                 order[i] = order[i - 1]
                 i -= 1
-            order[i] = j
+            order[i] = p
             num_pairs += 1
-    out = np.zeros((1, hidden), dtype=np.float32)  # [1, H]
+    out = np.zeros((num_tokens, hidden), dtype=np.float32)  # [n, H]
     if num_pairs == 0:
         return out, 0
     order = order[:num_pairs]  # [N]
-    expert_ids = np.empty(num_pairs, dtype=np.int64)  # [N]: one pair an expert (a token routes each once)
+    expert_ids = np.empty(num_pairs, dtype=np.int64)  # [G <= N]
+    row_starts = np.empty(num_pairs + 1, dtype=np.int64)  # [G + 1]
+    num_groups = 0
     for i in range(num_pairs):
-        expert_ids[i] = ids[0, order[i]]
-    row_starts = np.arange(num_pairs + 1)  # [N + 1]
-    MIXTURE(x, order, expert_ids, row_starts, weights, gu_raws, d_raws, one_thread, act_quant, out)  # noqa: F821
+        expert = ids[order[i] // top_k, order[i] % top_k]
+        if num_groups == 0 or expert_ids[num_groups - 1] != expert:
+            expert_ids[num_groups] = expert
+            row_starts[num_groups] = i
+            num_groups += 1
+    row_starts[num_groups] = num_pairs
+    MIXTURE(x, order, expert_ids[:num_groups], row_starts[:num_groups + 1], weights, gu_raws, d_raws,  # noqa: F821
+            one_thread, act_quant, out)
     return out, num_pairs
 
 
 def host_relay_template(inbox, inbox_bits, outbox, flags_in, flags_out, abort, index, seq, limit_ticks, resident,
-                        gu_raws, d_raws, one_thread, act_quant):
+                        gu_raws, d_raws, one_thread, act_quant, num_tokens, top_k, hidden):
     """Layer `index`'s host side of the decode relay (hybrid/relay.py): wait until flags_in[index * LINE] reaches
-    seq, run the token's non-resident pairs (HOST: this plan's host experts) on inbox[index] f32 [2K + H] (ids
-    [K] as int32 bits, read through inbox_bits, weights [K], x [H]), write their sum to outbox[index] f32 [H]
-    and post seq on flags_out[index * LINE]. Returns (status, pairs, ticks when the routing was seen, ticks
-    when the rows were posted); a wait that ends without the routing (aborted, timed out) posts nothing."""
+    seq, run the non-resident pairs of the step's n = num_tokens tokens (HOST: this plan's host experts) on
+    inbox[index] f32 [n * (2K + H)] (ids [n, K] as int32 bits, read through inbox_bits, weights [n, K], x [n, H]),
+    write their sums to outbox[index] f32 [n * H] and post seq on flags_out[index * LINE]. Returns (status,
+    pairs, ticks when the routing was seen, ticks when the rows were posted); a wait that ends without the
+    routing (aborted, timed out) posts nothing."""
     status = wait_for(flags_in, index * LINE, seq, abort, limit_ticks)
     seen = cycles()
     if status != WAIT_OK:
         return status, 0, seen, seen
-    hidden = outbox.shape[1]
-    top_k = (inbox.shape[1] - hidden) // 2
-    ids = np.empty((1, top_k), dtype=np.int32)  # [1, K]
-    weights = np.empty((1, top_k), dtype=np.float32)  # [1, K]
-    for j in range(top_k):
-        ids[0, j] = inbox_bits[index, j]
-        weights[0, j] = inbox[index, top_k + j]
-    x = np.empty((1, hidden), dtype=np.float32)  # [1, H]
-    for d in range(hidden):
-        x[0, d] = inbox[index, 2 * top_k + d]
+    pairs_n = num_tokens * top_k
+    ids = np.empty((num_tokens, top_k), dtype=np.int32)  # [n, K]
+    weights = np.empty((num_tokens, top_k), dtype=np.float32)  # [n, K]
+    for p in range(pairs_n):
+        ids[p // top_k, p % top_k] = inbox_bits[index, p]
+        weights[p // top_k, p % top_k] = inbox[index, pairs_n + p]
+    x = np.empty((num_tokens, hidden), dtype=np.float32)  # [n, H]
+    for i in range(num_tokens * hidden):
+        x[i // hidden, i % hidden] = inbox[index, 2 * pairs_n + i]
     out, pairs = HOST(x, ids, weights, resident, gu_raws, d_raws, one_thread, act_quant)  # noqa: F821
-    for d in range(hidden):
-        outbox[index, d] = out[0, d]
+    for i in range(num_tokens * hidden):
+        outbox[index, i] = out[i // hidden, i % hidden]
     atomic_store(flags_out, index * LINE, seq)
     return WAIT_OK, pairs, seen, cycles()
 

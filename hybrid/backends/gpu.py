@@ -22,7 +22,7 @@ import numpy as np
 from cpu_kernels.rope import inv_freq_f32
 from cpu_kernels.sync import LINE
 from gpu_kernels.expert_cache import MIB, ExpertCache, expert_bytes, plan
-from gpu_kernels.kernels import TILE_TOKENS, Kernels, describe_act_quant
+from gpu_kernels.kernels import MAX_THREADS, TILE_TOKENS, Kernels, describe_act_quant
 
 from ..formats.weights import QuantTensor
 from .. import kv_store
@@ -220,6 +220,7 @@ class GpuBackend:
     experts here (copied in per chunk)."""
 
     name = "gpu"
+    max_decode_pairs = MAX_THREADS  # a decode step's pairs at most: decode_tiles runs one thread a pair in one block
 
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
                  max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
@@ -251,10 +252,10 @@ class GpuBackend:
         self._dev = {}  # id(host weight) -> (device copy, host weight)
         self._positions = (None, None)  # (host positions, device copy) of the last batch
         self._inv_freq = {}  # (theta, D) -> RoPE frequencies f32 [D/2] on the device
-        self._decode = None  # scratch of submit_decode_experts, made at its first call
-        self._staged = None  # (x, ids, weights) last copied into the decode scratch's input buffer
-        self.decode_graphs = _graphs_from_env()  # replay each layer's one-token expert launches as a graph
-        self._graphs = {}  # layer index -> captured graph of its one-token expert launches (None: capture failed)
+        self._decode = {}  # tokens -> (shape key, scratch of submit_decode_experts), made at a first call
+        self._staged = None  # (x, ids, weights) last copied into a decode scratch's input buffer
+        self.decode_graphs = _graphs_from_env()  # replay each layer's decode expert launches as a graph
+        self._graphs = {}  # (tokens, layer index) -> captured graph of its decode expert launches (None: failed)
         self._mapped = {}  # host address of a pinned buffer -> its device address (0: not mapped)
         self._timers = {}  # layer index -> (start, stop) timing events of its decode expert part
 
@@ -571,19 +572,21 @@ class GpuBackend:
         return ids_host, weights_host, rows
 
     def submit_decode_experts(self, layer, x, ids, weights):
-        """Queue one token's resident pairs (x [1, H], ids int32 [1, K], weights [1, K] on the device):
-        a kernel finds them from the routing and the cache's slot map, so nothing is read back. The
-        launches read fixed scratch (the inputs are copied in), so each layer's are captured once as a
-        graph and replayed with one call. Returns a pending part for wait_experts."""
+        """Queue a decode step's resident pairs (x [n, H], ids int32 [n, K], weights [n, K] on the device; n = 1, or
+        a relayed step's n * K <= max_decode_pairs): a kernel finds them from the routing and the cache's slot
+        map, so nothing is read back. The launches read fixed scratch (the inputs are copied in), so each
+        layer's are captured once a token count as a graph and replayed with one call. Returns a pending part
+        for wait_experts."""
         s = self._stage_decode(x, ids, weights)
         self._staged = None  # a later step's arrays may reuse these objects' memory
-        pending = _Pending(s["out"][layer.index])  # [1, H], this layer's own: read by later kernels only
+        pending = _Pending(s["out"][layer.index])  # [n, H], this layer's own: read by later kernels only
         if self.time_experts:  # the layer's own pair of timing events, read before its next step
             pending.start, pending.stop = self._timing_events(layer.index)
             pending.start.record(self.stream)
-        graph = self._graphs.get(layer.index, _UNCAPTURED) if self.decode_graphs else None
+        key = (x.shape[0], layer.index)
+        graph = self._graphs.get(key, _UNCAPTURED) if self.decode_graphs else None
         if graph is _UNCAPTURED:
-            graph = self._graphs[layer.index] = self._capture(lambda: self._queue_decode_experts(layer, s))
+            graph = self._graphs[key] = self._capture(lambda: self._queue_decode_experts(layer, s))
         if graph is None:
             self._queue_decode_experts(layer, s)
         else:
@@ -601,7 +604,7 @@ class GpuBackend:
     def _queue_decode_experts(self, layer, s):
         k = s["ids"].shape[1]
         kn, tiles = self.kernels, s["tiles"]
-        kn.decode_tiles(s["ids"], self.cache.slot_map[layer.index], tiles)
+        kn.decode_tiles(s["ids_flat"], self.cache.slot_map[layer.index], tiles)
         kn.gather_rows(s["x"], s["order"], k, s["xs"])
         slabs = self.cache.layers[layer.index]
         kn.moe_matmul(slabs[0], layer.gate_exps.qtype, s["xs"], s["gate"], tiles[0], tiles[1], tiles[2], 1)
@@ -621,33 +624,39 @@ class GpuBackend:
             return None
 
     def _stage_decode(self, x, ids, weights):
-        """The decode scratch, with ids int32 [1, K], weights [1, K] and x [1, H] packed into its input buffer by
-        one kernel (once per layer: queue_routing and submit_decode_experts share it)."""
-        s = self._decode_scratch(ids.shape[1], x.shape[1])
+        """The decode scratch of n = len(x) tokens, with ids int32 [n, K], weights [n, K] and x [n, H] packed into
+        its input buffer by one kernel (once per layer: queue_routing, publish_decode and submit_decode_experts
+        share it)."""
+        s = self._decode_scratch(ids.shape[0], ids.shape[1], x.shape[1])
         if self._staged is None or any(a is not b for a, b in zip(self._staged, (x, ids, weights))):
-            self.kernels.pack_decode(ids, weights, x, s["in"])
+            self.kernels.pack_decode(ids.reshape(1, -1), weights.reshape(1, -1), x.reshape(1, -1), s["in"])
             self._staged = (x, ids, weights)
         return s
 
-    def _decode_scratch(self, k, hidden):
-        """Device arrays of one decode token's expert pairs, kept between calls (fixed addresses, as the
-        graphs need): the input buffer `in` f32 [2K + H] holding ids int32 [1, K], weights [1, K] and the
-        row x [1, H]; pair order [K] (all rows of token 0), tiles int32 [4, K], xs / down [K, H],
-        gate / up [K, F]; out [L, 1, H], each layer's result. Zeroed once: the rows of non-resident pairs
-        are skipped by the matmuls and keep finite values for the SwiGLU."""
+    def _decode_scratch(self, tokens, k, hidden):
+        """Device arrays of a decode step's expert pairs (n = tokens, P = n * K pairs, pair p = t * K + j), kept
+        between calls (fixed addresses, as the graphs need): the input buffer `in` f32 [n * (2K + H)] holding ids
+        int32 [n, K] (ids_flat: [1, P]), weights [n, K] and the rows x [n, H] one after another; pair order [P],
+        tiles int32 [4, P], xs / down [P, H], gate / up [P, F]; out [L, n, H], each layer's result. Zeroed
+        once: the rows of non-resident pairs are skipped by the matmuls and keep finite values for the SwiGLU."""
         width, num_layers = self._expert_width, len(self.cache.layers)
         key = (k, hidden, width, num_layers)
-        if self._decode is None or self._decode[0] != key:
-            e = self.rt.zeros
-            packed = e((2 * k + hidden,), np.float32)
-            scratch = dict(**{"in": packed}, ids=packed[:k].view(np.int32).reshape(1, k),
-                           weights=packed[k:2 * k].reshape(1, k), x=packed[2 * k:].reshape(1, hidden),
-                           order=self.rt.to_device(np.arange(k, dtype=np.int32)), tiles=e((4, k), np.int32),
-                           xs=e((k, hidden), np.float32), gate=e((k, width), np.float32),
-                           up=e((k, width), np.float32), down=e((k, hidden), np.float32),
-                           out=e((num_layers, 1, hidden), np.float32))
-            self._decode, self._graphs, self._staged = (key, scratch), {}, None
-        return self._decode[1]
+        held = self._decode.get(tokens)
+        if held is None or held[0] != key:
+            e, pairs = self.rt.zeros, tokens * k
+            packed = e((tokens * (2 * k + hidden),), np.float32)
+            scratch = dict(**{"in": packed}, ids=packed[:pairs].view(np.int32).reshape(tokens, k),
+                           ids_flat=packed[:pairs].view(np.int32).reshape(1, pairs),
+                           weights=packed[pairs:2 * pairs].reshape(tokens, k),
+                           x=packed[2 * pairs:].reshape(tokens, hidden),
+                           order=self.rt.to_device(np.arange(pairs, dtype=np.int32)), tiles=e((4, pairs), np.int32),
+                           xs=e((pairs, hidden), np.float32), gate=e((pairs, width), np.float32),
+                           up=e((pairs, width), np.float32), down=e((pairs, hidden), np.float32),
+                           out=e((num_layers, tokens, hidden), np.float32))
+            self._decode[tokens] = held = (key, scratch)
+            self._graphs = {g: graph for g, graph in self._graphs.items() if g[0] != tokens}
+            self._staged = None
+        return held[1]
 
     def _pair_layout(self, parts, num_pair_slots, tile_tokens):
         """Device int32 arrays, one upload: pair order [N] (the parts' pairs one after another),
@@ -686,10 +695,10 @@ class GpuBackend:
 
     # -- the device side of the decode relay (hybrid/relay.py) ---------------------------------------
 
-    def decode_mailbox(self, num_layers, top_k, hidden):
-        """A relay Mailbox in pinned host memory with its arrays' device addresses (mailbox.addresses), or None
-        where this runtime does not map pinned memory into the device."""
-        mailbox = Mailbox.allocate(num_layers, top_k, hidden, empty=self.rt.pinned_empty)
+    def decode_mailbox(self, num_layers, top_k, hidden, max_tokens=1):
+        """A relay Mailbox (steps of up to max_tokens tokens) in pinned host memory with its arrays' device addresses
+        (mailbox.addresses), or None where this runtime does not map pinned memory into the device."""
+        mailbox = Mailbox.allocate(num_layers, top_k, hidden, empty=self.rt.pinned_empty, max_tokens=max_tokens)
         mapped = getattr(self.rt, "mapped_address", lambda _: None)
         addresses = {name: mapped(getattr(mailbox, name))
                      for name in ("inbox", "outbox", "flags_in", "flags_out", "error", "times")}
@@ -699,15 +708,15 @@ class GpuBackend:
         return mailbox
 
     def publish_decode(self, layer, x, ids, weights, mailbox, seq):
-        """Queue the post of one token's routing (ids [1, K], weights [1, K]) and row x [1, H] to the mailbox's
-        inbox[layer], flagged with step number seq."""
+        """Queue the post of a decode step's routing (ids [n, K], weights [n, K]) and rows x [n, H] to the mailbox's
+        inbox[layer] (ids, weights, rows one after another), flagged with step number seq."""
         s = self._stage_decode(x, ids, weights)
         a, i = mailbox.addresses, layer.index
         self.kernels.publish_decode(s["in"], a["inbox"] + np.uint64(i * mailbox.inbox[0].nbytes),
                                     a["flags_in"] + np.uint64(i * LINE * 8), seq, a["times"] + np.uint64(i * 16))
 
     def await_host_rows(self, out, layer, mailbox, seq, timeout_s):
-        """Queue out [1, H] += the host rows of step seq in outbox[layer], once the host posts them; returns out."""
+        """Queue out [n, H] += the host rows of step seq in outbox[layer], once the host posts them; returns out."""
         a, i = mailbox.addresses, layer.index
         self.kernels.await_host_add(out, a["outbox"] + np.uint64(i * mailbox.outbox[0].nbytes),
                                     a["flags_out"] + np.uint64(i * LINE * 8), seq, int(timeout_s * 1e9),

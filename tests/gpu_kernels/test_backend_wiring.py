@@ -68,10 +68,43 @@ def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, refer
     got = decode(Model(weights, backend, host=CpuBackend()))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
     if graphs:
-        assert numpy_runtime.captures == c.num_layers - 1 and 0 not in backend._graphs
+        assert numpy_runtime.captures == c.num_layers - 1 and (1, 0) not in backend._graphs
         assert all(g.launches == 4 for g in backend._graphs.values())
     else:
         assert numpy_runtime.captures == 0 and not backend._graphs
+
+
+def test_a_decode_step_of_several_users_runs_its_resident_pairs_from_the_device_routing(gguf_models, numpy_runtime,
+                                                                                         reference_kernels):
+    """With relay_tokens >= the users, a fully resident layer's decode step of three sequences' tokens packs their
+    routing and rows into the three-token scratch and runs its pairs from there (one graph a layer for that
+    count, replayed at the next step), without reading the routing back; the logits stay the CPU engine's."""
+    from hybrid.batch import Batch, SeqChunk
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+
+    def steps(model, users=3):
+        kvs = [model.new_sequence(64) for _ in range(users)]
+        for u, kv in enumerate(kvs):
+            model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[u:u + 5]), "last")]))
+        return np.concatenate([model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([TOKENS[8 + s + u]]))
+                                                    for u, kv in enumerate(kvs)])) for s in range(2)])
+
+    ref = steps(Model(weights, CpuBackend()))
+    backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=3,
+                         resident=np.ones((c.num_layers, c.num_experts), bool))
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend())
+    model.split.relay_tokens = 3
+    fetched = []
+    backend.fetch_routing = lambda ids, weights: fetched.append(ids) or (ids, weights)
+    got = steps(model)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+    assert fetched and all(len(ids) == 5 for ids in fetched)  # the prompts' routing only: never a decode step's
+    assert sorted(backend._graphs) == [(3, i) for i in range(c.num_layers)]
+    assert all(g.launches == 2 for g in backend._graphs.values())  # one replay a step, the first after its capture
+    assert backend._decode[3][1]["out"].shape == (c.num_layers, 3, c.hidden_size)
 
 
 class ProjectionCounter:

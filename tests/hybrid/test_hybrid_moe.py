@@ -67,13 +67,14 @@ class StandInDevice(CpuBackend):
         return ids.copy()
 
     def submit_decode_experts(self, layer, x, ids, weights):
-        """The token's resident pairs, found from the routing as the device kernel finds them."""
+        """The step's resident pairs (p = t * K + j), found from the routing as the device kernel finds them."""
         self.submitted += 1
         self.decode_submitted += 1
-        experts = ids[0]  # [K]
-        slots = np.flatnonzero(self.resident[layer.index][experts])
-        order = slots[np.argsort(experts[slots], kind="stable")]
-        groups = PairGroups(order, experts[order], np.arange(len(order) + 1))
+        experts = ids.reshape(-1)  # [n*K]
+        pairs = np.flatnonzero(self.resident[layer.index][experts])
+        order = pairs[np.argsort(experts[pairs], kind="stable")]
+        starts = np.flatnonzero(np.r_[True, experts[order][1:] != experts[order][:-1]]) if len(order) else order
+        groups = PairGroups(order, experts[order][starts], np.r_[starts, len(order)])
         return self.pool.submit(lambda: self.grouped_experts(x, weights, groups, layer.gate_exps, layer.up_exps,
                                                              layer.down_exps))
 
@@ -89,15 +90,15 @@ class StandInDevice(CpuBackend):
 
     # the device side of the decode relay, as the GPU kernels do it: post the routing, wait for the rows
 
-    def decode_mailbox(self, num_layers, top_k, hidden):
-        return Mailbox.allocate(num_layers, top_k, hidden)
+    def decode_mailbox(self, num_layers, top_k, hidden, max_tokens=1):
+        return Mailbox.allocate(num_layers, top_k, hidden, max_tokens=max_tokens)
 
     def publish_decode(self, layer, x, ids, weights, mailbox, seq):
         self.published += 1
-        k = ids.shape[1]
-        row = mailbox.inbox[layer.index]  # [2K + H]
-        row[:k] = ids[0].astype(np.int32).view(np.float32)
-        row[k:2 * k], row[2 * k:] = weights[0], x[0]
+        n = ids.size
+        row = mailbox.inbox[layer.index]  # [n * (2K + H)] used
+        row[:n] = ids.reshape(-1).astype(np.int32).view(np.float32)
+        row[n:2 * n], row[2 * n:2 * n + x.size] = weights.reshape(-1), x.reshape(-1)
         mailbox.times[layer.index, 0] = time.perf_counter_ns()
         post(mailbox.flags_in, layer.index * LINE, seq)
 
@@ -106,7 +107,7 @@ class StandInDevice(CpuBackend):
         if wait_for(mailbox.flags_out, layer.index * LINE, seq, never, ticks(timeout_s)) != WAIT_OK:
             mailbox.error[:2] = seq, layer.index
             return out
-        out += mailbox.outbox[layer.index]
+        out += mailbox.outbox[layer.index, :out.size].reshape(out.shape)
         mailbox.times[layer.index, 1] = time.perf_counter_ns()
         return out
 
@@ -287,6 +288,61 @@ def test_decode_relay_is_bit_identical(gguf_models, target):
         hybrid_layers = int((~mask).any(axis=1).sum())
         assert devices[True].published == 3 * hybrid_layers, name  # fully resident layers never relay
         assert devices[False].published == 0
+
+
+def _batch_decode_steps(model, users=3, steps=2):
+    """Logits [steps * users, V] of decode steps that hold one token of each of `users` sequences."""
+    from hybrid.batch import Batch, SeqChunk
+
+    kvs = [model.new_sequence(256) for _ in range(users)]
+    for u, kv in enumerate(kvs):
+        model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[u:u + 6]), "last")]))
+    rows = []
+    for step in range(steps):
+        rows.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([TOKENS[7 + step + u]]))
+                                         for u, kv in enumerate(kvs)])))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
+def test_a_decode_step_of_several_users_through_the_relay_is_bit_identical(gguf_models, target):
+    """With relay_tokens >= the users, a decode step of three sequences' tokens goes through the relay as one
+    post a layer (the host groups the three tokens' pairs by expert, the device finds its resident pairs
+    itself): the same logits bit for bit as the prompt-chunk way (relay_tokens 1), its usage too, and each
+    relayed layer's trace counts three tokens."""
+    from hybrid.expert_usage import ExpertUsage
+
+    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
+    weights = load_model(path)
+    c = weights.config
+    for name, mask in _masks(c.num_layers, c.num_experts).items():
+        scores, devices, usages, traces = {}, {}, {}, {}
+        for tokens in (1, 3):
+            device = devices[tokens] = StandInDevice(mask)
+            model = Model(weights, device, host=CpuBackend())
+            model.split.decode_relay, model.split.relay_tokens, model.split.trace = True, tokens, []
+            model.usage = usages[tokens] = ExpertUsage(c.num_layers, c.num_experts, c.num_experts_per_tok)
+            scores[tokens] = _batch_decode_steps(model)
+            traces[tokens] = [t for t in model.split.trace if t["tokens"] == 3]
+            model.close()
+        np.testing.assert_array_equal(scores[3], scores[1], err_msg=name)
+        for field in ("prefill", "decode", "coactivation"):
+            np.testing.assert_array_equal(getattr(usages[3], field), getattr(usages[1], field), err_msg=name)
+        hybrid_layers = int((~mask).any(axis=1).sum())
+        assert devices[1].published == 0 and devices[3].published == 2 * hybrid_layers, name  # a post a layer
+        assert len(traces[3]) == 2 * c.num_layers and len(traces[1]) == 2 * c.num_layers, name
+        assert devices[3].decode_submitted > devices[1].decode_submitted or not mask.any(), name
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_relay_tokens_from_the_environment_must_be_a_count(monkeypatch, value):
+    from hybrid.moe import relay_tokens_from_env
+
+    monkeypatch.setenv("STRATA_DECODE_RELAY_TOKENS", value)
+    with pytest.raises(ValueError, match=f"STRATA_DECODE_RELAY_TOKENS={value}: expected a token count >= 1"):
+        relay_tokens_from_env()
+    monkeypatch.delenv("STRATA_DECODE_RELAY_TOKENS")
+    assert relay_tokens_from_env() == 1
 
 
 def test_closing_the_model_stops_the_relay_worker_and_a_later_step_starts_it_again(gguf_models):
