@@ -23,7 +23,7 @@ import numpy as np
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from hybrid import LLM  # noqa: E402
 from cpu_kernels.target import chosen_threads  # noqa: E402
-from hybrid.moe import RELAY_BY_DEFAULT, relay_threads_from_env  # noqa: E402
+from hybrid.moe import RELAY_BY_DEFAULT, relay_threads_from_env, relay_tokens_from_env  # noqa: E402
 
 log = logging.getLogger("bench.gpu_model")
 
@@ -70,13 +70,17 @@ def decode_rate(llm, num_tokens):
     return out.timings["predicted_per_second"]
 
 
-def concurrent_rates(llm, users, num_tokens):
+def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
     """(tok/s each user saw, mean; tok/s of all users together): `users` greedy requests decoded at once by the
-    serving engine (one decode batch of `users` tokens a step), each after its own 32-token prompt."""
+    serving engine (one decode batch of `users` tokens a step), each after its own 32-token prompt; decode
+    steps of up to relay_tokens tokens through the relay (ExpertSplit.relay_tokens)."""
     from hybrid.engine import Engine
     from hybrid.request import Finished, Request
     from hybrid.sampling import SamplingParams
 
+    split = llm.model.split
+    if split is not None:
+        split.relay_tokens = relay_tokens
     engine = Engine(llm, num_slots=users).start()
     try:
         params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
@@ -86,6 +90,8 @@ def concurrent_rates(llm, users, num_tokens):
         wall = time.perf_counter() - t0
     finally:
         engine.stop()
+        if split is not None:
+            split.relay_tokens = relay_tokens_from_env()
     failed = [r for r in results if not isinstance(r, Finished)]
     if failed:
         raise RuntimeError(f"{len(failed)} of {users} concurrent requests failed: {failed[0]}")
@@ -173,12 +179,14 @@ def main(argv=None):
         else:
             decode[-1] += " |" * (len(modes) - 1)
         if args.users:
-            try:
-                each, together = concurrent_rates(llm, args.users, args.decode_tokens)
-                concurrent.append(f"| {share} | {each:.1f} | {together:.1f} |")
-            except Exception as exc:  # the other tables still come out
-                log.exception("%d users at once at %d %% resident failed", args.users, share)
-                concurrent.append(f"| {share} | failed: {type(exc).__name__}: {exc} | |")
+            concurrent.append(f"| {share} |")
+            for relay_tokens in (1, args.users):  # the prompt-chunk way, then the whole step through the relay
+                try:
+                    each, together = concurrent_rates(llm, args.users, args.decode_tokens, relay_tokens)
+                    concurrent[-1] += f" {each:.1f} | {together:.1f} |"
+                except Exception as exc:  # the other tables still come out
+                    log.exception("%d users at once at %d %% resident failed", args.users, share)
+                    concurrent[-1] += f" failed: {type(exc).__name__}: {exc} | |"
             log.info("%d users at once: %s", args.users, concurrent[-1])
         if share == args.borrow_share:
             prefill += prefill_rows(llm, args.prompt_tokens, share)
@@ -214,8 +222,11 @@ def main(argv=None):
 
 def users_table(users, num_tokens, rows):
     return [f"## {users} users at once ({num_tokens} tokens each, the serving engine's decode batches)", "",
-            "| resident % | tok/s each user saw (mean) | generated tok/s all together (prompts included) |",
-            "|---|---|---|", *rows, ""]
+            "Each: the mean tok/s each user saw; together: generated tok/s of all users, prompts included. "
+            f"One by one: relay_tokens 1 (a step of several tokens runs as a prompt chunk); batch: relay_tokens "
+            f"{users} (the whole step through the relay, STRATA_DECODE_RELAY_TOKENS).", "",
+            "| resident % | each (one by one) | together (one by one) | each (batch) | together (batch) |",
+            "|---|---|---|---|---|", *rows, ""]
 
 
 def prefill_rows(llm, num_tokens, share):

@@ -138,3 +138,39 @@ def test_decode_relay_matches_the_cpu_engine(runtime, gguf_models, target):
         gpu.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True)
     del host.relay_decode_experts
     assert gpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
+def test_a_decode_step_of_several_users_through_the_relay_matches_the_cpu_engine(runtime, gguf_models, target):
+    """STRATA_DECODE_RELAY_TOKENS's way on a GPU: decode steps of three sequences' tokens, each layer's routing and
+    rows posted once for the three, the host grouping their pairs, the device running its resident pairs from its
+    own routing: logits within 2e-3 of the CPU engine's at 0, 50 and 100 % resident, and each hybrid layer's
+    step relayed as one."""
+    from hybrid import LLM
+    from hybrid.batch import Batch, SeqChunk
+
+    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
+    prompts = [[3, 17, 42, 5, 99], [23, 64, 7, 11, 250, 31], [8, 77, 120]]
+
+    def steps(model):
+        kvs = [model.new_sequence(64) for _ in prompts]
+        for kv, p in zip(kvs, prompts):
+            model.forward(Batch([SeqChunk(kv, 0, np.asarray(p), "last")]))
+        return np.concatenate([model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([19 + s + u]))
+                                                    for u, kv in enumerate(kvs)])) for s in range(3)])
+
+    cpu = LLM(path, device="cpu", max_context=256)
+    ref = steps(cpu.model)
+    c = cpu.config
+    rng = np.random.default_rng(1)
+    for name, mask in {"0%": np.zeros((c.num_layers, c.num_experts), bool),
+                       "50%": rng.random((c.num_layers, c.num_experts)) < 0.5,
+                       "100%": np.ones((c.num_layers, c.num_experts), bool)}.items():
+        with LLM(path, device="gpu", max_context=256, kv_sequences=3, resident=mask) as gpu:
+            split = gpu.model.split
+            split.decode_relay, split.relay_tokens, split.trace = True, 3, []
+            got = steps(gpu.model)
+            err = np.abs(got - ref).max() / np.abs(ref).max()
+            assert err <= 2e-3, f"{name}: rel err {err:.2e}"
+            relayed = [t for t in split.trace if t["tokens"] == 3 and t["cpu_s"] > 0]
+            assert len(relayed) == 3 * int((~mask).any(axis=1).sum()), name

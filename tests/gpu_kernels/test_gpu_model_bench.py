@@ -37,8 +37,9 @@ def test_bench_writes_every_table(bench, gguf_models, tmp_path):
     assert len(rows) == 3 and all(line.count("|") == 5 for line in rows), rows
     assert "| on |" in text and "| off |" in text
     users = text[text.index("## 3 users at once"):text.index("## Prefill")]
-    assert "| resident % | tok/s each user saw (mean) | generated tok/s all together (prompts included) |" in users
-    assert len([line for line in users.splitlines() if line.startswith(("| 0 |", "| 50 |", "| 100 |"))]) == 3
+    assert "| resident % | each (one by one) | together (one by one) | each (batch) | together (batch) |" in users
+    rows = [line for line in users.splitlines() if line.startswith(("| 0 |", "| 50 |", "| 100 |"))]
+    assert len(rows) == 3 and all(line.count("|") == 6 and "failed" not in line for line in rows), rows
     for run in ("decode, 50 % resident, relay |", "decode, 50 % resident, relay, a core spare |",
                 "decode, 50 % resident, inline |", "prefill chunk, 50 % resident, borrow |"):
         assert run in text, run
@@ -51,7 +52,7 @@ def test_bench_names_an_unknown_mode(bench, capsys):
 
 
 def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path, monkeypatch):
-    def fail(llm, users, num_tokens):
+    def fail(llm, users, num_tokens, relay_tokens):
         raise RuntimeError("2 of 3 concurrent requests failed: injected")
 
     monkeypatch.setattr(bench, "concurrent_rates", fail)
@@ -60,5 +61,6 @@ def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path
     assert bench.main(["--model", path, "--shares", "50", "--decode-tokens", "2", "--prompt-tokens", "40",
                        "--borrow-share", "-1", "--modes", "relay", "--users", "3", "--output", str(out)]) == 0
     text = out.read_text()
-    assert "| 50 | failed: RuntimeError: 2 of 3 concurrent requests failed: injected | |" in text
+    failed = " failed: RuntimeError: 2 of 3 concurrent requests failed: injected | |"
+    assert "| 50 |" + 2 * failed in text
     assert "decode, 50 % resident, relay |" in text
