@@ -18,15 +18,17 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, i
 }
 
 // In place over x [T, nH, D]: NeoX rotation of the halves (i, i + D/2) by the float32 angle
-// pos * inv_freq[i] (inv_freq [D/2] from the host, rounded as HF's). grid (T).
+// pos * inv_freq[i] (inv_freq [D/2] from the host, rounded as HF's). sincosf reduces the full range (no fast
+// math here), within 2 ulp of the float64 cos and sin rounded, and keeps FP64 (1/64 rate on consumer cards)
+// out of a kernel that prefill runs on every row. grid (T).
 extern "C" __global__ void rope_neox(float* x, const i64* positions, const float* inv_freq, int nH, int D) {
     int half = D / 2;
     float pos = (float)positions[blockIdx.x];
     float* xt = x + (i64)blockIdx.x * nH * D;
     for (int idx = threadIdx.x; idx < nH * half; idx += blockDim.x) {
         int h = idx / half, i = idx % half;
-        double angle = (double)(pos * inv_freq[i]);
-        float c = (float)cos(angle), s = (float)sin(angle);
+        float s, c;
+        sincosf(pos * inv_freq[i], &s, &c);
         float x1 = xt[h * D + i], x2 = xt[h * D + i + half];
         xt[h * D + i] = x1 * c - x2 * s;
         xt[h * D + i + half] = x2 * c + x1 * s;
