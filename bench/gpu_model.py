@@ -78,7 +78,7 @@ def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
     from hybrid.request import Finished, Request
     from hybrid.sampling import SamplingParams
 
-    split = llm.model.split
+    split, usage = llm.model.split, llm.model.usage
     if split is not None:
         split.relay_tokens = relay_tokens
     engine = Engine(llm, num_slots=users).start()
@@ -90,6 +90,7 @@ def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
         wall = time.perf_counter() - t0
     finally:
         engine.stop()
+        llm.model.usage = usage  # the engine records usage while it serves; the runs after it as before
         if split is not None:
             split.relay_tokens = relay_tokens_from_env()
     failed = [r for r in results if not isinstance(r, Finished)]
