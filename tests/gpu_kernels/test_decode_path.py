@@ -150,7 +150,7 @@ def test_a_decode_step_of_several_users_through_the_relay_matches_the_cpu_engine
     from hybrid.batch import Batch, SeqChunk
 
     path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
-    prompts = [[3, 17, 42, 5, 99], [23, 64, 7, 11, 250, 31], [8, 77, 120]]
+    prompts = [[3, 17, 42, 5, 99], [23, 64, 7, 11, 250, 31], [8, 77, 120, 45]]  # each longer than the relayed 3
 
     def steps(model):
         kvs = [model.new_sequence(64) for _ in prompts]
