@@ -375,19 +375,19 @@ def _host_pool():
 
 def relay_tokens_from_env():
     """STRATA_DECODE_RELAY_TOKENS=N: decode steps of up to N tokens go through the relay (default 1)."""
-    value = os.environ.get("STRATA_DECODE_RELAY_TOKENS", "1")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"STRATA_DECODE_RELAY_TOKENS={value}: expected a token count >= 1")
-    return int(value)
+    return _count("STRATA_DECODE_RELAY_TOKENS", os.environ.get("STRATA_DECODE_RELAY_TOKENS", "1"), "token")
 
 
 def relay_threads_from_env():
     """STRATA_RELAY_THREADS=N: the relay worker's experts on N Numba threads (unset: set_threads' count)."""
     value = os.environ.get("STRATA_RELAY_THREADS", "")
-    if not value:
-        return None
+    return _count("STRATA_RELAY_THREADS", value, "thread") if value else None
+
+
+def _count(name, value, what):
+    """The count >= 1 that environment variable `name` holds as `value`; ValueError naming it otherwise."""
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"STRATA_RELAY_THREADS={value}: expected a thread count >= 1")
+        raise ValueError(f"{name}={value}: expected a {what} count >= 1")
     return int(value)
 
 

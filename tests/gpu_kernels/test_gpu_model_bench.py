@@ -24,12 +24,17 @@ def bench(monkeypatch):
     return module
 
 
-def test_bench_writes_every_table(bench, gguf_models, tmp_path):
+def tables(bench, gguf_models, tmp_path, *args):
+    """The text the bench writes on the small Q8_0 model with these arguments (a 40-token prompt, 3 users)."""
     path, _ = gguf_models("small", "Q8_0")
     out = tmp_path / "model.md"
-    assert bench.main(["--model", path, "--shares", "0,50,100", "--decode-tokens", "3", "--prompt-tokens", "40",
-                       "--borrow-share", "50", "--modes", "inline,spare", "--users", "3", "--output", str(out)]) == 0
-    text = out.read_text()
+    assert bench.main(["--model", path, "--prompt-tokens", "40", "--users", "3", *args, "--output", str(out)]) == 0
+    return out.read_text()
+
+
+def test_bench_writes_every_table(bench, gguf_models, tmp_path):
+    text = tables(bench, gguf_models, tmp_path, "--shares", "0,50,100", "--decode-tokens", "3", "--borrow-share", "50",
+                  "--modes", "inline,spare")
     header = "| resident % | tok/s (relay, the default) | tok/s (inline) | tok/s (relay, a core spare) |"
     assert header in text
     decode = text[text.index("## Decode"):text.index("## 3 users at once")]
@@ -56,11 +61,8 @@ def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path
         raise RuntimeError("2 of 3 concurrent requests failed: injected")
 
     monkeypatch.setattr(bench, "concurrent_rates", fail)
-    path, _ = gguf_models("small", "Q8_0")
-    out = tmp_path / "model.md"
-    assert bench.main(["--model", path, "--shares", "50", "--decode-tokens", "2", "--prompt-tokens", "40",
-                       "--borrow-share", "-1", "--modes", "relay", "--users", "3", "--output", str(out)]) == 0
-    text = out.read_text()
+    text = tables(bench, gguf_models, tmp_path, "--shares", "50", "--decode-tokens", "2", "--borrow-share", "-1",
+                  "--modes", "relay")
     failed = " failed: RuntimeError: 2 of 3 concurrent requests failed: injected | |"
     assert "| 50 |" + 2 * failed in text
     assert "decode, 50 % resident, relay |" in text
