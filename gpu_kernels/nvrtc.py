@@ -6,7 +6,7 @@ import ctypes
 import glob
 import os
 
-from .errors import KernelCompileError
+from .rtc import RuntimeCompiler
 
 
 def find_library():
@@ -31,36 +31,16 @@ def find_library():
     return None
 
 
-class Nvrtc:
+class Nvrtc(RuntimeCompiler):
+    prefix = "nvrtc"
+    code_functions = ("GetCUBINSize", "GetCUBIN")
+
     def __init__(self, path=None):
         path = path or find_library()
         if path is None:
             raise OSError("no libnvrtc found (pip install nvidia-cuda-nvrtc)")
-        self.lib = ctypes.CDLL(path)
-        self.path = path
-
-    def _check(self, status, what):
-        if status != 0:
-            self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-            raise RuntimeError(f"NVRTC {what}: {self.lib.nvrtcGetErrorString(status).decode()}")
+        super().__init__(path)
 
     def compile(self, name, source, arch="sm_90", options=()):
         """Machine code (CUBIN) of `source` for `arch`; KernelCompileError naming the module, with NVRTC's log."""
-        prog = ctypes.c_void_p()
-        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
-                                                0, None, None), "create")
-        try:
-            opts = [o.encode() for o in (f"--gpu-architecture={arch}", *options)]
-            status = self.lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-            if status != 0:
-                raise KernelCompileError(name, self._read(prog, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog"))
-            return self._read(prog, "nvrtcGetCUBINSize", "nvrtcGetCUBIN", binary=True)
-        finally:
-            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-    def _read(self, prog, size_fn, get_fn, binary=False):
-        size = ctypes.c_size_t()
-        getattr(self.lib, size_fn)(prog, ctypes.byref(size))
-        buf = ctypes.create_string_buffer(size.value)
-        getattr(self.lib, get_fn)(prog, buf)
-        return buf.raw if binary else buf.value.decode(errors="replace")
+        return self._build(name, source, arch, options)
