@@ -27,12 +27,8 @@ def find_library():
 class Hiprtc(RuntimeCompiler):
     prefix = "hiprtc"
     code_functions = ("GetCodeSize", "GetCode")
-
-    def __init__(self, path=None):
-        path = path or find_library()
-        if path is None:
-            raise OSError("no hiprtc library found (ROCm's libhiprtc, or Debian's libamdhip64-dev)")
-        super().__init__(path)
+    missing = "no hiprtc library found (ROCm's libhiprtc, or Debian's libamdhip64-dev)"
+    find_library = staticmethod(find_library)
 
     def compile(self, name, source, chip="gfx906", options=("--std=c++14",)):
         """The code object (ELF) of `source` for `chip`; KernelCompileError naming the module and chip, with the

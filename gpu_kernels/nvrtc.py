@@ -34,12 +34,8 @@ def find_library():
 class Nvrtc(RuntimeCompiler):
     prefix = "nvrtc"
     code_functions = ("GetCUBINSize", "GetCUBIN")
-
-    def __init__(self, path=None):
-        path = path or find_library()
-        if path is None:
-            raise OSError("no libnvrtc found (pip install nvidia-cuda-nvrtc)")
-        super().__init__(path)
+    missing = "no libnvrtc found (pip install nvidia-cuda-nvrtc)"
+    find_library = staticmethod(find_library)
 
     def compile(self, name, source, arch="sm_90", options=()):
         """Machine code (CUBIN) of `source` for `arch`; KernelCompileError naming the module, with NVRTC's log."""

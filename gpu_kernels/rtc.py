@@ -9,8 +9,16 @@ class RuntimeCompiler:
     prefix = ""  # "nvrtc" or "hiprtc"
     arch_option = "--gpu-architecture"
     code_functions = ("", "")  # (size, get) of the compiled binary
+    missing = ""  # the error when no library is found
 
-    def __init__(self, path):
+    @staticmethod
+    def find_library():
+        return None
+
+    def __init__(self, path=None):
+        path = path or self.find_library()
+        if path is None:
+            raise OSError(self.missing)
         self.lib = ctypes.CDLL(path)
         self.path = path
         self._fn("GetErrorString").restype = ctypes.c_char_p
