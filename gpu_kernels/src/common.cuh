@@ -172,22 +172,32 @@ __device__ __forceinline__ XQ stage_xq(const float* __restrict__ x, int C, unsig
     return xq;
 }
 
-// c + the dot of a's and b's 4 signed bytes. AMD chips with a 4-byte dot instruction use it (gfx906 and CDNA, RDNA2:
-// v_dot4_i32_i8; RDNA3 and 4: v_dot4_i32_iu8, both operands signed); the others (gfx900, RDNA1) take 4 products.
+// c + the dot of a's and b's 4 signed bytes. AMD chips with a 4-byte dot instruction use it (AMD_DOT4 1: gfx906, CDNA
+// and RDNA2, v_dot4_i32_i8; 2: RDNA3 and 4, v_dot4_i32_iu8 with both operands signed); the others (gfx900, RDNA1)
+// take four products, as every chip does with DP4A_PRODUCTS defined (bench/hip_assembly.py compares the two).
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
-#if defined(__GFX11__) || defined(__GFX12__)
-__device__ __forceinline__ int dp4a(int a, int b, int c) { return __builtin_amdgcn_sudot4(true, a, true, b, c, false); }
+#if defined(DP4A_PRODUCTS)
+#define AMD_DOT4 0
+#elif defined(__GFX11__) || defined(__GFX12__)
+#define AMD_DOT4 2
 #elif defined(__gfx906__) || defined(__gfx908__) || defined(__gfx90a__) || defined(__gfx940__) || \
     defined(__gfx941__) || defined(__gfx942__) || defined(__gfx950__) || defined(__gfx1030__) || \
     defined(__gfx1031__) || defined(__gfx1032__) || defined(__gfx1033__) || defined(__gfx1034__) || \
     defined(__gfx1035__) || defined(__gfx1036__)
-__device__ __forceinline__ int dp4a(int a, int b, int c) { return __builtin_amdgcn_sdot4(a, b, c, false); }
+#define AMD_DOT4 1
 #else
+#define AMD_DOT4 0
+#endif
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
+#if AMD_DOT4 == 2
+    return __builtin_amdgcn_sudot4(true, a, true, b, c, false);
+#elif AMD_DOT4 == 1
+    return __builtin_amdgcn_sdot4(a, b, c, false);
+#else
     for (int i = 0; i < 32; i += 8) c += ((a << (24 - i)) >> 24) * ((b << (24 - i)) >> 24);
     return c;
-}
 #endif
+}
 #else
 __device__ __forceinline__ int dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
 #endif

@@ -3,7 +3,10 @@ hiprtc, as CuPy for ROCm compiles them, into code objects for gfx906 (MI50, wave
 for gfx1100 (RX 7900 XTX, RDNA3, waves of 32), which Debian's device libraries do not cover.
 The int16 decode kernels' 4-byte dots become the chip's dot instruction where it has one."""
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,7 @@ MODULES = all_modules()
 IDS = [name for name, _ in MODULES]
 needs_hiprtc = pytest.mark.skipif(hiprtc.find_library() is None, reason="no hiprtc (Debian: libamdhip64-dev)")
 needs_hipcc = pytest.mark.skipif(find_hipcc() is None, reason="no hipcc (Debian: apt-get install hipcc)")
+ROOT = Path(__file__).resolve().parents[2]
 BROKEN = "\nextern \"C\" __global__ void broken(float* x) { x[0] = not_declared; }\n"
 
 
@@ -93,3 +97,19 @@ def test_a_hipcc_compile_error_names_module_chip_and_shows_log(hipcc):
     message = str(info.value)
     assert "'ops_broken (gfx1100)'" in message
     assert "not_declared" in message and "ops_broken.hip" in message and "strata-hipcc-" not in message
+
+
+@needs_hipcc
+def test_the_assembly_bench_counts_fewer_loop_instructions_with_the_dot_instruction(tmp_path):
+    """bench/hip_assembly.py on one format and chip: a row per one-token kernel, its dot loop shorter with the chip's
+    dot instruction than with four products."""
+    out = tmp_path / "table.md"
+    done = subprocess.run([sys.executable, "bench/hip_assembly.py", "--chips", "gfx1100", "--formats", "q8_0",
+                           "--output", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[2:]]
+    assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
+        ("Q8_0", "gfx1100", "matmul_1q"), ("Q8_0", "gfx1100", "moe_matmul_1q")]
+    for r in rows:
+        products_loop, dot_loop, dots = int(r[5]), int(r[6]), int(r[7])
+        assert dots > 0 and products_loop > dot_loop > 0
