@@ -36,6 +36,11 @@ ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernel
 # walking runs of rows: Q4_K 73 % of the copy bandwidth against 53 %, Q8_0 76 against 73, Q6_K 68 against 55, Q5_K 71
 # against 52, Q4_0 67 against 54).
 GPU_INT16_FORMATS = INT_DECODE
+# AMD chips that do a 4-byte integer dot in one instruction besides RDNA3 and 4 (gfx11*, gfx12*): common.cuh's
+# AMD_DOT4. The others take four products a dot, and there "auto" gives float x (tests/gpu_kernels/test_compile_hip.py
+# holds this list to the kernels' machine code).
+AMD_DOT4_CHIPS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx940", "gfx941", "gfx942", "gfx950",
+                            *(f"gfx103{i}" for i in range(7))})
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
 PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
@@ -63,6 +68,12 @@ def gpu_act_quant(name=None):
     if name == "int8":
         log.info("STRATA_ACT_QUANT=int8: the GPU matmuls round activations to int16")
     return "float" if name == "float" else "int16"
+
+
+def has_dot4(chip):
+    """Whether the GPU does the int16 matmuls' 4-byte integer dots in one instruction: every NVIDIA GPU (chip None)
+    and the AMD chips of common.cuh's AMD_DOT4 (chip: the base name, "gfx1100")."""
+    return chip is None or chip in AMD_DOT4_CHIPS or chip.startswith(("gfx11", "gfx12"))
 
 
 def describe_act_quant(act_quant):
@@ -122,13 +133,18 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
 class Kernels:
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
-    key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: STRATA_ACT_QUANT).
+    key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: STRATA_ACT_QUANT;
+    "auto" is float on an AMD chip without has_dot4).
     row_chunks: runs of rows a one-token matmul block walks (matmul.cu's block_walk); None: _row_chunks decides."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
                  max_splits=MAX_SPLITS, act_quant=None, row_chunks=None):
         self.rt, self.stream = runtime, stream
         self.act_quant = gpu_act_quant(act_quant)
+        chip = getattr(runtime, "chip", None)
+        if self.act_quant == "auto" and not has_dot4(chip):
+            log.info("%s has no 4-byte dot instruction: the one-token matmuls take x as float", chip)
+            self.act_quant = "float"
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
         self.min_blocks, self.row_chunks = min_blocks, row_chunks

@@ -42,6 +42,7 @@ class CupyRuntime:
         self.multiprocessors = int(props["multiProcessorCount"])
         self.registers_per_multiprocessor = int(props.get("regsPerMultiprocessor", 65536))
         self.name = "cupy-rocm" if self.is_hip else "cupy-cuda"
+        self.chip = amd_chip(props.get("gcnArchName")) if self.is_hip else None  # "gfx1100"; None on NVIDIA
         self._modules = {}
 
     def memory_info(self):
@@ -150,6 +151,14 @@ class CupyRuntime:
         else:
             with stream:
                 function(grid, block, args, shared_mem=shared_mem)
+
+
+def amd_chip(arch_name):
+    """An AMD device's chip ("gfx90a") from its gcnArchName ("gfx90a:sramecc+:xnack-", bytes or str), or None."""
+    if not arch_name:
+        return None
+    name = arch_name.decode() if isinstance(arch_name, bytes) else str(arch_name)
+    return name.split(":")[0].strip() or None
 
 
 def _ptr(stream):

@@ -13,6 +13,7 @@ import pytest
 from gpu_kernels import hiprtc
 from gpu_kernels.errors import KernelCompileError
 from gpu_kernels.hipcc import Hipcc, find_hipcc, kernel_assembly
+from gpu_kernels.kernels import has_dot4
 from gpu_kernels.sources import INT_DECODE, all_modules, module_name, module_source
 
 MODULES = all_modules()
@@ -88,6 +89,19 @@ def test_chips_without_a_dot_instruction_take_four_products(hipcc):
         assert dot_instructions(assembly) == []
         assert any(i.startswith(("v_mul_i32_i24", "v_mad_i32_i24", "v_mul_lo")) for i in
                    kernel_assembly(assembly, "matmul_1q"))
+
+
+@needs_hipcc
+def test_the_hosts_list_of_chips_with_a_dot_instruction_is_the_kernels(hipcc):
+    """kernels.has_dot4 (which makes "auto" take float x where it is False) says of each chip what its machine code
+    shows: a dot instruction in the int16 kernel, or none."""
+    chips = ["gfx900", "gfx906", "gfx908", "gfx90a", "gfx940", "gfx1010", "gfx1012", "gfx1030", "gfx1031", "gfx1100",
+             "gfx1101", "gfx1103"]
+    source = module_source("matmul_q8_0")
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        found = dict(zip(chips, pool.map(lambda c: bool(dot_instructions(hipcc.assembly("matmul_q8_0", source, c))),
+                                         chips)))
+    assert found == {chip: has_dot4(chip) for chip in chips}
 
 
 @needs_hipcc

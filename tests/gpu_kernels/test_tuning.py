@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType as Q
 from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
                                  GPU_INT16_FORMATS, SLICE_WEIGHTS, Kernels, gpu_act_quant)
 from gpu_kernels.nvrtc import Nvrtc, find_library
+from gpu_kernels.runtime import amd_chip
 from gpu_kernels.sources import INT_DECODE, module_name, module_source
 
 
@@ -148,3 +149,23 @@ def test_act_quant_setting(monkeypatch):
     assert gpu_act_quant("int8") == "int16"  # no int8 dot on the GPU
     with pytest.raises(ValueError, match="STRATA_ACT_QUANT='fp8'"):
         gpu_act_quant("fp8")
+
+
+@pytest.mark.parametrize("chip,act_quant,kernel", [
+    (None, "auto", "matmul_1q"),  # NVIDIA: dp4a
+    ("gfx1100", "auto", "matmul_1q"), ("gfx906", "auto", "matmul_1q"), ("gfx1030", "auto", "matmul_1q"),
+    ("gfx900", "auto", "matmul_1"), ("gfx1010", "auto", "matmul_1"),  # four products a dot: float x
+    ("gfx900", "int16", "matmul_1q"),  # asked for: kept
+])
+def test_auto_takes_float_x_on_amd_chips_without_a_dot_instruction(chip, act_quant, kernel):
+    rt = LaunchRecorder()
+    rt.chip = chip
+    Kernels(rt, act_quant=act_quant).matmul(np.zeros((768, 34), np.uint8), Q.Q8_0, np.zeros((1, 1024), np.float32),
+                                            np.zeros((1, 768), np.float32))
+    assert rt.launches[-1][0] == kernel
+
+
+def test_amd_chip_names():
+    assert amd_chip(b"gfx90a:sramecc+:xnack-") == "gfx90a"
+    assert amd_chip("gfx1100") == "gfx1100"
+    assert amd_chip(None) is None and amd_chip(b"") is None
