@@ -34,16 +34,31 @@ def assemble_all(hipcc, chip, names):
         return dict(zip(names, pool.map(lambda n: hipcc.assembly(n, module_source(n), chip), names)))
 
 
+def hiprtc_all(chip):
+    compiler = hiprtc.Hiprtc()
+    return {name: compiler.compile(name, module_source(name), chip) for name in IDS}
+
+
 @pytest.fixture(scope="module")
-def gfx1100_assembly(hipcc):
-    return assemble_all(hipcc, "gfx1100", IDS)
+def builds():
+    """(gfx906 code objects by module through hiprtc, gfx1100 assembly by module through hipcc), each None where its
+    compiler is missing; made at once (hiprtc in this process, hipcc in others), as the two take about as long."""
+    with ThreadPoolExecutor(1 + (os.cpu_count() or 2)) as pool:
+        code = pool.submit(hiprtc_all, "gfx906") if hiprtc.find_library() else None
+        hip = Hipcc() if find_hipcc() else None
+        assembly = {n: pool.submit(hip.assembly, n, module_source(n), "gfx1100") for n in IDS} if hip else None
+        return (code and code.result()), (assembly and {n: job.result() for n, job in assembly.items()})
+
+
+@pytest.fixture(scope="module")
+def gfx1100_assembly(builds):
+    return builds[1]
 
 
 @needs_hiprtc
-def test_every_module_compiles_with_hiprtc_for_gfx906():
-    compiler = hiprtc.Hiprtc()
+def test_every_module_compiles_with_hiprtc_for_gfx906(builds):
     for name, kernel_names in MODULES:
-        code = compiler.compile(name, module_source(name), "gfx906")
+        code = builds[0][name]
         assert code[:4] == b"\x7fELF", name
         for kernel in kernel_names:
             assert kernel.encode() in code, (name, kernel)
