@@ -1,7 +1,7 @@
 """The int16 decode kernels on AMD chips, read from their assembly (no GPU): instructions with the chip's 4-byte dot
 instruction against four products a dot (DP4A_PRODUCTS, the way every AMD chip went before), side by side.
 
-For each format with an int16 decode (gpu_kernels.sources.INT_DECODE) at its decode tuning (Kernels.tuning) and each
+For each format with an int16 decode (gpu_kernels.sources.INT_DECODE) at its decode tuning (kernels.format_tuning) and each
 chip, hipcc compiles the module both ways to assembly; per one-token kernel (matmul_1q, moe_matmul_1q) the table
 gives the kernel's instructions, those of its dot loop (the innermost loop, as LLVM's loop comments mark them, with
 the most dot instructions; in the products build, with the most 24-bit integer products) and the dots in it.
@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from gpu_kernels.hipcc import Hipcc, kernel_assembly  # noqa: E402
-from gpu_kernels.kernels import DECODE_MIN_BLOCKS, DECODE_TUNING  # noqa: E402
-from gpu_kernels.sources import INT_DECODE, INT_DECODE_KERNELS, module_name, module_source  # noqa: E402
+from gpu_kernels.kernels import format_tuning, tuned_source  # noqa: E402
+from gpu_kernels.sources import INT_DECODE, INT_DECODE_KERNELS, module_name  # noqa: E402
 
 LABEL = re.compile(r"^\.(LBB\d+_\d+):(.*)$")
 WORK = ("v_dot4", "v_mul_i32_i24", "v_mad_i32_i24")  # the dots' instructions: the chip's, or the products' multiplies
@@ -45,9 +45,8 @@ def loops(assembly, kernel):
 
 
 def source(qtype, products):
-    rows, blocks = DECODE_TUNING.get(qtype, (2, 2))[0], DECODE_MIN_BLOCKS.get(qtype, 0)
-    return (f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" + ("#define DP4A_PRODUCTS\n" if products
-                                                                                   else "") + module_source(module_name(qtype)))
+    rows, _, blocks = format_tuning(qtype)
+    return tuned_source(qtype, rows, blocks, "#define DP4A_PRODUCTS\n" if products else "")
 
 
 def dot_loop(assembly, kernel):

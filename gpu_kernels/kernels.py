@@ -70,6 +70,22 @@ def gpu_act_quant(name=None):
     return "float" if name == "float" else "int16"
 
 
+def format_tuning(qtype):
+    """(rows a lane group, slices a lane, blocks an SM holds or 0) of qtype's one-token matmuls by default."""
+    rows, slices = DECODE_TUNING.get(Q(qtype), (DECODE_ROWS, LANE_SLICES))
+    return rows, slices, DECODE_MIN_BLOCKS.get(Q(qtype), 0)
+
+
+def tuned_source(qtype, rows, blocks, defines=""):
+    """The source of qtype's matmul module at a tuning (common.cuh's DECODE_ROWS, DECODE_MIN_BLOCKS); `defines`: more
+    lines before it."""
+    return f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n{defines}" + module_source(module_name(qtype))
+
+
+def tuned_module_name(qtype, rows, blocks):
+    return f"{module_name(qtype)}_r{rows}_b{blocks}"
+
+
 def has_dot4(chip):
     """Whether the GPU does the int16 matmuls' 4-byte integer dots in one instruction: every NVIDIA GPU (chip None)
     and the AMD chips of common.cuh's AMD_DOT4 (chip: the base name, "gfx1100")."""
@@ -163,16 +179,16 @@ class Kernels:
 
     def tuning(self, qtype):
         """(rows a lane group, slices a lane, blocks an SM holds or 0) of qtype's one-token matmuls."""
-        rows, slices = DECODE_TUNING.get(Q(qtype), (DECODE_ROWS, LANE_SLICES))
-        blocks = DECODE_MIN_BLOCKS.get(Q(qtype), 0) if self.min_blocks is None else self.min_blocks
-        return self.decode_rows or rows, self.lane_slices or slices, blocks
+        rows, slices, blocks = format_tuning(qtype)
+        return (self.decode_rows or rows, self.lane_slices or slices,
+                blocks if self.min_blocks is None else self.min_blocks)
 
     def _mm(self, qtype, name):
         key = (qtype, name)
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
-            mod, (rows, _, blocks) = module_name(qtype), self.tuning(qtype)
-            source = f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" + module_source(mod)
-            self._functions[key] = self.rt.compile(f"{mod}_r{rows}_b{blocks}", source, matmul_kernels(qtype))[name]
+            rows, _, blocks = self.tuning(qtype)
+            self._functions[key] = self.rt.compile(tuned_module_name(qtype, rows, blocks),
+                                                   tuned_source(qtype, rows, blocks), matmul_kernels(qtype))[name]
         return self._functions[key]
 
     def _kv(self, kv_dtype, name):

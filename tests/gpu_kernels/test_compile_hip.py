@@ -1,7 +1,8 @@
 """Every kernel module compiles for AMD chips without a GPU (Debian's ROCm 5.2 packages, as .ci/run installs): with
 hiprtc, as CuPy for ROCm compiles them, into code objects for gfx906 (MI50, waves of 64); with hipcc into assembly
 for gfx1100 (RX 7900 XTX, RDNA3, waves of 32), which Debian's device libraries do not cover.
-The int16 decode kernels' 4-byte dots become the chip's dot instruction where it has one."""
+Matmul modules compile at their format's decode tuning, as the runtime compiles them. The int16 decode kernels'
+4-byte dots become the chip's dot instruction where it has one."""
 import os
 import subprocess
 import sys
@@ -13,11 +14,18 @@ import pytest
 from gpu_kernels import hiprtc
 from gpu_kernels.errors import KernelCompileError
 from gpu_kernels.hipcc import Hipcc, find_hipcc, kernel_assembly
-from gpu_kernels.kernels import has_dot4
-from gpu_kernels.sources import INT_DECODE, all_modules, module_name, module_source
+from gpu_kernels.kernels import format_tuning, has_dot4, tuned_source
+from gpu_kernels.sources import FORMAT_HEADERS, INT_DECODE, all_modules, module_name, module_source
 
 MODULES = all_modules()
 IDS = [name for name, _ in MODULES]
+FORMAT_OF = {module_name(q): q for q in FORMAT_HEADERS}
+
+
+def runtime_source(name):
+    """Module `name`'s source as the runtime compiles it: a matmul module at its format's decode tuning."""
+    qtype = FORMAT_OF.get(name)
+    return module_source(name) if qtype is None else tuned_source(qtype, *format_tuning(qtype)[::2])
 needs_hiprtc = pytest.mark.skipif(hiprtc.find_library() is None, reason="no hiprtc (Debian: libamdhip64-dev)")
 needs_hipcc = pytest.mark.skipif(find_hipcc() is None, reason="no hipcc (Debian: apt-get install hipcc)")
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,12 +39,12 @@ def hipcc():
 
 def assemble_all(hipcc, chip, names):
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        return dict(zip(names, pool.map(lambda n: hipcc.assembly(n, module_source(n), chip), names)))
+        return dict(zip(names, pool.map(lambda n: hipcc.assembly(n, runtime_source(n), chip), names)))
 
 
 def hiprtc_all(chip):
     compiler = hiprtc.Hiprtc()
-    return {name: compiler.compile(name, module_source(name), chip) for name in IDS}
+    return {name: compiler.compile(name, runtime_source(name), chip) for name in IDS}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,7 @@ def builds():
     with ThreadPoolExecutor(1 + (os.cpu_count() or 2)) as pool:
         code = pool.submit(hiprtc_all, "gfx906") if hiprtc.find_library() else None
         hip = Hipcc() if find_hipcc() else None
-        assembly = {n: pool.submit(hip.assembly, n, module_source(n), "gfx1100") for n in IDS} if hip else None
+        assembly = {n: pool.submit(hip.assembly, n, runtime_source(n), "gfx1100") for n in IDS} if hip else None
         return (code and code.result()), (assembly and {n: job.result() for n, job in assembly.items()})
 
 

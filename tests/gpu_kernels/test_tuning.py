@@ -5,7 +5,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
-                                 GPU_INT16_FORMATS, SLICE_WEIGHTS, Kernels, gpu_act_quant)
+                                 GPU_INT16_FORMATS, SLICE_WEIGHTS, Kernels, format_tuning, gpu_act_quant,
+                                 tuned_module_name, tuned_source)
 from gpu_kernels.nvrtc import Nvrtc, find_library
 from gpu_kernels.runtime import amd_chip
 from gpu_kernels.sources import INT_DECODE, module_name, module_source
@@ -107,9 +108,9 @@ def test_row_chunks_setting_wins_and_stays_within_the_rows():
 @pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("qtype", sorted(DECODE_TUNING), ids=lambda q: Q(q).name)
 def test_tuned_modules_compile_for_sm90(qtype):
-    rows, blocks = DECODE_TUNING[qtype][0], DECODE_MIN_BLOCKS.get(qtype, 0)
-    source = f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" + module_source(module_name(qtype))
-    cubin = Nvrtc().compile(f"{module_name(qtype)}_r{rows}_b{blocks}", source, "sm_90", ("--std=c++14",))
+    rows, _, blocks = format_tuning(qtype)
+    cubin = Nvrtc().compile(tuned_module_name(qtype, rows, blocks), tuned_source(qtype, rows, blocks), "sm_90",
+                            ("--std=c++14",))
     assert b"matmul_1" in cubin
 
 
