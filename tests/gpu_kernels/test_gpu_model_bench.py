@@ -1,6 +1,9 @@
 """bench/gpu_model.py end to end on the GPU backend's CPU stand-in (NumPy arrays, reference kernels): its
-shares, decode ways, prefill and overlap tables come out whole, so a device call does not find it broken."""
+shares, decode ways, prefill and overlap tables come out whole, so a device call does not find it broken. Also
+bench/gpu_host_cost.py, which runs on the CPU alone."""
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +11,9 @@ import pytest
 from gpu_kernels import runtime as gpu_runtime
 from hybrid.backends import gpu as gpu_backend
 
-from .conftest import NumpyRuntime, ReferenceKernels
+from gpu_kernels.numpy_runtime import NumpyRuntime
+
+from .conftest import ReferenceKernels
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_model.py"
 
@@ -66,3 +71,17 @@ def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path
     failed = " failed: RuntimeError: 2 of 3 concurrent requests failed: injected | |"
     assert "| 50 |" + 2 * failed in text
     assert "decode, 50 % resident, relay |" in text
+
+
+def test_host_cost_bench_counts_a_layers_launches(gguf_models):
+    """bench/gpu_host_cost.py on the small model: one table row, the step's time split over its layers and launches
+    (a one-token layer makes at least its dense launches and the resident experts' ones)."""
+    path, _ = gguf_models("small", "Q8_0")
+    done = subprocess.run([sys.executable, str(BENCH.parent / "gpu_host_cost.py"), "--model", path, "--steps", "3",
+                           "--warmup", "1"], capture_output=True, text=True, cwd=BENCH.parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr
+    row = done.stdout.strip().splitlines()[-1].split("|")[1:-1]
+    layers, step_ms, layer_us, launches, launch_us = (float(v) for v in row)
+    assert layers >= 2 and step_ms > 0 and launches >= 15
+    assert abs(layer_us - step_ms * 1e3 / layers) <= 5 / layers + 0.05  # as printed: ms to 2 places, us to 1
+    assert abs(launch_us - layer_us / launches) <= 0.05 / launches + 0.005

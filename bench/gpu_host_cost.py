@@ -1,0 +1,104 @@
+"""The host's own cost of a GPU decode step, on the CPU alone: GpuBackend's Python side and the kernel launchers
+(gpu_kernels.kernels.Kernels), with launches that do nothing and NumPy arrays for device arrays
+(gpu_kernels.numpy_runtime). On a GPU host a decode step's host time is this plus the GPU runtime's own cost a
+launch (CuPy's argument packing and the driver call) and a device allocation; the difference tells how much of a
+launch-bound step is ours.
+
+Every expert resident (no CPU experts, no relay), one sequence, one token a step; the expert launches of each layer
+go through a captured graph as on a GPU (here the capture's stand-in runs them again at each replay, so the
+launches a layer count them too). Medians of --steps steps after --warmup.
+
+    python bench/gpu_host_cost.py --model /tmp/bench-tiny.gguf [--steps 30] [--profile]
+
+Make a small model with many layers with bench/make_model.py (the weights' size does not matter, nothing runs
+them), e.g. `--type Q8_0 --layers 48 --hidden 256 --experts 16 --top-k 4 --moe-ff 128 --heads 4 --kv-heads 2
+--head-dim 64`.
+"""
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from gpu_kernels.numpy_runtime import NumpyRuntime  # noqa: E402
+from hybrid.backends import CpuBackend  # noqa: E402
+from hybrid.backends.gpu import GpuBackend  # noqa: E402
+from hybrid.batch import Batch, SeqChunk  # noqa: E402
+from hybrid.formats import load_model  # noqa: E402
+from hybrid.model import Model  # noqa: E402
+
+
+class LaunchCounter(NumpyRuntime):
+    """Kernels compile to their names and launch as a count; arrays start zeroed (routing ids stay in range)."""
+
+    multiprocessors = 132
+    launches = 0
+
+    def __init__(self):
+        self.modules = {}
+
+    def empty(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def compile(self, name, source, kernel_names):  # one dict read once compiled, as CupyRuntime's
+        if name not in self.modules:
+            self.modules[name] = {k: k for k in kernel_names}
+        return self.modules[name]
+
+    def launch(self, function, grid, block, args, shared_mem=0, stream=None):
+        self.launches += 1
+
+    def resident_blocks(self, function, threads, shared_mem=0):
+        return 1 << 20
+
+    def mapped_address(self, host):
+        return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="also print a cProfile of --steps steps")
+    args = parser.parse_args()
+    weights = load_model(args.model)
+    c = weights.config
+    rt = LaunchCounter()
+    backend = GpuBackend(rt, max_context=args.warmup + 2 * args.steps + 16, kv_sequences=1,
+                         resident=np.ones((c.num_layers, c.num_experts), bool))
+    model = Model(weights, backend, host=CpuBackend())
+    kv = model.new_sequence(args.warmup + 2 * args.steps + 16)
+    model.forward(Batch([SeqChunk(kv, 0, np.arange(4), "last")]))
+
+    def step():
+        model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([7]))]))
+
+    for _ in range(args.warmup):
+        step()
+    times, before = [], rt.launches
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    per_step = np.median(times)
+    launches = (rt.launches - before) / args.steps / c.num_layers
+    print(f"| layers | step (ms) | a layer (us) | launches a layer | a launch (us) |\n|---|---|---|---|---|\n"
+          f"| {c.num_layers} | {per_step * 1e3:.2f} | {per_step / c.num_layers * 1e6:.1f} | {launches:.1f} | "
+          f"{per_step / c.num_layers / launches * 1e6:.2f} |")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.steps):
+            step()
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+    model.close()
+
+
+if __name__ == "__main__":
+    main()
