@@ -1,8 +1,27 @@
 """The runtime interface (gpu_kernels.runtime.CupyRuntime's) over NumPy arrays, without a GPU: device arrays are
-NumPy arrays, copies are assignments, a captured graph runs its work again. It runs GpuBackend's Python side on the
-CPU: with the tests' NumPy kernels (tests/gpu_kernels/conftest.py) it checks the backend's wiring, and with launches
-that do nothing it times the backend's own host cost (bench/gpu_host_cost.py)."""
+NumPy arrays, copies are assignments. It runs GpuBackend's Python side on the CPU: with the tests' NumPy kernels
+(tests/gpu_kernels/conftest.py) it checks the backend's wiring, and with launches that do nothing it times the
+backend's own host cost (bench/gpu_host_cost.py).
+
+A graph is captured as a CUDA graph is: the copies and kernels queued while capturing (those that go through
+queue_or_run) are recorded with their arguments as they were, arrays by reference and numbers by value, and each
+launch runs those calls again. So work that passes a step's number as a kernel argument, or reads an array the
+next step replaces, gives stale results here as it would on a GPU.
+"""
+import threading
+
 import numpy as np
+
+_capture = threading.local()  # .calls: the calls recorded by the graph this thread captures, or None
+
+
+def queue_or_run(fn, *args, **kwargs):
+    """fn(*args, **kwargs) now, or, while this thread captures a graph, recorded for the graph's launches."""
+    calls = getattr(_capture, "calls", None)
+    if calls is None:
+        return fn(*args, **kwargs)
+    calls.append((fn, args, kwargs))
+    return None
 
 
 class NumpyRuntime:
@@ -35,13 +54,13 @@ class NumpyRuntime:
         return np.empty(shape, dtype)
 
     def copy_to_host_async(self, host, dev, stream):
-        host[...] = dev
+        queue_or_run(np.copyto, host, dev)
 
     def copy_from_host_async(self, dev, host, stream):
-        dev[...] = host
+        queue_or_run(np.copyto, dev, host)
 
     def copy_on_device_async(self, dst, src, stream):
-        dst[...] = src
+        queue_or_run(np.copyto, dst, src)
 
     def stream(self):
         return None
@@ -53,20 +72,28 @@ class NumpyRuntime:
         return 0.0
 
     def capture(self, stream, queue):
+        """The graph of the calls queue() queues (recorded, not run)."""
+        if getattr(_capture, "calls", None) is not None:
+            raise RuntimeError("a graph capture is already under way in this thread")
         self.captures += 1
-        return NumpyGraph(queue)
+        _capture.calls = calls = []
+        try:
+            queue()
+        finally:
+            _capture.calls = None
+        return NumpyGraph(calls)
 
 
 class NumpyGraph:
-    """A captured graph's stand-in: launching it runs the captured work again, so the work must read its
-    inputs from the buffers it was captured with, as a real graph's does."""
+    """A captured graph's stand-in: each launch runs the recorded calls with the arguments they were recorded with."""
 
-    def __init__(self, queue):
-        self.queue, self.launches = queue, 0
+    def __init__(self, calls):
+        self.calls, self.launches = calls, 0
 
     def launch(self, stream=None):
         self.launches += 1
-        self.queue()
+        for fn, args, kwargs in self.calls:
+            fn(*args, **kwargs)
 
 
 class NumpyEvent:

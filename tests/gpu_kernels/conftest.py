@@ -1,10 +1,12 @@
 """Fixtures of the GPU tests: the runtime (skips without a GPU), and NumPy references of every kernel
 with the launchers' signatures (gpu_kernels.kernels.Kernels), which also drive GpuBackend on the CPU."""
+import functools
+
 import numpy as np
 import pytest
 
 from cpu_kernels import format_for
-from gpu_kernels.numpy_runtime import NumpyRuntime
+from gpu_kernels.numpy_runtime import NumpyRuntime, queue_or_run
 from hybrid import kv_store
 
 
@@ -77,9 +79,16 @@ def paged_rows(pool, pool_scale, stage, stage_scale, table, positions):
 
 
 class ReferenceKernels:
-    """NumPy versions of the GPU kernels, same arguments, results into `out`."""
+    """NumPy versions of the GPU kernels, same arguments, results into `out`. Under a NumpyRuntime graph capture a
+    call is recorded for the graph's launches instead of run (gpu_kernels.numpy_runtime.queue_or_run)."""
 
     act_quant = "float"  # x as it comes (Kernels.act_quant)
+
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+        return functools.partial(queue_or_run, attr)
 
     def matmul(self, raw, qtype, x, out):
         out[:] = x.astype(np.float64) @ dequant(raw, qtype, x.shape[1]).T.astype(np.float64)
