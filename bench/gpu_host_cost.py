@@ -5,8 +5,8 @@ launch (CuPy's argument packing and the driver call) and a device allocation; th
 launch-bound step is ours.
 
 Every expert resident (no CPU experts, no relay), one sequence, one token a step; the expert launches of each layer
-go through a captured graph as on a GPU (here the capture's stand-in runs them again at each replay, so the
-launches a layer count them too). Medians of --steps steps after --warmup.
+go through a captured graph as on a GPU (the stand-in's graph runs their launchers' recorded launches again at each
+replay, so the launches a layer count them too, though a GPU replays them with one call). Medians of --steps steps after --warmup.
 
     python bench/gpu_host_cost.py --model /tmp/bench-tiny.gguf [--steps 30] [--profile]
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from gpu_kernels.numpy_runtime import NumpyRuntime  # noqa: E402
+from gpu_kernels.numpy_runtime import NumpyRuntime, queue_or_run  # noqa: E402
 from hybrid.backends import CpuBackend  # noqa: E402
 from hybrid.backends.gpu import GpuBackend  # noqa: E402
 from hybrid.batch import Batch, SeqChunk  # noqa: E402
@@ -50,6 +50,9 @@ class LaunchCounter(NumpyRuntime):
         return self.modules[name]
 
     def launch(self, function, grid, block, args, shared_mem=0, stream=None):
+        queue_or_run(self._count)  # a launch under a graph capture counts at each of the graph's launches
+
+    def _count(self):
         self.launches += 1
 
     def resident_blocks(self, function, threads, shared_mem=0):
