@@ -14,6 +14,7 @@ import tempfile
 
 from .errors import KernelCompileError
 
+COMPILE_TIMEOUT_S = 300  # a module takes seconds; more means the compiler hangs
 HIP_OPTIONS = ("-O3", "-std=c++14", "-D__HIP_PLATFORM_AMD__", "-include", "hip/hip_runtime.h")
 
 
@@ -38,7 +39,7 @@ class Hipcc:
                 f.write(source)
             cmd = [self.path, "-S", "--cuda-device-only", "-nogpulib", f"--offload-arch={chip}", *HIP_OPTIONS, src,
                    "-o", out]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=self.env)
+            done = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=COMPILE_TIMEOUT_S)
             if done.returncode != 0:
                 raise KernelCompileError(f"{name} ({chip})", (done.stderr or done.stdout).replace(src, f"{name}.hip"))
             with open(out) as f:
