@@ -6,7 +6,8 @@ launch-bound step is ours.
 
 Every expert resident (no CPU experts, no relay), one sequence, one token a step; the expert launches of each layer
 go through a captured graph as on a GPU (the stand-in's graph runs their launchers' recorded launches again at each
-replay, so the launches a layer count them too, though a GPU replays them with one call). Medians of --steps steps after --warmup.
+replay, so the launches a layer count them too, though a GPU replays them with one call). Medians of --steps steps
+after --warmup.
 
     python bench/gpu_host_cost.py --model /tmp/bench-tiny.gguf [--steps 30] [--profile]
 

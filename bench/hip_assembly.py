@@ -1,10 +1,11 @@
 """The int16 decode kernels on AMD chips, read from their assembly (no GPU): instructions with the chip's 4-byte dot
 instruction against four products a dot (DP4A_PRODUCTS, the way every AMD chip went before), side by side.
 
-For each format with an int16 decode (gpu_kernels.sources.INT_DECODE) at its decode tuning (kernels.format_tuning) and each
-chip, hipcc compiles the module both ways to assembly; per one-token kernel (matmul_1q, moe_matmul_1q) the table
-gives the kernel's instructions, those of its dot loop (the innermost loop, as LLVM's loop comments mark them, with
-the most dot instructions; in the products build, with the most 24-bit integer products) and the dots in it.
+For each format with an int16 decode (gpu_kernels.sources.INT_DECODE) at its decode tuning
+(kernels.format_tuning) and each chip, hipcc compiles the module both ways to assembly; per one-token kernel
+(matmul_1q, moe_matmul_1q) the table gives the kernel's instructions, those of its dot loop (the innermost loop, as
+LLVM's loop comments mark them, with the most dot instructions; in the products build, with the most 24-bit integer
+products) and the dots in it.
 Static counts, not time: a decode matvec that is bound by instructions a weight, not by memory, gains by their ratio.
 
     python bench/hip_assembly.py [--chips gfx906,gfx1030,gfx1100] [--formats q8_0,q4_k] [--output FILE]

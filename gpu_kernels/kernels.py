@@ -79,7 +79,8 @@ def format_tuning(qtype):
 def tuned_source(qtype, rows, blocks, defines=""):
     """The source of qtype's matmul module at a tuning (common.cuh's DECODE_ROWS, DECODE_MIN_BLOCKS); `defines`: more
     lines before it."""
-    return f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n{defines}" + module_source(module_name(qtype))
+    tuning = f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n"
+    return tuning + defines + module_source(module_name(qtype))
 
 
 def tuned_module_name(qtype, rows, blocks):

@@ -70,7 +70,8 @@ def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, refer
     if graphs:
         assert numpy_runtime.captures == c.num_layers - 1 and (1, 0) not in backend._graphs
         assert all(g.launches == 4 for g in backend._graphs.values())
-        assert all(len(g.calls) == 7 for g in backend._graphs.values())  # tiles, gather, gate, up, SwiGLU, down, combine
+        # each graph: tiles, gather, gate, up, SwiGLU, down, combine
+        assert all(len(g.calls) == 7 for g in backend._graphs.values())
     else:
         assert numpy_runtime.captures == 0 and not backend._graphs
 
