@@ -20,16 +20,19 @@ from gpu_kernels.sources import FORMAT_HEADERS, INT_DECODE, all_modules, module_
 MODULES = all_modules()
 IDS = [name for name, _ in MODULES]
 FORMAT_OF = {module_name(q): q for q in FORMAT_HEADERS}
+needs_hiprtc = pytest.mark.skipif(hiprtc.find_library() is None, reason="no hiprtc (Debian: libamdhip64-dev)")
+needs_hipcc = pytest.mark.skipif(find_hipcc() is None, reason="no hipcc (Debian: apt-get install hipcc)")
+ROOT = Path(__file__).resolve().parents[2]
+BROKEN = "\nextern \"C\" __global__ void broken(float* x) { x[0] = not_declared; }\n"
 
 
 def runtime_source(name):
     """Module `name`'s source as the runtime compiles it: a matmul module at its format's decode tuning."""
     qtype = FORMAT_OF.get(name)
-    return module_source(name) if qtype is None else tuned_source(qtype, *format_tuning(qtype)[::2])
-needs_hiprtc = pytest.mark.skipif(hiprtc.find_library() is None, reason="no hiprtc (Debian: libamdhip64-dev)")
-needs_hipcc = pytest.mark.skipif(find_hipcc() is None, reason="no hipcc (Debian: apt-get install hipcc)")
-ROOT = Path(__file__).resolve().parents[2]
-BROKEN = "\nextern \"C\" __global__ void broken(float* x) { x[0] = not_declared; }\n"
+    if qtype is None:
+        return module_source(name)
+    rows, _, blocks = format_tuning(qtype)
+    return tuned_source(qtype, rows, blocks)
 
 
 @pytest.fixture(scope="module")
