@@ -24,6 +24,12 @@ def queue_or_run(fn, *args, **kwargs):
     return None
 
 
+def _not_capturing(what):
+    """A capture may only queue work: allocating or copying synchronously invalidates a CUDA stream capture."""
+    if getattr(_capture, "calls", None) is not None:
+        raise RuntimeError(f"{what} during a graph capture")
+
+
 class NumpyRuntime:
     """The runtime interface over NumPy arrays: runs GpuBackend's Python side without a GPU."""
 
@@ -36,18 +42,23 @@ class NumpyRuntime:
         return 64 << 30, 64 << 30
 
     def empty(self, shape, dtype):
+        _not_capturing("an allocation")
         return np.empty(shape, dtype)
 
     def zeros(self, shape, dtype):
+        _not_capturing("an allocation")
         return np.zeros(shape, dtype)
 
     def to_device(self, host, stream=None):
+        _not_capturing("a synchronous copy")
         return np.array(host)
 
     def copy_from_host(self, dst, host, stream=None):
+        _not_capturing("a synchronous copy")
         dst[...] = host
 
     def to_host(self, dev, out=None, stream=None):
+        _not_capturing("a synchronous copy")
         return np.array(dev) if out is None else np.copyto(out, dev) or out
 
     def pinned_empty(self, shape, dtype):

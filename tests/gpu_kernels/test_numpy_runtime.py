@@ -30,3 +30,10 @@ def test_a_capture_inside_a_capture_is_an_error():
     with pytest.raises(RuntimeError, match="already under way"):
         rt.capture(None, lambda: rt.capture(None, lambda: None))
     assert rt.capture(None, lambda: None).calls == []  # the failed capture ended
+
+
+def test_a_capture_may_not_allocate_or_copy_synchronously():
+    rt = NumpyRuntime()
+    for work in (lambda: rt.empty((4,), np.float32), lambda: rt.to_host(np.zeros(4))):
+        with pytest.raises(RuntimeError, match="during a graph capture"):
+            rt.capture(None, work)
