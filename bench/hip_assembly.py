@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from tqdm import tqdm
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from gpu_kernels.hipcc import Hipcc, kernel_assembly  # noqa: E402
+from gpu_kernels.hipcc import Hipcc, kernel_assembly, kernel_lines  # noqa: E402
 from gpu_kernels.kernels import format_tuning, tuned_source  # noqa: E402
 from gpu_kernels.sources import INT_DECODE, INT_DECODE_KERNELS, module_name  # noqa: E402
 
@@ -30,16 +30,15 @@ WORK = ("v_dot4", "v_mul_i32_i24", "v_mad_i32_i24")  # the dots' instructions: t
 
 def loops(assembly, kernel):
     """{loop header label: (instructions, dot instructions, dot or product instructions)} of `kernel`, each block
-    counted in its innermost loop
-    (LLVM marks a header "Loop Header: Depth=n" and the other blocks of a loop "in Loop: Header=BBx_y")."""
-    body = re.search(rf"^{re.escape(kernel)}:[^\n]*$(.*?)^\.Lfunc_end\d+:", assembly, re.M | re.S).group(1)
+    counted in its innermost loop (LLVM marks a header "Loop Header: Depth=n" and the other blocks of a loop
+    "in Loop: Header=BBx_y")."""
     counts, loop = {}, None
-    for line in (ln.strip() for ln in body.splitlines()):
+    for line in kernel_lines(assembly, kernel):
         label = LABEL.match(line)
         if label:
             header = re.search(r"Header=(BB\d+_\d+)", label.group(2))
             loop = label.group(1)[1:] if "Loop Header" in label.group(2) else header.group(1) if header else None
-        elif loop and line and not line.startswith((";", ".")):
+        elif loop and not line.startswith((";", ".")):
             total, dots, work = counts.get(loop, (0, 0, 0))
             counts[loop] = (total + 1, dots + line.startswith("v_dot4"), work + line.startswith(WORK))
     return counts

@@ -46,10 +46,15 @@ class Hipcc:
                 return f.read()
 
 
-def kernel_assembly(assembly, kernel):
-    """The instructions of `kernel` in hipcc's assembly text: the lines from its label to its end marker."""
+def kernel_lines(assembly, kernel):
+    """The lines of `kernel` in hipcc's assembly text, stripped: from its label to its end marker (instructions,
+    block labels with LLVM's loop comments, directives)."""
     match = re.search(rf"^{re.escape(kernel)}:[^\n]*$(.*?)^\.Lfunc_end\d+:", assembly, re.M | re.S)
     if match is None:
         raise KeyError(f"kernel {kernel!r} is not in the assembly")
-    return [ln.strip() for ln in match.group(1).splitlines()
-            if ln.strip() and not ln.strip().startswith((";", ".", "//")) and not ln.strip().endswith(":")]
+    return [ln.strip() for ln in match.group(1).splitlines() if ln.strip()]
+
+
+def kernel_assembly(assembly, kernel):
+    """The instructions of `kernel` in hipcc's assembly text (kernel_lines without labels, comments, directives)."""
+    return [ln for ln in kernel_lines(assembly, kernel) if not ln.startswith((";", ".", "//")) and not ln.endswith(":")]
