@@ -24,8 +24,9 @@ def numba_threads(request):
 
 
 # At all threads a step runs each format's fused layer, whose cold compile takes ~50 s a format on a 2-core CI
-# machine: the default suite keeps the formats whose fused layer other tests compile anyway (F16, Q4_K_M) or that
-# stand for their kind (Q8_0, Q6_K); the other five run with `slow`. One thread covers every format by default.
+# machine. The default suite keeps the formats whose fused layer other default tests compile anyway (F16 and Q4_K_M
+# in test_fused_layer_is_bit_identical; Q8_0, Q4_K_M and Q6_K in test_act_quant's int16 decode); the other five
+# run with `slow`. One thread covers every format by default.
 FUSED_BY_DEFAULT = {"F16", "Q8_0", "Q6_K", "Q4_K_M"}
 THREADED_CASES = [pytest.param(s, t, n, id=f"threads-{n}-{s}-{t}",
                                marks=[pytest.mark.slow] if n == "all" and t not in FUSED_BY_DEFAULT else [])
