@@ -5,11 +5,11 @@ launch (CuPy's argument packing and the driver call) and a device allocation; th
 launch-bound step is ours.
 
 Every expert resident (no CPU experts, no relay), one sequence, one token a step; the expert launches of each layer
-go through a captured graph as on a GPU (the stand-in's graph runs their launchers' recorded launches again at each
-replay, so the launches a layer count them too, though a GPU replays them with one call). Medians of --steps steps
-after --warmup.
+go through a captured graph as on a GPU, and with --dense-graphs (STRATA_DENSE_GRAPHS=1) its dense launches too. The
+table counts the host's launch calls a layer (a graph's replay is one) and the kernels they run. Medians of --steps
+steps after --warmup.
 
-    python bench/gpu_host_cost.py --model /tmp/bench-tiny.gguf [--steps 30] [--profile]
+    python bench/gpu_host_cost.py --model /tmp/bench-tiny.gguf [--steps 30] [--dense-graphs] [--profile]
 
 Make a small model with many layers with bench/make_model.py (the weights' size does not matter, nothing runs
 them), e.g. `--type Q8_0 --layers 48 --hidden 256 --experts 16 --top-k 4 --moe-ff 128 --heads 4 --kv-heads 2
@@ -17,6 +17,7 @@ them), e.g. `--type Q8_0 --layers 48 --hidden 256 --experts 16 --top-k 4 --moe-f
 """
 import argparse
 import cProfile
+import os
 import pstats
 import sys
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from gpu_kernels.numpy_runtime import NumpyRuntime, queue_or_run  # noqa: E402
+from gpu_kernels.numpy_runtime import NumpyRuntime, capturing, queue_or_run  # noqa: E402
 from hybrid.backends import CpuBackend  # noqa: E402
 from hybrid.backends.gpu import GpuBackend  # noqa: E402
 from hybrid.batch import Batch, SeqChunk  # noqa: E402
@@ -37,7 +38,8 @@ class LaunchCounter(NumpyRuntime):
     """Kernels compile to their names and launch as a count; arrays start zeroed (routing ids stay in range)."""
 
     multiprocessors = 132
-    launches = 0
+    launches = 0  # launch calls of the host: kernels launched one by one, and graph replays
+    kernels = 0  # kernels run: those launched one by one, and each replayed graph's
 
     def __init__(self):
         self.modules = {}
@@ -51,10 +53,15 @@ class LaunchCounter(NumpyRuntime):
         return self.modules[name]
 
     def launch(self, function, grid, block, args, shared_mem=0, stream=None):
-        queue_or_run(self._count)  # a launch under a graph capture counts at each of the graph's launches
+        if not capturing():
+            self.launches += 1
+        queue_or_run(self._count_kernel)  # a launch under a graph capture counts at each of the graph's launches
 
-    def _count(self):
-        self.launches += 1
+    def _count_kernel(self):
+        self.kernels += 1
+
+    def capture(self, stream, queue):
+        return CountedGraph(super().capture(stream, queue), self)
 
     def resident_blocks(self, function, threads, shared_mem=0):
         return 1 << 20
@@ -63,13 +70,27 @@ class LaunchCounter(NumpyRuntime):
         return None
 
 
+class CountedGraph:
+    """A captured graph whose replays count as one launch call each."""
+
+    def __init__(self, graph, counter):
+        self.graph, self.counter = graph, counter
+
+    def launch(self, stream=None):
+        self.counter.launches += 1
+        self.graph.launch(stream)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of --steps steps")
+    parser.add_argument("--dense-graphs", action="store_true", help="a layer's dense launches as two graphs "
+                        "(STRATA_DENSE_GRAPHS=1)")
     args = parser.parse_args()
+    os.environ["STRATA_DENSE_GRAPHS"] = "1" if args.dense_graphs else "0"
     weights = load_model(args.model)
     c = weights.config
     rt = LaunchCounter()
@@ -84,15 +105,17 @@ def main():
 
     for _ in range(args.warmup):
         step()
-    times, before = [], rt.launches
+    times, before = [], (rt.launches, rt.kernels)
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     per_step = np.median(times)
-    launches = (rt.launches - before) / args.steps / c.num_layers
-    print(f"| layers | step (ms) | a layer (us) | launches a layer | a launch (us) |\n|---|---|---|---|---|\n"
-          f"| {c.num_layers} | {per_step * 1e3:.2f} | {per_step / c.num_layers * 1e6:.1f} | {launches:.1f} | "
+    launches, kernels = ((after - b) / args.steps / c.num_layers for after, b in zip((rt.launches, rt.kernels), before))
+    print(f"| layers | dense graphs | step (ms) | a layer (us) | launch calls a layer | kernels a layer | "
+          f"a launch call (us) |\n|---|---|---|---|---|---|---|\n"
+          f"| {c.num_layers} | {'yes' if args.dense_graphs else 'no'} | {per_step * 1e3:.2f} | "
+          f"{per_step / c.num_layers * 1e6:.1f} | {launches:.1f} | {kernels:.1f} | "
           f"{per_step / c.num_layers / launches * 1e6:.2f} |")
     if args.profile:
         profile = cProfile.Profile()

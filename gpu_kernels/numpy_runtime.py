@@ -24,9 +24,14 @@ def queue_or_run(fn, *args, **kwargs):
     return None
 
 
+def capturing():
+    """Whether this thread is capturing a graph."""
+    return getattr(_capture, "calls", None) is not None
+
+
 def _not_capturing(what):
     """A capture may only queue work: allocating or copying synchronously invalidates a CUDA stream capture."""
-    if getattr(_capture, "calls", None) is not None:
+    if capturing():
         raise RuntimeError(f"{what} during a graph capture")
 
 
@@ -84,7 +89,7 @@ class NumpyRuntime:
 
     def capture(self, stream, queue):
         """The graph of the calls queue() queues (recorded, not run)."""
-        if getattr(_capture, "calls", None) is not None:
+        if capturing():
             raise RuntimeError("a graph capture is already under way in this thread")
         self.captures += 1
         _capture.calls = calls = []

@@ -14,19 +14,28 @@ def separate_projections(backend, layer, h):
     return q, k, v, None
 
 
-def attention_block(backend, spec, layer, h, batch):
-    """h [T, H] (normed hidden) -> attention output [T, H]; appends this step's K/V to each chunk's cache."""
-    num_tokens = h.shape[0]
-    hq, d = layer.num_heads, layer.head_dim
-    q, k, v, qk = backend.project_qkv(layer, h)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]; qk: q and k as one view
+def attention_inputs(backend, spec, layer, h, positions):
+    """h [T, H] (normed hidden) -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]): projected, head-normed, roped."""
+    q, k, v, qk = backend.project_qkv(layer, h)  # qk: q and k as one view, or None
     if spec.qk_norm:
         backend.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
         backend.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)
     for x in (q, k) if qk is None else (qk,):
-        backend.rope(x, batch.positions, layer.rope_theta)
-    out = np.empty_like(q)  # [T, Hq, D]
-    scale = 1.0 / np.sqrt(d)
+        backend.rope(x, positions, layer.rope_theta)
+    return q, k, v
+
+
+def attend(backend, layer, q, k, v, batch, out):
+    """Appends k, v to each chunk's cache and writes q's attention over it into out [T, Hq, D]."""
+    scale = 1.0 / np.sqrt(layer.head_dim)
     for chunk, (lo, hi) in zip(batch.chunks, batch.row_ranges):
         chunk.kv.write(layer.index, chunk.start, k[lo:hi], v[lo:hi])
         backend.attention(q[lo:hi], chunk.kv, layer.index, chunk.start, scale, out[lo:hi])
-    return backend.linear(layer.attn_output, out.reshape(num_tokens, hq * d))  # [T, H]
+
+
+def attention_block(backend, spec, layer, h, batch):
+    """h [T, H] (normed hidden) -> attention output [T, H]; appends this step's K/V to each chunk's cache."""
+    q, k, v = attention_inputs(backend, spec, layer, h, batch.positions)
+    out = np.empty_like(q)  # [T, Hq, D]
+    attend(backend, layer, q, k, v, batch, out)
+    return backend.linear(layer.attn_output, out.reshape(h.shape[0], -1))  # [T, H]

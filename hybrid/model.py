@@ -138,6 +138,10 @@ class Model:
                 ids = be.decode_layer(layer, x, step)  # [T, K]
                 if self.usage is not None:
                     self.usage.record(layer.index, ids)
+        elif hasattr(be, "graphs_decode") and be.graphs_decode(batch):
+            x = be.begin_graphed_step(x, batch.positions)  # [1, H], the fixed buffer the layers' graphs read
+            for layer in self.layers:
+                be.graphed_decode_layer(self.spec, layer, x, batch, eps, self.split, self.usage)
         else:
             for layer in self.layers:
                 h = be.rmsnorm(x, layer.attn_norm, eps)

@@ -411,8 +411,18 @@ def _cpu_share_from_env():
 
 def moe_block(backend, spec, layer, h, split=None, usage=None):
     """h [T, H] (normed hidden) -> expert mixture [T, H]; `usage`: an ExpertUsage that records the routing."""
+    ids, weights = moe_routing(backend, layer, h)
+    return expert_mixture(backend, layer, h, ids, weights, split, usage)
+
+
+def moe_routing(backend, layer, h):
+    """h [T, H] (normed hidden) -> (ids [T, K], weights [T, K]) of the experts each token uses."""
     router_logits = backend.linear(layer.router, h)  # [T, E]
-    ids, weights = backend.route(router_logits, layer.num_experts_per_tok, layer.norm_topk_prob)  # [T, K]
+    return backend.route(router_logits, layer.num_experts_per_tok, layer.norm_topk_prob)
+
+
+def expert_mixture(backend, layer, h, ids, weights, split=None, usage=None):
+    """The routed experts' weighted sum [T, H] for h [T, H]: through the split where there is one."""
     if split is not None:
         return split.run(backend, layer, h, ids, weights, usage)  # the split records from its host copy of ids
     if usage is not None:

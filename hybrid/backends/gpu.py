@@ -30,6 +30,7 @@ from ..blocks import separate_projections
 from ..kv_cache import BLOCK_TOKENS, KVPool, SequenceKV, blocks_for, vram_blocks
 from ..relay import Mailbox
 from .cpu import paged_attention as host_paged_attention
+from .gpu_layer_graphs import LayerGraphs, decode_layer
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +255,14 @@ class GpuBackend:
         self._inv_freq = {}  # (theta, D) -> RoPE frequencies f32 [D/2] on the device
         self._decode = {}  # tokens -> (shape key, scratch of submit_decode_experts), made at a first call
         self._staged = None  # (x, ids, weights) last copied into a decode scratch's input buffer
-        self.decode_graphs = _graphs_from_env()  # replay each layer's decode expert launches as a graph
+        # STRATA_DECODE_GRAPHS=0: each layer's decode expert launches one by one rather than replayed as a graph
+        self.decode_graphs = _env_switch("STRATA_DECODE_GRAPHS", "1")
         self._graphs = {}  # (tokens, layer index) -> captured graph of its decode expert launches (None: failed)
         self._mapped = {}  # host address of a pinned buffer -> its device address (0: not mapped)
         self._timers = {}  # layer index -> (start, stop) timing events of its decode expert part
+        # STRATA_DENSE_GRAPHS=1: a decode layer's dense launches as two graphs (gpu_layer_graphs.py; off by default
+        # until timed on a GPU)
+        self.layer_graphs = LayerGraphs(self) if _env_switch("STRATA_DENSE_GRAPHS", "0") else None
 
     # -- placement -------------------------------------------------------------------------
 
@@ -398,6 +403,19 @@ class GpuBackend:
                 qk = flat[:rows[0] + rows[1]].reshape(1, (rows[0] + rows[1]) // d, d)
         q, k, v = parts
         return q, k, v, qk
+
+    def graphs_decode(self, batch):
+        """Whether this step's layers go through graphed_decode_layer: asked for (STRATA_DENSE_GRAPHS=1), capture
+        not failed, and one sequence's one token."""
+        return (self.layer_graphs is not None and self.layer_graphs.enabled and len(batch.chunks) == 1
+                and len(batch.token_ids) == 1)
+
+    def begin_graphed_step(self, x, positions):
+        """x [1, H] copied into the fixed residual stream the layers' graphs read, which is returned."""
+        return self.layer_graphs.begin_step(x, positions)
+
+    def graphed_decode_layer(self, spec, layer, x, batch, eps, split=None, usage=None):
+        decode_layer(self, self.layer_graphs, spec, layer, x, batch, eps, split, usage)
 
     def embed(self, weight, token_ids):
         """Starts every forward pass: makes the backend's stream current in the calling thread."""
@@ -751,11 +769,11 @@ class GpuBackend:
         return out
 
 
-def _graphs_from_env():
-    """STRATA_DECODE_GRAPHS=0 turns the decode expert graphs off (each launch queued one by one)."""
-    value = os.environ.get("STRATA_DECODE_GRAPHS", "1")
+def _env_switch(name, default):
+    """The 0 / 1 environment variable `name` (default when unset) as a bool."""
+    value = os.environ.get(name, default)
     if value not in ("0", "1"):
-        raise ValueError(f"STRATA_DECODE_GRAPHS={value}: expected 0 or 1")
+        raise ValueError(f"{name}={value}: expected 0 or 1")
     return value == "1"
 
 

@@ -76,6 +76,66 @@ def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, refer
         assert numpy_runtime.captures == 0 and not backend._graphs
 
 
+@pytest.mark.parametrize("target,fraction", [("Q8_0", 0.0), ("Q8_0", 0.5), ("Q4_K_M", 0.5), ("Q8_0", 1.0)])
+def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runtime, reference_kernels, monkeypatch,
+                                                        target, fraction):
+    """STRATA_DENSE_GRAPHS=1: two sequences decoding in turn give the logits of the same backend without the
+    graphs, bit for bit; each layer's two regions run once as they are, are captured at the next decode step and
+    replayed at every one after, over that step's residual stream and position."""
+    weights = load_model(gguf_models("small" if target == "Q8_0" else "kquant", target)[0])
+    c = weights.config
+    resident = np.random.default_rng(3).random((c.num_layers, c.num_experts)) < fraction
+
+    def decode(dense_graphs, steps=3):
+        monkeypatch.setenv("STRATA_DENSE_GRAPHS", "1" if dense_graphs else "0")
+        backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=resident)
+        backend.kernels = reference_kernels
+        model = Model(weights, backend, host=CpuBackend())
+        kvs = [model.new_sequence(64) for _ in range(2)]
+        out = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[u:u + 4 + u]), "last")]))
+               for u, kv in enumerate(kvs)]
+        for step in range(steps):
+            for u, kv in enumerate(kvs):
+                out.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([TOKENS[9 + 2 * step + u]]))])))
+        return np.concatenate(out), backend
+
+    ref, plain = decode(False)
+    got, graphed = decode(True)
+    np.testing.assert_array_equal(got, ref)
+    assert plain.layer_graphs is None
+    regions = graphed.layer_graphs._regions
+    assert sorted(regions) == sorted((r, i) for r in ("in", "out") for i in range(c.num_layers))
+    assert all(graph is not None and graph.launches == 2 * 3 - 1 for _, _, graph in regions.values())
+
+
+def test_dense_graphs_fall_back_where_capture_fails(gguf_models, numpy_runtime, reference_kernels, monkeypatch,
+                                                    caplog):
+    """A runtime that cannot capture: one warning, the layers run op by op, the logits unchanged."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+
+    def decode(dense_graphs):
+        monkeypatch.setenv("STRATA_DENSE_GRAPHS", "1" if dense_graphs else "0")
+        backend = GpuBackend(numpy_runtime, max_context=256, resident=None)
+        backend.kernels = reference_kernels
+        model = Model(weights, backend, host=CpuBackend())
+        kv = model.new_sequence(64)
+        out = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:4]), "last")]))]
+        out += [model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([t]))])) for t in TOKENS[4:8]]
+        return np.concatenate(out), backend
+
+    ref, _ = decode(False)
+
+    def no_graphs(stream, queue):
+        raise RuntimeError("stream capture is not supported here")
+
+    monkeypatch.setattr(numpy_runtime, "capture", no_graphs)
+    with caplog.at_level("WARNING"):
+        got, backend = decode(True)
+    np.testing.assert_array_equal(got, ref)
+    assert not backend.layer_graphs.enabled and not backend.layer_graphs._regions
+    assert sum("decode layers run op by op" in r.message for r in caplog.records) == 1
+
+
 def test_a_decode_step_of_several_users_runs_its_resident_pairs_from_the_device_routing(gguf_models, numpy_runtime,
                                                                                          reference_kernels):
     """With relay_tokens >= the users, a fully resident layer's decode step of three sequences' tokens packs their

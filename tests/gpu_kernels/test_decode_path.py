@@ -174,3 +174,38 @@ def test_a_decode_step_of_several_users_through_the_relay_matches_the_cpu_engine
             assert err <= 2e-3, f"{name}: rel err {err:.2e}"
             relayed = [t for t in split.trace if t["tokens"] == 3 and t["cpu_s"] > 0]
             assert len(relayed) == 3 * int((~mask).any(axis=1).sum()), name
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
+def test_dense_graphs_match_the_default_launches(runtime, gguf_models, monkeypatch, target):
+    """STRATA_DENSE_GRAPHS=1 (a decode layer's dense launches as two captured graphs) gives the logits of the
+    default launches one by one, bit for bit, at 0, 50 and 100 % resident (the relay on), over two sequences
+    decoding in turn, and every region of every layer was captured and replayed."""
+    from hybrid import LLM
+    from hybrid.batch import Batch, SeqChunk
+
+    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
+    prompts = ([3, 17, 42, 5, 99, 23], [64, 7, 11, 250])
+    c = LLM(path, device="cpu", max_context=64).config
+    rng = np.random.default_rng(0)
+    for name, mask in {"0%": np.zeros((c.num_layers, c.num_experts), bool),
+                       "50%": rng.random((c.num_layers, c.num_experts)) < 0.5,
+                       "100%": np.ones((c.num_layers, c.num_experts), bool)}.items():
+        logits = {}
+        for dense in ("0", "1"):
+            monkeypatch.setenv("STRATA_DENSE_GRAPHS", dense)
+            model = LLM(path, device="gpu", max_context=64, kv_sequences=2, resident=mask).model
+            kvs = [model.new_sequence(64) for _ in prompts]
+            out = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(p), "last")])) for kv, p in zip(kvs, prompts)]
+            last = list(out)  # each sequence's latest logits [1, V]
+            for step in range(4):
+                for u, kv in enumerate(kvs):
+                    last[u] = model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([int(np.argmax(last[u]))]))]))
+                    out.append(last[u])
+            logits[dense] = np.concatenate(out)
+            graphs = model.backend.layer_graphs
+            if dense == "1":
+                assert graphs.enabled and len(graphs._regions) == 2 * c.num_layers, name
+                assert all(graph is not None for _, _, graph in graphs._regions.values()), name
+            model.close()
+        np.testing.assert_array_equal(logits["1"], logits["0"], err_msg=name)

@@ -74,14 +74,24 @@ def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path
 
 
 def test_host_cost_bench_counts_a_layers_launches(gguf_models):
-    """bench/gpu_host_cost.py on the small model: one table row, the step's time split over its layers and launches
-    (a one-token layer makes at least its dense launches and the resident experts' ones)."""
+    """bench/gpu_host_cost.py on the small model, without and with --dense-graphs: one table row each, the step's
+    time split over its layers and launch calls. The kernels a layer are the same both ways (at least its dense
+    ones and the resident experts'); the dense graphs take 8 launch calls a layer fewer: the attention RMSNorm,
+    q/k/v (one launch on this Q8_0 model), two head norms and RoPE become one replay, and the output projection,
+    residual add, FFN RMSNorm, router and top-k another."""
     path, _ = gguf_models("small", "Q8_0")
-    done = subprocess.run([sys.executable, str(BENCH.parent / "gpu_host_cost.py"), "--model", path, "--steps", "3",
-                           "--warmup", "1"], capture_output=True, text=True, cwd=BENCH.parents[1], timeout=300)
-    assert done.returncode == 0, done.stderr
-    row = done.stdout.strip().splitlines()[-1].split("|")[1:-1]
-    layers, step_ms, layer_us, launches, launch_us = (float(v) for v in row)
-    assert layers >= 2 and step_ms > 0 and launches >= 15
-    assert abs(layer_us - step_ms * 1e3 / layers) <= 5 / layers + 0.05  # as printed: ms to 2 places, us to 1
-    assert abs(launch_us - layer_us / launches) <= 0.05 / launches + 0.005
+    rows = {}
+    for flags in ([], ["--dense-graphs"]):
+        done = subprocess.run([sys.executable, str(BENCH.parent / "gpu_host_cost.py"), "--model", path, "--steps", "3",
+                               "--warmup", "1", *flags], capture_output=True, text=True, cwd=BENCH.parents[1],
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        row = [v.strip() for v in done.stdout.strip().splitlines()[-1].split("|")[1:-1]]
+        assert row[1] == ("yes" if flags else "no")
+        layers, step_ms, layer_us, launches, kernels, launch_us = (float(v) for v in row[:1] + row[2:])
+        assert layers >= 2 and step_ms > 0 and kernels >= 15
+        assert abs(layer_us - step_ms * 1e3 / layers) <= 5 / layers + 0.05  # as printed: ms to 2 places, us to 1
+        assert abs(launch_us - layer_us / launches) <= 0.05 / launches + 0.005
+        rows[bool(flags)] = launches, kernels
+    assert rows[True][1] == rows[False][1]
+    assert rows[False][0] - rows[True][0] == pytest.approx(8, abs=0.11)
