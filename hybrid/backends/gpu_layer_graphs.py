@@ -53,7 +53,8 @@ class KeptAllocations:
 
 
 class LayerGraphs:
-    """Each (region, layer)'s graph and the arrays it keeps; None where capture failed (then regions run op by op)."""
+    """Each (region, layer)'s kept arrays, outputs and graph. Where a capture fails, `enabled` turns False and every
+    region runs op by op from then on."""
 
     def __init__(self, backend):
         self.backend = backend
