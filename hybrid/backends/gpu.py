@@ -79,11 +79,12 @@ class _Staging:
         self.buffers[name] = (self.buffers[name][0], event)
         return event
 
-    def upload(self, name, host, stream):
-        """A device copy of the host array `host`, queued on `stream` through buffer `name`."""
+    def upload(self, name, host, stream, out=None):
+        """A device copy of the host array `host`, queued on `stream` through buffer `name`: into the device array
+        `out` (same shape and type) where given, else a new one."""
         view = self.view(name, host.shape, host.dtype)
         np.copyto(view, host)
-        dev = self.rt.empty(host.shape, host.dtype)
+        dev = self.rt.empty(host.shape, host.dtype) if out is None else out
         self.rt.copy_from_host_async(dev, view, stream)
         self.queued(name, stream)
         return dev
@@ -421,6 +422,7 @@ class GpuBackend:
         """Starts every forward pass: makes the backend's stream current in the calling thread."""
         if self.stream is not None:
             self.stream.use()
+        self._staged = None  # a step stages its own routing (a graphed layer's arrays are the same objects each step)
         out = self.rt.empty((len(token_ids), weight.shape[-1]), np.float32)  # [T, H]
         ids = self.staging.upload("token_ids", np.ascontiguousarray(token_ids, dtype=np.int64), self.stream)
         self.kernels.dequant_rows(self._weight(weight), weight.qtype, ids, out)

@@ -71,10 +71,7 @@ class LayerGraphs:
             self._position = be.rt.empty((1,), np.int64)
             self._regions.clear()
         be.rt.copy_on_device_async(self._residual, x, be.stream)
-        host = be.staging.view("graph_position", (1,), np.int64)
-        host[0] = positions[0]
-        be.rt.copy_from_host_async(self._position, host, be.stream)
-        be.staging.queued("graph_position", be.stream)
+        be.staging.upload("graph_position", np.asarray(positions[:1], np.int64), be.stream, out=self._position)
         be._positions = (positions, self._position)  # rope() reads it without uploading
         return self._residual
 
@@ -127,5 +124,4 @@ def decode_layer(be, graphs, spec, layer, x, batch, eps, split=None, usage=None)
         return (h,) + tuple(moe_routing(be, layer, h))  # h [1, H], ids [1, K], weights [1, K]
 
     h, ids, weights = graphs.run(("out", layer.index), routing)
-    be._staged = None  # this layer's routing arrays are the same objects every step: stage them again
     be.add_into(x, expert_mixture(be, layer, h, ids, weights, split, usage))
