@@ -45,10 +45,12 @@ def test_gpu_backend_wiring_matches_cpu(gguf_models, numpy_runtime, reference_ke
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, reference_kernels, graphs):
+def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, reference_kernels, monkeypatch, graphs):
     """Each layer with resident experts captures its one-token expert launches once; every later decode
     step replays them over that step's inputs (copied into the fixed scratch) and the logits stay the
-    CPU engine's, with graphs or without."""
+    CPU engine's, with graphs or without (the dense launches' own graphs off, so the captures counted are the
+    experts')."""
+    monkeypatch.setenv("STRATA_DENSE_GRAPHS", "0")
     weights = load_model(gguf_models("small", "Q8_0")[0])
     c = weights.config
     resident = np.random.default_rng(2).random((c.num_layers, c.num_experts)) < 0.5
