@@ -78,13 +78,15 @@ def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, refer
         assert numpy_runtime.captures == 0 and not backend._graphs
 
 
-@pytest.mark.parametrize("target,fraction", [("Q8_0", 0.0), ("Q8_0", 0.5), ("Q4_K_M", 0.5), ("Q8_0", 1.0)])
+@pytest.mark.parametrize("target,fraction", [("Q8_0", 0.0), ("Q8_0", 0.5), ("Q4_K_M", 0.5), ("Q8_0", 1.0),
+                                             ("F16", 0.0), ("BF16", 0.5), ("F32", 0.5), ("Q4_0", 0.5), ("Q5_K", 0.5),
+                                             ("Q6_K", 1.0)])
 def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runtime, reference_kernels, monkeypatch,
                                                         target, fraction):
     """STRATA_DENSE_GRAPHS=1: two sequences decoding in turn give the logits of the same backend without the
     graphs, bit for bit; each layer's two regions run once as they are, are captured at the next decode step and
     replayed at every one after, over that step's residual stream and position."""
-    weights = load_model(gguf_models("small" if target == "Q8_0" else "kquant", target)[0])
+    weights = load_model(gguf_models("kquant" if "_K" in target else "small", target)[0])
     c = weights.config
     resident = np.random.default_rng(3).random((c.num_layers, c.num_experts)) < fraction
 
