@@ -264,7 +264,7 @@ class GpuBackend:
         # STRATA_DENSE_GRAPHS=1: a decode layer's dense launches as two graphs (gpu_layer_graphs.py). Off by default:
         # 4x faster decode at 100 % resident on an H100, but two GPU tests (F16; the relay's failure path, Q4_K_M)
         # did not finish with it on (bench/results/gpu_model.md, session 28)
-        self.layer_graphs = LayerGraphs(self) if _env_switch("STRATA_DENSE_GRAPHS", "0") else None
+        self.layer_graphs = LayerGraphs() if _env_switch("STRATA_DENSE_GRAPHS", "0") else None
 
     # -- placement -------------------------------------------------------------------------
 
@@ -414,7 +414,7 @@ class GpuBackend:
 
     def begin_graphed_step(self, x, positions):
         """x [1, H] copied into the fixed residual stream the layers' graphs read, which is returned."""
-        return self.layer_graphs.begin_step(x, positions)
+        return self.layer_graphs.begin_step(self, x, positions)
 
     def graphed_decode_layer(self, spec, layer, x, batch, eps, split=None, usage=None):
         decode_layer(self, self.layer_graphs, spec, layer, x, batch, eps, split, usage)

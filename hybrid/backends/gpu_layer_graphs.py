@@ -54,18 +54,20 @@ class KeptAllocations:
 
 class LayerGraphs:
     """Each (region, layer)'s kept arrays, outputs and graph. Where a capture fails, `enabled` turns False and every
-    region runs op by op from then on."""
+    region runs op by op from then on.
 
-    def __init__(self, backend):
-        self.backend = backend
+    The backend comes with each call rather than being kept: a back-reference would make backend and graphs a
+    cycle, so a dropped backend (its stream, buffers and graphs) would wait for the cyclic garbage collector and be
+    freed at whatever moment it runs, maybe in the middle of another model's decode step."""
+
+    def __init__(self):
         self.enabled = True
         self._regions = {}  # (region, layer index) -> [kept allocations, outputs, graph or None]
         self._residual = None  # f32 [1, H]: the residual stream of a graphed decode step
         self._position = None  # int64 [1]: its position, on the device
 
-    def begin_step(self, x, positions):
+    def begin_step(self, be, x, positions):
         """The step's residual stream, copied into the fixed buffer, and its position uploaded into the fixed one."""
-        be = self.backend
         if self._residual is None or self._residual.shape != x.shape:
             self._residual = be.rt.empty(x.shape, np.float32)
             self._position = be.rt.empty((1,), np.int64)
@@ -75,13 +77,12 @@ class LayerGraphs:
         be._positions = (positions, self._position)  # rope() reads it without uploading
         return self._residual
 
-    def run(self, key, queue):
+    def run(self, be, key, queue):
         """queue()'s outputs: run and kept the first time, captured and launched the second, launched after."""
-        be = self.backend
         entry = self._regions.get(key)
         if entry is None or not self.enabled:
             kept = KeptAllocations(be.rt)
-            outputs = self._with_runtime(kept, queue)
+            outputs = self._with_runtime(be, kept, queue)
             if self.enabled:
                 self._regions[key] = [kept, outputs, None]
             return outputs
@@ -89,17 +90,17 @@ class LayerGraphs:
         if graph is None:
             kept.replay()
             try:
-                graph = entry[2] = self._with_runtime(kept, lambda: be.rt.capture(be.stream, queue))
+                graph = entry[2] = self._with_runtime(be, kept, lambda: be.rt.capture(be.stream, queue))
             except Exception as exc:  # CuPy's runtime errors; ROCm builds may lack graphs
                 log.warning("decode layers run op by op: graph capture failed (%s)", exc)
                 self.enabled = False
                 self._regions.clear()
-                return self.run(key, queue)
+                return self.run(be, key, queue)
         graph.launch(be.stream)
         return outputs
 
-    def _with_runtime(self, runtime, fn):
-        be = self.backend
+    @staticmethod
+    def _with_runtime(be, runtime, fn):
         real, be.rt = be.rt, runtime
         try:
             return fn()
@@ -115,7 +116,7 @@ def decode_layer(be, graphs, spec, layer, x, batch, eps, split=None, usage=None)
         q, k, v = attention_inputs(be, spec.attention, layer, h, batch.positions)  # [1, Hq, D], [1, Hkv, D] x 2
         return q, k, v, be.rt.empty(q.shape, np.float32)
 
-    q, k, v, out = graphs.run(("in", layer.index), inputs)
+    q, k, v, out = graphs.run(be, ("in", layer.index), inputs)
     attend(be, layer, q, k, v, batch, out)
 
     def routing():
@@ -123,5 +124,5 @@ def decode_layer(be, graphs, spec, layer, x, batch, eps, split=None, usage=None)
         h = be.rmsnorm(x, layer.ffn_norm, eps)
         return (h,) + tuple(moe_routing(be, layer, h))  # h [1, H], ids [1, K], weights [1, K]
 
-    h, ids, weights = graphs.run(("out", layer.index), routing)
+    h, ids, weights = graphs.run(be, ("out", layer.index), routing)
     be.add_into(x, expert_mixture(be, layer, h, ids, weights, split, usage))

@@ -3,6 +3,9 @@
 Checks the backend's shapes, arguments, work tiles and the expert cache's slots against the plain
 CPU engine, at 0, 50 and 100 % of the experts resident; the GPU tests run the same with real kernels.
 """
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -110,6 +113,33 @@ def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runti
     regions = graphed.layer_graphs._regions
     assert sorted(regions) == sorted((r, i) for r in ("in", "out") for i in range(c.num_layers))
     assert all(graph is not None and graph.launches == 2 * 3 - 1 for _, _, graph in regions.values())
+
+
+@pytest.mark.parametrize("dense_graphs", [False, True])
+def test_a_dropped_backend_is_freed_at_once(gguf_models, numpy_runtime, reference_kernels, monkeypatch, dense_graphs):
+    """No reference cycle holds a backend that has decoded (with the dense graphs or without): dropping the last
+    reference frees it and its buffers then, not whenever the cyclic garbage collector runs, which may be in the
+    middle of another model's decode step."""
+    monkeypatch.setenv("STRATA_DENSE_GRAPHS", "1" if dense_graphs else "0")
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    backend = GpuBackend(numpy_runtime, max_context=256, resident=np.random.default_rng(4).random(
+        (c.num_layers, c.num_experts)) < 0.5)
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend())
+    kv = model.new_sequence(64)
+    model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:4]), "last")]))
+    for t in TOKENS[4:8]:
+        model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([t]))]))
+    if dense_graphs:
+        assert all(graph is not None for _, _, graph in backend.layer_graphs._regions.values())
+    refs = [weakref.ref(backend), weakref.ref(model)]
+    gc.disable()
+    try:
+        del backend, model, kv
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
 
 
 def test_dense_graphs_fall_back_where_capture_fails(gguf_models, numpy_runtime, reference_kernels, monkeypatch,
