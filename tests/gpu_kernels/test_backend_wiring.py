@@ -81,6 +81,14 @@ def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, refer
         assert numpy_runtime.captures == 0 and not backend._graphs
 
 
+def prompt_then_decode(model):
+    """Logits [5, V]: a 4-token prompt's last, then 4 one-token decode steps, on one new sequence."""
+    kv = model.new_sequence(64)
+    out = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:4]), "last")]))]
+    out += [model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([t]))])) for t in TOKENS[4:8]]
+    return np.concatenate(out)
+
+
 @pytest.mark.parametrize("target,fraction", [("Q8_0", 0.0), ("Q8_0", 0.5), ("Q4_K_M", 0.5), ("Q8_0", 1.0),
                                              ("F16", 0.0), ("BF16", 0.5), ("F32", 0.5), ("Q4_0", 0.5), ("Q5_K", 0.5),
                                              ("Q6_K", 1.0)])
@@ -127,16 +135,13 @@ def test_a_dropped_backend_is_freed_at_once(gguf_models, numpy_runtime, referenc
         (c.num_layers, c.num_experts)) < 0.5)
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
-    kv = model.new_sequence(64)
-    model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:4]), "last")]))
-    for t in TOKENS[4:8]:
-        model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([t]))]))
+    prompt_then_decode(model)
     if dense_graphs:
         assert all(graph is not None for _, _, graph in backend.layer_graphs._regions.values())
     refs = [weakref.ref(backend), weakref.ref(model)]
     gc.disable()
     try:
-        del backend, model, kv
+        del backend, model
         assert [ref() for ref in refs] == [None, None]
     finally:
         gc.enable()
@@ -151,11 +156,7 @@ def test_dense_graphs_fall_back_where_capture_fails(gguf_models, numpy_runtime, 
         monkeypatch.setenv("STRATA_DENSE_GRAPHS", "1" if dense_graphs else "0")
         backend = GpuBackend(numpy_runtime, max_context=256, resident=None)
         backend.kernels = reference_kernels
-        model = Model(weights, backend, host=CpuBackend())
-        kv = model.new_sequence(64)
-        out = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[:4]), "last")]))]
-        out += [model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([t]))])) for t in TOKENS[4:8]]
-        return np.concatenate(out), backend
+        return prompt_then_decode(Model(weights, backend, host=CpuBackend())), backend
 
     ref, _ = decode(False)
 
