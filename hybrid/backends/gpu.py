@@ -439,6 +439,10 @@ class GpuBackend:
         rows = x.reshape(-1, x.shape[-1])  # [T*nH, D]
         self.kernels.rmsnorm(rows, self._weight(weight), eps, rows)
 
+    def use_device_positions(self, positions, on_device):
+        """rope() of a batch with these host positions reads `on_device` (int64, already uploaded) instead."""
+        self._positions = (positions, on_device)
+
     def rope(self, x, positions, theta):
         """In place over x [T, nH, D]; positions int64 [T] on the host."""
         if self._positions[0] is not positions:

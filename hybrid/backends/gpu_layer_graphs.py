@@ -74,7 +74,7 @@ class LayerGraphs:
             self._regions.clear()
         be.rt.copy_on_device_async(self._residual, x, be.stream)
         be.staging.upload("graph_position", np.asarray(positions[:1], np.int64), be.stream, out=self._position)
-        be._positions = (positions, self._position)  # rope() reads it without uploading
+        be.use_device_positions(positions, self._position)
         return self._residual
 
     def run(self, be, key, queue):
