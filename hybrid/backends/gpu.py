@@ -261,10 +261,9 @@ class GpuBackend:
         self._graphs = {}  # (tokens, layer index) -> captured graph of its decode expert launches (None: failed)
         self._mapped = {}  # host address of a pinned buffer -> its device address (0: not mapped)
         self._timers = {}  # layer index -> (start, stop) timing events of its decode expert part
-        # STRATA_DENSE_GRAPHS=1: a decode layer's dense launches as two graphs (gpu_layer_graphs.py). Off by default:
-        # 4x faster decode at 100 % resident on an H100, but two GPU tests (F16; the relay's failure path, Q4_K_M)
-        # did not finish with it on (bench/results/gpu_model.md, session 28)
-        self.layer_graphs = LayerGraphs() if _env_switch("STRATA_DENSE_GRAPHS", "0") else None
+        # STRATA_DENSE_GRAPHS=0: a decode layer's dense launches one by one rather than as two graphs
+        # (gpu_layer_graphs.py; 1.4x to 2.4x faster decode on an H100, bench/results/gpu_model.md, session 29)
+        self.layer_graphs = LayerGraphs() if _env_switch("STRATA_DENSE_GRAPHS", "1") else None
 
     # -- placement -------------------------------------------------------------------------
 
@@ -407,8 +406,8 @@ class GpuBackend:
         return q, k, v, qk
 
     def graphs_decode(self, batch):
-        """Whether this step's layers go through graphed_decode_layer: asked for (STRATA_DENSE_GRAPHS=1), capture
-        not failed, and one sequence's one token."""
+        """Whether this step's layers go through graphed_decode_layer: not turned off (STRATA_DENSE_GRAPHS=0),
+        capture not failed, and one sequence's one token."""
         return (self.layer_graphs is not None and self.layer_graphs.enabled and len(batch.chunks) == 1
                 and len(batch.token_ids) == 1)
 

@@ -1,5 +1,5 @@
-"""A one-token decode layer on the GPU with its dense launches replayed as two graphs (opt-in:
-STRATA_DENSE_GRAPHS=1).
+"""A one-token decode layer on the GPU with its dense launches replayed as two graphs (the default;
+STRATA_DENSE_GRAPHS=0 turns it off).
 
 At 100 % resident a decode token is bound by the host's kernel launches, about 16 a layer
 (bench/results/gpu_model.md). Two runs of them take no per-step number, so each is captured once per

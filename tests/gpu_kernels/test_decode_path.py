@@ -178,9 +178,9 @@ def test_a_decode_step_of_several_users_through_the_relay_matches_the_cpu_engine
 
 @pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
 def test_dense_graphs_match_the_default_launches(runtime, gguf_models, monkeypatch, target):
-    """STRATA_DENSE_GRAPHS=1 (a decode layer's dense launches as two captured graphs) gives the logits of
-    STRATA_DENSE_GRAPHS=0 (the launches one by one), bit for bit, at 0, 50 and 100 % resident (the relay on), over
-    two sequences decoding in turn, and every region of every layer was captured and replayed."""
+    """STRATA_DENSE_GRAPHS=1 (a decode layer's dense launches as two captured graphs, the default) gives the
+    logits of STRATA_DENSE_GRAPHS=0 (the launches one by one), bit for bit, at 0, 50 and 100 % resident (the relay
+    on), over two sequences decoding in turn, and every region of every layer was captured and replayed."""
     from hybrid import LLM
     from hybrid.batch import Batch, SeqChunk
 
