@@ -118,23 +118,39 @@ def timings(prompt_n, prompt_s, predicted_n, predicted_s, cache_n=0):
 
 
 class StopFilter:
-    """Cuts generated text at the first stop string, holding back a tail that may begin one."""
+    """Cuts generated text at the first stop string, holding back a tail that may begin one.
+
+    Each push searches only the text a new match could lie in (the held-back tail and the new piece), and
+    the held-back tail is found from the positions where some stop string's first character stands, so a
+    token costs about the length of the stop strings, not their squares."""
 
     def __init__(self, stops):
         self.stops = [s for s in stops if s]
+        self.by_first_char = {}
+        for s in self.stops:
+            self.by_first_char.setdefault(s[0], []).append(s)
+        self.longest = max(map(len, self.stops), default=0)
         self.pending = ""
 
     def push(self, piece):
         """-> (text safe to emit now, True when a stop string was reached)."""
         self.pending += piece
-        hits = [self.pending.find(s) for s in self.stops if s in self.pending]
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:
             text, self.pending = self.pending[: min(hits)], ""
             return text, True
-        keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        cut = len(self.pending) - keep
+        cut = self._held_back_start()
         text, self.pending = self.pending[:cut], self.pending[cut:]
         return text, False
+
+    def _held_back_start(self):
+        """Where the longest tail of `pending` that begins some stop string starts (its length when none)."""
+        pending = self.pending
+        for i in range(max(0, len(pending) - self.longest + 1), len(pending)):
+            starting_here = self.by_first_char.get(pending[i])
+            if starting_here and any(s.startswith(pending[i:]) for s in starting_here):
+                return i
+        return len(pending)
 
     def flush(self):
         text, self.pending = self.pending, ""
