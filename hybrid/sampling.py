@@ -1,7 +1,13 @@
 """Per-request sampling settings and the sampler that applies them to one row of logits."""
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .errors import RequestError
+
+MAX_SEED = 2**64 - 1  # numpy's generators take any size; a bound keeps a request's seed a plain number
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 all but forces it
 
 
 @dataclass
@@ -14,19 +20,35 @@ class SamplingParams:
     seed: int | None = None
     stop: list = field(default_factory=list)  # stop strings (not included in the text)
     ignore_eos: bool = False
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
 
     def validate(self):
+        """self, or RequestError (a ValueError) naming the first setting out of its range."""
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (_integer(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
+            (_finite(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
+            (_integer(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0"),
+            (_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.seed is None or _integer(self.seed) and 0 <= self.seed <= MAX_SEED,
+             f"seed must be an integer from 0 to {MAX_SEED}"),
+            (all(isinstance(s, str) for s in self.stop), "stop must be a list of strings"),
+            (all(_integer(t) and t >= 0 and _finite(b) and abs(b) <= LOGIT_BIAS_RANGE
+                 for t, b in self.logit_bias.items()),
+             f"logit_bias must map token ids to numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"),
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise RequestError(message)
         return self
+
+
+def _integer(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _finite(value):
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Sampler:
@@ -41,13 +63,20 @@ class Sampler:
     def __init__(self, params):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self.bias_ids = np.fromiter(params.logit_bias, dtype=np.int64, count=len(params.logit_bias))
+        self.bias = np.fromiter(params.logit_bias.values(), dtype=np.float64, count=len(params.logit_bias))
 
     def __call__(self, logits):
         """logits [V] -> token id."""
         p = self.params
+        if self.bias_ids.size:
+            logits = logits.astype(np.float64)  # [V], a copy: the caller's row stays as it was
+            logits[self.bias_ids] += self.bias
         if p.temperature <= 0:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / p.temperature  # [V]
+        logits = logits.astype(np.float64, copy=False)
+        with np.errstate(over="ignore"):  # a tiny temperature sends all but the top logits to -inf: greedy
+            scaled = (logits - logits.max()) / p.temperature  # [V], <= 0
         candidates = np.arange(scaled.size)
         if 0 < p.top_k < scaled.size:
             candidates = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
