@@ -10,6 +10,7 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -19,7 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .errors import ModelError
+from .errors import ModelError, RequestError
+from .special_text import SpecialTextEscaper
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,26 @@ def configure_byte_level(backend: BackendTokenizer, pre: str) -> None:
     backend.decoder = decoders.ByteLevel()
 
 
+# The most a text's UTF-8 size can shrink under NFC: max over Unicode of bytes(NFD(c)) / bytes(c), which is 3.0
+# (U+0390: 2 bytes, 6 decomposed; Hangul syllables: 3 bytes, 9 as jamo).
+NFC_MAX_SHRINK = 3
+
+
 class ChatTemplateError(ModelError):
-    """The chat template refused the messages through `raise_exception(...)`."""
+    """The chat template could not render the messages; `reason` says why without naming the model's file."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class PromptTooLong(RequestError):
+    """A prompt of `num_tokens` tokens (`exact`, else at least that many) does not fit `limit` tokens."""
+
+    def __init__(self, num_tokens: int, limit: int, exact: bool) -> None:
+        super().__init__(f"the prompt has {'' if exact else 'at least '}{num_tokens} tokens; "
+                         f"the context holds {limit}")
+        self.num_tokens, self.limit, self.exact = num_tokens, limit, exact
 
 
 class _TemplateRaised(Exception):
@@ -208,9 +228,71 @@ class Tokenizer:
                    chat_template=_hf_chat_template(path, config),
                    extra_eos_ids=[i for i in gen_eos if isinstance(i, int)])
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens written in it are matched, BOS added when the model asks."""
-        return self.backend.encode(text, add_special_tokens=add_special).ids
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
+               token_limit: int | None = None) -> list[int]:
+        """Token ids of `text`, BOS added when the model asks (`add_special`). `parse_special`: special tokens
+        written in the text become control tokens. Raises PromptTooLong when `token_limit` tokens or more
+        come out, before tokenizing when the text's size alone proves it."""
+        if token_limit is not None:
+            self._check_bound(len(text.encode("utf-8", "surrogatepass")), token_limit)
+        backend = self.backend if parse_special else self._text_backend
+        ids = backend.encode(text, add_special_tokens=add_special).ids
+        if token_limit is not None and len(ids) >= token_limit:
+            raise PromptTooLong(len(ids), token_limit, exact=True)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    token_limit: int | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of `messages` rendered by the chat template: the template's own markers are control
+        tokens, special-token text inside the messages is plain text. `token_limit` as in `encode`."""
+        escaper = self._escaper
+        rendered = self.apply_chat_template(escaper.escape(messages), add_generation_prompt,
+                                            tools=escaper.escape(kwargs.pop("tools", None)), **kwargs)
+        if token_limit is not None:
+            self._check_bound(escaper.unescaped_size(rendered), token_limit)
+        ids = [self.bos_id] if self.add_bos else []
+        for piece, is_marker in escaper.split(rendered):
+            ids += [self.backend.token_to_id(piece)] if is_marker else \
+                self._text_backend.encode(piece, add_special_tokens=False).ids
+        if token_limit is not None and len(ids) >= token_limit:
+            raise PromptTooLong(len(ids), token_limit, exact=True)
+        return ids
+
+    def min_num_tokens(self, num_bytes: int) -> int:
+        """A lower bound on the token count of any text of `num_bytes` UTF-8 bytes (0 when none is known)."""
+        if self._max_bytes_per_token is None:
+            return 0
+        return -(-num_bytes // self._max_bytes_per_token)
+
+    def _check_bound(self, num_bytes: int, token_limit: int) -> None:
+        at_least = self.min_num_tokens(num_bytes)
+        if at_least >= token_limit:
+            raise PromptTooLong(at_least, token_limit, exact=False)
+
+    @cached_property
+    def _max_bytes_per_token(self) -> int | None:
+        """The most text bytes one token can stand for, normalization included; None with a normalizer
+        whose shrinking is unknown."""
+        normalizer = self.backend.normalizer
+        if normalizer is not None and not isinstance(normalizer, normalizers.NFC):
+            return None
+        byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)  # one character per byte
+        longest = max(len(t) if byte_level else len(t.encode("utf-8"))
+                      for t in self.backend.get_vocab(with_added_tokens=False))
+        added = [len(a.content.encode("utf-8")) for a in self.backend.get_added_tokens_decoder().values()]
+        return max([longest, *added]) * (NFC_MAX_SHRINK if normalizer is not None else 1)
+
+    @cached_property
+    def _text_backend(self) -> BackendTokenizer:
+        """A copy of the backend that reads special-token text as text."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @cached_property
+    def _escaper(self) -> SpecialTextEscaper:
+        return SpecialTextEscaper([a.content for a in self.backend.get_added_tokens_decoder().values()
+                                   if a.special])
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
@@ -231,11 +313,12 @@ class Tokenizer:
         try:
             return self._template.render(**context)
         except _TemplateRaised as exc:
-            raise ChatTemplateError(f"{self.source}: the chat template refused the messages: {exc}") from exc
+            reason = f"the chat template refused the messages: {exc}"
         except SecurityError as exc:
-            raise ModelError(f"{self.source}: the chat template tried an unsafe operation: {exc}") from exc
+            reason = f"the chat template tried an unsafe operation: {exc}"
         except Exception as exc:
-            raise ModelError(f"{self.source}: the chat template failed: {type(exc).__name__}: {exc}") from exc
+            reason = f"the chat template failed: {type(exc).__name__}: {exc}"
+        raise ChatTemplateError(f"{self.source}: {reason}", reason)
 
 
 class IncrementalDecoder:
