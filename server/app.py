@@ -3,17 +3,19 @@ import os
 
 import falcon
 
+from .body import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .errors import serialize_error
 from .metrics import registry_for
 from .resources import ApiKey, Completions, ExpertProfileResource, Health, Metrics, Models, Slots
 
 
-def create_app(engine, model_id, api_key=None, description=""):
-    """`engine`: a started `hybrid.engine.Engine`; `model_id`: the name clients use in the `model` field."""
-    app = falcon.App(middleware=[ApiKey(api_key)])
+def create_app(engine, model_id, api_key=None, description="", max_body_bytes=DEFAULT_MAX_BODY_BYTES):
+    """`engine`: a started `hybrid.engine.Engine`; `model_id`: the name clients use in the `model` field;
+    `max_body_bytes`: a larger request body is a 413, refused before it is read."""
+    app = falcon.App(middleware=[BodyLimit(max_body_bytes), ApiKey(api_key)])
     app.set_error_serializer(serialize_error)
-    app.add_route("/v1/chat/completions", Completions(engine, model_id, chat=True))
-    app.add_route("/v1/completions", Completions(engine, model_id, chat=False))
+    app.add_route("/v1/chat/completions", Completions(engine, model_id, chat=True, max_body_bytes=max_body_bytes))
+    app.add_route("/v1/completions", Completions(engine, model_id, chat=False, max_body_bytes=max_body_bytes))
     app.add_route("/v1/models", Models(model_id, description))
     app.add_route("/health", Health())
     app.add_route("/slots", Slots(engine))
@@ -23,11 +25,14 @@ def create_app(engine, model_id, api_key=None, description=""):
 
 
 def get_app():
-    """For a WSGI server (`waitress-serve --call server.app:get_app`): settings from STRATA_* variables."""
-    from .serve import build
+    """For a WSGI server (`waitress-serve --listen 127.0.0.1:8080 --call server.app:get_app`): the defaults of
+    `strata serve` with settings from STRATA_MODEL, STRATA_PARALLEL, STRATA_MAX_CONTEXT, STRATA_MAX_QUEUE and
+    STRATA_API_KEY (server.serve.ENV_SETTINGS); a bad setting or model ends the process with one line."""
+    from hybrid.errors import ModelError
 
-    env = os.environ.get
-    max_context = env("STRATA_MAX_CONTEXT")
-    app, _ = build(model=env("STRATA_MODEL"), parallel=int(env("STRATA_PARALLEL", "1")),
-                   api_key=env("STRATA_API_KEY"), max_context=int(max_context) if max_context else None)
-    return app
+    from .serve import app_from_environment
+
+    try:
+        return app_from_environment()
+    except (ModelError, ValueError) as exc:
+        raise SystemExit(f"strata: error: {exc}") from None

@@ -1,4 +1,6 @@
 """OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+import json
+
 import falcon
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -17,8 +19,12 @@ def bad_request(message, param=None):
 
 def serialize_error(req, resp, exc):
     """Falcon error serializer: every HTTP error (ours and Falcon's own) as OpenAI error JSON."""
-    status = exc.status_code
     resp.content_type = falcon.MEDIA_JSON
-    resp.media = {"error": {"message": exc.description or exc.title,
-                            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-                            "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}}
+    resp.data = error_body(exc.status_code, exc.description or exc.title, getattr(exc, "param", None),
+                           getattr(exc, "code", None))
+
+
+def error_body(status, message, param=None, code=None):
+    """The JSON bytes of an error. ASCII-escaped: a lone surrogate echoed from a request still encodes."""
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()

@@ -1,14 +1,21 @@
 """OpenAI request bodies -> engine `Request`s, and engine results -> OpenAI response bodies."""
+import math
 import time
 import uuid
 from dataclasses import dataclass
 
+from hybrid.errors import RequestError
 from hybrid.request import Request
-from hybrid.sampling import SamplingParams
+from hybrid.sampling import LOGIT_BIAS_RANGE, MAX_SEED, SamplingParams
 
 from .errors import bad_request as _bad
 
 _NUMBER = (int, float)
+MAX_MESSAGES = 2048  # OpenAI's limit
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+MAX_LOGIT_BIAS = 1024
+MAX_INT32 = 2**31 - 1
 
 
 @dataclass
@@ -33,31 +40,97 @@ def _as_tuple(types):
     return types if isinstance(types, tuple) else (types,)
 
 
-def sampling_params(body, num_prompt, max_context):
-    max_tokens = field(body, "max_completion_tokens", int, None)
-    max_tokens = field(body, "max_tokens", int, max_tokens)
+def integer(body, name, default, low, high):
+    """body[name], an integer in [low, high]."""
+    value = field(body, name, int, default)
+    if value is not None and not low <= value <= high:
+        raise _bad(f"field '{name}' must be an integer from {low} to {high}, got {_short(value)}", name)
+    return value
+
+
+def number(body, name, default, rule, in_range):
+    """body[name] as a finite float for which `in_range` holds (`rule` says what that is)."""
+    value = field(body, name, _NUMBER, None)
+    if value is None:
+        return default
+    converted = _finite(value)
+    if converted is None or not in_range(converted):
+        raise _bad(f"field '{name}' must be {rule}, got {_short(value)}", name)
+    return converted
+
+
+def _finite(value):
+    """`value` as a finite float, or None when it is no number or no finite one."""
+    if isinstance(value, bool) or not isinstance(value, _NUMBER):
+        return None
+    try:
+        converted = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return converted if math.isfinite(converted) else None
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def stop_strings(body):
     stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
         raise _bad("field 'stop' must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise _bad(f"field 'stop' may hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                   "characters each", "stop")
+    return stop
+
+
+def logit_bias(body, vocab_size):
+    """OpenAI's `logit_bias` ({"token id": bias}) as {int: float}."""
+    bias = field(body, "logit_bias", dict, {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad(f"field 'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+    parsed = {}
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if not 0 <= token < vocab_size:
+            raise _bad(f"field 'logit_bias' has key {_short(key)}: keys must be token ids below {vocab_size}",
+                       "logit_bias")
+        value = _finite(bias[key])
+        if value is None or abs(value) > LOGIT_BIAS_RANGE:
+            raise _bad(f"field 'logit_bias' has {_short(bias[key])} for token {token}: biases must be numbers from "
+                       f"-{LOGIT_BIAS_RANGE:g} to {LOGIT_BIAS_RANGE:g}", "logit_bias")
+        parsed[token] = value
+    return parsed
+
+
+def sampling_params(body, num_prompt, max_context, vocab_size):
+    max_tokens = integer(body, "max_completion_tokens", None, 1, MAX_INT32)
+    max_tokens = integer(body, "max_tokens", max_tokens, 1, MAX_INT32)
     defaults = SamplingParams()
     params = SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else max(1, max_context - num_prompt),
-        temperature=float(field(body, "temperature", _NUMBER, defaults.temperature)),
-        top_k=field(body, "top_k", int, defaults.top_k),
-        top_p=float(field(body, "top_p", _NUMBER, defaults.top_p)),
-        min_p=float(field(body, "min_p", _NUMBER, defaults.min_p)),
-        seed=field(body, "seed", int, None), stop=stop, ignore_eos=field(body, "ignore_eos", bool, False))
+        temperature=number(body, "temperature", defaults.temperature, "a finite number >= 0", lambda t: t >= 0),
+        top_k=integer(body, "top_k", defaults.top_k, 0, MAX_INT32),
+        top_p=number(body, "top_p", defaults.top_p, "a number in (0, 1]", lambda p: 0 < p <= 1),
+        min_p=number(body, "min_p", defaults.min_p, "a number in [0, 1]", lambda p: 0 <= p <= 1),
+        seed=integer(body, "seed", None, 0, MAX_SEED), stop=stop_strings(body),
+        ignore_eos=field(body, "ignore_eos", bool, False), logit_bias=logit_bias(body, vocab_size))
     try:
         return params.validate()
-    except ValueError as exc:
+    except RequestError as exc:
         raise _bad(str(exc)) from None
 
 
-def chat_prompt(body, tokenizer):
+def chat_messages(body):
+    """The `messages` of a chat body, checked: content parts joined into one string."""
     messages = field(body, "messages", list)
     if not messages:
         raise _bad("field 'messages' must be a non-empty list", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise _bad(f"field 'messages' may hold at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
+    checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages")
@@ -65,30 +138,32 @@ def chat_prompt(body, tokenizer):
         if isinstance(content, list):  # content parts: only text is read
             if not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
                 raise _bad(f"messages[{i}].content parts must be text parts", "messages")
-            m["content"] = "".join(p["text"] for p in content)
+            m = {**m, "content": "".join(p["text"] for p in content)}
         elif content is not None and not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        checked.append(m)
+    return checked
 
 
-def completion_prompt(body, tokenizer):
+def completion_prompt(body):
+    """The `prompt` of a completion body: a string or a list of token ids."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise _bad("field 'prompt' must be a string, a list of token ids, or a list of one of those", "prompt")
 
 
-def parse(body, prompt_ids, max_context):
+def parse(body, prompt_ids, max_context, vocab_size):
     """The engine request of a validated body whose prompt is `prompt_ids`."""
-    if field(body, "n", int, 1) != 1:
+    if integer(body, "n", 1, 1, MAX_INT32) != 1:
         raise _bad("only n = 1 is supported", "n")
     stream = field(body, "stream", bool, False)
     options = field(body, "stream_options", dict, {})
-    params = sampling_params(body, len(prompt_ids), max_context)
+    params = sampling_params(body, len(prompt_ids), max_context, vocab_size)
     return ParsedRequest(Request(prompt_ids, params), stream, bool(field(options, "include_usage", bool, False)))
 
 

@@ -9,24 +9,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from hybrid.errors import ModelError, RequestError
 from hybrid.request import Delta, Failed
 from hybrid.scheduler import QueueFull
+from hybrid.tokenizer import ChatTemplateError, PromptTooLong
 
+from .body import read_json
 from .errors import ApiError, bad_request
-from .protocol import Responder, chat_prompt, completion_prompt, field, parse
+from .protocol import Responder, chat_messages, completion_prompt, field, parse
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a waiting response checks whether its client is still there
 RETRY_AFTER_S = 2
-
-
-def read_json(req):
-    try:
-        body = json.loads(req.bounded_stream.read() or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object")
-    return body
+OPEN_PATHS = ("/health", "/metrics")  # answer without the API key, as llama.cpp's do
 
 
 def _disconnected(req):
@@ -36,16 +29,16 @@ def _disconnected(req):
 class Completions:
     """POST /v1/chat/completions (`chat`) and /v1/completions."""
 
-    def __init__(self, engine, model_id, chat):
-        self.engine, self.model_id, self.chat = engine, model_id, chat
+    def __init__(self, engine, model_id, chat, max_body_bytes):
+        self.engine, self.model_id, self.chat, self.max_body_bytes = engine, model_id, chat, max_body_bytes
 
     def on_post(self, req, resp):
-        body = read_json(req)
+        body = read_json(req, self.max_body_bytes)
         model = field(body, "model", str)
         if model is not None and model != self.model_id:
             raise ApiError(404, f"model '{model}' does not exist; this server has '{self.model_id}'", "model",
                            "model_not_found")
-        parsed = parse(body, self._prompt(body), self.engine.max_context)
+        parsed = parse(body, self._prompt(body), self.engine.max_context, self.engine.model.config.vocab_size)
         handle = self._submit(parsed.request)
         responder = Responder(self.chat, self.model_id)
         if parsed.stream:
@@ -56,15 +49,23 @@ class Completions:
             resp.media = responder.complete(self._wait(handle, _disconnected(req)))
 
     def _prompt(self, body):
-        tokenizer = self.engine.tokenizer
+        """The prompt's token ids; one past the context is refused, before tokenizing when its size proves it."""
+        tokenizer, limit, param = self.engine.tokenizer, self.engine.max_context, "messages" if self.chat else "prompt"
         try:
-            ids = chat_prompt(body, tokenizer) if self.chat else completion_prompt(body, tokenizer)
-        except ModelError as exc:  # the chat template refused the messages, or there is none
-            raise bad_request(str(exc), "messages") from None
-        if len(ids) >= self.engine.max_context:
-            raise ApiError(413, f"the prompt has {len(ids)} tokens; the context holds {self.engine.max_context}",
-                           "messages" if self.chat else "prompt", "context_length_exceeded")
-        return ids
+            if self.chat:
+                return tokenizer.encode_chat(chat_messages(body), token_limit=limit)
+            prompt = completion_prompt(body)
+            if isinstance(prompt, str):
+                return tokenizer.encode(prompt, token_limit=limit)
+            if len(prompt) >= limit:
+                raise PromptTooLong(len(prompt), limit, exact=True)
+            return prompt
+        except PromptTooLong as exc:
+            raise ApiError(400, f"{exc}: shorten the {param}", param, "context_length_exceeded") from None
+        except ChatTemplateError as exc:  # its reason names no file of the server
+            raise bad_request(exc.reason, "messages") from None
+        except ModelError:
+            raise bad_request("this model has no chat template: use /v1/completions", "messages") from None
 
     def _submit(self, request):
         try:
@@ -174,13 +175,13 @@ class Metrics:
 
 
 class ApiKey:
-    """Middleware: every /v1 route needs `Authorization: Bearer <key>` when a key is set."""
+    """Middleware: when a key is set, every route but /health and /metrics needs `Authorization: Bearer <key>`."""
 
     def __init__(self, api_key):
         self.api_key = api_key
 
     def process_request(self, req, resp):
-        if not self.api_key or not req.path.startswith("/v1"):
+        if not self.api_key or req.path in OPEN_PATHS:
             return
         auth = req.get_header("Authorization") or ""
         if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
