@@ -258,6 +258,11 @@ class Tokenizer:
             raise PromptTooLong(len(ids), token_limit, exact=True)
         return ids
 
+    def prepare(self) -> None:
+        """Builds now what `encode_chat`, `parse_special=False` and `token_limit` use (0.7 s for a vocabulary
+        of 150K tokens on 2 cores), so that a server's first request does not wait for it."""
+        _ = self._text_backend, self._max_bytes_per_token, self._escaper
+
     def min_num_tokens(self, num_bytes: int) -> int:
         """A lower bound on the token count of any text of `num_bytes` UTF-8 bytes (0 when none is known)."""
         if self._max_bytes_per_token is None:

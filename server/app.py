@@ -12,6 +12,7 @@ from .resources import ApiKey, Completions, ExpertProfileResource, Health, Metri
 def create_app(engine, model_id, api_key=None, description="", max_body_bytes=DEFAULT_MAX_BODY_BYTES):
     """`engine`: a started `hybrid.engine.Engine`; `model_id`: the name clients use in the `model` field;
     `max_body_bytes`: a larger request body is a 413, refused before it is read."""
+    engine.tokenizer.prepare()
     app = falcon.App(middleware=[BodyLimit(max_body_bytes), ApiKey(api_key)])
     app.set_error_serializer(serialize_error)
     app.add_route("/v1/chat/completions", Completions(engine, model_id, chat=True, max_body_bytes=max_body_bytes))

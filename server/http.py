@@ -92,7 +92,7 @@ class HttpServer:
         self.adj = Adjustments(
             sockets=sockets, threads=parallel + max_queue + SPARE_THREADS, connection_limit=max_connections,
             max_request_body_size=max_body_bytes + 1,  # waitress refuses a body of this size or more
-            channel_timeout=idle_timeout_s, cleanup_interval=max(1, min(request_timeout_s, idle_timeout_s) // 2),
+            channel_timeout=idle_timeout_s, cleanup_interval=max(1, min(request_timeout_s, idle_timeout_s) // 6),
             channel_request_lookahead=4,  # reads ahead so that a client's disconnect is seen while it waits
             asyncore_use_poll=True, ident="strata", clear_untrusted_proxy_headers=True)
         self.map = {}
