@@ -1,7 +1,9 @@
 """Hostile request bodies: a seeded fuzz of every endpoint's fields and types (no 5xx, errors as OpenAI JSON),
 the body limit, and each defect that fuzzing found, one test apiece."""
+import http.client
 import json
 import math
+import socket
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from server import create_app
 from server.protocol import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 from .conftest import MAX_CONTEXT
+from .test_http import serving
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HUGE = 10**400  # no float holds it
@@ -131,14 +134,57 @@ def test_fuzz_routes(client, path, method, raw, query):
         assert set(json.loads(result.content)["error"]) == {"message", "type", "param", "code"}
 
 
+class HttpAnswer:
+    """An http.client response with the fields of a falcon.testing Result that assert_answer reads."""
+
+    def __init__(self, response):
+        self.status_code, self.headers, self.content = response.status, {
+            k.lower(): v for k, v in response.getheaders()}, response.read()
+        self.text = self.content.decode("utf-8", "replace")
+
+
+def post_http(port, path, body):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", path, json.dumps(body, allow_nan=True).encode(), {"Content-Type": "application/json"})
+        return HttpAnswer(conn.getresponse())
+    finally:
+        conn.close()
+
+
+def raw_http(port, data):
+    """The answer to raw bytes sent then half-closed ("" when the server closed without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        conn.sendall(data)
+        conn.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.fixture
+def http_port(engine):
+    with serving(create_app(engine, "demo"), parallel=len(engine.scheduler.slots), max_queue=64,
+                 max_connections=64, max_body_bytes=8 << 20) as port:
+        yield port
+
+
 @pytest.mark.slow
 @settings(derandomize=True, deadline=None, max_examples=1000, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(chat_body=CHAT_BODIES, completion_body=COMPLETION_BODIES)
-def test_fuzz_long(client, chat_body, completion_body):
-    """1,000 cases per endpoint and slot count (run on its own: -m slow -k fuzz_long)."""
-    assert_answer(post(client, CHAT, chat_body), stream=True)
-    assert_answer(post(client, COMPLETIONS, completion_body), stream=True)
+@given(chat_body=CHAT_BODIES, completion_body=COMPLETION_BODIES,
+       raw=st.binary(max_size=60).map(lambda b: b"POST /v1/completions HTTP/1.1\r\n" + b) | st.binary(max_size=60))
+def test_fuzz_long(http_port, chat_body, completion_body, raw):
+    """1,000 cases per endpoint and slot count through a real socket, waitress included (run on its own:
+    -m slow -k fuzz_long)."""
+    assert_answer(post_http(http_port, CHAT, chat_body), stream=True)
+    assert_answer(post_http(http_port, COMPLETIONS, completion_body), stream=True)
+    answer = raw_http(http_port, raw)
+    if answer:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert int(head.split()[1]) < 500 and b"application/json" in head.lower(), answer
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.parametrize("body, param", [
