@@ -11,7 +11,6 @@ SIGTERM and must exit cleanly.
 """
 import argparse
 import json
-import os
 import random
 import signal
 import socket
@@ -19,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request

@@ -1,6 +1,4 @@
 """The Falcon WSGI app: `create_app(engine, ...)` for tests and `strata serve`, `get_app()` for WSGI servers."""
-import os
-
 import falcon
 
 from .body import DEFAULT_MAX_BODY_BYTES, BodyLimit
