@@ -4,6 +4,10 @@ import json
 import logging
 import sys
 
+from .cli_types import existing_file, float_in, int_at_least, port
+
+DEFAULT_MAX_CONNECTIONS = 100
+
 
 def _cache_mib(text):
     if text == "auto":
@@ -77,7 +81,7 @@ def _add_device_options(p):
     p.add_argument("--kv", choices=KV_DTYPES, default="f32",
                    help="KV cache encoding: f32 (exact, default), f16 / bf16 (half the bytes, ~1e-3 / ~1e-2 off), "
                         "int8 with per-token, per-head scales (a quarter, ~1e-2 off)")
-    p.add_argument("--kv-resident", type=int, default=None, metavar="N",
+    p.add_argument("--kv-resident", type=int_at_least(1), default=None, metavar="N",
                    help="GPU: keep only the newest N tokens of each slot's KV in VRAM (rounded up to 64-token "
                         "blocks), the older ones in pinned RAM (default: all in VRAM)")
     p.add_argument("--kv-host-attention", choices=KV_HOST_ATTENTION, default="gpu",
@@ -87,16 +91,16 @@ def _add_device_options(p):
                    help="where the model runs: auto (the GPU when usable, else the CPU), gpu, cpu (default auto)")
     p.add_argument("--expert-cache-mib", type=_cache_mib, default=None, metavar="N|auto",
                    help="VRAM for resident experts (default auto: all that is left)")
-    p.add_argument("--vram-reserve-mib", type=float, default=DEFAULT_RESERVE_MIB, metavar="N",
+    p.add_argument("--vram-reserve-mib", type=float_in(0), default=DEFAULT_RESERVE_MIB, metavar="N",
                    help=f"VRAM left free as headroom (default {DEFAULT_RESERVE_MIB})")
-    p.add_argument("--placement", default=None, metavar="FILE",
+    p.add_argument("--placement", type=existing_file, default=None, metavar="FILE",
                    help="resident experts from `strata plan` (placement.json); refused if it does not fit")
     p.add_argument("--expert-cache", choices=EXPERT_CACHE_MODES, default="auto",
                    help="auto: the experts of --placement, or planned at start-up from --profile for the VRAM "
                         "left, or without either the cache filled layer by layer; dynamic: start the same way "
                         "(without either, the same count in every layer) and swap experts in the background "
                         "as usage changes (default auto)")
-    p.add_argument("--profile", default=None, metavar="P.npz",
+    p.add_argument("--profile", type=existing_file, default=None, metavar="P.npz",
                    help="expert profile (`strata profile`) to plan the expert cache from at start-up")
     p.add_argument("--no-prefill-borrow", dest="prefill_borrow", action="store_false",
                    help="never copy non-resident experts to the GPU for large prompt chunks (prefill borrow)")
@@ -118,19 +122,25 @@ def _add_generate(sub):
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
-    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float_in(0), default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int_at_least(0), default=40, help="0 = off (default 40)")
+    p.add_argument("--top-p", type=float_in(0, 1, low_open=True), default=0.95, help="in (0, 1] (default 0.95)")
+    p.add_argument("--min-p", type=float_in(0, 1), default=0.05, help="in [0, 1] (default 0.05)")
+    p.add_argument("--seed", type=int_at_least(0), default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
-    p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
+    add_threads_and_context(p, "context limit (default: the model's)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _add_device_options(p)
     p.set_defaults(func=_run_generate)
+
+
+def add_threads_and_context(p, context_help):
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="CPU threads (default: STRATA_THREADS or all)")
+    p.add_argument("--max-context", type=int_at_least(1), default=None,
+                   help=f"{context_help}; more than the model's is an error")
 
 
 def _run_generate(args):
@@ -164,19 +174,27 @@ def _run_generate(args):
 
 
 def _add_serve(sub):
+    from server.body import DEFAULT_MAX_BODY_BYTES, MIB
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the demo model when no --model is given)")
     p.add_argument("--model", help="GGUF file or HF safetensors directory (default: the built-in demo model)")
-    p.add_argument("--parallel", type=int, default=1, help="slots: requests served at once (default 1)")
+    p.add_argument("--parallel", type=int_at_least(1), default=1, help="slots: requests served at once (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=port, default=8080, help="port, 1..65535 (default 8080)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or STRATA_API_KEY)")
-    p.add_argument("--decode-share", type=float, default=None,
+    p.add_argument("--decode-share", type=float_in(0, 1, low_open=True), default=None,
                    help="share of a decoding slot's rate kept while another slot reads a prompt, in (0, 1] "
                         "(default: STRATA_BATCH_DECODE_SHARE or 0.8)")
-    p.add_argument("--max-queue", type=int, default=None, help="waiting requests beyond which the server answers "
-                                                               "429 (default 16 per slot)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
-    p.add_argument("--max-context", type=int, default=None, help="context limit per slot (default: the model's)")
+    p.add_argument("--max-queue", type=int_at_least(1), default=None,
+                   help="waiting requests beyond which the server answers 429 (default 16 per slot)")
+    p.add_argument("--max-body-mib", type=float_in(0, low_open=True), default=DEFAULT_MAX_BODY_BYTES / MIB,
+                   help=f"largest request body in MiB; a larger one is refused with 413 before it is read "
+                        f"(default {DEFAULT_MAX_BODY_BYTES / MIB:g})")
+    p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"client connections open at once (default {DEFAULT_MAX_CONNECTIONS}): each holds a file "
+                        f"descriptor and buffers, so slow or idle clients cannot exhaust them; more wait in the "
+                        f"OS's accept queue. Keep it above --parallel + --max-queue")
+    add_threads_and_context(p, "context limit per slot (default: the model's)")
     _add_device_options(p)
     _add_conversation_options(p)
     p.add_argument("--profile-out", default=None,
@@ -187,9 +205,9 @@ def _add_serve(sub):
 
 def _add_conversation_options(p):
     g = p.add_argument_group("conversation cache (finished conversations kept so that they are not read again)")
-    g.add_argument("--conversation-cache-mib", type=int, default=2048,
+    g.add_argument("--conversation-cache-mib", type=int_at_least(0), default=2048,
                    help="RAM for parked conversations in MiB, 0 turns the cache off (default 2048)")
-    g.add_argument("--conversation-cache-slots", type=int, default=None,
+    g.add_argument("--conversation-cache-slots", type=int_at_least(1), default=None,
                    help="most conversations kept (default: no limit, only the MiB budget evicts)")
     g.add_argument("--conversation-cache-kv", choices=["f32", "f16", "int8"], default="f32",
                    help="how parked KV is stored: f32 as read (exact, default), f16 (half the bytes, ~1e-3 off), "
@@ -209,9 +227,26 @@ def _run_serve(args):
     return run(args)
 
 
+def _version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("strata")
+    except PackageNotFoundError:
+        return "(not installed: run pip install -e .)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are one line naming the flag, not the whole usage (subcommands' parsers are of this class)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(prog="strata", description="Hybrid CPU/GPU engine for MoE language models")
+    parser = OneLineParser(prog="strata", description="Hybrid CPU/GPU engine for MoE language models")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)

@@ -13,13 +13,23 @@ from .expert_usage import ExpertUsage
 from .formats import load_model
 from .model import Model
 from .request import StopFilter, check_prompt, end_reason, timings
-from .residency import resident_choice
+from .residency import expert_cache_device, resident_choice
 from .sampling import Sampler, SamplingParams
 from .tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # prompt tokens per forward step: bounds the activations of a long prompt
+
+
+def context_limit(requested, model_context, source):
+    """The context to run at: `requested` (None: the model's), refused when the model holds less."""
+    if requested is None:
+        return model_context
+    if not 1 <= requested <= model_context:
+        raise ValueError(f"--max-context {requested}: {source} holds a context of 1 to {model_context} tokens "
+                         f"(from its metadata)")
+    return requested
 
 
 @dataclass
@@ -48,6 +58,7 @@ class LLM:
                  kv_host_attention="gpu"):
         from cpu_kernels.target import set_threads
 
+        device = expert_cache_device(device, placement, profile, expert_cache)
         if model_path is None:
             from .demo import demo_model_path
 
@@ -57,11 +68,8 @@ class LLM:
         self.weights = load_model(model_path)
         self.tokenizer = self.weights.tokenizer
         self.config = self.weights.config
-        self.max_context = min(max_context or self.config.context_length, self.config.context_length)
-        if device == "cpu":
-            if placement or profile or expert_cache != "auto":
-                log.warning("the expert cache options (placement, profile, dynamic) do nothing on the CPU")
-        elif resident is None:
+        self.max_context = context_limit(max_context, self.config.context_length, self.weights.source)
+        if device != "cpu" and resident is None:
             resident = resident_choice(self.weights, placement, profile, expert_cache, kv_sequences, self.max_context)
         backend, host = select_backends(device, expert_cache_mib=expert_cache_mib, vram_reserve_mib=vram_reserve_mib,
                                         kv_sequences=kv_sequences, max_context=self.max_context,
@@ -71,7 +79,7 @@ class LLM:
         if kv_resident is not None and self.device == "cpu":
             log.warning("--kv-resident does nothing on the CPU: the whole KV is in RAM")
         self.model = Model(self.weights, backend, host, kv_dtype=kv, kv_tokens=kv_sequences * self.max_context)
-        if expert_cache == "dynamic":
+        if expert_cache == "dynamic" and self.device != "cpu":
             self._start_dynamic(dynamic)
         log.info("model %s on %s, %d CPU threads, context %d; %s", self.weights.source, self.device, self.threads,
                  self.max_context, backend.describe_kv(self.model.kv_pool, self.max_context))

@@ -16,6 +16,25 @@ log = logging.getLogger(__name__)
 EXPERT_CACHE_MODES = ("auto", "dynamic")
 
 
+def expert_cache_device(device, placement=None, profile=None, mode="auto"):
+    """`device` checked, before the model loads, against the expert cache options, which need a GPU:
+    with "cpu" they are a ValueError; with "auto" and no usable GPU they do nothing: "cpu" and a warning."""
+    asked = [flag for flag, given in (("--placement", placement is not None), ("--profile", profile is not None),
+                                      ("--expert-cache dynamic", mode == "dynamic")) if given]
+    if not asked or device not in ("cpu", "auto"):
+        return device
+    if device == "cpu":
+        raise ValueError(f"{', '.join(asked)}: choose the experts the GPU holds, so they do nothing with --device cpu")
+    from gpu_kernels.runtime import probe
+
+    found = probe()
+    if found.runtime is not None:
+        return device
+    log.warning("%s: no usable GPU (%s), so they do nothing: every expert runs on the CPU", ", ".join(asked),
+                found.reason)
+    return "cpu"
+
+
 def resident_choice(weights, placement=None, profile=None, mode="auto", batch=1, max_context=4096):
     """The GPU backend's `resident`: a mask bool [L, E], a function (room bytes, bytes per expert) -> mask
     that plans for the room, or None (the default fill). Bad input raises ValueError naming it."""

@@ -1,5 +1,8 @@
 """`strata profile`, `strata profile merge`, `strata profile show` and `strata plan`."""
+import argparse
 import os
+
+from hybrid.cli_types import existing_file, float_in, int_at_least
 
 from .budget import KV_BYTES
 from .planner import DEFAULT_CPU_GBPS, DEFAULT_GPU_GBPS
@@ -9,21 +12,26 @@ def add_subcommands(sub):
     """Adds `profile` (with `merge` and `show`) and `plan` to the `strata` subparsers."""
     p = sub.add_parser("profile", help="record expert usage on prompts; `profile merge` / `profile show`")
     p.add_argument("--model", help="GGUF file or HF safetensors directory")
-    p.add_argument("--prompts", help="JSONL of chat messages, or plain text with one prompt per line")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first prompt, +1 per prompt (default 0)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: STRATA_THREADS or all)")
-    p.add_argument("--max-context", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--prompts", type=existing_file,
+                   help="JSONL of chat messages, or plain text with one prompt per line")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=128,
+                   help="tokens generated per prompt (default 128)")
+    p.add_argument("--temperature", type=float_in(0), default=0.8, help="sampling temperature (default 0.8)")
+    p.add_argument("--seed", type=int_at_least(0), default=0,
+                   help="seed of the first prompt, +1 per prompt (default 0)")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="CPU threads (default: STRATA_THREADS or all)")
+    p.add_argument("--max-context", type=int_at_least(1), default=None,
+                   help="context limit (default: the model's; more is an error)")
     p.add_argument("-o", "--output", help="profile to write (.npz)")
     p.set_defaults(func=_run_profile)
     profile_sub = p.add_subparsers(dest="profile_command", metavar="{merge,show}")
     m = profile_sub.add_parser("merge", help="add profiles of one model together")
-    m.add_argument("inputs", nargs="+", help="profiles (.npz)")
+    m.add_argument("inputs", nargs="+", type=existing_file, help="profiles (.npz)")
     m.add_argument("-o", "--output", required=True, help="merged profile to write (.npz)")
     m.set_defaults(func=_run_merge)
     s = profile_sub.add_parser("show", help="tokens seen, skew, per-layer entropy and a heatmap PNG")
-    s.add_argument("profile", help="profile (.npz)")
+    s.add_argument("profile", type=existing_file, help="profile (.npz)")
     s.add_argument("--phase", choices=("all", "prefill", "decode"), default="all", help="routings to show")
     s.add_argument("--png", help="heatmap to write (default: the profile's name with .png)")
     s.add_argument("--no-png", action="store_true", help="print only")
@@ -34,19 +42,23 @@ def add_subcommands(sub):
 def _add_plan(sub):
     p = sub.add_parser("plan", help="choose the experts each GPU holds from a profile")
     p.add_argument("--model", required=True, help="GGUF file or HF safetensors directory")
-    p.add_argument("--profile", required=True, help="expert profile (.npz) of this model")
-    p.add_argument("--gpu-mib", required=True, help="memory per GPU in MiB, comma-separated: 24000 or 24000,24000")
-    p.add_argument("--parallel", type=int, default=1, help="slots served at once; the planned decode batch")
-    p.add_argument("--max-context", type=int, default=None, help="context per slot (default: the model's)")
+    p.add_argument("--profile", required=True, type=existing_file, help="expert profile (.npz) of this model")
+    p.add_argument("--gpu-mib", required=True, type=_gpu_mib,
+                   help="memory per GPU in MiB, comma-separated: 24000 or 24000,24000")
+    p.add_argument("--parallel", type=int_at_least(1), default=1,
+                   help="slots served at once; the planned decode batch")
+    p.add_argument("--max-context", type=int_at_least(1), default=None,
+                   help="context per slot (default: the model's; more is an error)")
     p.add_argument("--kv", choices=sorted(KV_BYTES), default="f16", help="KV cache type (default f16)")
-    p.add_argument("--kv-resident", type=int, default=None, metavar="N",
+    p.add_argument("--kv-resident", type=int_at_least(1), default=None, metavar="N",
                    help="plan for an engine that keeps only the newest N tokens of each slot's KV in VRAM")
-    p.add_argument("--vram-reserve-mib", type=float, default=1024.0, help="headroom kept per GPU (default 1024)")
-    p.add_argument("--layer-split", default="auto",
+    p.add_argument("--vram-reserve-mib", type=float_in(0), default=1024.0, help="headroom kept per GPU (default 1024)")
+    p.add_argument("--layer-split", type=_layer_split, default="auto",
                    help="auto, or the first layer of each GPU after the first (e.g. 24 for 2 GPUs)")
-    p.add_argument("--cpu-gbps", type=float, default=float(os.environ.get("STRATA_CPU_GBPS", DEFAULT_CPU_GBPS)),
+    positive = float_in(0, low_open=True)  # a string default goes through it too: a bad STRATA_*_GBPS names the flag
+    p.add_argument("--cpu-gbps", type=positive, default=os.environ.get("STRATA_CPU_GBPS", str(DEFAULT_CPU_GBPS)),
                    help=f"CPU expert bandwidth in GB/s (measured; default STRATA_CPU_GBPS or {DEFAULT_CPU_GBPS:g})")
-    p.add_argument("--gpu-gbps", type=float, default=float(os.environ.get("STRATA_GPU_GBPS", DEFAULT_GPU_GBPS)),
+    p.add_argument("--gpu-gbps", type=positive, default=os.environ.get("STRATA_GPU_GBPS", str(DEFAULT_GPU_GBPS)),
                    help=f"GPU memory bandwidth in GB/s (default STRATA_GPU_GBPS or {DEFAULT_GPU_GBPS:g})")
     p.add_argument("-o", "--output", required=True, help="placement to write (.json)")
     p.set_defaults(func=_run_plan)
@@ -68,6 +80,7 @@ def _run_profile(args):
         raise ValueError(f"strata profile needs {', '.join(missing)} (or use `profile merge` / `profile show`)")
     prompts = read_prompts(args.prompts)
     llm = LLM(args.model, threads=args.threads, max_context=args.max_context)
+    llm.warm_up()  # the kernels compile here, with their own progress bar, not inside the first prompt's
     usage = llm.model.usage = ExpertUsage.for_config(llm.config)
     with tqdm(prompts, unit="prompt", desc="profiling") as bar:
         for i, prompt in enumerate(bar):
@@ -117,27 +130,29 @@ def _run_show(args):
     return 0
 
 
-def _parse_gpu_mib(text):
+def _gpu_mib(text):
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
-        raise ValueError(f"--gpu-mib {text!r}: expected MiB per GPU, comma-separated (e.g. 24000,24000)") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"--gpu-mib {text!r}: every GPU needs a positive size")
+        raise argparse.ArgumentTypeError(f"expected MiB per GPU, comma-separated (e.g. 24000,24000), "
+                                         f"got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"every GPU needs a positive size, got {text!r}")
     return tuple(values)
 
 
-def _parse_layer_split(text):
+def _layer_split(text):
     if text == "auto":
         return "auto"
     try:
         return tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"--layer-split {text!r}: expected auto or layer indices (e.g. 24)") from None
+        raise argparse.ArgumentTypeError(f"expected auto or layer indices (e.g. 24), got {text!r}") from None
 
 
 def _run_plan(args):
     from hybrid.formats import load_model
+    from hybrid.llm import context_limit
 
     from .budget import ModelSizes
     from .planner import Budgets, Speeds, plan
@@ -146,9 +161,9 @@ def _run_plan(args):
     weights = load_model(args.model)
     profile = ExpertProfile.load(args.profile)
     profile.check_model(weights.config.num_layers, weights.config.num_experts, model_id(weights))
-    max_context = min(args.max_context or weights.config.context_length, weights.config.context_length)
-    budgets = Budgets(_parse_gpu_mib(args.gpu_mib), args.parallel, max_context, args.kv, args.vram_reserve_mib,
-                      _parse_layer_split(args.layer_split), args.kv_resident)
+    max_context = context_limit(args.max_context, weights.config.context_length, weights.source)
+    budgets = Budgets(args.gpu_mib, args.parallel, max_context, args.kv, args.vram_reserve_mib, args.layer_split,
+                      args.kv_resident)
     placement = plan(profile, ModelSizes.from_weights(weights), budgets, Speeds(args.cpu_gbps, args.gpu_gbps))
     placement.model_id = model_id(weights)
     placement.save(args.output)

@@ -1,14 +1,24 @@
-"""`strata serve`: load the model, start the engine thread, then serve the app in-process with waitress."""
+"""`strata serve`: bind the port, load the model, start the engine thread, then serve the app in-process."""
+import errno
 import logging
 import os
+import signal
+import socket
 
+from hybrid.cli_types import float_in, int_at_least
 from hybrid.scheduler import DEFAULT_DECODE_SHARE
 
 from .app import create_app
+from .body import DEFAULT_MAX_BODY_BYTES, MIB
 
 log = logging.getLogger(__name__)
 
-MIB = 1 << 20
+QUEUE_PER_SLOT = 16  # default --max-queue per slot
+LISTEN_BACKLOG = 1024  # waitress's default
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+ENV_SETTINGS = (("STRATA_MODEL", "model", str), ("STRATA_PARALLEL", "parallel", int_at_least(1)),  # for get_app
+                ("STRATA_MAX_CONTEXT", "max_context", int_at_least(1)),
+                ("STRATA_MAX_QUEUE", "max_queue", int_at_least(1)))
 
 
 def model_id(llm):
@@ -48,18 +58,31 @@ def conversation_cache(llm, options):
     return cache
 
 
+def env_value(var, parse, default):
+    """The environment variable `var` through an argparse type `parse`; ValueError naming it when bad."""
+    import argparse
+
+    if not os.environ.get(var):
+        return default
+    try:
+        return parse(os.environ[var])
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{var}: {exc}") from None
+
+
 def build(model=None, parallel=1, api_key=None, decode_share=None, threads=None, max_context=None, max_queue=None,
-          device_options=None, conversations=None):
+          device_options=None, conversations=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES):
     """The app over a started engine; unset options come from STRATA_* variables, then defaults.
     device_options: LLM's device keywords (device, expert_cache_mib, vram_reserve_mib, placement, profile,
     expert_cache); default the CPU.
-    conversations: conversation cache options (hybrid.cli.conversation_options); default off."""
+    conversations: conversation cache options (hybrid.cli.conversation_options); default off.
+    max_body_bytes: a larger request body is refused (413) before it is read."""
     from hybrid.engine import Engine
     from hybrid.llm import LLM
 
     if decode_share is None:
-        decode_share = float(os.environ.get("STRATA_BATCH_DECODE_SHARE", DEFAULT_DECODE_SHARE))
-    max_queue = max_queue or 16 * parallel
+        decode_share = env_value("STRATA_BATCH_DECODE_SHARE", float_in(0, 1, low_open=True), DEFAULT_DECODE_SHARE)
+    max_queue = max_queue or QUEUE_PER_SLOT * parallel
     llm = LLM(model, threads=threads, max_context=max_context, kv_sequences=parallel,
               **(device_options or {"device": "cpu"}))
     name, description = model_id(llm)
@@ -70,7 +93,7 @@ def build(model=None, parallel=1, api_key=None, decode_share=None, threads=None,
     engine = Engine(llm, num_slots=parallel, max_queue=max_queue, decode_share=decode_share,
                     conversation_cache=conversation_cache(llm, conversations)).start()
     log.info("engine: %d slots, decode share %.2f", parallel, decode_share)
-    return create_app(engine, name, api_key=api_key, description=description), engine
+    return create_app(engine, name, api_key=api_key, description=description, max_body_bytes=max_body_bytes), engine
 
 
 def save_profile(engine, llm_weights, path):
@@ -85,24 +108,90 @@ def save_profile(engine, llm_weights, path):
              profile.tokens_decode, path)
 
 
-def run(args):
-    """Serve until interrupted (the `strata serve` subcommand)."""
-    import waitress
-
+def build_from_args(args, api_key):
+    """The app and engine of parsed `strata serve` arguments (hybrid.cli), for `run` and `get_app` alike."""
     from hybrid.cli import conversation_options, device_options
 
-    app, engine = build(args.model, args.parallel, args.api_key or os.environ.get("STRATA_API_KEY"),
-                        args.decode_share, args.threads, args.max_context, args.max_queue, device_options(args),
-                        conversation_options(args))
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
-    log.info("serving on http://%s:%d/v1", args.host, args.port)
+    return build(args.model, args.parallel, api_key, args.decode_share, args.threads, args.max_context,
+                 args.max_queue, device_options(args), conversation_options(args), round(args.max_body_mib * MIB))
+
+
+def app_from_environment():
+    """get_app's app: `strata serve`'s defaults, with the settings of STRATA_* variables (ENV_SETTINGS)."""
+    from hybrid.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    for var, dest, parse in ENV_SETTINGS:
+        setattr(args, dest, env_value(var, parse, getattr(args, dest)))
+    api_key = os.environ.get("STRATA_API_KEY")
+    if not api_key:
+        log.warning("no STRATA_API_KEY: bind the WSGI server to this machine only (waitress-serve listens on "
+                    "0.0.0.0 unless given --listen 127.0.0.1:8080); anyone who can reach it can use the model")
+    return build_from_args(args, api_key)[0]
+
+
+def listen_socket(host, port):
+    """A socket listening on host:port. Bound before the model loads, so that a taken port fails in one line
+    before minutes of loading; ValueError naming the port when the OS refuses it."""
     try:
-        waitress.serve(app, host=args.host, port=args.port, threads=2 * args.parallel + 4,
-                       channel_request_lookahead=4, ident="strata", clear_untrusted_proxy_headers=True)
-    finally:
-        engine.stop()
-        if args.profile_out:
-            save_profile(engine, engine.model.weights, args.profile_out)
-        engine.model.close()
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: not an address to listen on ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress does: a restart need not wait
+    try:
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use") from None
+        raise ValueError(f"cannot listen on port {port} of {host}: {exc.strerror}") from None
+    return sock
+
+
+def stop_on_sigterm():
+    """SIGTERM (how services are stopped) shuts the server down as Ctrl-C does, so --profile-out is saved;
+    a second SIGTERM during that shutdown ends the process at once."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.info("SIGTERM: shutting down")
+        raise SystemExit(0)  # waitress stops its loop and its threads on SystemExit, as on KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def warn_exposure(host, api_key):
+    if host not in LOCAL_HOSTS and not api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
+
+
+def warn_connections(args):
+    wanted = args.parallel + (args.max_queue or QUEUE_PER_SLOT * args.parallel)
+    if args.max_connections < wanted:
+        log.warning("--max-connections %d is below the %d requests that --parallel and --max-queue admit: the "
+                    "rest wait for a connection instead of getting 429", args.max_connections, wanted)
+
+
+def run(args):
+    """Serve until SIGINT or SIGTERM (the `strata serve` subcommand)."""
+    import waitress
+
+    api_key = args.api_key or os.environ.get("STRATA_API_KEY")
+    with listen_socket(args.host, args.port) as sock:
+        warn_exposure(args.host, api_key)
+        warn_connections(args)
+        app, engine = build_from_args(args, api_key)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        log.info("serving on http://%s:%d/v1", host, args.port)
+        stop_on_sigterm()
+        try:
+            waitress.serve(app, sockets=[sock], threads=2 * args.parallel + 4, channel_request_lookahead=4,
+                           ident="strata", clear_untrusted_proxy_headers=True, connection_limit=args.max_connections)
+        finally:
+            engine.stop()
+            if args.profile_out:
+                save_profile(engine, engine.model.weights, args.profile_out)
+            engine.model.close()
     return 0

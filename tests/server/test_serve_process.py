@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +18,8 @@ API_KEY = "test-key"
 
 
 def get(url):
-    with urllib.request.urlopen(url, timeout=5) as response:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {API_KEY}"})  # /slots needs the key
+    with urllib.request.urlopen(request, timeout=5) as response:
         return response.read().decode()
 
 
@@ -31,16 +33,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(demo_path, tmp_path_factory):
-    port = free_port()
+def strata_command():
     strata = shutil.which("strata", path=os.path.dirname(sys.executable))
-    command = [strata] if strata else [sys.executable, "-m", "hybrid.cli"]
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    return [strata] if strata else [sys.executable, "-m", "hybrid.cli"]
+
+
+@pytest.fixture(scope="module")
+def served(demo_path, tmp_path_factory):
+    """The server process, its base URL, its log and the --profile-out it saves when it stops."""
+    port = free_port()
+    folder = tmp_path_factory.mktemp("serve")
+    log_path, profile_out = folder / "serve.log", folder / "usage.npz"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command + ["serve", "--model", demo_path, "--parallel", "4", "--port", str(port),
-                                              "--api-key", API_KEY, "--max-context", "4096"],
-                                   stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(strata_command() + [
+            "serve", "--model", demo_path, "--parallel", "4", "--port", str(port), "--api-key", API_KEY,
+            "--max-context", "4096", "--profile-out", str(profile_out)], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -52,10 +59,15 @@ def server(demo_path, tmp_path_factory):
                 break
             except OSError:
                 time.sleep(0.2)
-        yield base
+        yield SimpleNamespace(base=base, process=process, log_path=log_path, profile_out=profile_out)
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served.base
 
 
 @pytest.fixture
@@ -123,3 +135,27 @@ def test_bad_request_through_openai(client):
         client.completions.create(model=model_id(client), prompt="Hi", max_tokens=4, n=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="Hi", max_tokens=4)
+
+
+def test_a_taken_port_is_one_line_before_the_model_loads(demo_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(strata_command() + ["serve", "--model", demo_path, "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == f"strata: error: port {port} on 127.0.0.1 is already in use\n"
+
+
+def test_sigterm_saves_the_profile_out(served):
+    # the last test of this module: it stops the shared server
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key=API_KEY)
+    client.completions.create(model=model_id(client), prompt="Hello", max_tokens=2)
+    served.process.terminate()
+    assert served.process.wait(timeout=60) == 0, served.log_path.read_text()
+    from placement.profile import ExpertProfile
+
+    profile = ExpertProfile.load(served.profile_out)
+    assert profile.tokens_prefill > 0, served.log_path.read_text()
+    assert "SIGTERM: shutting down" in served.log_path.read_text()
