@@ -16,7 +16,8 @@ Equal priorities go least recently used first.
 
 With `spill_dir`, every parked entry is also written to disk and loaded back
 at start-up, so parked conversations survive a restart; a spill file of
-another model, or one that does not read back whole, is skipped with a warning.
+another model is skipped with a warning, one that does not read back whole is
+renamed to *.damaged with a warning (once: the next start does not see it).
 """
 import hashlib
 import json
@@ -214,23 +215,45 @@ class ConversationCache:
                 arrays = {name: data[name] for name in data.files if name not in ("header", "token_ids")}
                 ids = data["token_ids"]
         except Exception as exc:  # any unreadable file is skipped, never loaded
-            log.warning("skipping conversation spill file %s: unreadable (%s)", path, exc)
+            _move_aside(path, f"unreadable ({exc})")
             return None
-        problem = self._spill_problem(header, ids, arrays)
+        problem = self._spill_problem(header)
         if problem:
             log.warning("skipping conversation spill file %s: %s", path, problem)
             return None
+        damage = self._spill_damage(header, ids, arrays)
+        if damage:
+            _move_aside(path, damage)
+            return None
         return Parked(ids.astype(np.int64), arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes, path=path)
 
-    def _spill_problem(self, header, ids, arrays):
-        if header.get("magic") != SPILL_MAGIC or header.get("version") != SPILL_VERSION:
+    def _spill_problem(self, header):
+        """Why a whole spill file is not for this cache (left in place: another model or setting may use it)."""
+        if not isinstance(header, dict) or header.get("magic") != SPILL_MAGIC or \
+                header.get("version") != SPILL_VERSION:
             return "not a Strata conversation spill file of this version"
         if header.get("model") != self.fingerprint:
             return "written for another model"
         if header.get("store") != self.store:
             return f"stored as {header.get('store')}, this cache stores {self.store}"
+        return None
+
+    def _spill_damage(self, header, ids, arrays):
         if hashlib.sha256(ids.astype(np.int64).tobytes()).hexdigest() != header.get("tokens_sha256"):
             return "token ids do not match their checksum"
-        if set(arrays) != kv_store.ARRAY_NAMES[self.store] or any(a.shape[1] != len(ids) for a in arrays.values()):
+        if set(arrays) != kv_store.ARRAY_NAMES[self.store] or \
+                any(a.ndim < 2 or a.shape[1] != len(ids) for a in arrays.values()):
             return "KV arrays do not match the token count or the store"
         return None
+
+
+def _move_aside(path, damage):
+    """Rename a damaged spill file to *.damaged, so that its warning is given once, not at every start."""
+    aside = f"{path}.damaged"
+    try:
+        os.replace(path, aside)
+    except OSError as exc:
+        log.warning("skipping conversation spill file %s: %s; could not move it aside (%s)", path, damage,
+                    exc.strerror)
+        return
+    log.warning("skipping conversation spill file %s: %s; moved aside to %s", path, damage, aside)

@@ -8,6 +8,7 @@ Shape legend: L layers, E experts.
 import json
 import logging
 import os
+import zipfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = "strata-expert-profile"
 VERSION = 1
+ARRAYS = ("prefill", "decode", "coactivation")
+HEADER_KEYS = ("model_id", "num_layers", "num_experts", "num_experts_per_tok", "tokens_prefill", "tokens_decode")
 
 
 class ProfileError(ValueError):
@@ -117,15 +120,7 @@ class ExpertProfile:
 
     @classmethod
     def load(cls, path):
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                header = json.loads(str(data["header"]))
-                arrays = {name: np.asarray(data[name], dtype=np.int64)
-                          for name in ("prefill", "decode", "coactivation")}
-        except (OSError, ValueError, KeyError) as exc:
-            raise ProfileError(f"{path}: not a Strata expert profile ({exc})") from None
-        if header.get("format") != FORMAT:
-            raise ProfileError(f"{path}: not a Strata expert profile (format {header.get('format')!r})")
+        header, arrays = _read_profile_file(path)
         shape = (header["num_layers"], header["num_experts"])
         if arrays["prefill"].shape != shape:
             raise ProfileError(f"{path}: prefill counts have shape {arrays['prefill'].shape}, the header says {shape}")
@@ -135,3 +130,30 @@ class ExpertProfile:
                        list(header.get("sources", [])))
         except ProfileError as exc:
             raise ProfileError(f"{path}: {exc}") from None
+
+
+def _read_profile_file(path):
+    """(header, int64 arrays) of a profile file; ProfileError in our words when it is not one."""
+    not_profile = f"{path}: not a Strata expert profile"
+    if not zipfile.is_zipfile(path):
+        raise ProfileError(f"{not_profile} (not an .npz archive; `strata profile -o P.npz` writes one)")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            header_text = str(data["header"]) if "header" in data.files else None
+            arrays = {name: np.asarray(data[name], dtype=np.int64) for name in ARRAYS if name in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # numpy's text suggests unpickling: not ours
+        raise ProfileError(f"{not_profile} (an .npz archive whose arrays are damaged or hold Python objects)") \
+            from None
+    if header_text is None:
+        raise ProfileError(f"{not_profile} (an .npz archive without its header)")
+    try:
+        header = json.loads(header_text)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        found = f"format {header.get('format')!r}" if isinstance(header, dict) else "its header is not a JSON object"
+        raise ProfileError(f"{not_profile} ({found})")
+    missing = [key for key in HEADER_KEYS if key not in header] + [name for name in ARRAYS if name not in arrays]
+    if missing:
+        raise ProfileError(f"{path}: damaged expert profile (no {', '.join(missing)})")
+    return header, arrays

@@ -16,6 +16,8 @@ def load_model(path):
         return load_safetensors_dir(path)
     if not os.path.exists(path):
         raise ModelError(f"{path}: no such file or directory")
+    if path.endswith(".safetensors"):
+        raise ModelError(f"{path}: give the model's directory (config.json, tokenizer, shards), not one shard")
     from .gguf_file import load_gguf
 
     return load_gguf(path)

@@ -15,18 +15,49 @@ from .weights import ModelWeights, QuantTensor
 log = logging.getLogger(__name__)
 
 
+GGUF_VERSIONS = (2, 3)
+HEADER_BYTES = 24  # magic, version, tensor count, metadata count
+
+
+def _header_problem(path, size):
+    """Why the file's fixed header is not a GGUF's we read, in our words; None when it is."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if size == 0:
+        return "empty file, not a GGUF model"
+    if head[:4] != b"GGUF":
+        return f"not a GGUF file (it starts with {head[:4]!r}, a GGUF file with b'GGUF')"
+    if size < HEADER_BYTES:
+        return f"truncated GGUF file ({size} bytes, shorter than its {HEADER_BYTES}-byte header)"
+    version = int.from_bytes(head[4:8], "little")
+    if version not in GGUF_VERSIONS:
+        return f"GGUF version {version}, Strata reads versions {' and '.join(map(str, GGUF_VERSIONS))}"
+    return None
+
+
+def _reader_problem(exc, size):
+    """gguf-py's error on a file whose header was fine, in our words."""
+    if isinstance(exc, UnicodeDecodeError):
+        return "damaged GGUF metadata: a key or a string is not UTF-8"
+    if "GGUFValueType" in str(exc) or "GGMLQuantizationType" in str(exc):
+        return "damaged GGUF metadata: a value or tensor of an unknown type"
+    if "alignment" in str(exc):
+        return "damaged GGUF metadata: general.alignment is not a power of two"
+    return f"truncated or damaged GGUF file ({size} bytes): its header describes more data than the file holds"
+
+
 def open_reader(path):
     if not os.path.isfile(path):
         raise ModelError(f"{path}: no such file")
+    size = os.path.getsize(path)
+    problem = _header_problem(path, size)
+    if problem:
+        raise ModelError(f"{path}: {problem}")
     try:
         return GGUFReader(path, "r")
-    except ValueError as exc:
-        if "reshape" in str(exc) or "buffer" in str(exc):
-            size = os.path.getsize(path)
-            raise ModelError(f"{path}: truncated GGUF file ({size} bytes; tensor data runs past the end)") from None
-        raise ModelError(f"{path}: not a valid GGUF file ({exc})") from None
-    except (OSError, KeyError, IndexError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{path}: not a valid GGUF file ({type(exc).__name__}: {exc})") from None
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, UnicodeDecodeError) as exc:
+        # gguf-py reads past the end of a cut file as short arrays; numpy then fails on them
+        raise ModelError(f"{path}: {_reader_problem(exc, size)}") from None
 
 
 def _quant_tensor(reader_tensor, path):
@@ -44,6 +75,15 @@ def _quant_tensor(reader_tensor, path):
     return tensor
 
 
+def _tokenizer(fields, path):
+    try:
+        return Tokenizer.from_gguf_fields(fields, path)
+    except ModelError:
+        raise
+    except Exception as exc:  # the tokenizers library raises plain Exceptions on a vocabulary it cannot build
+        raise ModelError(f"{path}: damaged tokenizer metadata (the tokenizers library: {exc})") from None
+
+
 def load_gguf(path):
     path = str(path)
     reader = open_reader(path)
@@ -55,7 +95,7 @@ def load_gguf(path):
     config = spec.config_from_gguf(fields, path, vocab_size=tensors["token_embd.weight"].shape[0],
                                    tie_word_embeddings="output.weight" not in tensors)
     validate_tensors(spec, config, tensors, path)
-    tokenizer = Tokenizer.from_gguf_fields(fields, path)
+    tokenizer = _tokenizer(fields, path)
     log.info("loaded %s: %s, %d layers, %d experts (top-%d), %d tensors, %.1f MiB mapped",
              path, spec.name, config.num_layers, config.num_experts, config.num_experts_per_tok,
              len(tensors), sum(t.nbytes for t in tensors.values()) / 2**20)

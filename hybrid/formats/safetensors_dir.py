@@ -42,12 +42,16 @@ class Shard:
                 self.header = json.loads(f.read(header_len))
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             raise ModelError(f"{path}: not a valid safetensors file ({exc})") from None
+        if not isinstance(self.header, dict):
+            raise ModelError(f"{path}: not a valid safetensors file (its header is not a JSON object)")
         self.header.pop("__metadata__", None)
         self.data_start = 8 + header_len
         self.map = np.memmap(path, dtype=np.uint8, mode="r") if size > self.data_start else np.empty(0, np.uint8)
 
     def tensor(self, name):
         entry = self.header[name]
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise ModelError(f"{self.path}: tensor '{name}' lacks its dtype, shape or data offsets")
         dtype = entry.get("dtype")
         if dtype not in DTYPES:
             raise ModelError(f"{self.path}: tensor '{name}' has dtype {dtype}, which Strata does not support "
@@ -77,12 +81,15 @@ def _shard_files(directory):
 def _read_config(directory):
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise ModelError(f"{directory}: missing config.json")
+        raise ModelError(f"{directory}: not a model directory (no config.json; a GGUF model is given as its file)")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelError(f"{path}: malformed JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{path}: expected a JSON object of model settings, got a {type(config).__name__}")
+    return config
 
 
 def _stack_experts(name, parts, source):
