@@ -113,7 +113,11 @@ def build_from_args(args, api_key):
     from hybrid.cli import conversation_options, device_options
 
     return build(args.model, args.parallel, api_key, args.decode_share, args.threads, args.max_context,
-                 args.max_queue, device_options(args), conversation_options(args), round(args.max_body_mib * MIB))
+                 args.max_queue, device_options(args), conversation_options(args), max_body_bytes(args))
+
+
+def max_body_bytes(args):
+    return round(args.max_body_mib * MIB)
 
 
 def app_from_environment():
@@ -157,7 +161,7 @@ def stop_on_sigterm():
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         log.info("SIGTERM: shutting down")
-        raise SystemExit(0)  # waitress stops its loop and its threads on SystemExit, as on KeyboardInterrupt
+        raise SystemExit(0)  # serve_http returns on SystemExit as on KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
 
@@ -167,8 +171,12 @@ def warn_exposure(host, api_key):
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
 
 
+def queue_limit(args):
+    return args.max_queue or QUEUE_PER_SLOT * args.parallel
+
+
 def warn_connections(args):
-    wanted = args.parallel + (args.max_queue or QUEUE_PER_SLOT * args.parallel)
+    wanted = args.parallel + queue_limit(args)
     if args.max_connections < wanted:
         log.warning("--max-connections %d is below the %d requests that --parallel and --max-queue admit: the "
                     "rest wait for a connection instead of getting 429", args.max_connections, wanted)
@@ -176,7 +184,7 @@ def warn_connections(args):
 
 def run(args):
     """Serve until SIGINT or SIGTERM (the `strata serve` subcommand)."""
-    import waitress
+    from .http import serve_http
 
     api_key = args.api_key or os.environ.get("STRATA_API_KEY")
     with listen_socket(args.host, args.port) as sock:
@@ -187,8 +195,8 @@ def run(args):
         log.info("serving on http://%s:%d/v1", host, args.port)
         stop_on_sigterm()
         try:
-            waitress.serve(app, sockets=[sock], threads=2 * args.parallel + 4, channel_request_lookahead=4,
-                           ident="strata", clear_untrusted_proxy_headers=True, connection_limit=args.max_connections)
+            serve_http(app, [sock], parallel=args.parallel, max_queue=queue_limit(args),
+                       max_connections=args.max_connections, max_body_bytes=max_body_bytes(args))
         finally:
             engine.stop()
             if args.profile_out:
