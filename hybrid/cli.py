@@ -4,7 +4,7 @@ import json
 import logging
 import sys
 
-from .cli_types import existing_file, float_in, int_at_least, port
+from .cli_types import existing_file, float_in, int_at_least, port, token_ids
 
 DEFAULT_MAX_CONNECTIONS = 100
 
@@ -120,7 +120,7 @@ def _add_generate(sub):
     p.add_argument("--model", help="GGUF file or HF safetensors directory (default: the built-in demo model)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompt-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
     p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float_in(0), default=0.8, help="0 = greedy (default 0.8)")
@@ -148,10 +148,7 @@ def _run_generate(args):
 
     llm = LLM(args.model, threads=args.threads, max_context=args.max_context, **device_options(args))
     if args.prompt_ids:
-        try:
-            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}") from None
+        prompt = args.prompt_ids
     else:
         prompt = args.prompt if args.prompt is not None else "Hello"
         if args.chat:

@@ -55,3 +55,14 @@ def existing_file(text):
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text}: no such file")
     return text
+
+
+def token_ids(text):
+    """Comma-separated token ids (>= 0; the model's vocabulary bounds them once it is loaded)."""
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected token ids >= 0, got {text!r}")
+    return ids

@@ -25,6 +25,8 @@ BAD_ARGUMENTS = [  # (argv, the one line's end)
     (["generate", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
     (["generate", "--max-context", "ten"], "argument --max-context: expected an integer, got 'ten'"),
     (["generate", "--placement", "nowhere.json"], "argument --placement: nowhere.json: no such file"),
+    (["generate", "--prompt-ids", "1,x"], "argument --prompt-ids: expected comma-separated integers, got '1,x'"),
+    (["generate", "--prompt-ids", "1,-2"], "argument --prompt-ids: expected token ids >= 0, got '1,-2'"),
     (["profile", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["profile", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
     (["profile", "show", "nowhere.npz"], "argument profile: nowhere.npz: no such file"),

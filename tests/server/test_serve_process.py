@@ -148,6 +148,13 @@ def test_a_taken_port_is_one_line_before_the_model_loads(demo_path):
     assert done.stderr == f"strata: error: port {port} on 127.0.0.1 is already in use\n"
 
 
+def test_an_address_the_os_refuses_is_named():
+    from server.serve import listen_socket
+
+    with pytest.raises(ValueError, match=r"^cannot listen on port 8080 of 192.0.2.1: Cannot assign requested"):
+        listen_socket("192.0.2.1", 8080)  # TEST-NET-1: an address of no machine here
+
+
 def test_sigterm_saves_the_profile_out(served):
     # the last test of this module: it stops the shared server
     client = openai.OpenAI(base_url=f"{served.base}/v1", api_key=API_KEY)
