@@ -104,7 +104,7 @@ def mark(trace, worker, slot, last):
     return last
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def new_counters(num_stages, num_workers):
     return np.zeros((num_stages * (num_workers + 1)) * LINE, dtype=np.int64)
 

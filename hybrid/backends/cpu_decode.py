@@ -132,10 +132,10 @@ def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread
         work = (start + 1) * num_heads * head_dim
         if _small(work, TINY_MAX_ATTENTION, SERIAL_MAX_ATTENTION, one_thread):
             attention.attention_serial(q3[t:t + 1], layer_k, layer_v, tables[t], start, 0, start + 1, scale,
-                                       att[t:t + 1], no_lse)
+                                       att[t:t + 1], no_lse, attention.NO_SCALES, attention.NO_SCALES)
         else:
             attention.attention(q3[t:t + 1], layer_k, layer_v, tables[t], start, 0, start + 1, scale, att[t:t + 1],
-                                no_lse)
+                                no_lse, attention.NO_SCALES, attention.NO_SCALES)
     o = np.empty((num_tokens, hidden), dtype=np.float32)  # [T, H]
     att2 = att.reshape(num_tokens, num_heads * head_dim)
     if one_token_serial and serial_linears[3]:

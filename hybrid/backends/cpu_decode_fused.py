@@ -114,6 +114,180 @@ def _add_columns(a, b, c0, c1, out):
             out[t, c] = a[t, c] + b[t, c]
 
 
+def worker_template(w, num_workers, entry, x, positions, tables, k_pool, v_pool, layer_index, act_quant, trace,
+                    work, ids_out, attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale32, num_heads, num_kv_heads,
+                    head_dim, q_raws, k_raws, v_raws, o_raws, r_raws, g_raws, u_raws, d_raws, top_k, normalize):
+    """Worker w's share of fused_template's layer: every stage, meeting the other workers between them."""
+    num_tokens, hidden = x.shape
+    group = num_heads // num_kv_heads
+    num_experts = r_raws[0].shape[1]
+    (q, k, v, acc, stats, o, logits, gate, up, down, moe, splits, split_starts, counters, one_expert, row_starts,
+     h_of, att_of, x2_of, h2_of, ids_of, weights_of, xs_of, act_of, rows_of) = work
+    layer_k, layer_v = k_pool[layer_index], v_pool[layer_index]  # [NB, BT, Hkv, D]
+    q3 = q.reshape(num_tokens, num_heads, head_dim)  # [T, Hq, D]
+    k3 = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
+    v3 = v.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
+    t = sync.mark(trace, w, START, entry)
+    # q, k, v: each thread norms x and rounds it for the three formats itself
+    h = h_of[w]  # [T, H]
+    rmsnorm.rmsnorm_serial(x, attn_norm, eps, h)
+    q_items, q_prep = Q_PREP(q_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
+    k_items, k_prep = K_PREP(k_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
+    v_items, v_prep = V_PREP(v_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
+    nq, nk, nv = q_items.shape[0], k_items.shape[0], v_items.shape[0]
+    done = 0
+    t = sync.mark(trace, w, 3 * QKV, t)
+    i, tried = sync.take(counters, QKV, w, num_workers, nq + nk + nv, 0)
+    while i < nq + nk + nv:
+        if i < nq:
+            Q_ITEM(q_raws, h, q_items, q_prep, (q,), i, act_quant)  # noqa: F821
+        elif i < nq + nk:
+            K_ITEM(k_raws, h, k_items, k_prep, (k,), i - nq, act_quant)  # noqa: F821
+        else:
+            V_ITEM(v_raws, h, v_items, v_prep, (v,), i - nq - nk, act_quant)  # noqa: F821
+        done = done + 1
+        i, tried = sync.take(counters, QKV, w, num_workers, nq + nk + nv, tried)
+    t = sync.mark(trace, w, 3 * QKV + 1, t)
+    sync.finish(counters, QKV, num_workers, done, nq + nk + nv)
+    t = sync.mark(trace, w, 3 * QKV + 2, t)
+    # per token: q / k norms, RoPE, the K/V rows into the cache
+    done = 0
+    t = sync.mark(trace, w, 3 * ROPE_KV, t)
+    tok, tried = sync.take(counters, ROPE_KV, w, num_workers, num_tokens, 0)
+    while tok < num_tokens:
+        if QK_NORM:  # noqa: F821
+            q_rows, k_rows = q3[tok], k3[tok]  # [Hq, D], [Hkv, D]
+            rmsnorm.rmsnorm_serial(q_rows, q_norm, eps, q_rows)
+            rmsnorm.rmsnorm_serial(k_rows, k_norm, eps, k_rows)
+        rope.rope_neox_serial(q3[tok:tok + 1], positions[tok:tok + 1], theta, q3[tok:tok + 1])
+        rope.rope_neox_serial(k3[tok:tok + 1], positions[tok:tok + 1], theta, k3[tok:tok + 1])
+        attention.write_rows(k_pool, layer_index, tables[tok], positions[tok], k3[tok:tok + 1])
+        attention.write_rows(v_pool, layer_index, tables[tok], positions[tok], v3[tok:tok + 1])
+        done = done + 1
+        tok, tried = sync.take(counters, ROPE_KV, w, num_workers, num_tokens, tried)
+    t = sync.mark(trace, w, 3 * ROPE_KV + 1, t)
+    sync.finish(counters, ROPE_KV, num_workers, done, num_tokens)
+    t = sync.mark(trace, w, 3 * ROPE_KV + 2, t)
+    # attention: (token, kv head, key split) items, as cpu_kernels.attention splits them
+    num_attend = split_starts[num_tokens]
+    done = 0
+    t = sync.mark(trace, w, 3 * ATTEND, t)
+    i, tried = sync.take(counters, ATTEND, w, num_workers, num_attend, 0)
+    while i < num_attend:
+        tok = 0
+        while split_starts[tok + 1] <= i:
+            tok += 1
+        num_splits, rank = splits[tok], i - split_starts[tok]
+        kv, s = rank // num_splits, rank % num_splits
+        num_keys = positions[tok] + 1
+        j0, j1 = s * num_keys // num_splits, (s + 1) * num_keys // num_splits
+        if j1 > j0:
+            attention._partial(q3, layer_k, layer_v, attention.NO_SCALES, attention.NO_SCALES, tables[tok], tok,
+                               kv, j0, j1, scale32, acc[tok, kv, s], stats[tok, kv, s])
+        else:
+            stats[tok, kv, s, :, 1] = 0.0
+        done = done + 1
+        i, tried = sync.take(counters, ATTEND, w, num_workers, num_attend, tried)
+    t = sync.mark(trace, w, 3 * ATTEND + 1, t)
+    sync.finish(counters, ATTEND, num_workers, done, num_attend)
+    t = sync.mark(trace, w, 3 * ATTEND + 2, t)
+    # o: each thread merges the splits itself (a few us), then the rows are shared out
+    att = att_of[w]  # [T, Hq*D]
+    for tok in range(num_tokens):
+        for head in range(num_heads):
+            attention._merge(acc[tok, head // group, :splits[tok], head % group],
+                             stats[tok, head // group, :splits[tok], head % group],
+                             att[tok, head * head_dim:(head + 1) * head_dim])
+    o_items, o_prep = O_PREP(o_raws, att, one_expert, row_starts, act_quant)  # noqa: F821
+    done = 0
+    t = sync.mark(trace, w, 3 * OUT, t)
+    i, tried = sync.take(counters, OUT, w, num_workers, o_items.shape[0], 0)
+    while i < o_items.shape[0]:
+        O_ITEM(o_raws, att, o_items, o_prep, (o,), i, act_quant)  # noqa: F821
+        done = done + 1
+        i, tried = sync.take(counters, OUT, w, num_workers, o_items.shape[0], tried)
+    t = sync.mark(trace, w, 3 * OUT + 1, t)
+    sync.finish(counters, OUT, num_workers, done, o_items.shape[0])
+    t = sync.mark(trace, w, 3 * OUT + 2, t)
+    # router: x + o and its norm stay on each thread until the combine writes x
+    x2, h2 = x2_of[w], h2_of[w]  # [T, H] each
+    _add_columns(x, o, 0, hidden, x2)
+    rmsnorm.rmsnorm_serial(x2, ffn_norm, eps, h2)
+    r_items, r_prep = R_PREP(r_raws, h2, one_expert, row_starts, act_quant)  # noqa: F821
+    done = 0
+    t = sync.mark(trace, w, 3 * ROUTER, t)
+    i, tried = sync.take(counters, ROUTER, w, num_workers, r_items.shape[0], 0)
+    while i < r_items.shape[0]:
+        R_ITEM(r_raws, h2, r_items, r_prep, (logits,), i, act_quant)  # noqa: F821
+        done = done + 1
+        i, tried = sync.take(counters, ROUTER, w, num_workers, r_items.shape[0], tried)
+    t = sync.mark(trace, w, 3 * ROUTER + 1, t)
+    sync.finish(counters, ROUTER, num_workers, done, r_items.shape[0])
+    t = sync.mark(trace, w, 3 * ROUTER + 2, t)
+    # experts: each thread routes, groups and rounds the pair rows itself
+    ids, weights = ids_of[w], weights_of[w]  # [T, K] each
+    routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
+    order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
+    xs = xs_of[w]  # [N, H]
+    moe_combine.gather_rows_serial(h2, order, top_k, xs)
+    if GU_PAIRED:  # noqa: F821: one prepare, the items over both weights
+        gu_raws = g_raws + u_raws
+        gu_items, gu_prep = G_PREP(gu_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
+        n_gu = 2 * gu_items.shape[0]
+        done = 0
+        t = sync.mark(trace, w, 3 * GATE_UP, t)
+        i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, 0)
+        while i < n_gu:
+            G_ITEM(gu_raws, xs, gu_items, gu_prep, (gate, up), i, act_quant)  # noqa: F821
+            done = done + 1
+            i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, tried)
+    else:
+        g_items, g_prep = G_PREP(g_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
+        u_items, u_prep = U_PREP(u_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
+        ng = g_items.shape[0]
+        n_gu = ng + u_items.shape[0]
+        done = 0
+        t = sync.mark(trace, w, 3 * GATE_UP, t)
+        i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, 0)
+        while i < n_gu:
+            if i < ng:
+                G_ITEM(g_raws, xs, g_items, g_prep, (gate,), i, act_quant)  # noqa: F821
+            else:
+                U_ITEM(u_raws, xs, u_items, u_prep, (up,), i - ng, act_quant)  # noqa: F821
+            done = done + 1
+            i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, tried)
+    t = sync.mark(trace, w, 3 * GATE_UP + 1, t)
+    sync.finish(counters, GATE_UP, num_workers, done, n_gu)
+    t = sync.mark(trace, w, 3 * GATE_UP + 2, t)
+    act = act_of[w]  # [N, F]
+    activation.swiglu_serial(gate, up, act)
+    d_items, d_prep = D_PREP(d_raws, act, expert_ids, pair_starts, act_quant)  # noqa: F821
+    done = 0
+    t = sync.mark(trace, w, 3 * DOWN, t)
+    i, tried = sync.take(counters, DOWN, w, num_workers, d_items.shape[0], 0)
+    while i < d_items.shape[0]:
+        D_ITEM(d_raws, act, d_items, d_prep, (down,), i, act_quant)  # noqa: F821
+        done = done + 1
+        i, tried = sync.take(counters, DOWN, w, num_workers, d_items.shape[0], tried)
+    t = sync.mark(trace, w, 3 * DOWN + 1, t)
+    sync.finish(counters, DOWN, num_workers, done, d_items.shape[0])
+    t = sync.mark(trace, w, 3 * DOWN + 2, t)
+    # combine: column ranges of x, each from this thread's x + o and the weighted pair rows
+    row_of_pair = rows_of[w]  # [T*K]
+    _rows_of_pairs(order, row_of_pair)
+    num_chunks = (hidden + COMBINE_COLUMNS - 1) // COMBINE_COLUMNS
+    t = sync.mark(trace, w, 3 * COMBINE, t)
+    i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, 0)
+    while i < num_chunks:
+        if i == 0:
+            ids_out[:] = ids
+        c0, c1 = i * COMBINE_COLUMNS, min(hidden, (i + 1) * COMBINE_COLUMNS)
+        _weighted_columns(down, row_of_pair, weights, top_k, c0, c1, moe)
+        _add_columns(x2, moe, c0, c1, x)
+        i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, tried)
+    t = sync.mark(trace, w, 3 * COMBINE + 1, t)
+
+
 def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant, trace, work,
                    attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim,
                    q_raws, k_raws, v_raws, o_raws, r_raws, g_raws, u_raws, d_raws, top_k, normalize):
@@ -121,11 +295,10 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
     region. Returns the routing ids int64 [T, K]. trace int64 [W, TRACE_COLUMNS] (zero rows: no profile)
     gains each worker's ticks per stage (its own serial work, its items, its wait for the others), and
     those of the region's start and of the whole call. work: new_work's arrays for this batch size and
-    thread count."""
+    thread count. The region's body is one call of the worker (worker_template): Numba's parfor passes over
+    the whole body inline were most of this layer's compile time (bench/results/startup.md)."""
     entry = sync.cycles() if trace.shape[0] else 0
-    num_tokens, hidden = x.shape
-    group = num_heads // num_kv_heads
-    num_experts = r_raws[0].shape[1]
+    num_tokens = x.shape[0]
     (q, k, v, acc, stats, o, logits, gate, up, down, moe, splits, split_starts, counters, one_expert, row_starts,
      h_of, att_of, x2_of, h2_of, ids_of, weights_of, xs_of, act_of, rows_of) = work
     num_workers = simd.num_threads()
@@ -139,173 +312,17 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
     moe[:] = 0.0
     counters[:NUM_STAGES * (num_workers + 1) * sync.LINE] = 0
     ids_out = np.empty((num_tokens, top_k), dtype=np.int64)  # [T, K]: returned, so not a work array
-    layer_k, layer_v = k_pool[layer_index], v_pool[layer_index]  # [NB, BT, Hkv, D]
-    q3 = q.reshape(num_tokens, num_heads, head_dim)  # [T, Hq, D]
-    k3 = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
-    v3 = v.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
     scale32 = np.float32(scale)
     if trace.shape[0]:
         trace[0, PROLOGUE] += sync.cycles() - entry
+    # the work tuple is rebuilt inside the region: handed in as one tuple, its arrays gave wrong layers
     for w in prange(num_workers):
-        t = sync.mark(trace, w, START, entry)
-        # q, k, v: each thread norms x and rounds it for the three formats itself
-        h = h_of[w]  # [T, H]
-        rmsnorm.rmsnorm_serial(x, attn_norm, eps, h)
-        q_items, q_prep = Q_PREP(q_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
-        k_items, k_prep = K_PREP(k_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
-        v_items, v_prep = V_PREP(v_raws, h, one_expert, row_starts, act_quant)  # noqa: F821
-        nq, nk, nv = q_items.shape[0], k_items.shape[0], v_items.shape[0]
-        done = 0
-        t = sync.mark(trace, w, 3 * QKV, t)
-        i, tried = sync.take(counters, QKV, w, num_workers, nq + nk + nv, 0)
-        while i < nq + nk + nv:
-            if i < nq:
-                Q_ITEM(q_raws, h, q_items, q_prep, (q,), i, act_quant)  # noqa: F821
-            elif i < nq + nk:
-                K_ITEM(k_raws, h, k_items, k_prep, (k,), i - nq, act_quant)  # noqa: F821
-            else:
-                V_ITEM(v_raws, h, v_items, v_prep, (v,), i - nq - nk, act_quant)  # noqa: F821
-            done = done + 1
-            i, tried = sync.take(counters, QKV, w, num_workers, nq + nk + nv, tried)
-        t = sync.mark(trace, w, 3 * QKV + 1, t)
-        sync.finish(counters, QKV, num_workers, done, nq + nk + nv)
-        t = sync.mark(trace, w, 3 * QKV + 2, t)
-        # per token: q / k norms, RoPE, the K/V rows into the cache
-        done = 0
-        t = sync.mark(trace, w, 3 * ROPE_KV, t)
-        tok, tried = sync.take(counters, ROPE_KV, w, num_workers, num_tokens, 0)
-        while tok < num_tokens:
-            if QK_NORM:  # noqa: F821
-                q_rows, k_rows = q3[tok], k3[tok]  # [Hq, D], [Hkv, D]
-                rmsnorm.rmsnorm_serial(q_rows, q_norm, eps, q_rows)
-                rmsnorm.rmsnorm_serial(k_rows, k_norm, eps, k_rows)
-            rope.rope_neox_serial(q3[tok:tok + 1], positions[tok:tok + 1], theta, q3[tok:tok + 1])
-            rope.rope_neox_serial(k3[tok:tok + 1], positions[tok:tok + 1], theta, k3[tok:tok + 1])
-            attention.write_rows(k_pool, layer_index, tables[tok], positions[tok], k3[tok:tok + 1])
-            attention.write_rows(v_pool, layer_index, tables[tok], positions[tok], v3[tok:tok + 1])
-            done = done + 1
-            tok, tried = sync.take(counters, ROPE_KV, w, num_workers, num_tokens, tried)
-        t = sync.mark(trace, w, 3 * ROPE_KV + 1, t)
-        sync.finish(counters, ROPE_KV, num_workers, done, num_tokens)
-        t = sync.mark(trace, w, 3 * ROPE_KV + 2, t)
-        # attention: (token, kv head, key split) items, as cpu_kernels.attention splits them
-        num_attend = split_starts[num_tokens]
-        done = 0
-        t = sync.mark(trace, w, 3 * ATTEND, t)
-        i, tried = sync.take(counters, ATTEND, w, num_workers, num_attend, 0)
-        while i < num_attend:
-            tok = 0
-            while split_starts[tok + 1] <= i:
-                tok += 1
-            num_splits, rank = splits[tok], i - split_starts[tok]
-            kv, s = rank // num_splits, rank % num_splits
-            num_keys = positions[tok] + 1
-            j0, j1 = s * num_keys // num_splits, (s + 1) * num_keys // num_splits
-            if j1 > j0:
-                attention._partial(q3, layer_k, layer_v, attention.NO_SCALES, attention.NO_SCALES, tables[tok], tok,
-                                   kv, j0, j1, scale32, acc[tok, kv, s], stats[tok, kv, s])
-            else:
-                stats[tok, kv, s, :, 1] = 0.0
-            done = done + 1
-            i, tried = sync.take(counters, ATTEND, w, num_workers, num_attend, tried)
-        t = sync.mark(trace, w, 3 * ATTEND + 1, t)
-        sync.finish(counters, ATTEND, num_workers, done, num_attend)
-        t = sync.mark(trace, w, 3 * ATTEND + 2, t)
-        # o: each thread merges the splits itself (a few us), then the rows are shared out
-        att = att_of[w]  # [T, Hq*D]
-        for tok in range(num_tokens):
-            for head in range(num_heads):
-                attention._merge(acc[tok, head // group, :splits[tok], head % group],
-                                 stats[tok, head // group, :splits[tok], head % group],
-                                 att[tok, head * head_dim:(head + 1) * head_dim])
-        o_items, o_prep = O_PREP(o_raws, att, one_expert, row_starts, act_quant)  # noqa: F821
-        done = 0
-        t = sync.mark(trace, w, 3 * OUT, t)
-        i, tried = sync.take(counters, OUT, w, num_workers, o_items.shape[0], 0)
-        while i < o_items.shape[0]:
-            O_ITEM(o_raws, att, o_items, o_prep, (o,), i, act_quant)  # noqa: F821
-            done = done + 1
-            i, tried = sync.take(counters, OUT, w, num_workers, o_items.shape[0], tried)
-        t = sync.mark(trace, w, 3 * OUT + 1, t)
-        sync.finish(counters, OUT, num_workers, done, o_items.shape[0])
-        t = sync.mark(trace, w, 3 * OUT + 2, t)
-        # router: x + o and its norm stay on each thread until the combine writes x
-        x2, h2 = x2_of[w], h2_of[w]  # [T, H] each
-        _add_columns(x, o, 0, hidden, x2)
-        rmsnorm.rmsnorm_serial(x2, ffn_norm, eps, h2)
-        r_items, r_prep = R_PREP(r_raws, h2, one_expert, row_starts, act_quant)  # noqa: F821
-        done = 0
-        t = sync.mark(trace, w, 3 * ROUTER, t)
-        i, tried = sync.take(counters, ROUTER, w, num_workers, r_items.shape[0], 0)
-        while i < r_items.shape[0]:
-            R_ITEM(r_raws, h2, r_items, r_prep, (logits,), i, act_quant)  # noqa: F821
-            done = done + 1
-            i, tried = sync.take(counters, ROUTER, w, num_workers, r_items.shape[0], tried)
-        t = sync.mark(trace, w, 3 * ROUTER + 1, t)
-        sync.finish(counters, ROUTER, num_workers, done, r_items.shape[0])
-        t = sync.mark(trace, w, 3 * ROUTER + 2, t)
-        # experts: each thread routes, groups and rounds the pair rows itself
-        ids, weights = ids_of[w], weights_of[w]  # [T, K] each
-        routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
-        order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
-        xs = xs_of[w]  # [N, H]
-        moe_combine.gather_rows_serial(h2, order, top_k, xs)
-        if GU_PAIRED:  # noqa: F821: one prepare, the items over both weights
-            gu_raws = g_raws + u_raws
-            gu_items, gu_prep = G_PREP(gu_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
-            n_gu = 2 * gu_items.shape[0]
-            done = 0
-            t = sync.mark(trace, w, 3 * GATE_UP, t)
-            i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, 0)
-            while i < n_gu:
-                G_ITEM(gu_raws, xs, gu_items, gu_prep, (gate, up), i, act_quant)  # noqa: F821
-                done = done + 1
-                i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, tried)
-        else:
-            g_items, g_prep = G_PREP(g_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
-            u_items, u_prep = U_PREP(u_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
-            ng = g_items.shape[0]
-            n_gu = ng + u_items.shape[0]
-            done = 0
-            t = sync.mark(trace, w, 3 * GATE_UP, t)
-            i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, 0)
-            while i < n_gu:
-                if i < ng:
-                    G_ITEM(g_raws, xs, g_items, g_prep, (gate,), i, act_quant)  # noqa: F821
-                else:
-                    U_ITEM(u_raws, xs, u_items, u_prep, (up,), i - ng, act_quant)  # noqa: F821
-                done = done + 1
-                i, tried = sync.take(counters, GATE_UP, w, num_workers, n_gu, tried)
-        t = sync.mark(trace, w, 3 * GATE_UP + 1, t)
-        sync.finish(counters, GATE_UP, num_workers, done, n_gu)
-        t = sync.mark(trace, w, 3 * GATE_UP + 2, t)
-        act = act_of[w]  # [N, F]
-        activation.swiglu_serial(gate, up, act)
-        d_items, d_prep = D_PREP(d_raws, act, expert_ids, pair_starts, act_quant)  # noqa: F821
-        done = 0
-        t = sync.mark(trace, w, 3 * DOWN, t)
-        i, tried = sync.take(counters, DOWN, w, num_workers, d_items.shape[0], 0)
-        while i < d_items.shape[0]:
-            D_ITEM(d_raws, act, d_items, d_prep, (down,), i, act_quant)  # noqa: F821
-            done = done + 1
-            i, tried = sync.take(counters, DOWN, w, num_workers, d_items.shape[0], tried)
-        t = sync.mark(trace, w, 3 * DOWN + 1, t)
-        sync.finish(counters, DOWN, num_workers, done, d_items.shape[0])
-        t = sync.mark(trace, w, 3 * DOWN + 2, t)
-        # combine: column ranges of x, each from this thread's x + o and the weighted pair rows
-        row_of_pair = rows_of[w]  # [T*K]
-        _rows_of_pairs(order, row_of_pair)
-        num_chunks = (hidden + COMBINE_COLUMNS - 1) // COMBINE_COLUMNS
-        t = sync.mark(trace, w, 3 * COMBINE, t)
-        i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, 0)
-        while i < num_chunks:
-            if i == 0:
-                ids_out[:] = ids
-            c0, c1 = i * COMBINE_COLUMNS, min(hidden, (i + 1) * COMBINE_COLUMNS)
-            _weighted_columns(down, row_of_pair, weights, top_k, c0, c1, moe)
-            _add_columns(x2, moe, c0, c1, x)
-            i, tried = sync.take(counters, COMBINE, w, num_workers, num_chunks, tried)
-        t = sync.mark(trace, w, 3 * COMBINE + 1, t)
+        WORKER(np.int64(w), num_workers, entry, x, positions, tables, k_pool, v_pool,  # noqa: F821
+               layer_index, act_quant, trace,
+               (q, k, v, acc, stats, o, logits, gate, up, down, moe, splits, split_starts, counters, one_expert,
+                row_starts, h_of, att_of, x2_of, h2_of, ids_of, weights_of, xs_of, act_of, rows_of),
+               ids_out, attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale32, num_heads, num_kv_heads, head_dim,
+               q_raws, k_raws, v_raws, o_raws, r_raws, g_raws, u_raws, d_raws, top_k, normalize)
     if trace.shape[0]:
         trace[0, WHOLE] += sync.cycles() - entry
     return ids_out
@@ -323,6 +340,6 @@ def fused_layer(backend, layer, qk_norm):
     paired = (up.qtype == gate.qtype and up.raw.shape == gate.raw.shape and up.raw.flags.writeable == gate.raw.flags.writeable)
     names = [backend._kernels_of(w).fmt.__name__.rsplit(".", 1)[-1]
              for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.router, gate, up, layer.down_exps)]
-    fn = instance(fused_template, "_".join(names + ["paired" if paired else "split", "qknorm" if qk_norm else "plain"]),
-                  parallel=True, QK_NORM=qk_norm, GU_PAIRED=paired, **kernels)
-    return fn, tuple(raws)
+    suffix = "_".join(names + ["paired" if paired else "split", "qknorm" if qk_norm else "plain"])
+    worker = instance(worker_template, suffix, QK_NORM=qk_norm, GU_PAIRED=paired, **kernels)
+    return instance(fused_template, suffix, parallel=True, WORKER=worker), tuple(raws)
