@@ -111,21 +111,17 @@ class LLM:
     def __exit__(self, *exc):
         self.close()
 
-    def warm_up(self):
-        """Read a 2-token prompt and decode one token on a scratch sequence, so that the kernels a request
-        needs are compiled (or loaded from Numba's cache) before the first one arrives; the model's usage
-        profile and dynamic expert cache do not see it. Returns the seconds it took."""
-        start = time.perf_counter()
-        model = self.model
-        usage, residency = model.usage, model.residency
-        model.usage = model.residency = None
-        try:
-            kv = model.new_sequence(4)
-            model.forward(Batch([SeqChunk(kv, 0, np.arange(2, dtype=np.int64), "none")]))
-            model.forward(Batch([SeqChunk(kv, kv.length, np.zeros(1, dtype=np.int64))]))
-        finally:
-            model.usage, model.residency = usage, residency
-        return time.perf_counter() - start
+    def warm_up(self, progress=True):
+        """Run the steps a request can take (hybrid/warm_up.py) on scratch sequences, so that every kernel
+        variant a request needs is compiled (or loaded from Numba's cache) before the first one arrives; the
+        model's usage profile and dynamic expert cache do not see it. progress: a bar on stderr naming the
+        step and the kernel being compiled. Returns the seconds it took."""
+        from .scheduler import DEFAULT_STEP_TOKENS
+        from .warm_up import long_chunk_tokens, warm_up
+
+        step_tokens = max(PREFILL_CHUNK, DEFAULT_STEP_TOKENS)
+        long_tokens = long_chunk_tokens(self.model.backend, self.config, step_tokens, self.max_context)
+        return warm_up(self.model, long_tokens, progress)
 
     def _prompt_ids(self, prompt):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

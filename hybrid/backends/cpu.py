@@ -156,6 +156,17 @@ class CpuBackend:
         experts = [t for name, t in model.weights.tensors.items() if name.endswith("_exps.weight")]
         prefetch.calibrate([t for t in experts if is_supported(t.qtype)])
 
+    def parallel_min_tokens(self, config):
+        """The fewest tokens of a prompt chunk with which every op of a step takes its parallel kernel
+        (hybrid/warm_up.py compiles both variants): the smallest op a token (routing logits, or a pair's
+        row) past its serial threshold, and attention's T * T * Hq * D past its own."""
+        elementwise = SERIAL_MAX_ELEMENTS if _one_thread() else TINY_MAX_ELEMENTS
+        attention_max = SERIAL_MAX_ATTENTION if _one_thread() else TINY_MAX_ATTENTION
+        per_token = min(config.hidden_size, config.num_kv_heads * config.head_dim, config.num_experts,
+                        config.num_experts_per_tok * max(config.hidden_size, config.moe_intermediate_size))
+        by_attention = math.isqrt(attention_max // (config.num_heads * config.head_dim)) + 1
+        return max(elementwise // per_token + 1, by_attention)
+
     def new_kv_pool(self, num_layers, num_kv_heads, head_dim, dtype, num_tokens):
         """The model's KV pool in RAM: room for num_tokens positions reserved (committed as written); it
         grows if more sequences than planned are alive at once."""
@@ -343,8 +354,10 @@ def paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, sca
     num_tokens, num_heads, head_dim = q.shape
     work = num_tokens * max(min(start + num_tokens, key_hi) - key_lo, 0) * num_heads * head_dim
     kernel = attention.attention_serial if _small(work, TINY_MAX_ATTENTION, SERIAL_MAX_ATTENTION) else attention.attention
-    scales = () if k_scale is None else (k_scale, v_scale)
-    kernel(q, k, v, table, start, key_lo, key_hi, scale, out, attention.NO_LSE if lse is None else lse, *scales)
+    if k_scale is None:
+        k_scale = v_scale = attention.NO_SCALES
+    lse = attention.NO_LSE if lse is None else lse
+    kernel(q, k, v, table, start, key_lo, key_hi, scale, out, lse, k_scale, v_scale)
 
 
 def _small_or_parallel(num_elements, serial, parallel):

@@ -1,0 +1,89 @@
+"""LLM.warm_up: the steps a request can take, run on scratch sequences before the first request.
+
+Numba compiles a kernel at its first call, for the argument types of that call, and the CPU backend
+picks a serial or a parallel kernel by the size of each op; a prompt of ~20+ tokens that arrived
+first used to stall its step for seconds while the parallel variants compiled. The steps here take
+every variant a request can reach: a short prompt chunk (the serial kernels), a decode step (the
+compiled decode layer), a long prompt chunk (the parallel kernels), a decode step batched with a
+prompt chunk and one of two sequences. On a warm start they load from Numba's cache instead.
+
+Shape legend: T tokens of a step.
+"""
+import logging
+import time
+
+import numpy as np
+from numba.core import event
+from tqdm import tqdm
+
+from .batch import Batch, SeqChunk
+
+log = logging.getLogger(__name__)
+
+SHORT_CHUNK = 2  # tokens of the short prompt chunk: every op small enough for its serial kernel
+FALLBACK_LONG_CHUNK = 32  # the long chunk's tokens on a backend that does not say what makes its ops parallel
+
+
+class _CompileWatch(event.Listener):
+    """Names the kernel Numba is compiling in the bar's postfix and counts the compilations."""
+
+    def __init__(self, bar):
+        self.bar, self.depth, self.compiled = bar, 0, 0
+
+    def on_start(self, ev):
+        if self.depth == 0:
+            fn = ev.data["dispatcher"].py_func
+            self.bar.set_postfix_str(f"compiling {fn.__module__}.{fn.__qualname__}", refresh=True)
+        self.depth += 1
+
+    def on_end(self, ev):
+        self.depth -= 1
+        self.compiled += self.depth == 0
+
+
+def long_chunk_tokens(backend, config, max_step_tokens, max_context):
+    """Tokens of the long prompt chunk: the fewest with which every op of a step runs its parallel kernel
+    (backend.parallel_min_tokens where it has one), within a step's budget and half the context."""
+    wanted = backend.parallel_min_tokens(config) if hasattr(backend, "parallel_min_tokens") else FALLBACK_LONG_CHUNK
+    return max(SHORT_CHUNK + 1, min(wanted, max_step_tokens, max_context // 2))
+
+
+def _steps(model, long_tokens):
+    """[(what, run)]: the warm-up's forward steps in order, over two scratch sequences."""
+    ids = lambda n: np.arange(n, dtype=np.int64) % model.config.vocab_size  # noqa: E731
+    short = model.new_sequence(SHORT_CHUNK + 4)
+    long = model.new_sequence(long_tokens + 4)
+
+    def step(*chunks):
+        return lambda: model.forward(Batch([SeqChunk(kv, kv.length, ids(n), logits) for kv, n, logits in chunks]))
+
+    return [
+        (f"a {SHORT_CHUNK}-token prompt chunk", step((short, SHORT_CHUNK, "none"))),
+        ("a decode step", step((short, 1, "last"))),
+        (f"a {long_tokens}-token prompt chunk", step((long, long_tokens, "last"))),
+        ("a decode step beside a prompt chunk", step((short, 1, "last"), (long, SHORT_CHUNK, "last"))),
+        ("a decode step of two sequences", step((short, 1, "last"), (long, 1, "last"))),
+    ]
+
+
+def warm_up(model, long_tokens, progress=True):
+    """Run _steps on `model` with its usage profile and dynamic expert cache detached (they do not see
+    the warm-up); a tqdm bar on stderr (unless progress is False) names each step and the kernel being
+    compiled. Returns the seconds it took."""
+    start = time.perf_counter()
+    usage, residency = model.usage, model.residency
+    model.usage = model.residency = None
+    try:
+        steps = _steps(model, long_tokens)
+        with tqdm(total=len(steps), desc="warming up the kernels", unit="step", disable=not progress,
+                  leave=False) as bar:
+            watch = _CompileWatch(bar)
+            with event.install_listener("numba:compile", watch):
+                for what, run in steps:
+                    bar.set_description(f"warming up the kernels: {what}")
+                    run()
+                    bar.update()
+    finally:
+        model.usage, model.residency = usage, residency
+    log.info("warm-up: %d kernels compiled, the others loaded from Numba's cache", watch.compiled)
+    return time.perf_counter() - start
