@@ -188,9 +188,10 @@ def _add_serve(sub):
                    help=f"largest request body in MiB; a larger one is refused with 413 before it is read "
                         f"(default {DEFAULT_MAX_BODY_BYTES / MIB:g})")
     p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
-                   help=f"client connections open at once (default {DEFAULT_MAX_CONNECTIONS}): each holds a file "
-                        f"descriptor and buffers, so slow or idle clients cannot exhaust them; more wait in the "
-                        f"OS's accept queue. Keep it above --parallel + --max-queue")
+                   help=f"client connections open at once: each holds a file descriptor and buffers, so slow or "
+                        f"idle clients cannot exhaust them; more wait in the OS's accept queue (default "
+                        f"{DEFAULT_MAX_CONNECTIONS}, waitress's own, far above --parallel + --max-queue at their "
+                        f"defaults; keep it above them)")
     add_threads_and_context(p, "context limit per slot (default: the model's)")
     _add_device_options(p)
     _add_conversation_options(p)

@@ -126,3 +126,11 @@ def test_get_app_refuses_a_bad_setting_in_one_line(monkeypatch):
     monkeypatch.setenv("STRATA_PARALLEL", "0")
     with pytest.raises(SystemExit, match=r"^strata: error: STRATA_PARALLEL: must be >= 1, got 0$"):
         get_app()
+
+
+def test_a_bad_decode_share_variable_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    from server.serve import build
+
+    monkeypatch.setenv("STRATA_BATCH_DECODE_SHARE", "2")
+    with pytest.raises(ValueError, match=r"^STRATA_BATCH_DECODE_SHARE: must be in \(0, 1\], got 2$"):
+        build(model=str(tmp_path / "never-loaded.gguf"))

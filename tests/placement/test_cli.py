@@ -1,6 +1,7 @@
 """`strata profile`, `profile merge`, `profile show` and `plan` on the tiny GGUF model."""
 import json
 
+import numpy as np
 import pytest
 
 from hybrid.cli import main
@@ -68,3 +69,25 @@ def test_profile_refuses_a_malformed_prompts_file(tmp_path, tiny_model, capsys):
     assert main(["profile", "--model", tiny_model, "--prompts", str(bad), "-o", str(tmp_path / "p.npz")]) == 2
     assert "bad.jsonl line 2: not valid JSON" in capsys.readouterr().err
     assert not (tmp_path / "p.npz").exists()
+
+
+def test_show_refuses_a_file_that_is_no_profile_in_our_words(tmp_path, tiny_model, capsys):
+    assert main(["profile", "show", tiny_model]) == 2
+    assert capsys.readouterr().err.strip() == (f"strata: error: {tiny_model}: not a Strata expert profile (not an "
+                                               f".npz archive; `strata profile -o P.npz` writes one)")
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, header=np.array([{"format": "pickled"}], dtype=object))
+    assert main(["profile", "merge", str(objects), "-o", str(tmp_path / "m.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "objects.npz: not a Strata expert profile (an .npz archive whose arrays are damaged or hold Python " \
+           "objects)" in err
+    assert "allow_pickle" not in err
+
+
+def test_plan_refuses_a_context_beyond_the_models(tmp_path, tiny_model, capsys):
+    profile = tmp_path / "p.npz"
+    ExpertProfile.empty("x", 3, 8, 2).save(profile)
+    assert main(["plan", "--model", tiny_model, "--profile", str(profile), "--gpu-mib", "200", "--max-context",
+                 "4096", "-o", str(tmp_path / "pl.json")]) == 2
+    assert capsys.readouterr().err.strip() == (f"strata: error: --max-context 4096: {tiny_model} holds a context "
+                                               f"of 1 to 1024 tokens (from its metadata)")
