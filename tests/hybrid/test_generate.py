@@ -84,10 +84,11 @@ def test_cli_json_with_prompt_ids(gguf_models, capsys):
     assert result["timings"]["predicted_n"] == 4
 
 
-def test_cli_rejects_bad_prompt_ids(gguf_models, capsys):
-    code = cli_main(["generate", "--model", gguf_models("small", "Q8_0")[0], "--prompt-ids", "1,x"])
-    assert code == 2
-    assert "strata: error: --prompt-ids" in capsys.readouterr().err
+def test_cli_rejects_bad_prompt_ids(capsys):
+    with pytest.raises(SystemExit) as exit_:  # refused by argparse, before any model loads
+        cli_main(["generate", "--prompt-ids", "1,x"])
+    assert exit_.value.code == 2
+    assert "error: argument --prompt-ids: expected comma-separated integers" in capsys.readouterr().err
 
 
 def test_strata_generate_runs_the_demo_model(tmp_path):
