@@ -58,7 +58,7 @@ class LLM:
                  kv_host_attention="gpu"):
         from cpu_kernels.target import set_threads
 
-        device = expert_cache_device(device, placement, profile, expert_cache)
+        device = expert_cache_device(device, placement, profile, expert_cache, expert_cache_mib)
         if model_path is None:
             from .demo import demo_model_path
 

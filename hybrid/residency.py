@@ -16,15 +16,16 @@ log = logging.getLogger(__name__)
 EXPERT_CACHE_MODES = ("auto", "dynamic")
 
 
-def expert_cache_device(device, placement=None, profile=None, mode="auto"):
+def expert_cache_device(device, placement=None, profile=None, mode="auto", cache_mib=None):
     """`device` checked, before the model loads, against the expert cache options, which need a GPU:
     with "cpu" they are a ValueError; with "auto" and no usable GPU they do nothing: "cpu" and a warning."""
     asked = [flag for flag, given in (("--placement", placement is not None), ("--profile", profile is not None),
-                                      ("--expert-cache dynamic", mode == "dynamic")) if given]
+                                      ("--expert-cache dynamic", mode == "dynamic"),
+                                      ("--expert-cache-mib", cache_mib is not None)) if given]
     if not asked or device not in ("cpu", "auto"):
         return device
     if device == "cpu":
-        raise ValueError(f"{', '.join(asked)}: choose the experts the GPU holds, so they do nothing with --device cpu")
+        raise ValueError(f"{', '.join(asked)}: set up the GPU's expert cache, so they do nothing with --device cpu")
     from gpu_kernels.runtime import probe
 
     found = probe()

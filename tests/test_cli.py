@@ -76,7 +76,13 @@ def test_placement_with_device_cpu_fails_before_the_model_loads(tmp_path, capsys
     missing_model = str(tmp_path / "missing.gguf")  # never reached
     assert main(["generate", "--model", missing_model, "--device", "cpu", "--placement", str(placement)]) == 2
     assert capsys.readouterr().err.strip() == (
-        "strata: error: --placement: choose the experts the GPU holds, so they do nothing with --device cpu")
+        "strata: error: --placement: set up the GPU's expert cache, so they do nothing with --device cpu")
+
+
+def test_expert_cache_mib_with_device_cpu_is_refused(capsys):
+    assert main(["generate", "--device", "cpu", "--expert-cache-mib", "100", "--expert-cache", "dynamic"]) == 2
+    assert capsys.readouterr().err.strip() == ("strata: error: --expert-cache dynamic, --expert-cache-mib: set up the "
+                                               "GPU's expert cache, so they do nothing with --device cpu")
 
 
 def test_profile_without_a_gpu_warns_and_predicts_nothing(gguf_models, tmp_path, monkeypatch, caplog):
