@@ -2,9 +2,8 @@
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from hybrid.errors import RequestError
 from hybrid.request import Request
 from hybrid.sampling import LOGIT_BIAS_RANGE, MAX_SEED, SamplingParams
 
@@ -20,9 +19,18 @@ MAX_INT32 = 2**31 - 1
 
 @dataclass
 class ParsedRequest:
-    request: Request
+    """A body's settings, checked before its prompt is tokenized; `request(ids)` joins them to the prompt."""
+
+    params: SamplingParams
     stream: bool
     include_usage: bool
+
+    def request(self, prompt_ids, max_context):
+        """The engine request; without max_tokens in the body, generation may run to the end of the context."""
+        max_tokens = self.params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, max_context - len(prompt_ids))
+        return Request(prompt_ids, replace(self.params, max_tokens=max_tokens))
 
 
 def field(body, name, types, default=None):
@@ -105,22 +113,20 @@ def logit_bias(body, vocab_size):
     return parsed
 
 
-def sampling_params(body, num_prompt, max_context, vocab_size):
+def sampling_params(body, vocab_size):
+    """The body's sampling settings, each checked (Engine.submit validates the whole); max_tokens is None when
+    the body sets none."""
     max_tokens = integer(body, "max_completion_tokens", None, 1, MAX_INT32)
     max_tokens = integer(body, "max_tokens", max_tokens, 1, MAX_INT32)
     defaults = SamplingParams()
-    params = SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else max(1, max_context - num_prompt),
+    return SamplingParams(
+        max_tokens=max_tokens,
         temperature=number(body, "temperature", defaults.temperature, "a finite number >= 0", lambda t: t >= 0),
         top_k=integer(body, "top_k", defaults.top_k, 0, MAX_INT32),
         top_p=number(body, "top_p", defaults.top_p, "a number in (0, 1]", lambda p: 0 < p <= 1),
         min_p=number(body, "min_p", defaults.min_p, "a number in [0, 1]", lambda p: 0 <= p <= 1),
         seed=integer(body, "seed", None, 0, MAX_SEED), stop=stop_strings(body),
         ignore_eos=field(body, "ignore_eos", bool, False), logit_bias=logit_bias(body, vocab_size))
-    try:
-        return params.validate()
-    except RequestError as exc:
-        raise _bad(str(exc)) from None
 
 
 def chat_messages(body):
@@ -157,14 +163,14 @@ def completion_prompt(body):
     raise _bad("field 'prompt' must be a string, a list of token ids, or a list of one of those", "prompt")
 
 
-def parse(body, prompt_ids, max_context, vocab_size):
-    """The engine request of a validated body whose prompt is `prompt_ids`."""
+def parse(body, vocab_size):
+    """The settings of a body (all but its prompt), checked."""
     if integer(body, "n", 1, 1, MAX_INT32) != 1:
         raise _bad("only n = 1 is supported", "n")
     stream = field(body, "stream", bool, False)
     options = field(body, "stream_options", dict, {})
-    params = sampling_params(body, len(prompt_ids), max_context, vocab_size)
-    return ParsedRequest(Request(prompt_ids, params), stream, bool(field(options, "include_usage", bool, False)))
+    params = sampling_params(body, vocab_size)
+    return ParsedRequest(params, stream, bool(field(options, "include_usage", bool, False)))
 
 
 class Responder:

@@ -38,8 +38,8 @@ class Completions:
         if model is not None and model != self.model_id:
             raise ApiError(404, f"model '{model}' does not exist; this server has '{self.model_id}'", "model",
                            "model_not_found")
-        parsed = parse(body, self._prompt(body), self.engine.max_context, self.engine.model.config.vocab_size)
-        handle = self._submit(parsed.request)
+        parsed = parse(body, self.engine.model.config.vocab_size)  # before the prompt: cheap checks first
+        handle = self._submit(parsed.request(self._prompt(body), self.engine.max_context))
         responder = Responder(self.chat, self.model_id)
         if parsed.stream:
             resp.content_type = "text/event-stream"
