@@ -4,7 +4,7 @@ import json
 import logging
 import sys
 
-from .cli_types import existing_file, float_in, int_at_least, port, token_ids
+from .cli_types import existing_file, float_in, int_at_least, output_file, port, token_ids
 
 DEFAULT_MAX_CONNECTIONS = 100
 
@@ -195,7 +195,7 @@ def _add_serve(sub):
     add_threads_and_context(p, "context limit per slot (default: the model's)")
     _add_device_options(p)
     _add_conversation_options(p)
-    p.add_argument("--profile-out", default=None,
+    p.add_argument("--profile-out", type=output_file, default=None,
                    help="on shutdown, save the expert usage seen while serving as an ExpertProfile (.npz; merged "
                         "into the file if it exists)")
     p.set_defaults(func=_run_serve)

@@ -57,6 +57,16 @@ def existing_file(text):
     return text
 
 
+def output_file(text):
+    """A file to write: its folder must exist (checked before hours of work produce it)."""
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: no folder {folder} to write it in")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: a folder, not a file name")
+    return text
+
+
 def token_ids(text):
     """Comma-separated token ids (>= 0; the model's vocabulary bounds them once it is loaded)."""
     try:

@@ -2,7 +2,7 @@
 import argparse
 import os
 
-from hybrid.cli_types import existing_file, float_in, int_at_least
+from hybrid.cli_types import existing_file, float_in, int_at_least, output_file
 
 from .budget import KV_BYTES
 from .planner import DEFAULT_CPU_GBPS, DEFAULT_GPU_GBPS
@@ -23,17 +23,17 @@ def add_subcommands(sub):
                    help="CPU threads (default: STRATA_THREADS or all)")
     p.add_argument("--max-context", type=int_at_least(1), default=None,
                    help="context limit (default: the model's; more is an error)")
-    p.add_argument("-o", "--output", help="profile to write (.npz)")
+    p.add_argument("-o", "--output", type=output_file, help="profile to write (.npz)")
     p.set_defaults(func=_run_profile)
     profile_sub = p.add_subparsers(dest="profile_command", metavar="{merge,show}")
     m = profile_sub.add_parser("merge", help="add profiles of one model together")
     m.add_argument("inputs", nargs="+", type=existing_file, help="profiles (.npz)")
-    m.add_argument("-o", "--output", required=True, help="merged profile to write (.npz)")
+    m.add_argument("-o", "--output", required=True, type=output_file, help="merged profile to write (.npz)")
     m.set_defaults(func=_run_merge)
     s = profile_sub.add_parser("show", help="tokens seen, skew, per-layer entropy and a heatmap PNG")
     s.add_argument("profile", type=existing_file, help="profile (.npz)")
     s.add_argument("--phase", choices=("all", "prefill", "decode"), default="all", help="routings to show")
-    s.add_argument("--png", help="heatmap to write (default: the profile's name with .png)")
+    s.add_argument("--png", type=output_file, help="heatmap to write (default: the profile's name with .png)")
     s.add_argument("--no-png", action="store_true", help="print only")
     s.set_defaults(func=_run_show)
     _add_plan(sub)
@@ -60,7 +60,7 @@ def _add_plan(sub):
                    help=f"CPU expert bandwidth in GB/s (measured; default STRATA_CPU_GBPS or {DEFAULT_CPU_GBPS:g})")
     p.add_argument("--gpu-gbps", type=positive, default=os.environ.get("STRATA_GPU_GBPS", str(DEFAULT_GPU_GBPS)),
                    help=f"GPU memory bandwidth in GB/s (default STRATA_GPU_GBPS or {DEFAULT_GPU_GBPS:g})")
-    p.add_argument("-o", "--output", required=True, help="placement to write (.json)")
+    p.add_argument("-o", "--output", required=True, type=output_file, help="placement to write (.json)")
     p.set_defaults(func=_run_plan)
 
 

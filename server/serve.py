@@ -1,4 +1,5 @@
 """`strata serve`: bind the port, load the model, start the engine thread, then serve the app in-process."""
+import argparse
 import errno
 import logging
 import os
@@ -60,8 +61,6 @@ def conversation_cache(llm, options):
 
 def env_value(var, parse, default):
     """The environment variable `var` through an argparse type `parse`; ValueError naming it when bad."""
-    import argparse
-
     if not os.environ.get(var):
         return default
     try:

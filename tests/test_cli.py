@@ -28,6 +28,9 @@ BAD_ARGUMENTS = [  # (argv, the one line's end)
     (["generate", "--prompt-ids", "1,x"], "argument --prompt-ids: expected comma-separated integers, got '1,x'"),
     (["generate", "--prompt-ids", "1,-2"], "argument --prompt-ids: expected token ids >= 0, got '1,-2'"),
     (["profile", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["profile", "-o", "no/such/folder/p.npz"], "argument -o/--output: no/such/folder/p.npz: no folder no/such/folder "
+                                                "to write it in"),
+    (["serve", "--profile-out", "/"], "argument --profile-out: /: a folder, not a file name"),
     (["profile", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
     (["profile", "show", "nowhere.npz"], "argument profile: nowhere.npz: no such file"),
     (["profile", "merge", "nowhere.npz", "-o", "out.npz"], "argument inputs: nowhere.npz: no such file"),
