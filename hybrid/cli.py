@@ -267,6 +267,10 @@ def main(argv=None):
     except (ModelError, RequestError, ValueError, VramError) as exc:
         print(f"strata: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file or folder the system refuses (permissions, a full disk)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"strata: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

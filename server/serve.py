@@ -111,6 +111,8 @@ def build_from_args(args, api_key):
     """The app and engine of parsed `strata serve` arguments (hybrid.cli), for `run` and `get_app` alike."""
     from hybrid.cli import conversation_options, device_options
 
+    if args.conversation_cache_dir:  # an unusable folder fails here, before the model loads
+        os.makedirs(args.conversation_cache_dir, exist_ok=True)
     return build(args.model, args.parallel, api_key, args.decode_share, args.threads, args.max_context,
                  args.max_queue, device_options(args), conversation_options(args), max_body_bytes(args))
 

@@ -1,5 +1,6 @@
 """`strata` arguments are refused before anything loads, in one line that names the flag; `strata --version`."""
 import logging
+import socket
 from importlib.metadata import version
 
 import pytest
@@ -143,3 +144,14 @@ def test_a_bad_decode_share_variable_is_named_before_the_model_loads(tmp_path, m
     monkeypatch.setenv("STRATA_BATCH_DECODE_SHARE", "2")
     with pytest.raises(ValueError, match=r"^STRATA_BATCH_DECODE_SHARE: must be in \(0, 1\], got 2$"):
         build(model=str(tmp_path / "never-loaded.gguf"))
+
+
+def test_a_folder_the_system_refuses_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    spill = str(blocker / "spill")  # under a file: no folder can be made there
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "--port", str(port), "--conversation-cache-dir", spill, "--model", "never-loaded.gguf"]) == 2
+    assert capsys.readouterr().err.strip() == f"strata: error: {spill}: Not a directory"
