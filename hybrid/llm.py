@@ -60,8 +60,9 @@ class LLM:
 
         device = expert_cache_device(device, placement, profile, expert_cache, expert_cache_mib)
         if model_path is None:
-            from .demo import demo_model_path
+            from .demo import demo_config, demo_model_path
 
+            context_limit(max_context, demo_config(vocab_size=0).context_length, "the demo model")  # before building it
             model_path = demo_model_path()
             log.warning("no model given: using the built-in demo model (RANDOM weights, its text is gibberish)")
         self.threads = set_threads(threads)

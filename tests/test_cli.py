@@ -74,6 +74,14 @@ def test_max_context_beyond_the_model_fails_before_the_backends(gguf_models, mon
                        f"(from its metadata)")
 
 
+def test_max_context_beyond_the_demo_models_fails_before_it_is_built(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))  # an empty cache: the demo model would be built
+    assert main(["generate", "--max-context", "32768"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "strata: error: --max-context 32768: the demo model holds a context of 1 to 4096 tokens (from its metadata)")
+    assert not list(tmp_path.iterdir())
+
+
 def test_placement_with_device_cpu_fails_before_the_model_loads(tmp_path, capsys):
     placement = tmp_path / "placement.json"
     placement.write_text("{}")
