@@ -115,10 +115,8 @@ def test_every_field_with_every_hostile_value(client):
     for path, base in ((CHAT, {"messages": [{"role": "user", "content": "Hi"}]}), (COMPLETIONS, {"prompt": "Hi"})):
         for name in [*base, *SAMPLING, "max_completion_tokens"]:
             for value in HOSTILE:
-                body = {**base, "max_tokens": 1, name: value}
-                if name in ("max_tokens", "max_completion_tokens") and type(value) is int and value > 3:
-                    continue  # valid, and as slow as it is long: the bounds are tested in test_bad_completion_fields
-                assert_answer(post(client, path, body), stream=True)
+                # no value here is a valid max_tokens above 2: each request stays short
+                assert_answer(post(client, path, {**base, "max_tokens": 1, name: value}), stream=True)
         for raw in RAW_BODIES:
             assert_answer(post(client, path, raw))
 
@@ -126,7 +124,8 @@ def test_every_field_with_every_hostile_value(client):
 @FUZZ
 @given(path=st.sampled_from([CHAT, COMPLETIONS, "/v1/models", "/health", "/slots", "/metrics", "/expert-profile",
                              "/nope", "/v1"]),
-       method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]), raw=st.binary(max_size=40) | st.sampled_from(RAW_BODIES),
+       method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
+       raw=st.binary(max_size=40) | st.sampled_from(RAW_BODIES),
        query=st.dictionaries(st.sampled_from(["format", "x"]), st.text(max_size=6), max_size=2))
 def test_fuzz_routes(client, path, method, raw, query):
     result = client.simulate_request(method, path, body=raw, params=query)
