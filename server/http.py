@@ -76,7 +76,8 @@ class Server(TcpWSGIServer):
         """Waitress closes idle connections; this also closes those whose request arrives too slowly."""
         super().maintenance(now)
         cutoff = time.monotonic() - self.request_timeout_s
-        slow = [c for c in self.active_channels.values() if c.request is not None and c.request_started < cutoff]
+        slow = [c for c in self.active_channels.values()  # one still answering a request is left alone
+                if c.request is not None and not c.requests and c.request_started < cutoff]
         for channel in slow:
             channel.will_close = True
         if slow:
