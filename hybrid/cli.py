@@ -187,11 +187,11 @@ def _add_serve(sub):
     p.add_argument("--max-body-mib", type=float_in(0, low_open=True), default=DEFAULT_MAX_BODY_BYTES / MIB,
                    help=f"largest request body in MiB; a larger one is refused with 413 before it is read "
                         f"(default {DEFAULT_MAX_BODY_BYTES / MIB:g})")
-    p.add_argument("--max-connections", type=int_at_least(1), default=DEFAULT_MAX_CONNECTIONS,
+    p.add_argument("--max-connections", type=int_at_least(1), default=None,
                    help=f"client connections open at once: each holds a file descriptor and buffers, so slow or "
                         f"idle clients cannot exhaust them; more wait in the OS's accept queue (default "
-                        f"{DEFAULT_MAX_CONNECTIONS}, waitress's own, far above --parallel + --max-queue at their "
-                        f"defaults; keep it above them)")
+                        f"{DEFAULT_MAX_CONNECTIONS}, waitress's own, or --parallel + --max-queue when that is more: "
+                        f"every admitted request holds one)")
     add_threads_and_context(p, "context limit per slot (default: the model's)")
     _add_device_options(p)
     _add_conversation_options(p)

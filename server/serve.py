@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 
+from hybrid.cli import DEFAULT_MAX_CONNECTIONS
 from hybrid.cli_types import float_in, int_at_least
 from hybrid.scheduler import DEFAULT_DECODE_SHARE
 
@@ -176,11 +177,15 @@ def queue_limit(args):
     return args.max_queue or QUEUE_PER_SLOT * args.parallel
 
 
-def warn_connections(args):
-    wanted = args.parallel + queue_limit(args)
-    if args.max_connections < wanted:
+def connection_limit(args):
+    """--max-connections, by default 100 or the requests --parallel and --max-queue admit when more."""
+    admitted = args.parallel + queue_limit(args)
+    if args.max_connections is None:
+        return max(DEFAULT_MAX_CONNECTIONS, admitted)
+    if args.max_connections < admitted:
         log.warning("--max-connections %d is below the %d requests that --parallel and --max-queue admit: the "
-                    "rest wait for a connection instead of getting 429", args.max_connections, wanted)
+                    "rest wait for a connection instead of getting 429", args.max_connections, admitted)
+    return args.max_connections
 
 
 def run(args):
@@ -190,14 +195,14 @@ def run(args):
     api_key = args.api_key or os.environ.get("STRATA_API_KEY")
     with listen_socket(args.host, args.port) as sock:
         warn_exposure(args.host, api_key)
-        warn_connections(args)
+        max_connections = connection_limit(args)
         app, engine = build_from_args(args, api_key)
         host = f"[{args.host}]" if ":" in args.host else args.host
         log.info("serving on http://%s:%d/v1", host, args.port)
         stop_on_sigterm()
         try:
             serve_http(app, [sock], parallel=args.parallel, max_queue=queue_limit(args),
-                       max_connections=args.max_connections, max_body_bytes=max_body_bytes(args))
+                       max_connections=max_connections, max_body_bytes=max_body_bytes(args))
         finally:
             engine.stop()
             if args.profile_out:

@@ -163,3 +163,20 @@ def test_a_folder_the_system_refuses_is_one_line(tmp_path, capsys):
         port = probe.getsockname()[1]
     assert main(["serve", "--port", str(port), "--conversation-cache-dir", spill, "--model", "never-loaded.gguf"]) == 2
     assert capsys.readouterr().err.strip() == f"strata: error: {spill}: Not a directory"
+
+
+@pytest.mark.parametrize("flags,limit", [([], 100), (["--parallel", "8"], 8 + 16 * 8),
+                                         (["--parallel", "8", "--max-queue", "8"], 100),
+                                         (["--max-connections", "500"], 500)])
+def test_the_connection_limit_admits_every_queued_request(flags, limit):
+    from server.serve import connection_limit
+
+    assert connection_limit(build_parser().parse_args(["serve", *flags])) == limit
+
+
+def test_a_connection_limit_below_the_queue_warns(caplog):
+    from server.serve import connection_limit
+
+    with caplog.at_level(logging.WARNING):
+        assert connection_limit(build_parser().parse_args(["serve", "--max-connections", "10"])) == 10
+    assert "--max-connections 10 is below the 17 requests that --parallel and --max-queue admit" in caplog.text
