@@ -190,9 +190,9 @@ class Engine:
                 self.scheduler.advance(chunk)
                 if row is not None:
                     self._emit(slot, self._live[slot.request.request_id].sampler(row))
-            except Exception as exc:
+            except Exception:  # the log has the trace; the client gets no internals (file paths among them)
                 log.exception("request %s failed", slot.request.request_id)
-                self._fail(slot, f"{type(exc).__name__}: {exc}")
+                self._fail(slot, "sampling or decoding the next token failed")
 
     def _emit(self, slot, token_id):
         live = self._live[slot.request.request_id]
