@@ -14,7 +14,6 @@ from .weights import ModelWeights, QuantTensor
 
 log = logging.getLogger(__name__)
 
-
 GGUF_VERSIONS = (2, 3)
 HEADER_BYTES = 24  # magic, version, tensor count, metadata count
 
@@ -30,6 +29,8 @@ def _header_problem(path, size):
     if size < HEADER_BYTES:
         return f"truncated GGUF file ({size} bytes, shorter than its {HEADER_BYTES}-byte header)"
     version = int.from_bytes(head[4:8], "little")
+    if int.from_bytes(head[4:8], "big") in GGUF_VERSIONS:
+        return "a big-endian GGUF file; Strata reads little-endian ones"
     if version not in GGUF_VERSIONS:
         return f"GGUF version {version}, Strata reads versions {' and '.join(map(str, GGUF_VERSIONS))}"
     return None
@@ -42,7 +43,7 @@ def _reader_problem(exc, size):
     if "GGUFValueType" in str(exc) or "GGMLQuantizationType" in str(exc):
         return "damaged GGUF metadata: a value or tensor of an unknown type"
     if "alignment" in str(exc):
-        return "damaged GGUF metadata: general.alignment is not a power of two"
+        return "damaged GGUF metadata: general.alignment is not a uint32 power of two"
     return f"truncated or damaged GGUF file ({size} bytes): its header describes more data than the file holds"
 
 

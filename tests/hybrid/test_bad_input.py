@@ -56,6 +56,7 @@ def test_the_head_of_a_gguf_is_truncated_in_our_words(tmp_path, gguf_models, num
     (b"", "empty file, not a GGUF model"),
     (b"GGUF\x03\x00", r"truncated GGUF file \(6 bytes, shorter than its 24-byte header\)"),
     (b"GGUF" + (9).to_bytes(4, "little") + bytes(16), "GGUF version 9, Strata reads versions 2 and 3"),
+    (b"GGUF" + (3).to_bytes(4, "big") + bytes(16), "a big-endian GGUF file; Strata reads little-endian ones"),
     (b"PK\x03\x04" + bytes(40), r"not a GGUF file \(it starts with b'PK\\x03\\x04'"),
 ])
 def test_a_bad_gguf_header_is_named(tmp_path, content, problem):
