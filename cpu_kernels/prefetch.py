@@ -13,6 +13,7 @@ import logging
 import os
 import time
 
+import numba
 import numpy as np
 
 from . import format_for
@@ -79,20 +80,27 @@ def calibrate(tensors, min_bytes=MIN_SAMPLE_BYTES, candidates=CANDIDATES):
 
 
 def _decode_reader(tensors):
-    """A function that reads every expert of `tensors` once as a one-thread decode step does (int16 x)."""
+    """A function that reads every expert of `tensors` once as a one-thread decode step does (int16 x): the
+    format's parallel kernel, which serving compiles anyway, on one Numba thread: its serial twin, used by
+    nothing else from two threads on, would be compiled for this alone."""
     act_quant = act_quant_code(None)
     calls = []
     rng = np.random.default_rng(0)
     for tensor in tensors:
         raw = tensor.raw if tensor.raw.ndim == 3 else tensor.raw.reshape(1, *tensor.raw.shape)  # [E, R, B]
-        _, serial, cols = kernels_of(format_for(tensor.qtype), raw)
+        parallel, _, cols = kernels_of(format_for(tensor.qtype), raw)
         num_experts, num_rows = raw.shape[:2]
         x = rng.standard_normal((num_experts, cols)).astype(np.float32)  # [E, C]: one token per expert
         groups = np.arange(num_experts, dtype=np.int64), np.arange(num_experts + 1, dtype=np.int64)
-        calls.append((serial, (raw,), x, *groups, (np.empty((num_experts, num_rows), np.float32),)))
+        calls.append((parallel, (raw,), x, *groups, (np.empty((num_experts, num_rows), np.float32),)))
 
     def read():
-        for serial, raws, x, expert_ids, row_starts, outs in calls:
-            serial(raws, x, expert_ids, row_starts, outs, act_quant)
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            for kernel, raws, x, expert_ids, row_starts, outs in calls:
+                kernel(raws, x, expert_ids, row_starts, outs, act_quant)
+        finally:
+            numba.set_num_threads(threads)
 
     return read
