@@ -4,8 +4,9 @@
   `parallel + max_queue` of them plus a few spare: the request past the queue reaches the engine and gets
   its 429 with Retry-After at once, instead of waiting in waitress's own task queue.
 - At most `max_connections` open connections; an idle one is closed after `idle_timeout_s`, and one whose
-  request is not fully received `request_timeout_s` after it began (slow-loris) is closed too, so slow
-  clients cannot hold every connection for long.
+  request is not fully received `request_timeout_s` after it began (slow-loris) is closed too. At the limit,
+  connections that have sent no whole request for PRESSURE_GRACE_S are closed at once, so slow clients
+  cannot keep others out.
 - A body over `max_body_bytes` is refused by its Content-Length before it is read (chunked: once it passes
   the limit), and waitress's own errors (a malformed request, a body too large) are OpenAI error JSON.
 - `Expect: 100-continue` on a request without a body is answered (waitress would wait for a body forever).
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 SPARE_THREADS = 4  # /health, /metrics, /slots and 429 answers while every admitted request holds a thread
 DEFAULT_REQUEST_TIMEOUT_S = 30
 DEFAULT_IDLE_TIMEOUT_S = 60
+PRESSURE_GRACE_S = 2  # at the connection limit, how long a connection may wait to send a whole request
 
 
 class JsonErrorTask(ErrorTask):
@@ -71,6 +73,24 @@ class Channel(HTTPChannel):
 class Server(TcpWSGIServer):
     channel_class = Channel
     request_timeout_s = DEFAULT_REQUEST_TIMEOUT_S
+
+    def readable(self):
+        if self.accepting and len(self._map) >= self.adj.connection_limit:
+            self._shed_waiting()
+        return super().readable()
+
+    def _shed_waiting(self):
+        """At the connection limit, close the connections that nobody is answering and that have not sent a
+        whole request for PRESSURE_GRACE_S (idle, or slow-loris), so that new clients get in at once."""
+        now, wall = time.monotonic(), time.time()  # waitress keeps last_activity in wall time
+        waiting = [c for c in self.active_channels.values() if not c.requests and not c.will_close and (
+            c.request_started < now - PRESSURE_GRACE_S if c.request is not None
+            else c.last_activity < wall - PRESSURE_GRACE_S)]
+        for channel in waiting:
+            channel.will_close = True
+        if waiting:
+            log.info("at the connection limit: closed %d connections that sent no whole request in %d s",
+                     len(waiting), PRESSURE_GRACE_S)
 
     def maintenance(self, now):
         """Waitress closes idle connections; this also closes those whose request arrives too slowly."""
