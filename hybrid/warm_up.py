@@ -11,6 +11,7 @@ Shape legend: T tokens of a step.
 """
 import logging
 import time
+from contextlib import contextmanager
 
 import numpy as np
 from numba.core import event
@@ -25,12 +26,15 @@ FALLBACK_LONG_CHUNK = 32  # the long chunk's tokens on a backend that does not s
 
 
 class _CompileWatch(event.Listener):
-    """Names the kernel Numba is compiling in the bar's postfix and counts the compilations."""
+    """Names the kernel Numba is compiling in the bar's postfix and counts the compilations. With no bar, it
+    opens one at the first compilation (`what` its description) and closes it with close()."""
 
-    def __init__(self, bar):
-        self.bar, self.depth, self.compiled = bar, 0, 0
+    def __init__(self, bar, what=None):
+        self.bar, self.what, self.depth, self.compiled = bar, what, 0, 0
 
     def on_start(self, ev):
+        if self.bar is None:
+            self.bar = tqdm(desc=self.what, bar_format="{desc}: {elapsed}{postfix}", leave=False)
         if self.depth == 0:
             fn = ev.data["dispatcher"].py_func
             self.bar.set_postfix_str(f"compiling {fn.__module__}.{fn.__qualname__}", refresh=True)
@@ -38,7 +42,23 @@ class _CompileWatch(event.Listener):
 
     def on_end(self, ev):
         self.depth -= 1
-        self.compiled += self.depth == 0
+        if self.depth == 0:
+            self.compiled += 1
+            self.bar.set_postfix_str("", refresh=False)
+
+
+@contextmanager
+def compile_notice(what):
+    """A bar on stderr, opened only if Numba compiles inside the block: `what` is being done, the time spent so
+    far and the kernel being compiled (the start-up steps before warm-up that compile on a first run)."""
+    watch = _CompileWatch(None, what)
+    try:
+        with event.install_listener("numba:compile", watch):
+            yield
+    finally:
+        if watch.bar is not None:
+            watch.bar.close()
+            log.info("%s: %d kernels compiled", what, watch.compiled)
 
 
 def long_chunk_tokens(backend, config, max_step_tokens, max_context):
@@ -49,7 +69,9 @@ def long_chunk_tokens(backend, config, max_step_tokens, max_context):
 
 
 def _steps(model, long_tokens):
-    """[(what, run)]: the warm-up's forward steps in order, over two scratch sequences."""
+    """[(what, weight, run)]: the warm-up's forward steps in order, over two scratch sequences; weight: the
+    step's share (%) of a cold warm-up, for the bar's estimate (the demo and Q4_K_M models on 2 cores:
+    bench/results/startup.md)."""
     ids = lambda n: np.arange(n, dtype=np.int64) % model.config.vocab_size  # noqa: E731
     short = model.new_sequence(SHORT_CHUNK + 4)
     long = model.new_sequence(long_tokens + 4)
@@ -58,11 +80,11 @@ def _steps(model, long_tokens):
         return lambda: model.forward(Batch([SeqChunk(kv, kv.length, ids(n), logits) for kv, n, logits in chunks]))
 
     return [
-        (f"a {SHORT_CHUNK}-token prompt chunk", step((short, SHORT_CHUNK, "none"))),
-        ("a decode step", step((short, 1, "last"))),
-        (f"a {long_tokens}-token prompt chunk", step((long, long_tokens, "last"))),
-        ("a decode step beside a prompt chunk", step((short, 1, "last"), (long, SHORT_CHUNK, "last"))),
-        ("a decode step of two sequences", step((short, 1, "last"), (long, 1, "last"))),
+        (f"a {SHORT_CHUNK}-token prompt chunk", 40, step((short, SHORT_CHUNK, "none"))),
+        ("a decode step", 45, step((short, 1, "last"))),
+        (f"a {long_tokens}-token prompt chunk", 13, step((long, long_tokens, "last"))),
+        ("a decode step beside a prompt chunk", 1, step((short, 1, "last"), (long, SHORT_CHUNK, "last"))),
+        ("a decode step of two sequences", 1, step((short, 1, "last"), (long, 1, "last"))),
     ]
 
 
@@ -75,14 +97,14 @@ def warm_up(model, long_tokens, progress=True):
     model.usage = model.residency = None
     try:
         steps = _steps(model, long_tokens)
-        with tqdm(total=len(steps), desc="warming up the kernels", unit="step", disable=not progress,
-                  leave=False) as bar:
+        with tqdm(total=sum(weight for _, weight, _ in steps), desc="warming up the kernels", disable=not progress,
+                  leave=False, bar_format="{l_bar}{bar}| {elapsed}<{remaining}{postfix}") as bar:
             watch = _CompileWatch(bar)
             with event.install_listener("numba:compile", watch):
-                for what, run in steps:
+                for what, weight, run in steps:
                     bar.set_description(f"warming up the kernels: {what}")
                     run()
-                    bar.update()
+                    bar.update(weight)
     finally:
         model.usage, model.residency = usage, residency
     log.info("warm-up: %d kernels compiled, the others loaded from Numba's cache", watch.compiled)

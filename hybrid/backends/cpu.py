@@ -35,6 +35,7 @@ from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 from ..blocks import separate_projections
 from ..host_memory import huge_page_copy
 from ..kv_cache import KVPool, SequenceKV, blocks_for
+from ..warm_up import compile_notice
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,8 @@ class CpuBackend:
                     tensor.raw = huge_page_copy(tensor.raw)
                     bar.update(tensor.raw.nbytes)
         experts = [t for name, t in model.weights.tensors.items() if name.endswith("_exps.weight")]
-        prefetch.calibrate([t for t in experts if is_supported(t.qtype)])
+        with compile_notice("timing the decode prefetch distance"):
+            prefetch.calibrate([t for t in experts if is_supported(t.qtype)])
 
     def parallel_min_tokens(self, config):
         """The fewest tokens of a prompt chunk with which every op of a step takes its parallel kernel
