@@ -159,9 +159,9 @@ def cold_profile(model_args, env, work):
     return lines
 
 
-def median_line(name, runs, key):
+def median_line(name, runs, key, digits=2):
     values = [r[key] for r in runs]
-    return f"| {name} | {statistics.median(values):.2f} | {', '.join(f'{v:.2f}' for v in values)} |"
+    return f"| {name} | {statistics.median(values):.{digits}f} | {', '.join(f'{v:.{digits}f}' for v in values)} |"
 
 
 def main(argv=None):
@@ -202,11 +202,11 @@ def main(argv=None):
         "| seconds | median | runs |",
         "|---|---|---|",
         median_line("cold start to serving", cold, "start_s"),
-        median_line("cold: first request", cold, "first_s"),
-        median_line("cold: second request", cold, "second_s"),
+        median_line("cold: first request", cold, "first_s", 3),
+        median_line("cold: second request", cold, "second_s", 3),
         median_line("warm start to serving", warm, "start_s"),
-        median_line("warm: first request", warm, "first_s"),
-        median_line("warm: second request", warm, "second_s"),
+        median_line("warm: first request", warm, "first_s", 3),
+        median_line("warm: second request", warm, "second_s", 3),
         "",
         f"new Numba cache files written by each warm start: {new_files}",
     ]))
