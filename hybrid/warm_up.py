@@ -6,8 +6,6 @@ first used to stall its step for seconds while the parallel variants compiled. T
 every variant a request can reach: a short prompt chunk (the serial kernels), a decode step (the
 compiled decode layer), a long prompt chunk (the parallel kernels), a decode step batched with a
 prompt chunk and one of two sequences. On a warm start they load from Numba's cache instead.
-
-Shape legend: T tokens of a step.
 """
 import logging
 import time
@@ -26,8 +24,8 @@ FALLBACK_LONG_CHUNK = 32  # the long chunk's tokens on a backend that does not s
 
 
 class _CompileWatch(event.Listener):
-    """Names the kernel Numba is compiling in the bar's postfix and counts the compilations. With no bar, it
-    opens one at the first compilation (`what` its description) and closes it with close()."""
+    """Names the kernel Numba is compiling in the bar's postfix and counts the compilations. Given no bar, it
+    opens one at the first compilation, `what` its description (compile_notice closes it)."""
 
     def __init__(self, bar, what=None):
         self.bar, self.what, self.depth, self.compiled = bar, what, 0, 0
