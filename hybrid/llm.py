@@ -114,14 +114,15 @@ class LLM:
 
     def warm_up(self, progress=True):
         """Run the steps a request can take (hybrid/warm_up.py) on scratch sequences, so that every kernel
-        variant a request needs is compiled (or loaded from Numba's cache) before the first one arrives; the
-        model's usage profile and dynamic expert cache do not see it. progress: a bar on stderr naming the
-        step and the kernel being compiled. Returns the seconds it took."""
+        variant a request needs is compiled (or loaded from Numba's cache) before the first one arrives, and
+        renders the chat template once; the model's usage profile and dynamic expert cache do not see it.
+        progress: a bar on stderr naming the step and the kernel being compiled. Returns the seconds it took."""
         from .scheduler import DEFAULT_STEP_TOKENS
-        from .warm_up import long_chunk_tokens, warm_up
+        from .warm_up import long_chunk_tokens, warm_chat_template, warm_up
 
         step_tokens = max(PREFILL_CHUNK, DEFAULT_STEP_TOKENS)
         long_tokens = long_chunk_tokens(self.model.backend, self.config, step_tokens, self.max_context)
+        warm_chat_template(self.tokenizer)
         return warm_up(self.model, long_tokens, progress)
 
     def _prompt_ids(self, prompt):
