@@ -152,7 +152,7 @@ def _run_generate(args):
     else:
         prompt = args.prompt if args.prompt is not None else "Hello"
         if args.chat:
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     out = llm.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                        ignore_eos=args.ignore_eos)

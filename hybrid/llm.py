@@ -152,8 +152,9 @@ class LLM:
         return self.generate_with(prompt, params)
 
     def chat(self, messages, **sampling):
-        """Render `messages` with the model's chat template, then generate."""
-        return self.generate(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True), **sampling)
+        """Render `messages` with the model's chat template (special-token text in them stays text), then
+        generate."""
+        return self.generate(self.tokenizer.encode_chat(messages), **sampling)
 
     def generate_with(self, prompt, params):
         params.validate()

@@ -84,11 +84,9 @@ def _run_profile(args):
     usage = llm.model.usage = ExpertUsage.for_config(llm.config)
     with tqdm(prompts, unit="prompt", desc="profiling") as bar:
         for i, prompt in enumerate(bar):
-            text = prompt.text
-            if prompt.messages is not None:
-                text = llm.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True)
+            given = prompt.text if prompt.messages is None else llm.tokenizer.encode_chat(prompt.messages)
             try:
-                llm.generate(text, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i)
+                llm.generate(given, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i)
             except ValueError as exc:
                 raise ValueError(f"{args.prompts} line {prompt.line}: {exc}") from None
             bar.set_postfix(tokens=usage.tokens_prefill + usage.tokens_decode)

@@ -29,7 +29,7 @@ def model_id(llm):
     if DEMO_NAME in os.path.basename(llm.weights.source):
         return DEMO_NAME, "built-in demo model with RANDOM weights: its text is gibberish by construction"
     name = os.path.basename(os.path.normpath(llm.weights.source))
-    return (name[: -len(".gguf")] if name.endswith(".gguf") else name), f"{llm.config.arch} from {llm.weights.source}"
+    return (name[: -len(".gguf")] if name.endswith(".gguf") else name), f"{llm.config.arch} ({name})"
 
 
 def log_budget(llm, parallel, max_queue):
