@@ -94,8 +94,7 @@ def set_threads(num_threads=None):
     import numba
 
     if num_threads is None:
-        env = os.environ.get("STRATA_THREADS")
-        num_threads = int(env) if env else None
+        num_threads = _threads_from_environment()
     if num_threads is None:
         return numba.get_num_threads()
     if num_threads < 1:
@@ -104,6 +103,16 @@ def set_threads(num_threads=None):
     numba.set_num_threads(num_threads)
     _chosen_threads = num_threads
     return num_threads
+
+
+def _threads_from_environment():
+    text = os.environ.get("STRATA_THREADS", "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"STRATA_THREADS: expected an integer, got {text!r}") from None
 
 
 def chosen_threads():

@@ -74,6 +74,9 @@ def test_threads_setting(monkeypatch):
         assert set_threads() == 1
         with pytest.raises(ValueError, match="threads must be >= 1"):
             set_threads(0)
+        monkeypatch.setenv("STRATA_THREADS", "all")
+        with pytest.raises(ValueError, match="STRATA_THREADS: expected an integer, got 'all'"):
+            set_threads()
     finally:
         numba.set_num_threads(before)
 
