@@ -89,6 +89,26 @@ def prompt_then_decode(model):
     return np.concatenate(out)
 
 
+def test_warm_up_runs_on_a_one_slot_gpu_backend_and_leaves_no_trace(gguf_models, numpy_runtime, reference_kernels):
+    """LLM.warm_up's steps (two scratch sequences, a long chunk, a mixed and a two-sequence step) on the GpuBackend
+    that `strata serve --parallel 1` makes: they run, and a request after them gets the logits of a model that never
+    warmed up, bit for bit (the dense graphs captured on scratch sequences replay over the request's)."""
+    from hybrid.warm_up import long_chunk_tokens, warm_up
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    resident = np.random.default_rng(4).random((c.num_layers, c.num_experts)) < 0.5
+
+    def model():
+        backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=1, resident=resident)
+        backend.kernels = reference_kernels
+        return Model(weights, backend, host=CpuBackend())
+
+    cold, warmed = model(), model()
+    assert warm_up(warmed, long_chunk_tokens(warmed.backend, c, 512, 256), progress=False) > 0
+    np.testing.assert_array_equal(prompt_then_decode(warmed), prompt_then_decode(cold))
+
+
 @pytest.mark.parametrize("target,fraction", [("Q8_0", 0.0), ("Q8_0", 0.5), ("Q4_K_M", 0.5), ("Q8_0", 1.0),
                                              ("F16", 0.0), ("BF16", 0.5), ("F32", 0.5), ("Q4_0", 0.5), ("Q5_K", 0.5),
                                              ("Q6_K", 1.0)])
