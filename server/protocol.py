@@ -100,14 +100,14 @@ def logit_bias(body, vocab_size):
     if len(bias) > MAX_LOGIT_BIAS:
         raise _bad(f"field 'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
     parsed = {}
-    for key, value in bias.items():
+    for key, given in bias.items():
         token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
         if not 0 <= token < vocab_size:
             raise _bad(f"field 'logit_bias' has key {_short(key)}: keys must be token ids below {vocab_size}",
                        "logit_bias")
-        value = _finite(bias[key])
+        value = _finite(given)
         if value is None or abs(value) > LOGIT_BIAS_RANGE:
-            raise _bad(f"field 'logit_bias' has {_short(bias[key])} for token {token}: biases must be numbers from "
+            raise _bad(f"field 'logit_bias' has {_short(given)} for token {token}: biases must be numbers from "
                        f"-{LOGIT_BIAS_RANGE:g} to {LOGIT_BIAS_RANGE:g}", "logit_bias")
         parsed[token] = value
     return parsed
