@@ -36,6 +36,7 @@ from ..blocks import separate_projections
 from ..host_memory import huge_page_copy
 from ..kv_cache import KVPool, SequenceKV, blocks_for
 from ..warm_up import compile_notice
+from .base import Capabilities
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ def expert_work_bytes(num_tokens, top_k, hidden, width):
 
 class CpuBackend:
     name = "cpu"
+    capabilities = Capabilities(compiled_decode_layer=True, decode_relay_host=True, host_decode_experts=True,
+                                parallel_min_tokens=True)
 
     act_quant = None  # the kernels' act_quant code, from STRATA_ACT_QUANT at the first weight's use
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
@@ -136,7 +139,7 @@ class CpuBackend:
             found = self._kernels[id(weight)] = _WeightKernels(weight)
         return found
 
-    def place(self, model):
+    def place(self, model, host=None):
         """Copy the file-mapped (read-only) weights into anonymous memory advised for transparent huge pages
         (hybrid/host_memory.py): a 1-thread decode read its experts at ~7 GB/s from 4 KiB file pages, ~23 GB/s
         from 2 MiB pages (TLB misses; bench/results/cpu_decode_profile.md). Left mapped where the copies would take over
@@ -317,6 +320,10 @@ class CpuBackend:
 
             plan = self._host_plans[layer.index] = HostExpertsPlan(self, layer)  # (sets act_quant)
         return plan
+
+    def paged_attention(self, q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None):
+        """paged_attention below, for a device backend that has this backend attend its KV's RAM part."""
+        paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse)
 
     def grouped_experts(self, x, weights, groups, gate_exps, up_exps, down_exps):
         """The pairs of `groups` (order, expert_ids, row_starts; a subset of the [T, K] pairs), combined
