@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from placement.residency import default_residency
+
 from .errors import VramError
 
 log = logging.getLogger(__name__)
@@ -42,27 +44,6 @@ class VramBudget:
 def expert_bytes(layer):
     """Bytes of one expert of `layer` (gate + up + down rows)."""
     return sum(t.nbytes // t.shape[0] for t in (layer.gate_exps, layer.up_exps, layer.down_exps))
-
-
-def default_residency(bytes_per_expert, num_experts, budget):
-    """mask bool [L, E]: whole layers first, in order, then the first experts of the next layer."""
-    mask = np.zeros((len(bytes_per_expert), num_experts), dtype=bool)  # [L, E]
-    left = budget
-    for layer, size in enumerate(bytes_per_expert):
-        count = min(num_experts, left // size)
-        mask[layer, :count] = True
-        left -= count * size
-        if count < num_experts:
-            break
-    return mask
-
-
-def even_residency(bytes_per_expert, num_experts, budget):
-    """mask bool [L, E]: the same number of experts in every layer (the first ones), as many as fit."""
-    per_layer = min(num_experts, int(budget // max(sum(bytes_per_expert), 1)))
-    mask = np.zeros((len(bytes_per_expert), num_experts), dtype=bool)  # [L, E]
-    mask[:, :per_layer] = True
-    return mask
 
 
 def plan(free, total, dense, kv, scratch, reserve, bytes_per_expert, num_experts, cache_bytes=None, resident=None):

@@ -62,7 +62,7 @@ def resident_choice(weights, placement=None, profile=None, mode="auto", batch=1,
         loaded.check_model(c.num_layers, c.num_experts, name)  # ProfileError when the model differs
         return _planner(weights, loaded, batch, max_context)
     if mode == "dynamic":
-        from gpu_kernels.expert_cache import even_residency
+        from placement.residency import even_residency
 
         return lambda room, bytes_per_expert: even_residency(bytes_per_expert, c.num_experts, room)
     log.info("expert cache: no placement or profile, filled layer by layer (hit rate not predicted; "
