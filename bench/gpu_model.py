@@ -23,7 +23,7 @@ import numpy as np
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from hybrid import LLM  # noqa: E402
 from cpu_kernels.target import chosen_threads  # noqa: E402
-from hybrid.moe import RELAY_BY_DEFAULT, relay_threads_from_env, relay_tokens_from_env  # noqa: E402
+from hybrid.moe import SplitSettings  # noqa: E402
 
 log = logging.getLogger("bench.gpu_model")
 
@@ -45,14 +45,17 @@ DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "kernel calls"}
 MODE_KEYS = {"inline": "inline", "relay": "relay", "spare": "relay, a core spare", "thread": "thread",
              "opbyop": "inline, op by op"}  # --modes names
-DEFAULT_MODE = "relay" if RELAY_BY_DEFAULT else "inline"
+DEFAULT_MODE = "relay" if SplitSettings().decode_relay else "inline"
 
 
 def use_mode(split, mode):
-    """Set the ExpertSplit's decode settings to DECODE_MODES[mode] (relay_threads: the environment's unless set)."""
-    settings = {"relay_threads": relay_threads_from_env(), **DECODE_MODES[mode]}
-    for name, value in settings.items():
-        setattr(split, name, value() if callable(value) else value)
+    """Set the ExpertSplit's decode settings to DECODE_MODES[mode] (relay_threads: the split's own unless set)."""
+    settings = DECODE_MODES[mode]
+    split.relay.enabled = settings["decode_relay"]
+    split.host_side.decode_host_thread = settings["decode_host_thread"]
+    split.host_side.compiled_host_decode = settings["compiled_host_decode"]
+    threads = settings.get("relay_threads")
+    split.relay.threads = threads() if threads else split.settings.relay_threads
 
 
 def first_experts(config, share):
@@ -73,14 +76,14 @@ def decode_rate(llm, num_tokens):
 def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
     """(tok/s each user saw, mean; tok/s of all users together): `users` greedy requests decoded at once by the
     serving engine (one decode batch of `users` tokens a step), each after its own 32-token prompt; decode
-    steps of up to relay_tokens tokens through the relay (ExpertSplit.relay_tokens)."""
+    steps of up to relay_tokens tokens through the relay (ExpertSplit.relay.tokens)."""
     from hybrid.engine import Engine
     from hybrid.request import Finished, Request
     from hybrid.sampling import SamplingParams
 
     split, usage = llm.model.split, llm.model.usage
     if split is not None:
-        split.relay_tokens = relay_tokens
+        split.relay.tokens = relay_tokens
     engine = Engine(llm, num_slots=users).start()
     try:
         params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
@@ -92,7 +95,7 @@ def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
         engine.stop()
         llm.model.usage = usage  # the engine records usage while it serves; the runs after it as before
         if split is not None:
-            split.relay_tokens = relay_tokens_from_env()
+            split.relay.tokens = split.settings.relay_tokens
     failed = [r for r in results if not isinstance(r, Finished)]
     if failed:
         raise RuntimeError(f"{len(failed)} of {users} concurrent requests failed: {failed[0]}")

@@ -119,7 +119,7 @@ def test_decode_relay_matches_the_cpu_engine(runtime, gguf_models, target):
                        "50%": rng.random((c.num_layers, c.num_experts)) < 0.5}.items():
         gpu = LLM(path, device="gpu", max_context=256, resident=mask)
         split = gpu.model.split
-        split.decode_relay, split.trace = True, []
+        split.relay.enabled, split.trace = True, []
         assert gpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens, name
         relayed = [t for t in split.trace if t["tokens"] == 1]
         assert len(relayed) == 7 * int((~mask).any(axis=1).sum()), name  # 7 decode steps (the 8th token's
@@ -168,7 +168,7 @@ def test_a_decode_step_of_several_users_through_the_relay_matches_the_cpu_engine
                        "100%": np.ones((c.num_layers, c.num_experts), bool)}.items():
         with LLM(path, device="gpu", max_context=256, kv_sequences=3, resident=mask) as gpu:
             split = gpu.model.split
-            split.decode_relay, split.relay_tokens, split.trace = True, 3, []
+            split.relay.enabled, split.relay.tokens, split.trace = True, 3, []
             got = steps(gpu.model)
             err = np.abs(got - ref).max() / np.abs(ref).max()
             assert err <= 2e-3, f"{name}: rel err {err:.2e}"

@@ -16,7 +16,8 @@ from hybrid.model import Model
 from cpu_kernels.mailbox import WAIT_OK, post, ticks, wait_for
 from cpu_kernels.sync import LINE
 from cpu_kernels.target import chosen_threads
-from hybrid.moe import PairGroups
+from hybrid.backends.base import Capabilities
+from hybrid.pair_groups import PairGroups
 from hybrid.relay import Mailbox
 
 TOKENS = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8, 77, 120, 19, 2, 45]
@@ -27,6 +28,7 @@ class StandInDevice(CpuBackend):
     in a worker thread. borrow_bytes_per_second: a copy speed for the borrow cost model."""
 
     name = "stand-in"
+    capabilities = Capabilities(decode_experts=True, decode_relay_device=True)
     time_experts = False
 
     def __init__(self, resident, prefill_borrow=False, borrow_bytes_per_second=1e9):
@@ -50,7 +52,9 @@ class StandInDevice(CpuBackend):
     def synchronize(self):
         pass
 
-    def submit_experts(self, layer, x, ids, weights, groups, borrowed=None):
+    def submit(self, layer, x, ids, weights, groups=None, borrowed=None):
+        if groups is None:
+            return self._submit_decode(layer, x, ids, weights)
         self.submitted += 1
         parts = [g for g in (groups, borrowed) if g is not None and g.num_groups]
         self.borrowed += 0 if borrowed is None else borrowed.num_groups
@@ -66,7 +70,7 @@ class StandInDevice(CpuBackend):
     def queue_ids(self, ids, tag):
         return ids.copy()
 
-    def submit_decode_experts(self, layer, x, ids, weights):
+    def _submit_decode(self, layer, x, ids, weights):
         """The step's resident pairs (p = t * K + j), found from the routing as the device kernel finds them."""
         self.submitted += 1
         self.decode_submitted += 1
@@ -78,7 +82,7 @@ class StandInDevice(CpuBackend):
         return self.pool.submit(lambda: self.grouped_experts(x, weights, groups, layer.gate_exps, layer.up_exps,
                                                              layer.down_exps))
 
-    def wait_experts(self, pending):
+    def wait(self, pending):
         return pending.result()
 
     def zeros_like(self, x):
@@ -133,8 +137,8 @@ def test_split_matches_cpu_path(gguf_models, target):
         assert (device.submitted > 0) == bool(mask.any()), name
         assert (device.decode_submitted > 0) == bool(mask.any()), name  # the decode token took the one-row path
     inline = Model(weights, StandInDevice(_masks(c.num_layers, c.num_experts)["half"]), host=CpuBackend())
-    inline.split.host_thread = False  # the device part queued first, the prompt's host part in the calling thread
-    inline.split.decode_host_thread = True  # and the decode token's host part in the worker
+    inline.split.host_side.host_thread = False  # the device part queued first, the prompt's host part in the calling thread
+    inline.split.host_side.decode_host_thread = True  # and the decode token's host part in the worker
     _assert_close(_score(inline), ref, "half, prompt host part inline, decode host part in the worker")
 
 
@@ -183,16 +187,16 @@ def test_device_auto_falls_back_to_cpu(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("share", [None, 0.5])
-def test_prefill_borrow_matches_cpu_path(gguf_models, monkeypatch, share):
+def test_prefill_borrow_matches_cpu_path(gguf_models, share):
     """Non-resident experts borrowed by the device (cost model, or a fixed host share) give the same logits."""
-    if share is not None:
-        monkeypatch.setenv("STRATA_PREFILL_CPU_SHARE", str(share))
     weights = load_model(gguf_models("small", "Q8_0")[0])
     c = weights.config
     ref = _score(Model(weights, CpuBackend()), prompt_tokens=64)
     device = StandInDevice(np.zeros((c.num_layers, c.num_experts), bool), prefill_borrow=True,
                            borrow_bytes_per_second=1e15)
-    got = _score(Model(weights, device, host=CpuBackend()), prompt_tokens=64)
+    model = Model(weights, device, host=CpuBackend())
+    model.split.borrow.cpu_share = share
+    got = _score(model, prompt_tokens=64)
     _assert_close(got, ref)
     assert device.borrowed > 0
 
@@ -200,18 +204,18 @@ def test_prefill_borrow_matches_cpu_path(gguf_models, monkeypatch, share):
 def test_borrow_cost_model():
     from types import SimpleNamespace
 
-    from hybrid.moe import ExpertSplit
+    from placement.borrow import BorrowModel
 
     raw = np.zeros((4, 8, 100), np.uint8)  # [E, R, B]: 2400 bytes an expert
     layer = SimpleNamespace(gate_exps=SimpleNamespace(shape=(4, 8, 64), raw=raw), up_exps=SimpleNamespace(raw=raw),
                             down_exps=SimpleNamespace(raw=raw))
     groups = PairGroups(np.arange(106), np.arange(4), np.array([0, 100, 101, 103, 106]))  # rows 100, 1, 2, 3
-    split = ExpertSplit(CpuBackend(), np.zeros((1, 4), bool), cpu_share=None)
-    split.host_flops = 6 * 64 * 8 * 1000.0  # 1 ms a row
-    assert split.plan_borrow(layer, groups, bytes_per_second=2400 / 0.010).tolist() == [False, True, True, True]
-    assert split.plan_borrow(layer, groups, bytes_per_second=2400 / 0.5).tolist() == [True] * 4  # copies too slow
-    split.cpu_share = 0.06  # the least-used experts up to 6 % of the rows stay on the host
-    assert split.plan_borrow(layer, groups, bytes_per_second=1.0).tolist() == [False, True, True, True]
+    borrow = BorrowModel(cpu_share=None)
+    borrow.host_flops = 6 * 64 * 8 * 1000.0  # 1 ms a row
+    assert borrow.plan(layer, groups, bytes_per_second=2400 / 0.010).tolist() == [False, True, True, True]
+    assert borrow.plan(layer, groups, bytes_per_second=2400 / 0.5).tolist() == [True] * 4  # copies too slow
+    borrow.cpu_share = 0.06  # the least-used experts up to 6 % of the rows stay on the host
+    assert borrow.plan(layer, groups, bytes_per_second=1.0).tolist() == [False, True, True, True]
 
 
 
@@ -227,9 +231,9 @@ def test_compiled_host_decode_is_bit_identical(gguf_models, target):
     for compiled in (False, True):
         host = CpuBackend()
         model = Model(weights, StandInDevice(mask), host=host)
-        assert model.split.compiled_host_decode  # on by default where the host has it
-        model.split.compiled_host_decode = compiled
-        model.split.decode_relay = False  # the serving thread's own path (the relay always uses the compiled call)
+        assert model.split.host_side.compiled_host_decode  # on by default where the host has it
+        model.split.host_side.compiled_host_decode = compiled
+        model.split.relay.enabled = False  # the serving thread's own path (the relay always uses the compiled call)
         scores[compiled] = _score(model)
         assert bool(host._host_plans) == compiled
     np.testing.assert_array_equal(scores[True], scores[False])
@@ -281,7 +285,7 @@ def test_decode_relay_is_bit_identical(gguf_models, target):
         for relay in (False, True):
             device = devices[relay] = StandInDevice(mask)
             model = Model(weights, device, host=CpuBackend())
-            model.split.decode_relay = relay
+            model.split.relay.enabled = relay
             model.split.trace = []
             scores[relay] = _decode_steps(model)
         np.testing.assert_array_equal(scores[True], scores[False], err_msg=name)
@@ -320,7 +324,7 @@ def test_a_decode_step_of_several_users_through_the_relay_is_bit_identical(gguf_
         for tokens in (1, 3):
             device = devices[tokens] = StandInDevice(mask)
             model = Model(weights, device, host=CpuBackend())
-            model.split.decode_relay, model.split.relay_tokens, model.split.trace = True, tokens, []
+            model.split.relay.enabled, model.split.relay.tokens, model.split.trace = True, tokens, []
             model.usage = usages[tokens] = ExpertUsage(c.num_layers, c.num_experts, c.num_experts_per_tok)
             scores[tokens] = _batch_decode_steps(model)
             traces[tokens] = [t for t in model.split.trace if t["tokens"] == 3]
@@ -334,30 +338,29 @@ def test_a_decode_step_of_several_users_through_the_relay_is_bit_identical(gguf_
         assert devices[3].decode_submitted > devices[1].decode_submitted or not mask.any(), name
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "many"])
-def test_relay_tokens_from_the_environment_must_be_a_count(monkeypatch, value):
-    from hybrid.moe import relay_tokens_from_env
+@pytest.mark.parametrize("field, value, message", [("relay_tokens", 0, "a token count >= 1"),
+                                                    ("relay_threads", 0, "a thread count >= 1"),
+                                                    ("cpu_share", 1.5, "a number from 0 to 1")])
+def test_split_settings_are_checked(field, value, message):
+    from hybrid.moe import SplitSettings
 
-    monkeypatch.setenv("STRATA_DECODE_RELAY_TOKENS", value)
-    with pytest.raises(ValueError, match=f"STRATA_DECODE_RELAY_TOKENS={value}: expected a token count >= 1"):
-        relay_tokens_from_env()
-    monkeypatch.delenv("STRATA_DECODE_RELAY_TOKENS")
-    assert relay_tokens_from_env() == 1
+    with pytest.raises(ValueError, match=f"{field}={value}: expected {message}"):
+        SplitSettings(**{field: value})
 
 
 def test_closing_the_model_stops_the_relay_worker_and_a_later_step_starts_it_again(gguf_models):
     weights = load_model(gguf_models("small", "Q8_0")[0])
     c = weights.config
     model = Model(weights, StandInDevice(_masks(c.num_layers, c.num_experts)["half"]), host=CpuBackend())
-    model.split.decode_relay = True
+    model.split.relay.enabled = True
     first = _decode_steps(model, steps=1)
-    relay = model.split._relay
+    relay = model.split.relay.worker
     assert relay is not None and relay.alive
     model.close()
-    assert not relay.alive and model.split._relay is None
+    assert not relay.alive and model.split.relay.worker is None
     model.close()  # twice: nothing left to stop
     np.testing.assert_array_equal(_decode_steps(model, steps=1), first)
-    assert model.split._relay.alive
+    assert model.split.relay.worker.alive
     model.close()
 
 
@@ -370,7 +373,7 @@ def test_relay_worker_runs_its_experts_on_the_chosen_thread_count(gguf_models, m
     c = weights.config
     mask = _masks(c.num_layers, c.num_experts)["half"]
     inline = Model(weights, StandInDevice(mask), host=CpuBackend())
-    inline.split.decode_relay = False
+    inline.split.relay.enabled = False
     ref = _decode_steps(inline, steps=2)
     host = CpuBackend()
     seen = []
@@ -382,25 +385,14 @@ def test_relay_worker_runs_its_experts_on_the_chosen_thread_count(gguf_models, m
 
     monkeypatch.setattr(host, "relay_decode_experts", counting)
     model = Model(weights, StandInDevice(mask), host=host)
-    model.split.decode_relay = True
+    model.split.relay.enabled = True
     for threads in (None, 1, 4096):  # more than the cores: as many as there are
-        model.split.relay_threads = threads
+        model.split.relay.threads = threads
         seen.clear()
         np.testing.assert_array_equal(_decode_steps(model, steps=2), ref, err_msg=str(threads))
         worker = [n for name, n in seen if name == "host-relay"]  # not the warm-ups, in the calling thread
         assert worker and set(worker) == {min(threads or chosen_threads(), numba.config.NUMBA_NUM_THREADS)}, seen
     model.close()
-
-
-@pytest.mark.parametrize("value", ["0", "-1", "two"])
-def test_relay_threads_from_the_environment_must_be_a_count(monkeypatch, value):
-    from hybrid.moe import relay_threads_from_env
-
-    monkeypatch.setenv("STRATA_RELAY_THREADS", value)
-    with pytest.raises(ValueError, match=f"STRATA_RELAY_THREADS={value}: expected a thread count >= 1"):
-        relay_threads_from_env()
-    monkeypatch.setenv("STRATA_RELAY_THREADS", "3")
-    assert relay_threads_from_env() == 3
 
 
 def test_decode_relay_records_usage_and_trace(gguf_models):
@@ -412,7 +404,7 @@ def test_decode_relay_records_usage_and_trace(gguf_models):
     usages = {}
     for relay in (False, True):
         model = Model(weights, StandInDevice(mask), host=CpuBackend())
-        model.split.decode_relay = relay
+        model.split.relay.enabled = relay
         model.usage = usages[relay] = ExpertUsage(c.num_layers, c.num_experts, c.num_experts_per_tok)
         model.split.trace = []
         _decode_steps(model, steps=2)
@@ -434,12 +426,12 @@ def test_decode_relay_failure_fails_the_step_and_the_next_one_runs(gguf_models, 
     ref = _decode_steps(Model(weights, CpuBackend()), steps=2)
     host = CpuBackend()
     model = Model(weights, StandInDevice(mask), host=host)
-    model.split.decode_relay = True
+    model.split.relay.enabled = True
     real = host.relay_decode_experts
     failed = []
 
     def flaky(layer, mailbox, *args):
-        if mailbox is model.split._relay.mailbox and layer.index == 1 and not failed:  # not a warm-up's scratch
+        if mailbox is model.split.relay.worker.mailbox and layer.index == 1 and not failed:  # not a warm-up's scratch
             failed.append(layer.index)
             raise MemoryError("test: no room")
         return real(layer, mailbox, *args)
