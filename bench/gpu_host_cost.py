@@ -17,7 +17,6 @@ them), e.g. `--type Q8_0 --layers 48 --hidden 256 --experts 16 --top-k 4 --moe-f
 """
 import argparse
 import cProfile
-import os
 import pstats
 import sys
 import time
@@ -88,14 +87,13 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of --steps steps")
     parser.add_argument("--dense-graphs", action="store_true", help="a layer's dense launches as two graphs "
-                        "(STRATA_DENSE_GRAPHS=1)")
+                        "(GpuBackend dense_graphs)")
     args = parser.parse_args()
-    os.environ["STRATA_DENSE_GRAPHS"] = "1" if args.dense_graphs else "0"
     weights = load_model(args.model)
     c = weights.config
     rt = LaunchCounter()
     backend = GpuBackend(rt, max_context=args.warmup + 2 * args.steps + 16, kv_sequences=1,
-                         resident=np.ones((c.num_layers, c.num_experts), bool))
+                         resident=np.ones((c.num_layers, c.num_experts), bool), dense_graphs=args.dense_graphs)
     model = Model(weights, backend, host=CpuBackend())
     kv = model.new_sequence(args.warmup + 2 * args.steps + 16)
     model.forward(Batch([SeqChunk(kv, 0, np.arange(4), "last")]))

@@ -32,7 +32,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 from gpu_kernels.kernels import DECODE_TUNING, TILE_TOKENS, Kernels  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from gpu_kernels.sources import INT_DECODE  # noqa: E402
-from hybrid.backends.gpu import _work_tiles  # noqa: E402
+from hybrid.backends.gpu_experts import work_tiles  # noqa: E402
 from hybrid.formats.synthetic import encode  # noqa: E402
 
 log = logging.getLogger("bench.gpu_kernels")
@@ -77,7 +77,7 @@ def _layer(rt, qtype):
     x = rt.to_device(rng.standard_normal((NUM_EXPERTS, COLS)).astype(np.float32))  # [N, C], one row per expert
     out = rt.empty((NUM_EXPERTS, ROWS), np.float32)
     tiles = [rt.to_device(np.ascontiguousarray(t))
-             for t in _work_tiles(np.arange(NUM_EXPERTS + 1), np.arange(NUM_EXPERTS), 1)]
+             for t in work_tiles(np.arange(NUM_EXPERTS + 1), np.arange(NUM_EXPERTS), 1)]
     return one, layers, x, out, tiles
 
 
@@ -115,7 +115,7 @@ def tiled_speed(rt, qtype, repeats):
     out = rt.empty((NUM_EXPERTS * PREFILL_ROWS, ROWS), np.float32)  # [N, R]
     row_starts = np.arange(0, NUM_EXPERTS * PREFILL_ROWS + 1, PREFILL_ROWS)
     tiles = [rt.to_device(np.ascontiguousarray(t))
-             for t in _work_tiles(row_starts, np.arange(NUM_EXPERTS), TILE_TOKENS)]  # [3, W]
+             for t in work_tiles(row_starts, np.arange(NUM_EXPERTS), TILE_TOKENS)]  # [3, W]
     kernels, step = Kernels(rt), iter(range(1 << 30))
 
     def run():

@@ -9,19 +9,18 @@ import weakref
 import numpy as np
 import pytest
 
-from hybrid.backends import CpuBackend
+from hybrid.backends import CpuBackend as HostBackend
 from hybrid.backends.gpu import GpuBackend
 from hybrid.batch import Batch, SeqChunk
 from hybrid.formats import load_model
 from hybrid.model import Model
 
 
-@pytest.fixture(autouse=True)
-def float_activations(monkeypatch):
+def CpuBackend():  # noqa: N802
     """The reference kernels multiply in float, and so does the CPU engine here: its default int16 x (decode and
     prefill) moves these tiny random models' logits by up to ~3e-4 of their largest, more than the 2e-4 these
     wiring checks allow (the GPU tests compare real kernels with the default engine at 2e-3)."""
-    monkeypatch.setenv("STRATA_ACT_QUANT", "float")
+    return HostBackend(act_quant="float")
 
 
 TOKENS = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8, 77, 120, 19, 2, 45]
@@ -48,12 +47,11 @@ def test_gpu_backend_wiring_matches_cpu(gguf_models, numpy_runtime, reference_ke
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, reference_kernels, monkeypatch, graphs):
+def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, reference_kernels, graphs):
     """Each layer with resident experts captures its one-token expert launches once; every later decode
     step replays them over that step's inputs (copied into the fixed scratch) and the logits stay the
     CPU engine's, with graphs or without (the dense launches' own graphs off, so the captures counted are the
     experts')."""
-    monkeypatch.setenv("STRATA_DENSE_GRAPHS", "0")
     weights = load_model(gguf_models("small", "Q8_0")[0])
     c = weights.config
     resident = np.random.default_rng(2).random((c.num_layers, c.num_experts)) < 0.5
@@ -68,17 +66,18 @@ def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, refer
         return np.concatenate(out)
 
     ref = decode(Model(weights, CpuBackend()))
-    backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=resident)
-    backend.kernels, backend.decode_graphs = reference_kernels, graphs
+    backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=resident, decode_graphs=graphs,
+                         dense_graphs=False)
+    backend.kernels = reference_kernels
     got = decode(Model(weights, backend, host=CpuBackend()))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
     if graphs:
-        assert numpy_runtime.captures == c.num_layers - 1 and (1, 0) not in backend._graphs
-        assert all(g.launches == 4 for g in backend._graphs.values())
+        assert numpy_runtime.captures == c.num_layers - 1 and (1, 0) not in backend.device_experts._graphs
+        assert all(g.launches == 4 for g in backend.device_experts._graphs.values())
         # each graph: tiles, gather, gate, up, SwiGLU, down, combine
-        assert all(len(g.calls) == 7 for g in backend._graphs.values())
+        assert all(len(g.calls) == 7 for g in backend.device_experts._graphs.values())
     else:
-        assert numpy_runtime.captures == 0 and not backend._graphs
+        assert numpy_runtime.captures == 0 and not backend.device_experts._graphs
 
 
 def prompt_then_decode(model):
@@ -122,8 +121,8 @@ def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runti
     resident = np.random.default_rng(3).random((c.num_layers, c.num_experts)) < fraction
 
     def decode(dense_graphs, steps=3):
-        monkeypatch.setenv("STRATA_DENSE_GRAPHS", "1" if dense_graphs else "0")
-        backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=resident)
+        backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=resident,
+                             dense_graphs=dense_graphs)
         backend.kernels = reference_kernels
         model = Model(weights, backend, host=CpuBackend())
         kvs = [model.new_sequence(64) for _ in range(2)]
@@ -144,15 +143,14 @@ def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runti
 
 
 @pytest.mark.parametrize("dense_graphs", [False, True])
-def test_a_dropped_backend_is_freed_at_once(gguf_models, numpy_runtime, reference_kernels, monkeypatch, dense_graphs):
+def test_a_dropped_backend_is_freed_at_once(gguf_models, numpy_runtime, reference_kernels, dense_graphs):
     """No reference cycle holds a backend that has decoded (with the dense graphs or without): dropping the last
     reference frees it and its buffers then, not whenever the cyclic garbage collector runs, which may be in the
     middle of another model's decode step."""
-    monkeypatch.setenv("STRATA_DENSE_GRAPHS", "1" if dense_graphs else "0")
     weights = load_model(gguf_models("small", "Q8_0")[0])
     c = weights.config
     backend = GpuBackend(numpy_runtime, max_context=256, resident=np.random.default_rng(4).random(
-        (c.num_layers, c.num_experts)) < 0.5)
+        (c.num_layers, c.num_experts)) < 0.5, dense_graphs=dense_graphs)
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
     prompt_then_decode(model)
@@ -173,8 +171,7 @@ def test_dense_graphs_fall_back_where_capture_fails(gguf_models, numpy_runtime, 
     weights = load_model(gguf_models("small", "Q8_0")[0])
 
     def decode(dense_graphs):
-        monkeypatch.setenv("STRATA_DENSE_GRAPHS", "1" if dense_graphs else "0")
-        backend = GpuBackend(numpy_runtime, max_context=256, resident=None)
+        backend = GpuBackend(numpy_runtime, max_context=256, resident=None, dense_graphs=dense_graphs)
         backend.kernels = reference_kernels
         return prompt_then_decode(Model(weights, backend, host=CpuBackend())), backend
 
@@ -213,15 +210,15 @@ def test_a_decode_step_of_several_users_runs_its_resident_pairs_from_the_device_
                          resident=np.ones((c.num_layers, c.num_experts), bool))
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
-    model.split.relay_tokens = 3
+    model.split.relay.tokens = 3
     fetched = []
     backend.fetch_routing = lambda ids, weights: fetched.append(ids) or (ids, weights)
     got = steps(model)
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
     assert fetched and all(len(ids) == 5 for ids in fetched)  # the prompts' routing only: never a decode step's
-    assert sorted(backend._graphs) == [(3, i) for i in range(c.num_layers)]
-    assert all(g.launches == 2 for g in backend._graphs.values())  # one replay a step, the first after its capture
-    assert backend._decode[3][1]["out"].shape == (c.num_layers, 3, c.hidden_size)
+    assert sorted(backend.device_experts._graphs) == [(3, i) for i in range(c.num_layers)]
+    assert all(g.launches == 2 for g in backend.device_experts._graphs.values())  # one replay a step, the first after its capture
+    assert backend.device_experts._decode[3][1]["out"].shape == (c.num_layers, 3, c.hidden_size)
 
 
 class ProjectionCounter:
@@ -290,15 +287,10 @@ class FaultyBackend(GpuBackend):
         self.armed = POISON in token_ids
         return super().embed(weight, token_ids)
 
-    def submit_experts(self, *args, **kwargs):
+    def submit(self, *args, **kwargs):
         if self.armed:
             raise RuntimeError("CUDA error: unspecified launch failure (injected)")
-        return super().submit_experts(*args, **kwargs)
-
-    def submit_decode_experts(self, *args, **kwargs):
-        if self.armed:
-            raise RuntimeError("CUDA error: unspecified launch failure (injected)")
-        return super().submit_decode_experts(*args, **kwargs)
+        return super().submit(*args, **kwargs)
 
 
 def _serve(model, tokenizer, prompts):

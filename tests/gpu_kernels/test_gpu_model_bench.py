@@ -21,7 +21,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_model.py"
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.setattr(gpu_runtime, "probe", lambda: gpu_runtime.Probe(NumpyRuntime(), ""))
-    monkeypatch.setattr(gpu_backend, "Kernels", lambda runtime, stream=None: ReferenceKernels())
+    monkeypatch.setattr(gpu_backend, "Kernels", lambda runtime, stream=None, **options: ReferenceKernels())
     monkeypatch.setenv("STRATA_ACT_QUANT", "float")
     spec = importlib.util.spec_from_file_location("gpu_model_bench", BENCH)
     module = importlib.util.module_from_spec(spec)

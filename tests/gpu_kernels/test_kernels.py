@@ -6,7 +6,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from gpu_kernels.errors import KernelCompileError
 from gpu_kernels.kernels import takes_int16
-from hybrid.backends.gpu import _work_tiles
+from hybrid.backends.gpu_experts import work_tiles
 from hybrid.formats.synthetic import encode
 
 from .conftest import xq_rounded
@@ -96,7 +96,7 @@ def test_moe_matmul_all_experts_in_one_launch(runtime, reference_kernels, qtype,
     sizes = np.array(rows_per_expert)
     slots = np.flatnonzero(sizes)[::-1].copy()  # groups in another order than the slots
     row_starts = np.concatenate([[0], np.cumsum(sizes[slots])])
-    tiles = _work_tiles(row_starts, slots, tile_tokens)  # [3, W]
+    tiles = work_tiles(row_starts, slots, tile_tokens)  # [3, W]
     x = rng.standard_normal((row_starts[-1], 768)).astype(np.float32)  # [N, C]
     out = runtime.empty((len(x), 51), np.float32)
     kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
@@ -126,7 +126,7 @@ def test_one_token_blocks_walking_several_runs_of_rows(runtime, reference_kernel
     ref = np.empty((1, 300), np.float32)
     reference_kernels.matmul(raw[1], qtype, x_ref, ref)
     assert rel_err(runtime.to_host(out), ref) < tol
-    tiles = _work_tiles(np.array([0, 1]), np.array([2]), 1)  # [3, W]: the one token's pair with expert slot 2
+    tiles = work_tiles(np.array([0, 1]), np.array([2]), 1)  # [3, W]: the one token's pair with expert slot 2
     out = runtime.zeros((1, 300), np.float32)
     kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
                        *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles], tile_tokens=1)
