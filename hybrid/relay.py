@@ -1,15 +1,14 @@
 """The decode relay: a decode token's host experts handed over through host memory the device reads
 and writes, so the calling thread never waits on the device inside a step.
 
-Without it, each hybrid layer of a decode step made the calling thread wait for the routing to come
-back, run the host experts, then queue the add of their rows: about 0.23 ms a layer of fixed host
-work in series with the host experts on the H200 (bench/results/gpu_model.md, session 18). With it,
-per hybrid layer the calling thread only queues: the device posts the layer's routing and row to the
-`Mailbox` (a kernel writes them into mapped pinned memory, then the layer's flag), a `HostRelay`
-worker thread waiting on that flag (compiled, GIL released) runs the non-resident pairs and posts
-their sum, and a device kernel queued behind the resident experts waits for that flag and adds the
-rows. The calling thread runs ahead through the step's layers meanwhile and waits once, for the
-logits. Flags carry the step's number, which only grows (cpu_kernels/mailbox.py).
+Without it, each hybrid layer of a decode step makes the calling thread wait for the routing to come
+back, run the host experts, then queue the add of their rows: fixed host work in series with the host
+experts (bench/results/gpu_model.md). With it, per hybrid layer the calling thread only queues: the
+device posts the layer's routing and row to the `Mailbox` (a kernel writes them into mapped pinned
+memory, then the layer's flag), a `HostRelay` worker thread waiting on that flag (compiled, GIL
+released) runs the non-resident pairs and posts their sum, and a device kernel queued behind the
+resident experts waits for that flag and adds the rows. The calling thread runs ahead through the
+step's layers meanwhile and waits once, for the logits. Flags carry the step's number, which only grows (cpu_kernels/mailbox.py).
 
 Both sides give up after `timeout_s` (the device writes what it gave up on into `error`) and the step
 fails with an error that names the layer; the engine goes on with the next request.

@@ -3,7 +3,7 @@
 In a hybrid decode step the CPU runs the token's pairs whose experts the device does not hold. The
 op-by-op way (ExpertSplit's bookkeeping in NumPy, then CpuBackend.grouped_experts) costs ~20 Python
 operations and five kernel calls a layer, and between layers the interpreter runs cold (its data evicted
-by the layer's weights: ~4x a warm operation's cost, bench/results/vs_llamacpp.md, session 21). Here the
+by the layer's weights: several times a warm operation's cost, bench/results/vs_llamacpp.md). Here the
 selection of the host's pairs, their order by expert, the gather, gate/up, SwiGLU, down and the weighted
 sum are one call into an instance of host_experts_template over the layer's expert formats: the same
 kernels on the same rows as grouped_experts, so the result is bit-identical.
