@@ -27,7 +27,7 @@ from numba import njit, prange
 
 # This script shares the package's name: drop its folder from the path so the import finds the package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-import cpu_kernels  # noqa: E402
+from cpu_kernels.formats import FORMATS  # noqa: E402
 from cpu_kernels.target import vnni_width  # noqa: E402
 
 log = logging.getLogger("bench.cpu_kernels")
@@ -112,7 +112,7 @@ def run(format_names, thread_counts, repeats, min_bytes, prefill=True):
         dram[threads] = dram_gbps(min_bytes, repeats)
         log.info("DRAM read, %d thread(s): %.1f GB/s", threads, dram[threads])
     rows = []
-    for qtype, fmt in cpu_kernels.FORMATS.items():
+    for qtype, fmt in FORMATS.items():
         name = qtype.name.lower()
         if format_names and name not in format_names:
             continue
@@ -163,7 +163,7 @@ def markdown(rows, repeats, min_bytes):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2", help="comma-separated Numba thread counts")
-    parser.add_argument("--formats", default="", help="comma-separated formats (default: all in cpu_kernels.FORMATS)")
+    parser.add_argument("--formats", default="", help="comma-separated formats (default: all in cpu_kernels.formats.FORMATS)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--gib", type=float, default=1.5, help="bytes cycled per measurement, in GiB (beat the LLC)")
     parser.add_argument("--no-prefill", action="store_true", help="decode columns only")

@@ -72,7 +72,7 @@ class TensorMaker:
             yield name, qtype, shape, (lambda n=name, s=shape, q=qtype, i=index: self.raw(n, s, q, i))
 
     def raw(self, name, shape, qtype, index):
-        from cpu_kernels import format_for
+        from cpu_kernels.formats import format_for
 
         rng = np.random.default_rng((self.seed, index))
         if len(shape) == 1:

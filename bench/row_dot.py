@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from cpu_kernels import FORMATS  # noqa: E402
+from cpu_kernels.formats import FORMATS  # noqa: E402
 from cpu_kernels.act_quant import ACT_QUANTS, quantize_rows, quantize_rows_i8, quantize_rows_split  # noqa: E402
 from cpu_kernels.tiles import sub_block_sums, work_items  # noqa: E402
 

@@ -93,7 +93,8 @@ def prepare_model(kind, work):
     """(serve's model arguments, env additions): the model made now, before any timing."""
     env = dict(os.environ, STRATA_CACHE_DIR=os.path.join(work, "strata-cache"))
     if kind == "demo":
-        subprocess.run([sys.executable, "-c", "from hybrid.demo import demo_model_path; demo_model_path()"],
+        subprocess.run([sys.executable, "-c", "from hybrid.config import EngineConfig; from hybrid.demo import demo_model_path; "
+                        "demo_model_path(EngineConfig.resolve().cache_dir)"],
                        cwd=ROOT, env=env, check=True)
         return [], env
     path = os.path.join(work, "bench-q4km.gguf")

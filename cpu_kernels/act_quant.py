@@ -1,13 +1,13 @@
 """Activations quantized once per call for the integer decode dots.
 
-`STRATA_ACT_QUANT` picks how a decode matvec multiplies: "int16" (the default where the
+act_quant (the engine's STRATA_ACT_QUANT setting) picks how a decode matvec multiplies: "int16" (the default where the
 target has AVX2 or AVX-512BW) rounds x to int16 per 32-value block with a float scale
 (relative error ~1e-5 of the block's largest value) and dots it with the integer quants
 through pmaddwd; "float" widens the quants to float32 and FMAs them with x; "int8" (opt-in)
 rounds x to int8 per 32-value block (error up to 1/254 of the block's largest value, as
 llama.cpp's q8_0 / q8_K activations) and dots it through vpdpbusd (AVX-512 VNNI / AVX-VNNI):
 Q8_0, Q4_K and Q6_K have int8 dots, the other formats take their int16 dot, and a target
-without VNNI takes int16 with a warning. Targets without AVX2 (STRATA_ISA_FLOOR=avx) always
+without VNNI takes int16 with a warning. Targets without AVX2 (ISA floor avx) always
 take the float path: their integer vectors are 128 bits. Prompt chunks round x to int16 their
 own way under int16 and int8 (prefill_i16), and multiply in float under float.
 
@@ -15,7 +15,6 @@ Shape legend: N rows of x, C columns, C/32 blocks per row.
 """
 import functools
 import logging
-import os
 
 import numpy as np
 from llvmlite import ir
@@ -134,18 +133,13 @@ def _round_block(typingctx, row, j, scale, out, dst, parity_dst):
     return sig, codegen
 
 
-def default_act_quant():
-    """The act_quant code from STRATA_ACT_QUANT (default: int16 where the target has AVX2, else float)."""
-    name = (os.environ.get("STRATA_ACT_QUANT") or "int16").strip().lower()
-    if name not in ACT_QUANTS:
-        raise ValueError(f"STRATA_ACT_QUANT={name!r}: expected one of {', '.join(ACT_QUANTS)}")
-    return _supported(name)
+DEFAULT_ACT_QUANT = "int16"  # where the target has AVX2, else float (_supported)
 
 
 def act_quant_code(act_quant):
-    """The kernels' code for an act_quant name, or the default for None."""
+    """The kernels' code for an act_quant name (None: DEFAULT_ACT_QUANT)."""
     if act_quant is None:
-        return default_act_quant()
+        act_quant = DEFAULT_ACT_QUANT
     if act_quant not in ACT_QUANTS:
         raise ValueError(f"act_quant={act_quant!r}: expected one of {', '.join(ACT_QUANTS)}")
     return _supported(act_quant)
@@ -161,7 +155,7 @@ def _supported(name):
 
 @functools.cache
 def _warn_no_vnni():
-    log.warning("STRATA_ACT_QUANT=int8: the target CPU has no AVX-512 VNNI or AVX-VNNI; decode uses int16 activations")
+    log.warning("act_quant int8: the target CPU has no AVX-512 VNNI or AVX-VNNI; decode uses int16 activations")
 
 
 @njit(inline="always", nogil=True, cache=True)

@@ -5,18 +5,17 @@ neighbouring rows in short ones: simd.row_streams) and prefetches n loop steps o
 The best n is the host's: on one core of the Intel Xeon VM 1 (Q4_K, Q6_K from DRAM), while the H200 host
 wanted a longer look-ahead when the rows were always neighbours (24 rows, 6 steps, for Q6_K;
 bench/results/vs_llamacpp_h200.md). `calibrate` times one thread's decode dot over the model's own
-expert weights at each candidate and keeps the fastest; STRATA_PREFETCH_ROWS fixes n instead.
+expert weights at each candidate and keeps the fastest, unless given a fixed n.
 
 Shape legend: E experts, R rows, B bytes per row, C columns.
 """
 import logging
-import os
 import time
 
 import numba
 import numpy as np
 
-from . import format_for
+from .formats import format_for
 from .act_quant import act_quant_code
 from .simd import PREFETCH_ROWS
 from .tiles import kernels_of
@@ -40,19 +39,19 @@ def set_prefetch_rows(rows):
     except ValueError:
         value = -1
     if not 0 <= value <= 1024:
-        raise ValueError(f"prefetch distance {rows!r} (STRATA_PREFETCH_ROWS): expected a whole number of rows, "
+        raise ValueError(f"prefetch distance {rows!r}: expected a whole number of rows, "
                          "0 to 1024")
     PREFETCH_ROWS.value = value
 
 
-def calibrate(tensors, min_bytes=MIN_SAMPLE_BYTES, candidates=CANDIDATES):
+def calibrate(tensors, rows=None, min_bytes=MIN_SAMPLE_BYTES, candidates=CANDIDATES):
     """Set the prefetch distance from timed decode dots over `tensors` (expert weights, each with .raw
     [E, R, B] and .qtype; the first SAMPLE_BYTES of them are read, so pass them mixed as a decode step reads
-    them: gate, up, down of a layer); returns {rows: GB/s} of the candidates (empty when nothing was timed)."""
-    fixed = os.environ.get("STRATA_PREFETCH_ROWS")
-    if fixed:
-        set_prefetch_rows(fixed)
-        log.info("decode prefetch: %d rows ahead (STRATA_PREFETCH_ROWS)", prefetch_rows())
+    them: gate, up, down of a layer); returns {rows: GB/s} of the candidates (empty when nothing was timed).
+    rows: a fixed distance instead (nothing timed)."""
+    if rows is not None:
+        set_prefetch_rows(rows)
+        log.info("decode prefetch: %d rows ahead (fixed)", prefetch_rows())
         return {}
     sample, total = [], 0
     for tensor in tensors:

@@ -137,7 +137,7 @@ STREAM_MIN_ROWS = 16  # a work item's rows are read as ROWS_IN_FLIGHT streams wh
 # measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5, 8 rows on): Q8_0 7.7 -> 28 GB/s,
 # Q6_K 6.2 -> 27 GB/s, Q4_K 20 -> 22. The best n differs by host, so it is a process-wide value the compiled
 # loops load at run time, through an external symbol that cached code resolves again in every process;
-# cpu_kernels.prefetch.calibrate sets it per host, STRATA_PREFETCH_ROWS fixes it.
+# cpu_kernels.prefetch.calibrate sets it per host, or takes a fixed distance.
 PREFETCH_ROWS = ctypes.c_int64(2)
 llvm.add_symbol("strata_prefetch_rows", ctypes.addressof(PREFETCH_ROWS))
 CACHE_LINE = 64

@@ -1,7 +1,7 @@
 """CPU controls that must be in place before Numba compiles anything.
 
-`STRATA_ISA_FLOOR` compiles for an older CPU than the one we run on (users run
-AVX-only Ivy Bridge Xeons). `NUMBA_CPU_NAME` alone is not a floor: LLVM keeps the
+The ISA floor compiles for an older CPU than the one we run on (users run
+AVX-only Ivy Bridge Xeons; hybrid/config.py's isa_floor applies it). `NUMBA_CPU_NAME` alone is not a floor: LLVM keeps the
 host's features (FMA stays on), so the feature list is set explicitly as well.
 """
 import functools
@@ -19,15 +19,18 @@ ISA_FLOORS = {
 }
 
 
-def apply_isa_floor(floor=None):
-    """Set Numba's target CPU from `floor` or `STRATA_ISA_FLOOR`; call before importing numba."""
-    floor = (floor or os.environ.get("STRATA_ISA_FLOOR") or "native").strip().lower()
+def apply_isa_floor(floor="native"):
+    """Set Numba's target CPU for `floor` (a name of ISA_FLOORS); call before the kernel modules are imported
+    (they choose code by the target at import). Numba is told through its own variables."""
     if floor not in ISA_FLOORS:
-        raise ValueError(f"STRATA_ISA_FLOOR={floor!r}: expected one of {', '.join(ISA_FLOORS)}")
+        raise ValueError(f"ISA floor {floor!r}: expected one of {', '.join(ISA_FLOORS)}")
     cpu_name, features = ISA_FLOORS[floor]
     if cpu_name is not None:
+        from numba.core import config
+
         os.environ["NUMBA_CPU_NAME"] = cpu_name
         os.environ["NUMBA_CPU_FEATURES"] = features
+        config.reload_config()
     return floor
 
 
@@ -47,12 +50,13 @@ NAMED_CPU_FEATURES = {
 def _target_features():
     """The compile target's CPU features that kernels choose code by: {"avx512bw", ..., "f16c"} -> bool.
 
-    Read from what Numba will compile for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, however they were
-    set), not from the host: code for a feature the target lacks does not compile.
+    Read from what Numba will compile for (its CPU_NAME / CPU_FEATURES, however they were set), not from
+    the host: code for a feature the target lacks does not compile.
     """
     import llvmlite.binding as ll
+    from numba.core import config
 
-    name, features = os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES")
+    name, features = config.CPU_NAME, config.CPU_FEATURES
     if features:  # an explicit "+avx2,-avx512bw,..." list
         enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
     elif name and name != "host":
@@ -86,15 +90,13 @@ _chosen_threads = None  # the count set_threads chose, for the threads that star
 
 
 def set_threads(num_threads=None):
-    """Use `num_threads` (or `STRATA_THREADS`) Numba threads; returns the count in use.
+    """Use `num_threads` Numba threads (None: leave the count as it is); returns the count in use.
 
     Numba keeps this count per calling thread, and a new thread starts at NUMBA_NUM_THREADS (every
     core): each thread that runs kernels calls `use_chosen_threads` first."""
     global _chosen_threads
     import numba
 
-    if num_threads is None:
-        num_threads = _threads_from_environment()
     if num_threads is None:
         return numba.get_num_threads()
     if num_threads < 1:
@@ -103,16 +105,6 @@ def set_threads(num_threads=None):
     numba.set_num_threads(num_threads)
     _chosen_threads = num_threads
     return num_threads
-
-
-def _threads_from_environment():
-    text = os.environ.get("STRATA_THREADS", "").strip()
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"STRATA_THREADS: expected an integer, got {text!r}") from None
 
 
 def chosen_threads():

@@ -6,7 +6,6 @@ E experts, K top-k, N pair rows, W work tiles, M gathered rows; paged KV: NB poo
 a block, nS stage blocks, nb logical blocks.
 """
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +29,8 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
-ACT_QUANTS = ("int16", "float", "int8")  # STRATA_ACT_QUANT's values (cpu_kernels.act_quant)
-# Formats whose one-token matmuls take x as int16 with STRATA_ACT_QUANT unset ("auto"): where that measured faster
+ACT_QUANTS = ("int16", "float", "int8")  # the act_quant setting's values (cpu_kernels.act_quant)
+# Formats whose one-token matmuls take x as int16 with act_quant unset ("auto"): where that measured faster
 # than float x, which is every format with an integer dot (H100, bench/results/gpu_kernels.md, session 24, blocks
 # walking runs of rows: Q4_K 73 % of the copy bandwidth against 53 %, Q8_0 76 against 73, Q6_K 68 against 55, Q5_K 71
 # against 52, Q4_0 67 against 54).
@@ -54,19 +53,17 @@ SPLIT_MIN_KEYS = 256  # fewest keys a split takes
 MAX_SPLITS = 64
 
 
-def gpu_act_quant(name=None):
+def gpu_act_quant(name="auto"):
     """How the one-token matmuls of INT_DECODE formats take x: "int16" (rounded once per block into shared
     memory, as the CPU's default decode), "float", or "auto" (int16 for GPU_INT16_FORMATS, float for the others).
-    name: STRATA_ACT_QUANT's value (None: the environment; unset: "auto"); "int8" gives int16 here, the GPU
-    kernels have no int8 dot."""
-    name = (os.environ.get("STRATA_ACT_QUANT") if name is None else name) or "auto"
-    name = name.strip().lower()
+    name: the act_quant setting (None: "auto"); "int8" gives int16 here, the GPU kernels have no int8 dot."""
+    name = (name or "auto").strip().lower()
     if name == "auto":
         return name
     if name not in ACT_QUANTS:
-        raise ValueError(f"STRATA_ACT_QUANT={name!r}: expected one of {', '.join(ACT_QUANTS)}")
+        raise ValueError(f"act_quant {name!r}: expected one of {', '.join(ACT_QUANTS)}")
     if name == "int8":
-        log.info("STRATA_ACT_QUANT=int8: the GPU matmuls round activations to int16")
+        log.info("act_quant int8: the GPU matmuls round activations to int16")
     return "float" if name == "float" else "int16"
 
 
@@ -150,7 +147,7 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
 class Kernels:
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
-    key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: STRATA_ACT_QUANT;
+    key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: "auto";
     "auto" is float on an AMD chip without has_dot4).
     row_chunks: runs of rows a one-token matmul block walks (matmul.cu's block_walk); None: _row_chunks decides."""
 

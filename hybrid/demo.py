@@ -2,7 +2,7 @@
 
 It exists so that `strata generate` / `strata serve` work on a fresh machine
 without a download. Its text is gibberish by construction. Generated once and
-cached under $STRATA_CACHE_DIR (default ~/.cache/strata).
+cached under the cache_dir setting (STRATA_CACHE_DIR, default ~/.cache/strata).
 """
 import logging
 import os
@@ -30,8 +30,8 @@ def demo_config(vocab_size):
     )
 
 
-def cache_dir():
-    return os.environ.get("STRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
+def default_cache_dir():
+    return os.path.join(os.path.expanduser("~"), ".cache", "strata")
 
 
 def random_float_tensors(config, rng):
@@ -46,9 +46,9 @@ def random_float_tensors(config, rng):
     return tensors
 
 
-def demo_model_path():
-    """The cached demo GGUF, built on first use."""
-    path = os.path.join(cache_dir(), f"{DEMO_NAME}-v{DEMO_VERSION}-{DEMO_QTYPE}.gguf")
+def demo_model_path(cache_dir=None):
+    """The cached demo GGUF in `cache_dir` (None: default_cache_dir()), built on first use."""
+    path = os.path.join(cache_dir or default_cache_dir(), f"{DEMO_NAME}-v{DEMO_VERSION}-{DEMO_QTYPE}.gguf")
     if os.path.isfile(path):
         return path
     from .demo_tokenizer import build_demo_tokenizer

@@ -7,14 +7,15 @@ import numpy as np
 
 from .backends import select_backends
 from .backends.cpu import expert_work_bytes
-from .backends.gpu import DEFAULT_RESERVE_MIB
 from .batch import Batch, SeqChunk
+from .config import EngineConfig, check_isa_floor
 from .expert_usage import ExpertUsage
 from .formats import load_model
 from .model import Model
-from .request import StopFilter, check_prompt, end_reason, timings
+from .request import StopFilter, check_prompt, context_limit, end_reason, timings
 from .residency import expert_cache_device, resident_choice
 from .sampling import Sampler, SamplingParams
+from .split_settings import SplitSettings
 from .tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -22,14 +23,23 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK = 512  # prompt tokens per forward step: bounds the activations of a long prompt
 
 
-def context_limit(requested, model_context, source):
-    """The context to run at: `requested` (None: the model's), refused when the model holds less."""
-    if requested is None:
-        return model_context
-    if not 1 <= requested <= model_context:
-        raise ValueError(f"--max-context {requested}: {source} holds a context of 1 to {model_context} tokens "
-                         f"(from its metadata)")
-    return requested
+def cpu_options(cfg):
+    """CpuBackend's keywords of an EngineConfig."""
+    return dict(fused_decode=cfg.fused_decode, act_quant=cfg.act_quant, prefetch_rows=cfg.prefetch_rows)
+
+
+def gpu_options(cfg, max_context, resident):
+    """GpuBackend's keywords of an EngineConfig, for a context of max_context tokens and a resident mask."""
+    return dict(expert_cache_mib=cfg.expert_cache_mib, vram_reserve_mib=cfg.vram_reserve_mib,
+                kv_sequences=cfg.kv_sequences, max_context=max_context, chunk_tokens=PREFILL_CHUNK,
+                resident=resident, prefill_borrow=cfg.prefill_borrow, kv_dtype=cfg.kv, kv_resident=cfg.kv_resident,
+                kv_host_attention=cfg.kv_host_attention, decode_graphs=cfg.decode_graphs,
+                dense_graphs=cfg.dense_graphs, act_quant=cfg.act_quant or "auto")
+
+
+def split_settings(cfg):
+    return SplitSettings(cpu_share=cfg.prefill_cpu_share, decode_relay=cfg.decode_relay,
+                         relay_tokens=cfg.relay_tokens, relay_threads=cfg.relay_threads)
 
 
 @dataclass
@@ -42,45 +52,44 @@ class GenerationOutput:
 
 
 class LLM:
-    """device: "cpu", "gpu" or "auto" (the GPU when one is usable). With a GPU: expert_cache_mib
-    (None = all VRAM left), vram_reserve_mib and kv_sequences (sequences whose KV the VRAM budget
-    holds, also the batch a start-up plan is made for) size the VRAM. The resident experts
-    (hybrid/residency.py): `placement` (a placement file or Placement), or `profile` (an
-    ExpertProfile or its file: planned at start-up for the room left), or `resident` (a bool mask
-    [L, E]); expert_cache "dynamic" swaps experts while serving (placement/dynamic.py, with
-    `dynamic`: its DynamicSettings). prefill_borrow: large prompt chunks may run non-resident
-    experts on the GPU (hybrid/moe.py). kv: the KV encoding; kv_resident / kv_host_attention: see
-    GpuBackend (only the newest kv_resident positions of a sequence in VRAM)."""
+    """A model ready to generate. Settings (hybrid/config.py EngineConfig): `config`, with keyword settings
+    (device="gpu", threads=4, kv="f16", ...) over it; without `config`, the keywords over the STRATA_*
+    environment over the defaults. model_path None: the config's model, else the built-in demo model.
+    The resident experts (hybrid/residency.py): `placement` (a placement file or Placement), or `profile`
+    (an ExpertProfile or its file: planned at start-up for the room left), or `resident` (a bool mask
+    [L, E]); expert_cache "dynamic" swaps experts while serving (placement/dynamic.py, with `dynamic`: its
+    DynamicSettings)."""
 
-    def __init__(self, model_path=None, device="cpu", threads=None, max_context=None, expert_cache_mib=None,
-                 vram_reserve_mib=DEFAULT_RESERVE_MIB, resident=None, kv_sequences=1, placement=None, profile=None,
-                 expert_cache="auto", dynamic=None, prefill_borrow=True, kv="f32", kv_resident=None,
-                 kv_host_attention="gpu"):
+    def __init__(self, model_path=None, config=None, *, resident=None, placement=None, profile=None, dynamic=None,
+                 **settings):
         from cpu_kernels.target import set_threads
 
-        device = expert_cache_device(device, placement, profile, expert_cache, expert_cache_mib)
+        cfg = config.with_settings(**settings) if config is not None else EngineConfig.resolve(settings)
+        check_isa_floor(cfg)
+        self.settings = cfg
+        device = expert_cache_device(cfg.device, placement, profile, cfg.expert_cache, cfg.expert_cache_mib)
+        model_path = model_path or cfg.model
         if model_path is None:
             from .demo import demo_config, demo_model_path
 
-            context_limit(max_context, demo_config(vocab_size=0).context_length, "the demo model")  # before building it
-            model_path = demo_model_path()
+            context_limit(cfg.max_context, demo_config(vocab_size=0).context_length, "the demo model")  # before building it
+            model_path = demo_model_path(cfg.cache_dir)
             log.warning("no model given: using the built-in demo model (RANDOM weights, its text is gibberish)")
-        self.threads = set_threads(threads)
+        self.threads = set_threads(cfg.threads)
         self.weights = load_model(model_path)
         self.tokenizer = self.weights.tokenizer
         self.config = self.weights.config
-        self.max_context = context_limit(max_context, self.config.context_length, self.weights.source)
+        self.max_context = context_limit(cfg.max_context, self.config.context_length, self.weights.source)
         if device != "cpu" and resident is None:
-            resident = resident_choice(self.weights, placement, profile, expert_cache, kv_sequences, self.max_context)
-        backend, host = select_backends(device, expert_cache_mib=expert_cache_mib, vram_reserve_mib=vram_reserve_mib,
-                                        kv_sequences=kv_sequences, max_context=self.max_context,
-                                        chunk_tokens=PREFILL_CHUNK, resident=resident, prefill_borrow=prefill_borrow,
-                                        kv_dtype=kv, kv_resident=kv_resident, kv_host_attention=kv_host_attention)
+            resident = resident_choice(self.weights, placement, profile, cfg.expert_cache, cfg.kv_sequences,
+                                       self.max_context)
+        backend, host = select_backends(device, cpu_options(cfg), gpu_options(cfg, self.max_context, resident))
         self.device = backend.name
-        if kv_resident is not None and self.device == "cpu":
+        if cfg.kv_resident is not None and self.device == "cpu":
             log.warning("--kv-resident does nothing on the CPU: the whole KV is in RAM")
-        self.model = Model(self.weights, backend, host, kv_dtype=kv, kv_tokens=kv_sequences * self.max_context)
-        if expert_cache == "dynamic" and self.device != "cpu":
+        self.model = Model(self.weights, backend, host, kv_dtype=cfg.kv, kv_tokens=cfg.kv_sequences * self.max_context,
+                           compiled_decode=cfg.compiled_decode, split=split_settings(cfg))
+        if cfg.expert_cache == "dynamic" and self.device != "cpu":
             self._start_dynamic(dynamic)
         log.info("model %s on %s, %d CPU threads, context %d; %s", self.weights.source, self.device, self.threads,
                  self.max_context, backend.describe_kv(self.model.kv_pool, self.max_context))
@@ -93,11 +102,10 @@ class LLM:
     def _start_dynamic(self, settings):
         from placement.dynamic import DynamicResidency, DynamicSettings
 
-        cache = getattr(self.model.backend, "cache", None)
-        if cache is None:
+        if not self.model.backend.capabilities.expert_cache:
             log.warning("--expert-cache dynamic needs a GPU expert cache; on %s it does nothing", self.device)
             return
-        self.model.residency = DynamicResidency(cache, settings or DynamicSettings(), self.model.backend.stream)
+        self.model.residency = DynamicResidency(self.model.backend.cache, settings or DynamicSettings(), self.model.backend.stream)
         if self.model.usage is None:  # the engine brings its own; the residency follows model.usage
             self.model.usage = ExpertUsage.for_config(self.config)
         log.info("expert cache: dynamic, %s", self.model.residency.policy.settings)

@@ -13,6 +13,16 @@ from .errors import RequestError
 from .sampling import SamplingParams
 
 
+def context_limit(requested, model_context, source):
+    """The context to run at: `requested` (None: the model's), refused when the model holds less."""
+    if requested is None:
+        return model_context
+    if not 1 <= requested <= model_context:
+        raise ValueError(f"--max-context {requested}: {source} holds a context of 1 to {model_context} tokens "
+                         f"(from its metadata)")
+    return requested
+
+
 @dataclass
 class Request:
     prompt_ids: list

@@ -2,14 +2,15 @@
 import argparse
 import os
 
+from hybrid.cli_options import add_setting, add_threads_and_context, config_of
 from hybrid.cli_types import existing_file, float_in, int_at_least, output_file
 
 from .budget import KV_BYTES
-from .planner import DEFAULT_CPU_GBPS, DEFAULT_GPU_GBPS
 
 
-def add_subcommands(sub):
-    """Adds `profile` (with `merge` and `show`) and `plan` to the `strata` subparsers."""
+def add_subcommands(sub, load_llm):
+    """Adds `profile` (with `merge` and `show`) and `plan` to the `strata` subparsers; load_llm(args): the
+    engine's LLM of parsed `profile` arguments (the engine passes it, placement does not build engines)."""
     p = sub.add_parser("profile", help="record expert usage on prompts; `profile merge` / `profile show`")
     p.add_argument("--model", help="GGUF file or HF safetensors directory")
     p.add_argument("--prompts", type=existing_file,
@@ -19,12 +20,9 @@ def add_subcommands(sub):
     p.add_argument("--temperature", type=float_in(0), default=0.8, help="sampling temperature (default 0.8)")
     p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="seed of the first prompt, +1 per prompt (default 0)")
-    p.add_argument("--threads", type=int_at_least(1), default=None,
-                   help="CPU threads (default: STRATA_THREADS or all)")
-    p.add_argument("--max-context", type=int_at_least(1), default=None,
-                   help="context limit (default: the model's; more is an error)")
+    add_threads_and_context(p, "context limit (default: the model's)")
     p.add_argument("-o", "--output", type=output_file, help="profile to write (.npz)")
-    p.set_defaults(func=_run_profile)
+    p.set_defaults(func=_run_profile, load_llm=load_llm)
     profile_sub = p.add_subparsers(dest="profile_command", metavar="{merge,show}")
     m = profile_sub.add_parser("merge", help="add profiles of one model together")
     m.add_argument("inputs", nargs="+", type=existing_file, help="profiles (.npz)")
@@ -55,11 +53,8 @@ def _add_plan(sub):
     p.add_argument("--vram-reserve-mib", type=float_in(0), default=1024.0, help="headroom kept per GPU (default 1024)")
     p.add_argument("--layer-split", type=_layer_split, default="auto",
                    help="auto, or the first layer of each GPU after the first (e.g. 24 for 2 GPUs)")
-    positive = float_in(0, low_open=True)  # a string default goes through it too: a bad STRATA_*_GBPS names the flag
-    p.add_argument("--cpu-gbps", type=positive, default=os.environ.get("STRATA_CPU_GBPS", str(DEFAULT_CPU_GBPS)),
-                   help=f"CPU expert bandwidth in GB/s (measured; default STRATA_CPU_GBPS or {DEFAULT_CPU_GBPS:g})")
-    p.add_argument("--gpu-gbps", type=positive, default=os.environ.get("STRATA_GPU_GBPS", str(DEFAULT_GPU_GBPS)),
-                   help=f"GPU memory bandwidth in GB/s (default STRATA_GPU_GBPS or {DEFAULT_GPU_GBPS:g})")
+    add_setting(p, "cpu_gbps", metavar="GBPS")
+    add_setting(p, "gpu_gbps", metavar="GBPS")
     p.add_argument("-o", "--output", required=True, type=output_file, help="placement to write (.json)")
     p.set_defaults(func=_run_plan)
 
@@ -68,7 +63,6 @@ def _run_profile(args):
     from tqdm import tqdm
 
     from hybrid.expert_usage import ExpertUsage
-    from hybrid.llm import LLM
 
     from .profile import model_id
     from .prompts import read_prompts
@@ -79,7 +73,7 @@ def _run_profile(args):
     if missing:
         raise ValueError(f"strata profile needs {', '.join(missing)} (or use `profile merge` / `profile show`)")
     prompts = read_prompts(args.prompts)
-    llm = LLM(args.model, threads=args.threads, max_context=args.max_context)
+    llm = args.load_llm(args)
     llm.warm_up()  # the kernels compile here, with their own progress bar, not inside the first prompt's
     usage = llm.model.usage = ExpertUsage.for_config(llm.config)
     with tqdm(prompts, unit="prompt", desc="profiling") as bar:
@@ -150,7 +144,7 @@ def _layer_split(text):
 
 def _run_plan(args):
     from hybrid.formats import load_model
-    from hybrid.llm import context_limit
+    from hybrid.request import context_limit
 
     from .budget import ModelSizes
     from .planner import Budgets, Speeds, plan
@@ -162,7 +156,8 @@ def _run_plan(args):
     max_context = context_limit(args.max_context, weights.config.context_length, weights.source)
     budgets = Budgets(args.gpu_mib, args.parallel, max_context, args.kv, args.vram_reserve_mib, args.layer_split,
                       args.kv_resident)
-    placement = plan(profile, ModelSizes.from_weights(weights), budgets, Speeds(args.cpu_gbps, args.gpu_gbps))
+    config = config_of(args)
+    placement = plan(profile, ModelSizes.from_weights(weights), budgets, Speeds(config.cpu_gbps, config.gpu_gbps))
     placement.model_id = model_id(weights)
     placement.save(args.output)
     print(format_plan(placement))

@@ -25,8 +25,8 @@ def create_app(engine, model_id, api_key=None, description="", max_body_bytes=DE
 
 def get_app():
     """For a WSGI server (`waitress-serve --listen 127.0.0.1:8080 --call server.app:get_app`): the defaults of
-    `strata serve` with settings from STRATA_MODEL, STRATA_PARALLEL, STRATA_MAX_CONTEXT, STRATA_MAX_QUEUE and
-    STRATA_API_KEY (server.serve.ENV_SETTINGS); a bad setting or model ends the process with one line."""
+    `strata serve` with the settings of the STRATA_* environment (hybrid/config.py); a bad setting or model
+    ends the process with one line."""
     from hybrid.errors import ModelError
 
     from .serve import app_from_environment

@@ -6,21 +6,18 @@ import os
 import signal
 import socket
 
-from hybrid.cli import DEFAULT_MAX_CONNECTIONS
-from hybrid.cli_types import float_in, int_at_least
-from hybrid.scheduler import DEFAULT_DECODE_SHARE
+from hybrid.cli_options import config_of, llm_objects
+from hybrid.config import EngineConfig
 
 from .app import create_app
 from .body import DEFAULT_MAX_BODY_BYTES, MIB
+from .cli import DEFAULT_MAX_CONNECTIONS, add_serve_options, conversation_options
 
 log = logging.getLogger(__name__)
 
 QUEUE_PER_SLOT = 16  # default --max-queue per slot
 LISTEN_BACKLOG = 1024  # waitress's default
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-ENV_SETTINGS = (("STRATA_MODEL", "model", str), ("STRATA_PARALLEL", "parallel", int_at_least(1)),  # for get_app
-                ("STRATA_MAX_CONTEXT", "max_context", int_at_least(1)),
-                ("STRATA_MAX_QUEUE", "max_queue", int_at_least(1)))
 
 
 def model_id(llm):
@@ -42,7 +39,7 @@ def log_budget(llm, parallel, max_queue):
 
 
 def conversation_cache(llm, options):
-    """The conversation cache the options ask for (hybrid.cli.conversation_options), or None when off."""
+    """The conversation cache the options ask for (server.cli.conversation_options), or None when off."""
     from hybrid.conversation_cache import ConversationCache, model_fingerprint
     from hybrid.kv_store import bytes_per_token
 
@@ -60,40 +57,28 @@ def conversation_cache(llm, options):
     return cache
 
 
-def env_value(var, parse, default):
-    """The environment variable `var` through an argparse type `parse`; ValueError naming it when bad."""
-    if not os.environ.get(var):
-        return default
-    try:
-        return parse(os.environ[var])
-    except argparse.ArgumentTypeError as exc:
-        raise ValueError(f"{var}: {exc}") from None
-
-
-def build(model=None, parallel=1, api_key=None, decode_share=None, threads=None, max_context=None, max_queue=None,
-          device_options=None, conversations=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES):
-    """The app over a started engine; unset options come from STRATA_* variables, then defaults.
-    device_options: LLM's device keywords (device, expert_cache_mib, vram_reserve_mib, placement, profile,
-    expert_cache); default the CPU.
-    conversations: conversation cache options (hybrid.cli.conversation_options); default off.
+def build(config=None, llm_options=None, conversations=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES):
+    """The app over a started engine for `config` (hybrid/config.py: the model, parallel, max_queue,
+    decode_share and api_key with the engine's settings; default: the environment's).
+    llm_options: LLM's keywords that are not settings (placement, profile, dynamic).
+    conversations: conversation cache options (server.cli.conversation_options); default off.
     max_body_bytes: a larger request body is refused (413) before it is read."""
     from hybrid.engine import Engine
     from hybrid.llm import LLM
 
-    if decode_share is None:
-        decode_share = env_value("STRATA_BATCH_DECODE_SHARE", float_in(0, 1, low_open=True), DEFAULT_DECODE_SHARE)
-    max_queue = max_queue or QUEUE_PER_SLOT * parallel
-    llm = LLM(model, threads=threads, max_context=max_context, kv_sequences=parallel,
-              **(device_options or {"device": "cpu"}))
+    config = config or EngineConfig.resolve()
+    max_queue = queue_limit(config)
+    llm = LLM(config=config.with_settings(kv_sequences=config.parallel), **(llm_options or {}))
     name, description = model_id(llm)
-    if model is None:
+    if config.model is None:
         log.warning("serving the built-in demo model '%s': RANDOM weights, not a language model", name)
-    log_budget(llm, parallel, max_queue)
+    log_budget(llm, config.parallel, max_queue)
     log.info("kernels ready in %.1f s (compiled on a first run, else loaded from Numba's cache)", llm.warm_up())
-    engine = Engine(llm, num_slots=parallel, max_queue=max_queue, decode_share=decode_share,
+    engine = Engine(llm, num_slots=config.parallel, max_queue=max_queue, decode_share=config.decode_share,
                     conversation_cache=conversation_cache(llm, conversations)).start()
-    log.info("engine: %d slots, decode share %.2f", parallel, decode_share)
-    return create_app(engine, name, api_key=api_key, description=description, max_body_bytes=max_body_bytes), engine
+    log.info("engine: %d slots, decode share %.2f", config.parallel, config.decode_share)
+    return create_app(engine, name, api_key=config.api_key, description=description,
+                      max_body_bytes=max_body_bytes), engine
 
 
 def save_profile(engine, llm_weights, path):
@@ -108,14 +93,12 @@ def save_profile(engine, llm_weights, path):
              profile.tokens_decode, path)
 
 
-def build_from_args(args, api_key):
-    """The app and engine of parsed `strata serve` arguments (hybrid.cli), for `run` and `get_app` alike."""
-    from hybrid.cli import conversation_options, device_options
-
+def build_from_args(args, config):
+    """The app and engine of parsed `strata serve` arguments (server.cli) and their config, for `run` and
+    `get_app` alike."""
     if args.conversation_cache_dir:  # an unusable folder fails here, before the model loads
         os.makedirs(args.conversation_cache_dir, exist_ok=True)
-    return build(args.model, args.parallel, api_key, args.decode_share, args.threads, args.max_context,
-                 args.max_queue, device_options(args), conversation_options(args), max_body_bytes(args))
+    return build(config, llm_objects(args), conversation_options(args), max_body_bytes(args))
 
 
 def max_body_bytes(args):
@@ -123,17 +106,15 @@ def max_body_bytes(args):
 
 
 def app_from_environment():
-    """get_app's app: `strata serve`'s defaults, with the settings of STRATA_* variables (ENV_SETTINGS)."""
-    from hybrid.cli import build_parser
-
-    args = build_parser().parse_args(["serve"])
-    for var, dest, parse in ENV_SETTINGS:
-        setattr(args, dest, env_value(var, parse, getattr(args, dest)))
-    api_key = os.environ.get("STRATA_API_KEY")
-    if not api_key:
+    """get_app's app: `strata serve`'s defaults, with the settings of the STRATA_* environment."""
+    parser = argparse.ArgumentParser(prog="get_app")
+    add_serve_options(parser)
+    args = parser.parse_args([])
+    config = config_of(args)
+    if not config.api_key:
         log.warning("no STRATA_API_KEY: bind the WSGI server to this machine only (waitress-serve listens on "
                     "0.0.0.0 unless given --listen 127.0.0.1:8080); anyone who can reach it can use the model")
-    return build_from_args(args, api_key)[0]
+    return build_from_args(args, config)[0]
 
 
 def listen_socket(host, port):
@@ -173,35 +154,35 @@ def warn_exposure(host, api_key):
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
 
 
-def queue_limit(args):
-    return args.max_queue or QUEUE_PER_SLOT * args.parallel
+def queue_limit(config):
+    return config.max_queue or QUEUE_PER_SLOT * config.parallel
 
 
-def connection_limit(args):
+def connection_limit(config, max_connections=None):
     """--max-connections, by default 100 or the requests --parallel and --max-queue admit when more."""
-    admitted = args.parallel + queue_limit(args)
-    if args.max_connections is None:
+    admitted = config.parallel + queue_limit(config)
+    if max_connections is None:
         return max(DEFAULT_MAX_CONNECTIONS, admitted)
-    if args.max_connections < admitted:
+    if max_connections < admitted:
         log.warning("--max-connections %d is below the %d requests that --parallel and --max-queue admit: the "
-                    "rest wait for a connection instead of getting 429", args.max_connections, admitted)
-    return args.max_connections
+                    "rest wait for a connection instead of getting 429", max_connections, admitted)
+    return max_connections
 
 
 def run(args):
     """Serve until SIGINT or SIGTERM (the `strata serve` subcommand)."""
     from .http import serve_http
 
-    api_key = args.api_key or os.environ.get("STRATA_API_KEY")
+    config = config_of(args)
     with listen_socket(args.host, args.port) as sock:
-        warn_exposure(args.host, api_key)
-        max_connections = connection_limit(args)
-        app, engine = build_from_args(args, api_key)
+        warn_exposure(args.host, config.api_key)
+        max_connections = connection_limit(config, args.max_connections)
+        app, engine = build_from_args(args, config)
         host = f"[{args.host}]" if ":" in args.host else args.host
         log.info("serving on http://%s:%d/v1", host, args.port)
         stop_on_sigterm()
         try:
-            serve_http(app, [sock], parallel=args.parallel, max_queue=queue_limit(args),
+            serve_http(app, [sock], parallel=config.parallel, max_queue=queue_limit(config),
                        max_connections=max_connections, max_body_bytes=max_body_bytes(args))
         finally:
             engine.stop()

@@ -21,6 +21,24 @@ TINY = {  # not powers of two where the formats allow
 }
 
 
+DEMO_MAX_CONTEXT = 256
+
+
+@pytest.fixture(scope="session")
+def demo_path(tmp_path_factory):
+    """The built-in demo model (random weights), built into a temporary cache."""
+    from hybrid.demo import demo_model_path
+
+    return demo_model_path(str(tmp_path_factory.mktemp("strata-cache")))
+
+
+@pytest.fixture(scope="session")
+def demo_llm(demo_path):
+    import hybrid
+
+    return hybrid.LLM(demo_path, max_context=DEMO_MAX_CONTEXT)
+
+
 @pytest.fixture(scope="session")
 def demo_tokenizer():
     from hybrid.demo_tokenizer import build_demo_tokenizer

@@ -116,8 +116,8 @@ def capture_build(monkeypatch):
 
     seen = {}
 
-    def build_from_args(args, api_key):
-        seen.update(args=args, api_key=api_key)
+    def build_from_args(args, config):
+        seen.update(args=args, config=config)
         return "the app", None
 
     monkeypatch.setattr(server.serve, "build_from_args", build_from_args)
@@ -125,6 +125,7 @@ def capture_build(monkeypatch):
 
 
 def test_get_app_keeps_the_serve_defaults_and_warns_without_a_key(monkeypatch, caplog):
+    """get_app is the environment layer of the server: STRATA_* variables are its settings."""
     from server.app import get_app
 
     seen = capture_build(monkeypatch)
@@ -132,8 +133,9 @@ def test_get_app_keeps_the_serve_defaults_and_warns_without_a_key(monkeypatch, c
     monkeypatch.delenv("STRATA_API_KEY", raising=False)
     with caplog.at_level(logging.WARNING):
         assert get_app() == "the app"
-    assert vars(seen["args"]) == vars(build_parser().parse_args(["serve", "--parallel", "3"]))
-    assert seen["api_key"] is None
+    serve_defaults = vars(build_parser().parse_args(["serve"]))
+    assert vars(seen["args"]) == {k: v for k, v in serve_defaults.items() if k not in ("verbose", "command", "func")}
+    assert seen["config"].parallel == 3 and seen["config"].api_key is None and seen["config"].device == "auto"
     assert "no STRATA_API_KEY" in caplog.text and "--listen 127.0.0.1:8080" in caplog.text
 
 
@@ -146,12 +148,13 @@ def test_get_app_refuses_a_bad_setting_in_one_line(monkeypatch):
         get_app()
 
 
-def test_a_bad_decode_share_variable_is_named_before_the_model_loads(tmp_path, monkeypatch):
-    from server.serve import build
+def test_a_bad_decode_share_is_named_before_the_model_loads(tmp_path):
+    from hybrid.config import EngineConfig
 
-    monkeypatch.setenv("STRATA_BATCH_DECODE_SHARE", "2")
+    with pytest.raises(ValueError, match=r"^decode_share: must be in \(0, 1\], got 2$"):
+        EngineConfig(model=str(tmp_path / "never-loaded.gguf"), decode_share=2)
     with pytest.raises(ValueError, match=r"^STRATA_BATCH_DECODE_SHARE: must be in \(0, 1\], got 2$"):
-        build(model=str(tmp_path / "never-loaded.gguf"))
+        EngineConfig.resolve(environ={"STRATA_BATCH_DECODE_SHARE": "2"})
 
 
 def test_a_folder_the_system_refuses_is_one_line(tmp_path, capsys):
@@ -169,14 +172,18 @@ def test_a_folder_the_system_refuses_is_one_line(tmp_path, capsys):
                                          (["--parallel", "8", "--max-queue", "8"], 100),
                                          (["--max-connections", "500"], 500)])
 def test_the_connection_limit_admits_every_queued_request(flags, limit):
+    from hybrid.cli_options import config_of
     from server.serve import connection_limit
 
-    assert connection_limit(build_parser().parse_args(["serve", *flags])) == limit
+    args = build_parser().parse_args(["serve", *flags])
+    assert connection_limit(config_of(args, environ={}), args.max_connections) == limit
 
 
 def test_a_connection_limit_below_the_queue_warns(caplog):
     from server.serve import connection_limit
 
+    from hybrid.config import EngineConfig
+
     with caplog.at_level(logging.WARNING):
-        assert connection_limit(build_parser().parse_args(["serve", "--max-connections", "10"])) == 10
+        assert connection_limit(EngineConfig(), 10) == 10
     assert "--max-connections 10 is below the 17 requests that --parallel and --max-queue admit" in caplog.text

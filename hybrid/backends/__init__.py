@@ -10,14 +10,16 @@ log = logging.getLogger(__name__)
 DEVICES = ("auto", "gpu", "cpu")
 
 
-def select_backends(device, **gpu_options):
+def select_backends(device, cpu_options=None, gpu_options=None):
     """(backend, host) for `device`: (CpuBackend, None) on the CPU; (GpuBackend, CpuBackend) with a GPU,
     the host running the experts the GPU does not hold. "auto" falls back to the CPU with one log
-    line saying why; "gpu" raises ValueError instead. gpu_options go to GpuBackend."""
+    line saying why; "gpu" raises ValueError instead. cpu_options go to each CpuBackend, gpu_options to
+    GpuBackend."""
     if device not in DEVICES:
         raise ValueError(f"device '{device}': expected one of {', '.join(DEVICES)}")
+    cpu_options = cpu_options or {}
     if device == "cpu":
-        return CpuBackend(), None
+        return CpuBackend(**cpu_options), None
     from gpu_kernels.runtime import probe
 
     found = probe()
@@ -25,7 +27,7 @@ def select_backends(device, **gpu_options):
         if device == "gpu":
             raise ValueError(f"device 'gpu' is not available: {found.reason}")
         log.info("device auto: running on the CPU: %s", found.reason)
-        return CpuBackend(), None
+        return CpuBackend(**cpu_options), None
     from .gpu import GpuBackend
 
-    return GpuBackend(found.runtime, **gpu_options), CpuBackend()
+    return GpuBackend(found.runtime, **(gpu_options or {})), CpuBackend(**cpu_options)

@@ -62,11 +62,11 @@ def open_reader(path):
 
 
 def _quant_tensor(reader_tensor, path):
-    import cpu_kernels
+    from cpu_kernels.formats import FORMATS, is_supported
 
     qtype = reader_tensor.tensor_type
-    if not cpu_kernels.is_supported(qtype):
-        supported = ", ".join(sorted(q.name for q in cpu_kernels.FORMATS))
+    if not is_supported(qtype):
+        supported = ", ".join(sorted(q.name for q in FORMATS))
         raise ModelError(f"{path}: tensor '{reader_tensor.name}' has type {qtype.name}, "
                          f"which Strata does not support (supported: {supported})")
     shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))

@@ -28,7 +28,7 @@ def encode(name, values, qtype, rng):
         raw = gguf_quants.quantize(values, qtype)
         raw = np.ascontiguousarray(raw).view(np.uint8)
     else:
-        from cpu_kernels import format_for
+        from cpu_kernels.formats import format_for
 
         raw = format_for(qtype).random_blocks(rng, values.shape, float(np.std(values)) or 1e-3)
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]

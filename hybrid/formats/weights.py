@@ -50,7 +50,7 @@ class QuantTensor:
 
     def dequantize(self):
         """The weight as float32 [..., R, C] (copies; for small tensors and references)."""
-        from cpu_kernels import format_for
+        from cpu_kernels.formats import format_for
 
         fmt = format_for(self.qtype)
         rows = self.raw.reshape(-1, self.raw.shape[-1])

@@ -1,4 +1,4 @@
-"""Decode activations rounded to int16 or int8 (STRATA_ACT_QUANT): the rounding, the setting, the int8 dots,
+"""Decode activations rounded to int16 or int8 (the act_quant setting): the rounding, the setting, the int8 dots,
 end-to-end fidelity."""
 import logging
 
@@ -135,15 +135,10 @@ def test_int8_without_vnni_falls_back_to_int16(monkeypatch, caplog):
     aq._warn_no_vnni.cache_clear()
 
 
-def test_setting_names_and_default(monkeypatch):
-    monkeypatch.delenv("STRATA_ACT_QUANT", raising=False)
+def test_setting_names_and_default():
     int16 = aq.ACT_QUANTS["int16"] if aq.int_dot_width() >= 16 else aq.ACT_QUANTS["float"]
-    assert aq.default_act_quant() == int16
-    monkeypatch.setenv("STRATA_ACT_QUANT", "float")
-    assert aq.default_act_quant() == aq.ACT_QUANTS["float"]
-    monkeypatch.setenv("STRATA_ACT_QUANT", "int4")
-    with pytest.raises(ValueError, match="STRATA_ACT_QUANT='int4'"):
-        aq.default_act_quant()
+    assert aq.act_quant_code(None) == int16
+    assert aq.act_quant_code("float") == aq.ACT_QUANTS["float"]
     with pytest.raises(ValueError, match="act_quant='int4'"):
         aq.act_quant_code("int4")
 
@@ -155,15 +150,14 @@ def decode_logits(llm, ids):
 
 
 @pytest.mark.parametrize("size,target", [("small", "Q8_0"), ("kquant", "Q4_K_M"), ("kquant", "Q6_K")])
-def test_int16_decode_matches_transformers(gguf_models, reference_logits, monkeypatch, size, target):
+def test_int16_decode_matches_transformers(gguf_models, reference_logits, size, target):
     """Decode logits with int16 activations stay within the quantized-file tolerance of transformers, and
     within a quarter of it of the float path's (measured: 7e-5 Q8_0, 1.1e-4 Q4_K_M, 1.8e-4 Q6_K)."""
     path, ref_dir = gguf_models(size, target)
     ref = reference_logits(ref_dir, PROMPT_IDS)
     logits = {}
     for mode in ("float", "int16"):
-        monkeypatch.setenv("STRATA_ACT_QUANT", mode)
-        logits[mode] = decode_logits(hybrid.LLM(path, device="cpu"), PROMPT_IDS)
+        logits[mode] = decode_logits(hybrid.LLM(path, device="cpu", act_quant=mode), PROMPT_IDS)
     scale = np.abs(ref).max()
     assert np.abs(logits["int16"] - ref).max() / scale <= DECODE_TOL
     assert np.abs(logits["int16"] - logits["float"]).max() / scale <= DECODE_TOL / 4
@@ -171,14 +165,13 @@ def test_int16_decode_matches_transformers(gguf_models, reference_logits, monkey
 
 @needs_vnni
 @pytest.mark.parametrize("size,target", [("small", "Q8_0"), ("kquant", "Q4_K_M"), ("kquant", "Q6_K")])
-def test_int8_decode_tracks_default(gguf_models, monkeypatch, size, target):
-    """STRATA_ACT_QUANT=int8 (opt-in) against the default (int16): the median step's decode logits within INT8_TOL
+def test_int8_decode_tracks_default(gguf_models, size, target):
+    """act_quant int8 (opt-in) against the default (int16): the median step's decode logits within INT8_TOL
     of max|logits|, every step within INT8_STEP_TOL, and the same greedy token at most steps."""
     path, _ = gguf_models(size, target)
     logits = {}
     for mode in ("int16", "int8"):
-        monkeypatch.setenv("STRATA_ACT_QUANT", mode)
-        logits[mode] = decode_logits(hybrid.LLM(path, device="cpu"), PROMPT_IDS)
+        logits[mode] = decode_logits(hybrid.LLM(path, device="cpu", act_quant=mode), PROMPT_IDS)
     step_errors = np.abs(logits["int8"] - logits["int16"]).max(axis=1) / np.abs(logits["int16"]).max()  # [T]
     assert np.median(step_errors) <= INT8_TOL and step_errors.max() <= INT8_STEP_TOL, step_errors
     agree = np.mean(logits["int8"].argmax(axis=1) == logits["int16"].argmax(axis=1))

@@ -10,8 +10,7 @@ from cpu_kernels.tiles import ONE_EXPERT, kernels_of
 
 
 @pytest.fixture(autouse=True)
-def keep_distance(monkeypatch):
-    monkeypatch.delenv("STRATA_PREFETCH_ROWS", raising=False)
+def keep_distance():
     before = prefetch.prefetch_rows()
     yield
     prefetch.set_prefetch_rows(before)
@@ -45,19 +44,17 @@ def test_calibrate_keeps_the_fastest_candidate(monkeypatch):
     assert rates[8] == max(rates.values())
 
 
-def test_calibrate_leaves_small_models_and_a_fixed_setting_alone(monkeypatch):
+def test_calibrate_leaves_small_models_and_a_fixed_setting_alone():
     tensors = [expert_tensor(q4_k, q4_k.QTYPE, 0)]
     prefetch.set_prefetch_rows(12)
     assert prefetch.calibrate(tensors) == {}  # a few KB: in cache, nothing to learn
     assert prefetch.prefetch_rows() == 12
-    monkeypatch.setenv("STRATA_PREFETCH_ROWS", "20")
-    assert prefetch.calibrate(tensors, min_bytes=0) == {}
+    assert prefetch.calibrate(tensors, rows=20, min_bytes=0) == {}
     assert prefetch.prefetch_rows() == 20
     with pytest.raises(ValueError, match="prefetch distance -1"):
         prefetch.set_prefetch_rows(-1)
-    monkeypatch.setenv("STRATA_PREFETCH_ROWS", "lots")
-    with pytest.raises(ValueError, match="prefetch distance 'lots' \\(STRATA_PREFETCH_ROWS\\)"):
-        prefetch.calibrate(tensors, min_bytes=0)
+    with pytest.raises(ValueError, match="prefetch distance 'lots'"):
+        prefetch.calibrate(tensors, rows="lots", min_bytes=0)
 
 
 def test_cached_kernels_run_first_in_a_fresh_process(tmp_path):

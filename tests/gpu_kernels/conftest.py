@@ -5,7 +5,7 @@ import functools
 import numpy as np
 import pytest
 
-from cpu_kernels import format_for
+from cpu_kernels.formats import format_for
 from gpu_kernels.numpy_runtime import NumpyRuntime, queue_or_run
 from hybrid import kv_store
 

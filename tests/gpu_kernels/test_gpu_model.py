@@ -70,7 +70,7 @@ def chunked_score(llm, ids, chunk):
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "int8"])
 @pytest.mark.parametrize("resident_tokens,host_attention", [(None, "gpu"), (64, "gpu"), (100, "cpu")])
-def test_gpu_kv_encodings_and_window_match_cpu(runtime, gguf_models, monkeypatch, kv, resident_tokens,
+def test_gpu_kv_encodings_and_window_match_cpu(runtime, gguf_models, kv, resident_tokens,
                                               host_attention):
     """Each KV encoding on the GPU, all in VRAM or with a window (the RAM part copied in, or attended on
     the CPU), scores a 300-token prompt as the CPU engine with the same encoding, and decodes the same
@@ -81,12 +81,11 @@ def test_gpu_kv_encodings_and_window_match_cpu(runtime, gguf_models, monkeypatch
     V, and on this random model one flip changes layer 0's top-k experts at position 156 (f16 KV): the CPU engine
     alone, int16 against float x, moves these logits by 0.21 (f16) and 0.39 (int8) of their largest, but by 7e-5
     with f32 KV. The defaults are compared in test_gpu_matches_cpu."""
-    monkeypatch.setenv("STRATA_ACT_QUANT", "float")
     path, _ = gguf_models("small", "Q8_0")
-    cpu = LLM(path, device="cpu", max_context=512, kv=kv)
+    cpu = LLM(path, device="cpu", max_context=512, kv=kv, act_quant="float")
     ref = cpu.score(LONG)
     ref_tokens = cpu.generate(LONG, max_tokens=8, temperature=0, ignore_eos=True).token_ids
-    gpu = LLM(path, device="gpu", max_context=512, kv=kv, kv_resident=resident_tokens,
+    gpu = LLM(path, device="gpu", max_context=512, kv=kv, kv_resident=resident_tokens, act_quant="float",
               kv_host_attention=host_attention, resident=masks(3, 8)["50%"])
     got = chunked_score(gpu, LONG, 48)
     err = np.abs(got - ref).max() / np.abs(ref).max()

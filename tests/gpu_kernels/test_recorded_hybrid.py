@@ -9,6 +9,7 @@ from hybrid.backends.gpu import GpuBackend
 from hybrid.batch import Batch, SeqChunk
 from hybrid.formats import load_model
 from hybrid.model import Model
+from hybrid.split_settings import SplitSettings
 from tests.recorded_logits import check
 
 TOKENS = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8, 77, 120, 19, 2, 45]
@@ -22,12 +23,9 @@ def prompt_then_decode(model):
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("relay", ["1", "0"])
+@pytest.mark.parametrize("relay", [True, False], ids=["1", "0"])
 @pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
-def test_hybrid_step_gives_the_recorded_logits(gguf_models, numpy_runtime, reference_kernels, monkeypatch, target,
-                                               relay):
-    monkeypatch.setenv("STRATA_ACT_QUANT", "float")
-    monkeypatch.setenv("STRATA_DECODE_RELAY", relay)
+def test_hybrid_step_gives_the_recorded_logits(gguf_models, numpy_runtime, reference_kernels, target, relay):
     weights = load_model(gguf_models("small" if target == "Q8_0" else "kquant", target)[0])
     c = weights.config
     rng = np.random.default_rng(5)
@@ -35,9 +33,9 @@ def test_hybrid_step_gives_the_recorded_logits(gguf_models, numpy_runtime, refer
         resident = rng.random((c.num_layers, c.num_experts)) < fraction
         backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2, resident=resident)
         backend.kernels = reference_kernels
-        model = Model(weights, backend, host=CpuBackend())
+        model = Model(weights, backend, host=CpuBackend(act_quant="float"), split=SplitSettings(decode_relay=relay))
         try:
             logits = prompt_then_decode(model)
         finally:
             model.close()
-        check(f"hybrid-{target}-{fraction:.1f}-relay{relay}", logits)
+        check(f"hybrid-{target}-{fraction:.1f}-relay{int(relay)}", logits)

@@ -140,15 +140,13 @@ def test_one_token_kernel_takes_x_as_int16_where_it_can(qtype, act_quant, num_co
     assert rt.launches[-1][0] == kernel and rt.shared[-1] == shared
 
 
-def test_act_quant_setting(monkeypatch):
-    monkeypatch.delenv("STRATA_ACT_QUANT", raising=False)
-    assert gpu_act_quant() == "auto"
+def test_act_quant_setting():
+    assert gpu_act_quant() == "auto" and gpu_act_quant(None) == "auto"
     assert gpu_act_quant("AUTO") == "auto"
     assert gpu_act_quant("int16") == "int16"
-    monkeypatch.setenv("STRATA_ACT_QUANT", "Float")
-    assert gpu_act_quant() == "float"
+    assert gpu_act_quant("Float") == "float"
     assert gpu_act_quant("int8") == "int16"  # no int8 dot on the GPU
-    with pytest.raises(ValueError, match="STRATA_ACT_QUANT='fp8'"):
+    with pytest.raises(ValueError, match="act_quant 'fp8'"):
         gpu_act_quant("fp8")
 
 

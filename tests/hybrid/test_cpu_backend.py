@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cpu_kernels import FORMATS, q4_k, q6_k, q8_0
+from cpu_kernels import q4_k, q6_k, q8_0
+from cpu_kernels.formats import FORMATS
 from cpu_kernels.tiles import kernels_of
 from hybrid.backends import cpu
 from hybrid.backends.cpu import CpuBackend, expert_work_bytes

@@ -177,16 +177,15 @@ def test_swap_copies_the_newcomer_into_the_slot(gguf_models):
 
 
 @pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
-def test_dynamic_swaps_keep_logits(gguf_models, target, monkeypatch):
+def test_dynamic_swaps_keep_logits(gguf_models, target):
     # the stand-in device runs float NumPy references: compare with the CPU's float path, not int16
-    monkeypatch.setenv("STRATA_ACT_QUANT", "float")
     weights = load_model(gguf_models("small" if target == "Q8_0" else "kquant", target)[0])
     c = weights.config
-    ref = score(Model(weights, CpuBackend()), decode_steps=6)
+    ref = score(Model(weights, CpuBackend(act_quant="float")), decode_steps=6)
     resident = np.zeros((c.num_layers, c.num_experts), dtype=bool)
     resident[:, :3] = True
     backend = gpu_backend(resident=resident)
-    model = Model(weights, backend, host=CpuBackend())
+    model = Model(weights, backend, host=CpuBackend(act_quant="float"))
     model.usage = ExpertUsage.for_config(c)
     model.residency = DynamicResidency(backend.cache, DynamicSettings(margin=0.0, min_score=0.0, max_swaps=3))
     got = score(model, decode_steps=6)
@@ -246,8 +245,9 @@ def test_profile_plans_for_the_room_left(gguf_models):
 def test_llm_options(gguf_models, tmp_path, monkeypatch):
     import hybrid.llm as llm_module
 
-    def fake_select(device, **options):
-        return gpu_backend(**{k: v for k, v in options.items() if k in ("expert_cache_mib", "resident")}), CpuBackend()
+    def fake_select(device, cpu_options, gpu_options):
+        return gpu_backend(**{k: v for k, v in gpu_options.items() if k in ("expert_cache_mib", "resident")}), \
+            CpuBackend(**cpu_options)
 
     monkeypatch.setattr(llm_module, "select_backends", fake_select)
     path = gguf_models("small", "Q8_0")[0]
@@ -270,14 +270,16 @@ def stand_in_gpu(monkeypatch):
     """LLM's backends: the stand-in GPU (its expert cache over NumPy) and the CPU."""
     import hybrid.llm as llm_module
 
-    def fake_select(device, **options):
-        return gpu_backend(**{k: v for k, v in options.items() if k in ("expert_cache_mib", "resident")}), CpuBackend()
+    def fake_select(device, cpu_options, gpu_options):
+        return gpu_backend(**{k: v for k, v in gpu_options.items() if k in ("expert_cache_mib", "resident")}), \
+            CpuBackend(**cpu_options)
 
     monkeypatch.setattr(llm_module, "select_backends", fake_select)
 
 
 def test_dynamic_flags_reach_the_engines_settings(gguf_models, stand_in_gpu):
-    from hybrid.cli import build_parser, device_options
+    from hybrid.cli import build_parser
+    from hybrid.cli_options import config_of, llm_objects
     from hybrid.llm import LLM
     from server.serve import build
 
@@ -286,10 +288,10 @@ def test_dynamic_flags_reach_the_engines_settings(gguf_models, stand_in_gpu):
              "--dynamic-margin", "0.25", "--dynamic-min-score", "0.5", "--dynamic-max-swaps", "5",
              "--dynamic-max-pending", "3"]
     want = DynamicSettings(decay=0.9, margin=0.25, min_score=0.5, max_swaps=5, max_pending=3)
-    generate = build_parser().parse_args(["generate", "--model", path, *flags])
-    assert LLM(path, max_context=256, **device_options(generate)).model.residency.policy.settings == want
-    serve = build_parser().parse_args(["serve", "--model", path, *flags])
-    _, engine = build(path, max_context=256, device_options=device_options(serve))
+    generate = build_parser().parse_args(["generate", "--model", path, "--max-context", "256", *flags])
+    assert LLM(config=config_of(generate), **llm_objects(generate)).model.residency.policy.settings == want
+    serve = build_parser().parse_args(["serve", "--model", path, "--max-context", "256", *flags])
+    _, engine = build(config_of(serve), llm_objects(serve))
     try:
         assert engine.model.residency.policy.settings == want
     finally:

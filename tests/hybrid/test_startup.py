@@ -12,7 +12,7 @@ from numba.core import sigutils
 from numba.core.dispatcher import Dispatcher
 
 import hybrid
-from cpu_kernels import FORMATS, format_for
+from cpu_kernels.formats import FORMATS, format_for
 from hybrid.backends.cpu import SERIAL_MAX_ELEMENTS, TINY_MAX_ELEMENTS
 from hybrid.batch import Batch, SeqChunk
 from hybrid.warm_up import long_chunk_tokens

@@ -1,31 +1,12 @@
-"""A real engine on the demo model (random weights, built into a temporary cache) for the server tests."""
-import os
-
+"""A real engine on the demo model (tests/conftest.py demo_llm) for the server tests."""
 import pytest
 
-MAX_CONTEXT = 256
+MAX_CONTEXT = 256  # demo_llm's context (tests/conftest.py DEMO_MAX_CONTEXT)
 
 
 @pytest.fixture(scope="session")
-def demo_path(tmp_path_factory):
-    from hybrid.demo import demo_model_path
-
-    old = os.environ.get("STRATA_CACHE_DIR")
-    os.environ["STRATA_CACHE_DIR"] = str(tmp_path_factory.mktemp("strata-cache"))
-    try:
-        return demo_model_path()
-    finally:
-        if old is None:
-            del os.environ["STRATA_CACHE_DIR"]
-        else:
-            os.environ["STRATA_CACHE_DIR"] = old
-
-
-@pytest.fixture(scope="session")
-def llm(demo_path):
-    import hybrid
-
-    return hybrid.LLM(demo_path, max_context=MAX_CONTEXT)
+def llm(demo_llm):
+    return demo_llm
 
 
 @pytest.fixture(scope="session", params=[1, 4], ids=lambda n: f"{n}slots")

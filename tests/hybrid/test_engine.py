@@ -24,6 +24,11 @@ class PoisonedModel:
         return self.model.forward(batch)
 
 
+@pytest.fixture
+def llm(demo_llm):
+    return demo_llm
+
+
 def greedy_request(ids, max_tokens=6):
     return Request(list(ids), SamplingParams(max_tokens=max_tokens, temperature=0))
 

@@ -1,0 +1,18 @@
+"""The kernel module of each GGML quant type Strata runs."""
+from gguf import GGMLQuantizationType as _Q
+
+from . import bf16, f16, f32, q4_0, q4_k, q5_k, q6_k, q8_0
+
+FORMATS = {m.QTYPE: m for m in (f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k)}
+
+
+def format_for(qtype):
+    """The kernel module of a GGML quant type; KeyError if Strata has none."""
+    return FORMATS[_Q(qtype)]
+
+
+def is_supported(qtype):
+    try:
+        return _Q(qtype) in FORMATS
+    except ValueError:
+        return False
