@@ -72,7 +72,8 @@ class LLM:
         if model_path is None:
             from .demo import demo_config, demo_model_path
 
-            context_limit(cfg.max_context, demo_config(vocab_size=0).context_length, "the demo model")  # before building it
+            demo_context = demo_config(vocab_size=0).context_length
+            context_limit(cfg.max_context, demo_context, "the demo model")  # before building it
             model_path = demo_model_path(cfg.cache_dir)
             log.warning("no model given: using the built-in demo model (RANDOM weights, its text is gibberish)")
         self.threads = set_threads(cfg.threads)
@@ -105,7 +106,8 @@ class LLM:
         if not self.model.backend.capabilities.expert_cache:
             log.warning("--expert-cache dynamic needs a GPU expert cache; on %s it does nothing", self.device)
             return
-        self.model.residency = DynamicResidency(self.model.backend.cache, settings or DynamicSettings(), self.model.backend.stream)
+        backend = self.model.backend
+        self.model.residency = DynamicResidency(backend.cache, settings or DynamicSettings(), backend.stream)
         if self.model.usage is None:  # the engine brings its own; the residency follows model.usage
             self.model.usage = ExpertUsage.for_config(self.config)
         log.info("expert cache: dynamic, %s", self.model.residency.policy.settings)

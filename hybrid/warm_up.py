@@ -75,7 +75,7 @@ def warm_chat_template(tokenizer):
 def long_chunk_tokens(backend, config, max_step_tokens, max_context):
     """Tokens of the long prompt chunk: the fewest with which every op of a step runs its parallel kernel
     (backend.parallel_min_tokens where it has one), within a step's budget and half the context."""
-    wanted = backend.parallel_min_tokens(config) if hasattr(backend, "parallel_min_tokens") else FALLBACK_LONG_CHUNK
+    wanted = backend.parallel_min_tokens(config) if backend.capabilities.parallel_min_tokens else FALLBACK_LONG_CHUNK
     return max(SHORT_CHUNK + 1, min(wanted, max_step_tokens, max_context // 2))
 
 
