@@ -79,7 +79,7 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     from placement.cli import add_subcommands
-    from server.cli import add_serve
+    from server.serve import add_serve
 
     add_serve(sub)
     add_subcommands(sub, load_llm)  # profile, profile merge, profile show, plan

@@ -9,9 +9,9 @@ import socket
 from hybrid.cli_options import config_of, llm_objects
 from hybrid.config import EngineConfig
 
-from .app import create_app
+from .routes import create_app
 from .body import DEFAULT_MAX_BODY_BYTES, MIB
-from .cli import DEFAULT_MAX_CONNECTIONS, add_serve_options, conversation_options
+from .options import DEFAULT_MAX_CONNECTIONS, add_serve_options, conversation_options
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def log_budget(llm, parallel, max_queue):
 
 
 def conversation_cache(llm, options):
-    """The conversation cache the options ask for (server.cli.conversation_options), or None when off."""
+    """The conversation cache the options ask for (server.options.conversation_options), or None when off."""
     from hybrid.conversation_cache import ConversationCache, model_fingerprint
     from hybrid.kv_store import bytes_per_token
 
@@ -61,7 +61,7 @@ def build(config=None, llm_options=None, conversations=None, max_body_bytes=DEFA
     """The app over a started engine for `config` (hybrid/config.py: the model, parallel, max_queue,
     decode_share and api_key with the engine's settings; default: the environment's).
     llm_options: LLM's keywords that are not settings (placement, profile, dynamic).
-    conversations: conversation cache options (server.cli.conversation_options); default off.
+    conversations: conversation cache options (server.options.conversation_options); default off.
     max_body_bytes: a larger request body is refused (413) before it is read."""
     from hybrid.engine import Engine
     from hybrid.llm import LLM
@@ -94,7 +94,7 @@ def save_profile(engine, llm_weights, path):
 
 
 def build_from_args(args, config):
-    """The app and engine of parsed `strata serve` arguments (server.cli) and their config, for `run` and
+    """The app and engine of parsed `strata serve` arguments (server.options) and their config, for `run` and
     `get_app` alike."""
     if args.conversation_cache_dir:  # an unusable folder fails here, before the model loads
         os.makedirs(args.conversation_cache_dir, exist_ok=True)
@@ -167,6 +167,13 @@ def connection_limit(config, max_connections=None):
         log.warning("--max-connections %d is below the %d requests that --parallel and --max-queue admit: the "
                     "rest wait for a connection instead of getting 429", max_connections, admitted)
     return max_connections
+
+
+def add_serve(sub):
+    """The `serve` subcommand of the `strata` subparsers."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the demo model when no --model is given)")
+    add_serve_options(p)
+    p.set_defaults(func=run)
 
 
 def run(args):

@@ -1,17 +1,11 @@
-"""`strata serve`'s options (the `strata` command adds them; get_app parses their defaults)."""
+"""`strata serve`'s options (server.serve.add_serve adds them to the `strata` command; get_app parses their
+defaults)."""
 from hybrid.cli_options import add_device_options, add_setting, add_threads_and_context
 from hybrid.cli_types import float_in, int_at_least, output_file, port
 
 from .body import DEFAULT_MAX_BODY_BYTES, MIB
 
 DEFAULT_MAX_CONNECTIONS = 100
-
-
-def add_serve(sub):
-    """The `serve` subcommand of the `strata` subparsers."""
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the demo model when no --model is given)")
-    add_serve_options(p)
-    p.set_defaults(func=_run_serve)
 
 
 def add_serve_options(p):
@@ -54,9 +48,3 @@ def _add_conversation_options(p):
 def conversation_options(args):
     return {"mib": args.conversation_cache_mib, "max_entries": args.conversation_cache_slots,
             "store": args.conversation_cache_kv, "spill_dir": args.conversation_cache_dir}
-
-
-def _run_serve(args):
-    from .serve import run
-
-    return run(args)
