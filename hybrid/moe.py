@@ -46,7 +46,7 @@ class ExpertSplit:
         self.settings = settings = settings or SplitSettings()
         self.host, self.resident = host, np.asarray(resident, dtype=bool)
         self.borrow = BorrowModel(settings.cpu_share)
-        self.host_side = HostSide(host, self.borrow)
+        self.host_side = HostSide(host, self.resident, self.borrow)
         self.relay = DecodeRelay(host, settings.decode_relay, settings.relay_tokens, settings.relay_threads)
         self.trace = None
         self._deferred = []  # (layer index, queued routing copy) of fully resident decode layers, for finish_step
@@ -61,7 +61,8 @@ class ExpertSplit:
         return self.relay.enabled
 
     def close(self):
-        """Stop the threads this split started (the host part's worker, the relay's); a later layer starts them again."""
+        """Stop the threads this split started (the host part's worker, the relay's); a later layer starts them
+        again."""
         self.relay.close()
         self.host_side.close()
 
@@ -92,9 +93,9 @@ class ExpertSplit:
         if host_groups.num_groups and device.prefill_borrow and len(ids_host) >= BORROW_MIN_TOKENS:
             keep = self.borrow.plan(layer, host_groups, device.borrow_bytes_per_second)  # [G_host]
             borrowed, host_groups = host_groups.select(~keep), host_groups.select(keep)
-        host_part = None
-        if host_groups.num_groups:  # the host starts first: queuing the device part takes time
-            host_part = self.host_side.submit(device, layer, device.fetch_rows(h), weights_host, host_groups)
+        host_part, rows = None, device.fetch_rows(h) if host_groups.num_groups else None  # [T, H] queued
+        if rows is not None and self.host_side.host_thread:  # the host starts first: queuing the device part takes time
+            host_part = self.host_side.submit(layer, device.wait_rows(rows), ids_host, weights_host, host_groups)
         pending, queue_s = None, 0.0
         try:
             if device_groups.num_groups or (borrowed is not None and borrowed.num_groups):
@@ -102,6 +103,9 @@ class ExpertSplit:
                 pending = device.submit(layer, h, ids, weights, device_groups, borrowed)
                 queue_s = time.perf_counter() - t_queue
         finally:
+            host_out, cpu_s = self.host_side.wait(host_part)
+        if rows is not None and host_part is None:  # in this thread, after the device part is queued
+            host_part = self.host_side.submit(layer, device.wait_rows(rows), ids_host, weights_host, host_groups)
             host_out, cpu_s = self.host_side.wait(host_part)
         out = self._combine(device, h, pending, host_out)
         self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s,
@@ -125,8 +129,10 @@ class ExpertSplit:
             t_queue = time.perf_counter()  # then runs without this thread contending for the GIL
             pending = device.submit(layer, h, ids, weights)
             queue_s = time.perf_counter() - t_queue
-        record = None if usage is None else lambda ids_host: self._deferred_host.append((layer.index, ids_host))
-        host_out, cpu_s = self.host_side.wait(self.host_side.submit_decode(device, layer, routing, resident, record))
+        ids_host, weights_host, x = device.wait_routing(routing)  # [1, K], [1, K], [1, H]
+        if usage is not None:  # recorded at finish_step, off this layer's path
+            self._deferred_host.append((layer.index, ids_host.astype(np.int64)))
+        host_out, cpu_s = self.host_side.wait(self.host_side.submit(layer, x, ids_host, weights_host))
         out = self._combine(device, h, pending, host_out)
         self._traced(device, layer, 1, t0, pending, cpu_s, queue_s)
         return out

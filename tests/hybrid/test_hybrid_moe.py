@@ -37,7 +37,7 @@ class StandInDevice(CpuBackend):
         self.pool = ThreadPoolExecutor(1)
         self.submitted = self.borrowed = self.decode_submitted = self.published = 0
 
-    def place(self, model):
+    def place(self, model, host=None):
         self.resident = self.requested
 
     def fetch_routing(self, ids, weights):
