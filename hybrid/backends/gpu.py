@@ -113,7 +113,8 @@ class GpuBackend:
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
         self.device_experts.width = max(layer.gate_exps.shape[1] for layer in model.layers)
         self.borrow_bytes_per_second = self._measure_upload()
-        log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s; one-token matmuls take x as %s", self.name, self.rt.device_name, self.rt.name, self.rt.warp_size,
+        log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s; one-token matmuls take x as %s",
+                 self.name, self.rt.device_name, self.rt.name, self.rt.warp_size,
                  self.budget.describe(), self.borrow_bytes_per_second / 1e9,
                  describe_act_quant(self.kernels.act_quant))
 

@@ -104,12 +104,12 @@ class DeviceSequenceKV(SequenceKV):
         pool_blocks = np.asarray(self.blocks[:num_blocks - from_host], dtype=np.int64)
         self.wait_host()
         parts = {}
+        rt, stream = self.backend.rt, self.backend.stream
         for name in self._names():
             pool = getattr(self.pool, name)
             held = self.host[name][:, :from_host] if from_host else np.empty((self.num_layers, 0) + pool.shape[2:],
                                                                                 pool.dtype)
-            fresh = self.backend.rt.to_host(pool[:, self.backend.rt.to_device(pool_blocks)], stream=self.backend.stream) if len(pool_blocks) \
-                else held[:, :0]
+            fresh = rt.to_host(pool[:, rt.to_device(pool_blocks)], stream=stream) if len(pool_blocks) else held[:, :0]
             both = np.concatenate([held, fresh], axis=1)  # [L, blocks, BT, ...]
             parts[name] = both.reshape((self.num_layers, -1) + both.shape[3:])[:, :n]
         return tuple(kv_store.decode(parts[name], parts.get(f"{name}_scale")) for name in ("k", "v"))
