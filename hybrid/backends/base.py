@@ -16,12 +16,12 @@ from typing import Any, Optional, Protocol, runtime_checkable
 class Capabilities:
     """What a backend offers beyond `Backend`; every field off by default.
 
-    compiled_decode_layer: `decode_layer(layer, x, step)` runs a whole decode layer as one compiled call
-    (the CPU's hybrid/backends/cpu_decode.py).
-    graphed_decode: `graphs_decode(batch)`, `begin_graphed_step(x, positions)` and
-    `graphed_decode_layer(...)` run a one-token decode layer's dense launches as graphs (the GPU's).
-    decode_experts: as a split's device, `submit_decode_experts(layer, h, ids, weights)` finds a decode
-    step's resident pairs from the routing it holds (nothing read back).
+    compiled_decode_layer: `layer_runner(recipe, plain)` gives a runner of decode layers as compiled calls
+    (the CPU's hybrid/backends/cpu_layer.py), or `plain` for a recipe it cannot compile.
+    graphed_decode: `layer_graphs` (a gpu_layer_graphs.LayerGraphs, or None when turned off) captures and
+    replays a one-token decode layer's graph regions (hybrid/runners.py GraphRunner; the GPU's).
+    decode_experts: as a split's device, `submit(layer, h, ids, weights)` (no groups) finds a decode step's
+    resident pairs from the routing it holds (nothing read back).
     max_decode_pairs: the most (token, expert) pairs of such a step (None: no limit).
     decode_relay_device: as a split's device, the device side of the decode relay (hybrid/relay.py):
     `decode_mailbox`, `publish_decode`, `await_host_rows`.
@@ -96,6 +96,9 @@ class Backend(Protocol):
     def add_into(self, x, y) -> None:
         """x += y in place (the residual stream)."""
 
+    def empty(self, shape) -> Any:
+        """A float32 work array of `shape` where this backend computes, contents undefined."""
+
     def take_rows(self, x, rows) -> Any:
         """x[rows] as a new array."""
 
@@ -109,8 +112,9 @@ class Pending(Protocol):
 
 @runtime_checkable
 class Experts(Protocol):
-    """One side of the hybrid split (hybrid/moe.py ExpertSplit). The device side (resident and borrowed experts)
-    and the host side (the rest) are each submitted, run at once, and waited for; the split adds the two."""
+    """One side of the hybrid split (hybrid/moe.py ExpertSplit). The device side (resident and borrowed experts:
+    the device backend itself) and the host side (the rest: hybrid/moe_host.py HostSide over the host backend) are
+    each submitted, run at once, and waited for; the split adds the two."""
 
     def submit(self, layer, hidden, ids, weights, groups=None, borrowed=None) -> Pending:
         """Queue a layer's pairs: those of `groups` (hybrid/pair_groups.py PairGroups; and of `borrowed`, experts
@@ -124,9 +128,11 @@ class Experts(Protocol):
 class DeviceExperts(Experts, Protocol):
     """The device side of the split: its experts, and the copies between it and the host that the split needs.
 
+    resident: bool [L, E], the experts the device holds (set at place; a dynamic cache updates it in place);
     prefill_borrow: large chunks may run non-resident experts here; borrow_bytes_per_second: the measured
     host -> device copy speed (placement/borrow.py's cost model); time_experts: time each submitted part."""
 
+    resident: Any
     prefill_borrow: bool
     borrow_bytes_per_second: float
     time_experts: bool
