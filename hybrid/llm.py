@@ -17,6 +17,7 @@ from .residency import expert_cache_device, resident_choice
 from .sampling import Sampler, SamplingParams
 from .split_settings import SplitSettings
 from .tokenizer import IncrementalDecoder
+from .weight_formats import check_supported
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class LLM:
             log.warning("no model given: using the built-in demo model (RANDOM weights, its text is gibberish)")
         self.threads = set_threads(cfg.threads)
         self.weights = load_model(model_path)
+        check_supported(self.weights)
         self.tokenizer = self.weights.tokenizer
         self.config = self.weights.config
         self.max_context = context_limit(cfg.max_context, self.config.context_length, self.weights.source)

@@ -90,7 +90,9 @@ def hf_dirs(hf_dir_factory):
 
 
 def float_tensors(weights):
-    return {name: t.dequantize() for name, t in weights.tensors.items()}
+    from hybrid.weight_formats import dequantize
+
+    return {name: dequantize(t) for name, t in weights.tensors.items()}
 
 
 def write_hf_dir_from_gguf(gguf_path, template_dir, out_dir):

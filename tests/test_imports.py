@@ -119,6 +119,17 @@ def test_cycles_are_found():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_formats_and_placement_do_not_reach_into_kernels_or_the_llm():
+    """File formats hand over raw blocks (the engine maps types to kernels, hybrid/weight_formats.py);
+    placement's command gets its LLM from the engine. synthetic.py makes test and demo models with the
+    kernels' random blocks, so it may."""
+    graph = import_graph(_all_imports)
+    for name, imported in graph.items():
+        if name.startswith("hybrid.formats") and name != "hybrid.formats.synthetic":
+            assert not {m for m in imported if m.startswith("cpu_kernels")}, name
+    assert "hybrid.llm" not in graph["placement.cli"]
+
+
 def test_no_module_level_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)

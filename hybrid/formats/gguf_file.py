@@ -62,13 +62,7 @@ def open_reader(path):
 
 
 def _quant_tensor(reader_tensor, path):
-    from cpu_kernels.formats import FORMATS, is_supported
-
     qtype = reader_tensor.tensor_type
-    if not is_supported(qtype):
-        supported = ", ".join(sorted(q.name for q in FORMATS))
-        raise ModelError(f"{path}: tensor '{reader_tensor.name}' has type {qtype.name}, "
-                         f"which Strata does not support (supported: {supported})")
     shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))
     tensor = QuantTensor(reader_tensor.name, qtype, shape, None)
     raw = np.asarray(reader_tensor.data).view(np.uint8)

@@ -48,16 +48,6 @@ class QuantTensor:
         block_size, block_bytes = GGML_QUANT_SIZES[self.qtype]
         return self.shape[-1] // block_size * block_bytes
 
-    def dequantize(self):
-        """The weight as float32 [..., R, C] (copies; for small tensors and references)."""
-        from cpu_kernels.formats import format_for
-
-        fmt = format_for(self.qtype)
-        rows = self.raw.reshape(-1, self.raw.shape[-1])
-        out = np.empty((rows.shape[0], self.shape[-1]), dtype=np.float32)
-        fmt.dequantize(np.ascontiguousarray(rows), out)
-        return out.reshape(self.shape)
-
 
 @dataclass
 class ModelWeights:

@@ -94,3 +94,18 @@ def test_tied_embeddings_in_both_formats(tmp_path, hf_dir_factory, reference_log
     from_gguf = hybrid.LLM(path)
     assert from_gguf.config.tie_word_embeddings
     assert np.max(np.abs(from_gguf.score(ids) - ref)) <= 1e-4 * np.max(np.abs(ref))
+
+
+def test_a_type_no_kernel_runs_is_one_line_naming_the_tensor():
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType as Q
+
+    from hybrid.errors import ModelError
+    from hybrid.weight_formats import check_supported
+
+    weights = SimpleNamespace(source="m.gguf", tensors={"blk.0.ffn_up_exps.weight": SimpleNamespace(
+        name="blk.0.ffn_up_exps.weight", qtype=Q.Q2_K)})
+    with pytest.raises(ModelError, match=r"^m.gguf: tensor 'blk.0.ffn_up_exps.weight' has type Q2_K, which Strata "
+                                         r"does not support \(supported: BF16, F16, F32, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0\)$"):
+        check_supported(weights)
