@@ -91,7 +91,8 @@ class Backend(Protocol):
         """router_logits [T, E] -> (ids [T, K], weights [T, K])."""
 
     def experts(self, x, ids, weights, gate_exps, up_exps, down_exps) -> Any:
-        """Every (token, expert) pair's SwiGLU expert, combined per token: x [T, H] -> [T, H]."""
+        """Every (token, expert) pair's SwiGLU expert, combined per token: x [T, H] -> [T, H]. A device backend,
+        which holds only some experts, runs them through the split instead (it is given a host backend)."""
 
     def add_into(self, x, y) -> None:
         """x += y in place (the residual stream)."""

@@ -24,10 +24,10 @@ from .. import kv_store
 from ..blocks import separate_projections
 from ..kv_cache import BLOCK_TOKENS, KVPool
 from .base import Capabilities
-from .gpu_experts import MAX_DECODE_PAIRS, DeviceExperts
-from .gpu_kv import KV_HOST_ATTENTION, DeviceKV, DeviceSequenceKV
+from .gpu_experts import MAX_DECODE_PAIRS, GpuExperts
+from .gpu_kv import KV_HOST_ATTENTION, DeviceSequenceKV, GpuKV
 from .gpu_layer_graphs import LayerGraphs
-from .gpu_relay import DeviceRelay
+from .gpu_relay import GpuRelay
 from .gpu_staging import Staging
 
 __all__ = ["DEFAULT_RESERVE_MIB", "DeviceSequenceKV", "GpuBackend", "KV_HOST_ATTENTION"]
@@ -55,13 +55,13 @@ class GpuBackend:
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
                  max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
                  kv_resident=None, kv_host_attention="gpu", decode_graphs=True, dense_graphs=True, act_quant="auto"):
-        self.kv = DeviceKV(kv_dtype, max_context, chunk_tokens, kv_resident, kv_host_attention)
+        self.kv = GpuKV(kv_dtype, max_context, chunk_tokens, kv_resident, kv_host_attention)
         self.rt = runtime
         self.stream = runtime.stream()  # made current at every embed: CuPy's own array operations run there too
         self.kernels = Kernels(runtime, self.stream, act_quant=act_quant)
         self.staging = Staging(runtime)
-        self.device_experts = DeviceExperts(decode_graphs)
-        self.relay = DeviceRelay()
+        self.device_experts = GpuExperts(decode_graphs)
+        self.relay = GpuRelay()
         self.prefill_borrow = prefill_borrow
         self.time_experts = False  # record timing events around each device part (ExpertSplit's trace)
         self.borrow_bytes_per_second = None  # measured at place()

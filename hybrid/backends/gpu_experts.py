@@ -21,7 +21,7 @@ MAX_DECODE_PAIRS = MAX_THREADS  # a decode step's pairs at most: decode_tiles ru
 _UNCAPTURED = object()  # a layer whose decode graph was not tried yet
 
 
-class DeviceExperts:
+class GpuExperts:
     """The expert state of one GPU backend: decode scratch, captured decode graphs, borrow slots. decode_graphs:
     each layer's decode expert launches replayed as a graph (else one by one). The backend comes with each call
     (no back-reference: see gpu_layer_graphs.LayerGraphs); it holds the expert cache (`be.cache`)."""

@@ -1,5 +1,5 @@
 """The GPU backend's KV: a sequence's KV in a VRAM pool (`DeviceSequenceKV`), with only its newest blocks
-there where asked and the rest in pinned RAM, and attention over both parts (`DeviceKV`).
+there where asked and the rest in pinned RAM, and attention over both parts (`GpuKV`).
 
 A RAM part is attended by `host_attention`: "gpu" copies it to a stage in VRAM, layer by layer, and
 attends it there with the rest (the default: much faster, bench/results/kv_resident.md); "cpu" has the
@@ -130,7 +130,7 @@ class DeviceSequenceKV(SequenceKV):
             self.commit(hi)
 
 
-class DeviceKV:
+class GpuKV:
     """The KV settings and the attention state of one GPU backend. The pool in VRAM holds its sequences' max_context
     positions in `dtype`, or with `resident` only their newest `resident` positions (and a chunk of chunk_tokens),
     the rest in pinned RAM, attended by `host_attention` (KV_HOST_ATTENTION). host: the backend that attends a RAM

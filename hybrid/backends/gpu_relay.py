@@ -11,7 +11,7 @@ from ..relay import Mailbox
 _MAILBOX_ARRAYS = ("inbox", "outbox", "flags_in", "flags_out", "error", "times")
 
 
-class DeviceRelay:
+class GpuRelay:
     """The relay state of one GPU backend: the device addresses of its mapped pinned buffers. The backend comes with
     each call (no back-reference: see gpu_layer_graphs.LayerGraphs)."""
 
