@@ -200,3 +200,12 @@ class HostExperts(Protocol):
     def paged_attention(self, q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None) -> None:
         """Attention of q [T, Hq, D] over host pool arrays k, v [NB, BT, Hkv, D], keys [key_lo, key_hi); with lse
         [T, Hq] also each row's log-sum-exp (a device backend merges it with its own part)."""
+
+
+def separate_projections(backend, layer, h):
+    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], None): a backend's project_qkv as three matmuls."""
+    num_tokens, hq, hkv, d = h.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q = backend.linear(layer.attn_q, h).reshape(num_tokens, hq, d)
+    k = backend.linear(layer.attn_k, h).reshape(num_tokens, hkv, d)
+    v = backend.linear(layer.attn_v, h).reshape(num_tokens, hkv, d)
+    return q, k, v, None

@@ -21,9 +21,8 @@ from gpu_kernels.kernels import Kernels, describe_act_quant
 
 from ..formats.weights import QuantTensor
 from .. import kv_store
-from ..blocks import separate_projections
 from ..kv_cache import BLOCK_TOKENS, KVPool
-from .base import Capabilities
+from .base import Capabilities, separate_projections
 from .gpu_experts import MAX_DECODE_PAIRS, GpuExperts
 from .gpu_kv import KV_HOST_ATTENTION, DeviceSequenceKV, GpuKV
 from .gpu_layer_graphs import LayerGraphs
