@@ -12,9 +12,14 @@ from gguf import GGMLQuantizationType as Q
 SRC = Path(__file__).parent / "src"
 
 FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
-    Q.F32: ("f32.cuh",), Q.F16: ("f16.cuh",), Q.BF16: ("bf16.cuh",), Q.Q8_0: ("q8_0.cuh",),
+    Q.F32: ("float.cuh",), Q.F16: ("float.cuh",), Q.BF16: ("float.cuh",), Q.Q8_0: ("q8_0.cuh",),
     Q.Q4_0: ("q4_0.cuh",), Q.Q4_K: ("kquant.cuh", "q4_k.cuh"), Q.Q5_K: ("kquant.cuh", "q5_k.cuh"),
     Q.Q6_K: ("q6_k.cuh",),
+}
+FORMAT_DEFINES = {  # quant type -> the macros its headers read (float.cuh: a weight's size, bits, conversion)
+    Q.F32: {"FLOAT_BYTES": "4", "FLOAT_BITS": "u32", "TO_FLOAT": "__uint_as_float"},
+    Q.F16: {"FLOAT_BYTES": "2", "FLOAT_BITS": "u16", "TO_FLOAT": "half_to_float"},
+    Q.BF16: {"FLOAT_BYTES": "2", "FLOAT_BITS": "u16", "TO_FLOAT": "bf16_to_float"},
 }
 
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",
@@ -59,5 +64,6 @@ def module_source(name):
         files = ("common.cuh", "kv.cu")
     else:
         qtype = Q[name.removeprefix("matmul_").upper()]
+        prefix = "".join(f"#define {key} {value}\n" for key, value in FORMAT_DEFINES.get(qtype, {}).items())
         files = ("common.cuh", *FORMAT_HEADERS[qtype], "matmul.cu")
     return prefix + "\n".join(f"// ---- {f}\n" + (SRC / f).read_text() for f in files)
