@@ -2,9 +2,8 @@
 
 A dot loop reads four rows of a weight at once (four streams a quarter work item apart in long items,
 neighbouring rows in short ones: simd.row_streams) and prefetches n loop steps on, n = simd.PREFETCH_ROWS.
-The best n is the host's: on one core of the Intel Xeon VM 1 (Q4_K, Q6_K from DRAM), while the H200 host
-wanted a longer look-ahead when the rows were always neighbours (24 rows, 6 steps, for Q6_K;
-bench/results/vs_llamacpp_h200.md). `calibrate` times one thread's decode dot over the model's own
+The best n is the host's (a short look-ahead on some hosts, a long one on others where the rows are
+neighbours; bench/results/ has the timings). `calibrate` times one thread's decode dot over the model's own
 expert weights at each candidate and keeps the fastest, unless given a fixed n.
 
 Shape legend: E experts, R rows, B bytes per row, C columns.

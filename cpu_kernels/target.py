@@ -1,8 +1,8 @@
 """CPU controls that must be in place before Numba compiles anything.
 
-The ISA floor compiles for an older CPU than the one we run on (users run
-AVX-only Ivy Bridge Xeons; hybrid/config.py's isa_floor applies it). `NUMBA_CPU_NAME` alone is not a floor: LLVM keeps the
-host's features (FMA stays on), so the feature list is set explicitly as well.
+The ISA floor compiles for an older CPU than the one we run on (users run AVX-only Ivy Bridge
+Xeons; hybrid/config.py's isa_floor applies it). `NUMBA_CPU_NAME` alone is not a floor: LLVM keeps
+the host's features (FMA stays on), so the feature list is set explicitly as well.
 """
 import functools
 import logging

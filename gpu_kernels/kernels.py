@@ -22,18 +22,16 @@ MAX_THREADS = 256
 MATMUL_THREADS = 256  # common.cuh's MATMUL_THREADS: a matmul block, groups of `tpr` lanes each on its own rows
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
 LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
-# Per format (DECODE_ROWS, LANE_SLICES) of the one-token kernels where two H200 sweeps found better than
-# the default (bench/results/gpu_kernels.md, session 16): more rows a group or slices a lane keep more
-# loads in flight. BF16 is as fast at every tuning.
+# Per format (DECODE_ROWS, LANE_SLICES) of the one-token kernels where a sweep found better than the default
+# (bench/results/gpu_kernels.md): more rows a group or slices a lane keep more loads in flight. BF16 is as fast
+# at every tuning.
 DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), Q.Q5_K: (2, 8), Q.Q6_K: (2, 4)}
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
 ACT_QUANTS = ("int16", "float", "int8")  # the act_quant setting's values (cpu_kernels.act_quant)
-# Formats whose one-token matmuls take x as int16 with act_quant unset ("auto"): where that measured faster
-# than float x, which is every format with an integer dot (H100, bench/results/gpu_kernels.md, session 24, blocks
-# walking runs of rows: Q4_K 73 % of the copy bandwidth against 53 %, Q8_0 76 against 73, Q6_K 68 against 55, Q5_K 71
-# against 52, Q4_0 67 against 54).
+# Formats whose one-token matmuls take x as int16 with act_quant unset ("auto"): where that is faster than float
+# x, which is every format with an integer dot (bench/results/gpu_kernels.md).
 GPU_INT16_FORMATS = INT_DECODE
 # AMD chips that do a 4-byte integer dot in one instruction besides RDNA3 and 4 (gfx11*, gfx12*): common.cuh's
 # AMD_DOT4. The others take four products a dot, and there "auto" gives float x (tests/gpu_kernels/test_compile_hip.py

@@ -108,86 +108,86 @@ def text(value):
     return value
 
 
-def setting(default, parse, help, env=None, flag=None, group="engine"):
+def setting(default, parse, help, env=None, flag=None):
     """A field of EngineConfig: `parse` turns env text or a given value into the setting (None stays None:
-    unset), raising argparse.ArgumentTypeError with what was expected; `group`: the README table it is in."""
-    return field(default=default, metadata=dict(parse=parse, help=help, env=env, flag=flag, group=group))
+    unset), raising argparse.ArgumentTypeError with what was expected."""
+    return field(default=default, metadata=dict(parse=parse, help=help, env=env, flag=flag))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The engine's settings (None: the part's own default, said in the help)."""
+    """The engine's settings (None: the part's own default, said in the help). EngineConfig(...) holds the
+    defaults and the values given; EngineConfig.resolve(...) adds the environment."""
 
     # where and how big
     device: str = setting("cpu", choice(*DEVICES), "where the model runs: auto (the GPU when usable, else the CPU), "
-                          "gpu, cpu (default cpu; the CLI's default is auto)", flag="--device", group="gpu")
+                          "gpu, cpu (default cpu; the CLI's default is auto)", flag="--device")
     max_context: int = setting(None, integer(1), "context limit per sequence (default: the model's; more is an "
-                               "error)", env="STRATA_MAX_CONTEXT", flag="--max-context", group="engine")
+                               "error)", env="STRATA_MAX_CONTEXT", flag="--max-context")
     kv_sequences: int = setting(1, integer(1), "sequences whose KV the memory holds (the server's --parallel)")
     kv: str = setting("f32", choice(*KV_DTYPES), "KV cache encoding: f32 (exact), f16 / bf16 (half the bytes, "
                       "~1e-3 / ~1e-2 off), int8 with per-token, per-head scales (a quarter, ~1e-2 off)",
-                      flag="--kv", group="engine")
+                      flag="--kv")
     # CPU
     threads: int = setting(None, integer(1), "Numba worker threads (default: all cores)", env="STRATA_THREADS",
-                           flag="--threads", group="cpu")
+                           flag="--threads")
     isa_floor: str = setting("native", choice(*ISA_FLOORS, fold=True), "compile kernels for an older CPU than this "
                              "one (e.g. avx for Ivy Bridge Xeons); applied when hybrid is imported",
-                             env="STRATA_ISA_FLOOR", group="cpu")
+                             env="STRATA_ISA_FLOOR")
     act_quant: str = setting(None, choice(*ACT_QUANTS, fold=True), "how matmuls of quantized weights multiply: "
                              "int16 (CPU default), float or int8 (default: int16 on the CPU, auto on the GPU)",
-                             env="STRATA_ACT_QUANT", group="cpu")
+                             env="STRATA_ACT_QUANT")
     prefetch_rows: int = setting(None, integer(0, 1024), "rows ahead the decode dots prefetch (default: timed at "
-                                 "start-up)", env="STRATA_PREFETCH_ROWS", group="cpu")
+                                 "start-up)", env="STRATA_PREFETCH_ROWS")
     compiled_decode: bool = setting(True, switch, "CPU decode layers as one compiled call each (1) or op by op (0)",
-                                    env="STRATA_COMPILED_DECODE", group="cpu")
+                                    env="STRATA_COMPILED_DECODE")
     fused_decode: bool = setting(None, switch, "a compiled decode layer as one parallel region (1) or a region "
-                                 "per op (0) (default: 1 from 2 threads on)", env="STRATA_FUSED_DECODE", group="cpu")
+                                 "per op (0) (default: 1 from 2 threads on)", env="STRATA_FUSED_DECODE")
     cache_dir: str = setting(None, text, "where the demo model is cached (default ~/.cache/strata)",
-                             env="STRATA_CACHE_DIR", group="cpu")
+                             env="STRATA_CACHE_DIR")
     # GPU
     expert_cache_mib: float = setting(None, mib_or_auto, "VRAM for resident experts (default auto: all that is "
-                                      "left)", flag="--expert-cache-mib", group="gpu")
+                                      "left)", flag="--expert-cache-mib")
     vram_reserve_mib: float = setting(DEFAULT_RESERVE_MIB, number(0), f"VRAM left free as headroom (default "
-                                      f"{DEFAULT_RESERVE_MIB})", flag="--vram-reserve-mib", group="gpu")
+                                      f"{DEFAULT_RESERVE_MIB})", flag="--vram-reserve-mib")
     expert_cache: str = setting("auto", choice(*EXPERT_CACHE_MODES), "auto: the experts of --placement, or planned "
                                 "from --profile, or the cache filled layer by layer; dynamic: swap experts while "
-                                "serving (default auto)", flag="--expert-cache", group="gpu")
+                                "serving (default auto)", flag="--expert-cache")
     prefill_borrow: bool = setting(True, switch, "large prompt chunks may copy non-resident experts to the GPU",
-                                   flag="--no-prefill-borrow", group="gpu")
+                                   flag="--no-prefill-borrow")
     kv_resident: int = setting(None, integer(1), "GPU: only the newest N tokens of each slot's KV in VRAM, the "
-                               "older ones in pinned RAM (default: all in VRAM)", flag="--kv-resident", group="gpu")
+                               "older ones in pinned RAM (default: all in VRAM)", flag="--kv-resident")
     kv_host_attention: str = setting("gpu", choice(*KV_HOST_ATTENTION), "with --kv-resident: who attends the KV in "
-                                     "RAM: gpu (copied layer by layer, default) or cpu", flag="--kv-host-attention",
-                                     group="gpu")
+                                     "RAM: gpu (copied layer by layer, default) or cpu", flag="--kv-host-attention")
     decode_relay: bool = setting(True, switch, "a decode token's CPU experts handed over through mapped host memory "
-                                 "(1) or run by the serving thread (0)", env="STRATA_DECODE_RELAY", group="gpu")
+                                 "(1) or run by the serving thread (0)", env="STRATA_DECODE_RELAY")
     relay_tokens: int = setting(1, integer(1), "decode steps of up to N tokens go through the relay",
-                                env="STRATA_DECODE_RELAY_TOKENS", group="gpu")
+                                env="STRATA_DECODE_RELAY_TOKENS")
     relay_threads: int = setting(None, integer(1), "Numba threads of the relay worker's CPU experts (default: "
-                                 "--threads)", env="STRATA_RELAY_THREADS", group="gpu")
+                                 "--threads)", env="STRATA_RELAY_THREADS")
     prefill_cpu_share: float = setting(None, number(0, 1), "share of a prompt chunk's expert work kept on the CPU "
-                                       "(default: from the cost model)", env="STRATA_PREFILL_CPU_SHARE", group="gpu")
+                                       "(default: from the cost model)", env="STRATA_PREFILL_CPU_SHARE")
     decode_graphs: bool = setting(True, switch, "a decode token's expert launches as one captured graph (1) or one "
-                                  "by one (0)", env="STRATA_DECODE_GRAPHS", group="gpu")
+                                  "by one (0)", env="STRATA_DECODE_GRAPHS")
     dense_graphs: bool = setting(True, switch, "a decode layer's dense launches as two captured graphs (1) or one "
-                                 "by one (0)", env="STRATA_DENSE_GRAPHS", group="gpu")
+                                 "by one (0)", env="STRATA_DENSE_GRAPHS")
     # server
     model: str = setting(None, text, "GGUF file or HF safetensors directory (default: the built-in demo model)",
-                         env="STRATA_MODEL", flag="--model", group="server")
+                         env="STRATA_MODEL", flag="--model")
     parallel: int = setting(1, integer(1), "slots: requests served at once", env="STRATA_PARALLEL",
-                            flag="--parallel", group="server")
+                            flag="--parallel")
     max_queue: int = setting(None, integer(1), "waiting requests beyond which the server answers 429 (default 16 "
-                             "per slot)", env="STRATA_MAX_QUEUE", flag="--max-queue", group="server")
+                             "per slot)", env="STRATA_MAX_QUEUE", flag="--max-queue")
     decode_share: float = setting(DEFAULT_DECODE_SHARE, number(0, 1, low_open=True), "share of a decoding slot's "
                                   "rate kept while another slot reads a prompt", env="STRATA_BATCH_DECODE_SHARE",
-                                  flag="--decode-share", group="server")
+                                  flag="--decode-share")
     api_key: str = setting(None, text, "require 'Authorization: Bearer KEY' on /v1", env="STRATA_API_KEY",
-                           flag="--api-key", group="server")
+                           flag="--api-key")
     # placement planner (`strata plan`)
     cpu_gbps: float = setting(DEFAULT_CPU_GBPS, number(0, low_open=True), "CPU expert bandwidth in GB/s (measured)",
-                              env="STRATA_CPU_GBPS", flag="--cpu-gbps", group="plan")
+                              env="STRATA_CPU_GBPS", flag="--cpu-gbps")
     gpu_gbps: float = setting(DEFAULT_GPU_GBPS, number(0, low_open=True), "GPU memory bandwidth in GB/s",
-                              env="STRATA_GPU_GBPS", flag="--gpu-gbps", group="plan")
+                              env="STRATA_GPU_GBPS", flag="--gpu-gbps")
 
     def __post_init__(self):
         for f in fields(self):

@@ -90,6 +90,7 @@ def test_threads_that_start_later_take_the_chosen_count():
     from concurrent.futures import ThreadPoolExecutor
 
     from cpu_kernels import target
+    from hybrid.backends import CpuBackend
     from hybrid.moe import ExpertSplit
 
     if numba.config.NUMBA_NUM_THREADS < 2:
@@ -99,8 +100,8 @@ def test_threads_that_start_later_take_the_chosen_count():
         set_threads(1)
         with ThreadPoolExecutor(1) as plain:
             assert plain.submit(numba.get_num_threads).result() == numba.config.NUMBA_NUM_THREADS  # Numba's default
-        split = ExpertSplit(host=None, resident=np.zeros((1, 4), dtype=bool))
-        assert split._pool.submit(numba.get_num_threads).result() == 1
+        split = ExpertSplit(host=CpuBackend(), resident=np.zeros((1, 4), dtype=bool))
+        assert split.host_side._pool.submit(numba.get_num_threads).result() == 1
     finally:
         target._chosen_threads = None
         numba.set_num_threads(before)
