@@ -12,7 +12,6 @@ worker's items), next to the layer's wall time seen from Python and the step's t
 Prints a markdown table.
 """
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,25 +37,26 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--steps", type=int, default=64)
     args = p.parse_args(argv)
-    os.environ["STRATA_FUSED_DECODE"] = "1"
-    model = LLM(args.model, device="cpu", threads=args.threads, max_context=512).model
+    model = LLM(args.model, device="cpu", threads=args.threads, max_context=512, fused_decode=True).model
     backend = model.backend
     rng = np.random.default_rng(0)
-    layer_seconds = []
-    plain = backend.decode_layer
+    layer_seconds, captured = [], []
 
-    def timed_layer(*a, **k):
-        if not captured:
-            captured.append((a, k))
-        start = time.perf_counter()
-        out = plain(*a, **k)
-        layer_seconds.append(time.perf_counter() - start)
-        return out
-
-    backend.decode_layer = timed_layer
-    captured = []
+    def timed(fn):
+        def call(*a):
+            if not captured:
+                captured.append(a)
+            start = time.perf_counter()
+            out = fn(*a)
+            layer_seconds.append(time.perf_counter() - start)
+            return out
+        call.__wrapped__ = fn
+        return call
 
     decode_seconds(model, rng, 16)  # compile and warm
+    for plan in model.runner.plans.values():  # each layer's fused call, timed
+        fn, fixed = plan.fused_call
+        plan.fused_call = (timed(fn), fixed)
     workers = numba.get_num_threads()
     backend.stage_trace = np.zeros((workers, fused.TRACE_COLUMNS), dtype=np.int64)
     layer_seconds.clear()
@@ -87,30 +87,24 @@ def main(argv=None):
           f"in the stages, {whole - start - inside:.1f} after (the region's join); {layer_wall - whole:.1f} calling it "
           f"(Numba's dispatch, the arguments' unboxing).")
     print(f"\nThe call from Python, us (median of {CALLS} calls of layer 0 on a fixed input): "
-          + ", ".join(f"{name} {us:.1f}" for name, us in call_costs(backend, plain, *captured[0]).items()))
+          + ", ".join(f"{name} {us:.1f}" for name, us in call_costs(model.runner.plans[0], captured[0]).items()))
 
 
 CALLS = 200
 
 
-def call_costs(backend, decode_layer, args, kwargs):
-    """us per call: CpuBackend.decode_layer (its Python, then the fused call), the fused instance called
-    directly, and a compiled function that takes the same arguments and does nothing (Numba's dispatch)."""
-    backend.stage_trace = np.zeros((0, 0), dtype=np.int64)
-    layer, x, step = args
-    plan = backend._plans[layer.index]
-    fn, fixed = plan.fused()
-    work = backend._fused_work(plan, x.shape[0], numba.get_num_threads())
-    full = (x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, backend.act_quant,
-            backend.stage_trace, work) + tuple(fixed)
+def call_costs(plan, full):
+    """us per call: the fused instance called directly, and a compiled function that takes the same arguments
+    and does nothing (Numba's dispatch); full: a call's arguments."""
+    fn, _ = plan.fused_call
+    full = full[:7] + (np.zeros((0, 0), dtype=np.int64),) + full[8:]  # no stage trace
     nothing = numba.njit(lambda *a: 0)
 
     def median_us(call):
         return 1e6 * median_seconds(call, CALLS)
 
-    rest = full[1:]  # each call gets a fresh copy of x (the layer adds to it in place)
-    return {"decode_layer": median_us(lambda: decode_layer(layer, x.copy(), step)),
-            "the fused instance": median_us(lambda: fn(x.copy(), *rest)),
+    x, rest = full[0], full[1:]  # each call gets a fresh copy of x (the layer adds to it in place)
+    return {"the fused instance": median_us(lambda: fn.__wrapped__(x.copy(), *rest)),
             "an empty function of the same arguments": median_us(lambda: nothing(x.copy(), *rest))}
 
 

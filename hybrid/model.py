@@ -1,18 +1,17 @@
-"""The forward pass: embeddings -> layers (attention block, MoE block) -> head.
+"""The forward pass: embeddings -> layers (the family's layer recipe, through the model's runner) -> head.
 
 Only calls kernels through a backend. Shape legend: T tokens, H hidden, V vocab.
 """
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from .arch import ARCHS
-from .backends.cpu_decode import DecodeStep
-from .blocks import attention_block
 from .kv_store import KV_DTYPES
-from .moe import ExpertSplit, moe_block
+from .moe import ExpertSplit
+from .runners import choose_runner
+from .weight_formats import dequantize
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ def _layer_weights(weights, index):
 
     def vec(suffix):
         tensor = t(suffix)
-        return None if tensor is None else np.ascontiguousarray(tensor.dequantize())
+        return None if tensor is None else np.ascontiguousarray(dequantize(tensor))
 
     return LayerWeights(
         index=index, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -64,19 +63,15 @@ def _layer_weights(weights, index):
     )
 
 
-def compiled_decode_from_env():
-    """STRATA_COMPILED_DECODE: 1 (default) runs CPU decode layers as one compiled call each, 0 op by op."""
-    value = os.environ.get("STRATA_COMPILED_DECODE", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"STRATA_COMPILED_DECODE={value!r}: expected 0 or 1")
-    return value == "1"
-
-
 class Model:
     """host: with a device backend, the backend that runs the non-resident experts (hybrid MoE).
-    kv_tokens: KV positions the pool is first made for (all sequences together; a host pool grows past it)."""
+    kv_tokens: KV positions the pool is first made for (all sequences together; a host pool grows past it).
+    compiled_decode: decode layers as one compiled call each where the backend has them (the CPU's).
+    split: the hybrid MoE's SplitSettings (None: the defaults).
+    runner: how the layers run (hybrid/runners.py), chosen here."""
 
-    def __init__(self, weights, backend, host=None, kv_dtype="f32", kv_tokens=None):
+    def __init__(self, weights, backend, host=None, kv_dtype="f32", kv_tokens=None, compiled_decode=True,
+                 split=None):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"KV dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.weights = weights
@@ -86,15 +81,15 @@ class Model:
         self.backend = backend
         self.layers = [_layer_weights(weights, i) for i in range(self.config.num_layers)]
         self.token_embd = weights["token_embd.weight"]
-        self.output_norm = np.ascontiguousarray(weights["output_norm.weight"].dequantize())
+        self.output_norm = np.ascontiguousarray(dequantize(weights["output_norm.weight"]))
         tied = self.config.tie_word_embeddings
         self.output = self.token_embd if tied else weights["output.weight"]
         if host is not None:
             host.place(self)  # first: the host's weight copies (CPU experts) are what the device uploads from
-        backend.place(self)
-        self.split = None if host is None else ExpertSplit(host, backend.resident)
+        backend.place(self, host)
+        self.split = None if host is None else ExpertSplit(host, backend.resident, split)
         if self.split is not None:
-            log.info("hybrid MoE: %d of %d experts resident; a decode token's CPU experts %s (STRATA_DECODE_RELAY)",
+            log.info("hybrid MoE: %d of %d experts resident; a decode token's CPU experts %s (decode_relay)",
                      self.split.resident.sum(), self.split.resident.size,
                      "handed over through mapped memory" if self.split.decode_relay else "run by the serving thread")
         c = self.config
@@ -102,7 +97,7 @@ class Model:
                                            kv_tokens or c.context_length)
         self.usage = None  # an ExpertUsage (hybrid/expert_usage.py) to record each layer's routing
         self.residency = None  # a dynamic expert cache (placement/dynamic.py), told after each step's layers
-        self.compiled_decode = compiled_decode_from_env()  # decode layers as one compiled call each where possible
+        self.compiled_decode = compiled_decode  # chooses self.runner
 
     def close(self):
         """Stop the threads of the hybrid MoE step (its host-experts pool and decode relay worker)."""
@@ -112,15 +107,15 @@ class Model:
     def new_sequence(self, max_tokens=None):
         return self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)
 
-    def _compiled_decode(self, batch):
-        """Whether this step's layers run as one compiled call each (hybrid/backends/cpu_decode.py): a
-        backend that has them, no expert split, the layer recipe those calls implement, and a batch of
-        one-token chunks whose sequences share one float32 KV pool."""
-        pools = {id(c.kv.pool) for c in batch.chunks}
-        return (self.compiled_decode and hasattr(self.backend, "decode_layer") and self.split is None
-                and len(pools) == 1 and batch.chunks[0].kv.pool.dtype == "f32"
-                and self.spec.attention.rope == "neox" and self.spec.moe.gating == "softmax"
-                and all(len(c.token_ids) == 1 for c in batch.chunks))
+    @property
+    def compiled_decode(self):
+        return self._compiled_decode
+
+    @compiled_decode.setter
+    def compiled_decode(self, on):
+        """Chooses the runner again: compiled layers or op by op."""
+        self._compiled_decode = bool(on)
+        self.runner = choose_runner(self.spec.recipe, self.backend, self._compiled_decode, self.split)
 
     def forward(self, batch):
         """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache."""
@@ -132,22 +127,7 @@ class Model:
             self.usage.begin(batch)
         if self.split is not None:
             self.split.begin_step()
-        if self._compiled_decode(batch):
-            step = DecodeStep(batch)
-            for layer in self.layers:
-                ids = be.decode_layer(layer, x, step)  # [T, K]
-                if self.usage is not None:
-                    self.usage.record(layer.index, ids)
-        elif hasattr(be, "graphs_decode") and be.graphs_decode(batch):
-            x = be.begin_graphed_step(x, batch.positions)  # [1, H], the fixed buffer the layers' graphs read
-            for layer in self.layers:
-                be.graphed_decode_layer(self.spec, layer, x, batch, eps, self.split, self.usage)
-        else:
-            for layer in self.layers:
-                h = be.rmsnorm(x, layer.attn_norm, eps)
-                be.add_into(x, attention_block(be, self.spec.attention, layer, h, batch))
-                h = be.rmsnorm(x, layer.ffn_norm, eps)
-                be.add_into(x, moe_block(be, self.spec.moe, layer, h, self.split, self.usage))
+        x = self.runner.run(self, x, batch)  # [T, H]
         if self.split is not None:
             self.split.wait_host()
         if len(batch.logit_rows) == 0:

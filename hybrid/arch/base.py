@@ -1,12 +1,12 @@
 """What an architecture family declares: its names, its hyper-parameters and its layer recipe.
 
-The attention block and the MoE block are written once (hybrid/blocks.py,
-hybrid/moe.py); a family only says which variants it uses and how its files
-name things. Canonical tensor names are GGUF's (`blk.N.attn_q.weight`).
+The layer's parts are written once per runner (hybrid/arch/recipe.py); a family only picks them
+and says how its files name things. Canonical tensor names are GGUF's (`blk.N.attn_q.weight`).
 """
 from dataclasses import dataclass, field
 
 from ..errors import ModelError
+from .recipe import LayerRecipe
 
 # Per-layer tensors every MoE family here has: canonical suffix -> HF suffix.
 LAYER_TENSORS_HF = {
@@ -36,22 +36,10 @@ GLOBAL_TENSORS_HF = {
 
 
 @dataclass(frozen=True)
-class AttentionSpec:
-    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
-    rope: str = "neox"  # rotate halves of the head dim
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    gating: str = "softmax"  # softmax over all experts, then top-k
-
-
-@dataclass(frozen=True)
 class ArchSpec:
     name: str  # general.architecture in GGUF
     hf_model_types: tuple  # config.json model_type values
-    attention: AttentionSpec
-    moe: MoESpec
+    recipe: LayerRecipe
     config_from_gguf: object  # (fields, source, vocab_size, tie_word_embeddings) -> ModelConfig
     config_from_hf: object  # (config_json: dict, source: str) -> ModelConfig
     layer_tensors_hf: dict = field(default_factory=dict)

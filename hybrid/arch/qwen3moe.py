@@ -2,7 +2,8 @@
 q/k RMSNorm, NeoX RoPE, softmax top-k routing (norm_topk_prob), SwiGLU experts."""
 from ..errors import ModelError
 from ..formats.weights import ModelConfig
-from .base import LAYER_TENSORS_HF, QK_NORM_TENSORS_HF, ArchSpec, AttentionSpec, MoESpec, require
+from .base import LAYER_TENSORS_HF, QK_NORM_TENSORS_HF, ArchSpec, require
+from .recipe import Block, FullAttention, LayerRecipe, MoE, SoftmaxTopK, SwiGLU
 
 NAME = "qwen3moe"
 
@@ -77,8 +78,8 @@ def config_from_hf(cfg, source):
 SPEC = ArchSpec(
     name=NAME,
     hf_model_types=("qwen3_moe",),
-    attention=AttentionSpec(qk_norm=True, rope="neox"),
-    moe=MoESpec(gating="softmax"),
+    recipe=LayerRecipe(mixer=Block("attn_norm", FullAttention(qk_norm=True, rope="neox")),
+                       ffn=Block("ffn_norm", MoE(router=SoftmaxTopK(), experts=SwiGLU()))),
     config_from_gguf=config_from_gguf,
     config_from_hf=config_from_hf,
     layer_tensors_hf={**LAYER_TENSORS_HF, **QK_NORM_TENSORS_HF},

@@ -3,18 +3,16 @@
 With one thread, small ops (one decode token's norm, rope, routing, combine, its attention
 projections) run as the serial twins of their kernels: no parallel region to open. With more
 threads every op runs parallel: serial stretches between the regions let the pool's threads fall
-asleep, and waking them cost more than the small ops gained (2 threads, Q4_K_M decode: 31 -> 40
-tok/s with the twins off; bench/results/vs_llamacpp_xeon.md). Tiny ops (a few thousand values: one
-token's norms, rope, routing, combine) run serially at any thread count: they take ~1-4 us, far
-inside the pool's spin time, while a region cost ~15-30 us at 16 threads (H200 host profile,
-bench/results/vs_llamacpp_h200.md). A layer's experts run as two
-parallel regions, gate and up together, then down.
+asleep, and waking them costs more than the small ops gain. Tiny ops (a few thousand values: one
+token's norms, rope, routing, combine) run serially at any thread count (cpu_thresholds.py says
+why). A layer's experts run as two parallel regions, gate and up together, then down. Decode steps'
+layers run as one compiled call each (the runner of cpu_layer.py).
 
 The weights are read from copies in huge pages, not from the mapped file (`place`). The hot path
 calls the format kernels directly: each weight's raw bytes are checked once (`_WeightKernels`,
-cached per weight), the activations, groups and outputs are the backend's own, and
-STRATA_ACT_QUANT is read once per backend (at its first weight), so a call pays for the Numba
-dispatch alone.
+cached per weight), the activations, groups and outputs are the backend's own, and the act_quant
+setting becomes the kernels' code once per backend (at its first weight), so a call pays for the
+Numba dispatch alone.
 
 Shape legend: T tokens, H hidden, R output rows, C input columns, nH heads,
 D head dim, E experts, K top-k, N (token, expert) pairs, F expert FFN width.
@@ -28,29 +26,23 @@ import numba
 import numpy as np
 from tqdm import tqdm
 
-from cpu_kernels import activation, attention, format_for, is_supported, moe_combine, prefetch, rmsnorm, rope, routing
+from cpu_kernels import activation, attention, moe_combine, prefetch, rmsnorm, rope, routing
+from cpu_kernels.formats import format_for, is_supported
 from cpu_kernels.act_quant import act_quant_code
 from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
-from ..blocks import separate_projections
 from ..host_memory import huge_page_copy
 from ..kv_cache import KVPool, SequenceKV, blocks_for
 from ..warm_up import compile_notice
-from .base import Capabilities
+from .base import Capabilities, separate_projections
+from .cpu_layer import compiled_runner
+from .cpu_thresholds import (SERIAL_MAX_ATTENTION, SERIAL_MAX_ELEMENTS, SERIAL_MAX_WEIGHT_BYTES, TINY_MAX_ATTENTION,
+                             TINY_MAX_ELEMENTS)
 
 log = logging.getLogger(__name__)
 
 COPY_MAX_FREE_SHARE = 0.5  # file-mapped weights are copied while they take at most this share of the free memory
 PROGRESS_MIN_BYTES = 1 << 30  # copies of at least this many bytes show a progress bar
-# With one thread (only then), ops at most this big run as serial twins:
-SERIAL_MAX_ELEMENTS = 1 << 15  # elementwise ops on at most this many values
-SERIAL_MAX_ATTENTION = 1 << 20  # attention of at most this many query-key-dim products
-SERIAL_MAX_WEIGHT_BYTES = 1 << 20  # a one-token matvec over at most this many weight bytes
-# At any thread count, ops this small run serially: opening a parallel region costs more than the op.
-TINY_MAX_ELEMENTS = 1 << 14  # elementwise ops on at most this many values
-TINY_MAX_ATTENTION = 1 << 15  # attention of at most this many query-key-dim products
-FUSED_MIN_THREADS = 2  # from this many threads a compiled decode layer runs as one parallel region
-FUSED_WORK_KEPT = 4  # batch sizes whose fused-layer work arrays stay allocated
 
 
 def _available_bytes():
@@ -94,14 +86,6 @@ class _Scratch:
         return buf[:size].reshape(shape)
 
 
-class _StepSettings:
-    """What a compiled decode step decides once for all its layers (CpuBackend.decode_layer)."""
-
-    def __init__(self, threads, fused):
-        self.threads, self.fused = threads, fused
-        self.works = {}  # LayerPlan.shapes: the fused layers' work arrays for this step's batch and threads
-
-
 def expert_work_bytes(num_tokens, top_k, hidden, width):
     """Bytes of one thread's reused expert work arrays (_Scratch) after a step of num_tokens tokens:
     xs and down [N, H], gate and up [N, F] float32, N = num_tokens * top_k pairs."""
@@ -109,18 +93,28 @@ def expert_work_bytes(num_tokens, top_k, hidden, width):
 
 
 class CpuBackend:
+    """fused_decode: compiled decode layers as one parallel region each (cpu_decode_fused.py): True / False
+    forces it on / off, None: from cpu_layer.FUSED_MIN_THREADS threads on. act_quant: how decode dots round
+    the activations (cpu_kernels.act_quant's names; None: its default)."""
+
     name = "cpu"
     capabilities = Capabilities(compiled_decode_layer=True, decode_relay_host=True, host_decode_experts=True,
                                 parallel_min_tokens=True)
 
-    act_quant = None  # the kernels' act_quant code, from STRATA_ACT_QUANT at the first weight's use
+    fused_decode = None
+    act_quant_name = None
+    prefetch_rows = None
+    act_quant = None  # the kernels' act_quant code, from act_quant_name at the first weight's use
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
     _local = None  # per thread: the _Scratch of grouped_experts
-    _plans = None  # layer index: cpu_decode.LayerPlan, made at the layer's first decode step
     _host_plans = None  # layer index: cpu_host_experts.HostExpertsPlan, made at the layer's first hybrid decode step
     # int64 [W, cpu_decode_fused.TRACE_COLUMNS]: ticks each worker of a fused decode layer spends per stage,
     # summed over calls (fused_template; bench/fused_stages.py sets it); zero rows: not profiled
     stage_trace = np.zeros((0, 0), dtype=np.int64)
+
+    def __init__(self, fused_decode=None, act_quant=None, prefetch_rows=None):
+        self.fused_decode, self.act_quant_name = fused_decode, act_quant
+        self.prefetch_rows = prefetch_rows  # the decode prefetch distance; None: timed at place()
 
     def _scratch(self):
         """The calling thread's work arrays (see _Scratch)."""
@@ -133,7 +127,7 @@ class CpuBackend:
 
     def _kernels_of(self, weight):
         if self._kernels is None:
-            self._kernels, self.act_quant = {}, act_quant_code(None)
+            self._kernels, self.act_quant = {}, act_quant_code(self.act_quant_name)
         found = self._kernels.get(id(weight))
         if found is None or found.weight is not weight or found.raw is not weight.raw:  # new, or raw replaced
             found = self._kernels[id(weight)] = _WeightKernels(weight)
@@ -159,7 +153,7 @@ class CpuBackend:
                     bar.update(tensor.raw.nbytes)
         experts = [t for name, t in model.weights.tensors.items() if name.endswith("_exps.weight")]
         with compile_notice("timing the decode prefetch distance"):
-            prefetch.calibrate([t for t in experts if is_supported(t.qtype)])
+            prefetch.calibrate([t for t in experts if is_supported(t.qtype)], rows=self.prefetch_rows)
 
     def parallel_min_tokens(self, config):
         """The fewest tokens of a prompt chunk with which every op of a step takes its parallel kernel
@@ -203,47 +197,13 @@ class CpuBackend:
             kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), self.act_quant)
         return out
 
-    def decode_layer(self, layer, x, step):
-        """x [T, H] += the whole layer for a decode batch (step: cpu_decode.DecodeStep), in one compiled call
-        (hybrid/backends/cpu_decode.py); returns the routing ids int64 [T, K]. The choices that hold for the
-        whole step (thread count, fused or not, the fused layers' work arrays) are made at its first layer:
-        between two layers the interpreter runs with its data evicted by the layer before, ~4x slower than
-        warm, so each layer's own Python is kept to a lookup and the call."""
-        if self._plans is None:
-            self._plans = {}
-        plan = self._plans.get(layer.index)
-        if plan is None or not plan.current(layer):
-            from .cpu_decode import LayerPlan
+    def layer_runner(self, recipe, plain):
+        """The compiled decode layers' runner (cpu_layer.py), or `plain` for a recipe they do not implement."""
+        return compiled_runner(self, recipe, plain)
 
-            plan = self._plans[layer.index] = LayerPlan(self, layer)  # (its weights' kernels set act_quant)
-        settings = step.settings
-        if settings is None:
-            threads = numba.get_num_threads()
-            settings = step.settings = _StepSettings(threads, _fused_decode(threads))
-        if settings.fused:
-            work = settings.works.get(plan.shapes)
-            if work is None:
-                work = settings.works[plan.shapes] = self._fused_work(plan, x.shape[0], settings.threads)
-            fn, args = plan.fused()
-            return fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, self.act_quant,
-                      self.stage_trace, work, *args)
-        return plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, settings.threads == 1,
-                       self.act_quant, *plan.args)
-
-    def _fused_work(self, plan, num_tokens, threads):
-        """The fused layer's work arrays for the plan's layer shapes, this batch size and thread count (kept
-        per thread; the FUSED_WORK_KEPT most recently used sets)."""
-        from .cpu_decode_fused import new_work
-
-        key = (plan.shapes, num_tokens, threads)
-        kept = self._scratch().fused_work
-        work = kept.pop(key, None)
-        if work is None:
-            work = new_work(plan.layer, num_tokens, threads)
-            while len(kept) >= FUSED_WORK_KEPT:
-                kept.pop(next(iter(kept)))
-        kept[key] = work
-        return work
+    def empty(self, shape):
+        """A float32 work array of `shape`, contents undefined."""
+        return np.empty(shape, dtype=np.float32)
 
     def embed(self, weight, token_ids):
         rows = np.ascontiguousarray(weight.raw[token_ids])  # [T, B]
@@ -376,15 +336,6 @@ def _small_or_parallel(num_elements, serial, parallel):
 def _small(work, tiny_max, one_thread_max):
     """Whether an op of `work` runs as its serial twin: when tiny, or small and on one thread."""
     return work <= tiny_max or (work <= one_thread_max and _one_thread())
-
-
-def _fused_decode(threads):
-    """Whether a decode layer runs as one parallel region (cpu_decode_fused): STRATA_FUSED_DECODE=1 / 0, else
-    from FUSED_MIN_THREADS threads on."""
-    forced = os.environ.get("STRATA_FUSED_DECODE", "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"STRATA_FUSED_DECODE={forced}: expected 0 or 1")
-    return forced == "1" if forced else threads >= FUSED_MIN_THREADS
 
 
 def _one_thread():

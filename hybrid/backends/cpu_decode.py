@@ -1,25 +1,28 @@
-"""A decode step's layer as one compiled call on the CPU backend.
+"""A decode step's layer as one compiled call on the CPU backend, composed from per-part functions.
 
 Op by op, a decode layer is ~30 backend calls (norms, five linears, rope, KV write, attention,
-routing, the experts), each paying Python and Numba's dispatch. At 2 threads on the Xeon VM
-that was ~10 % of a Q4_K_M step (bench/results/vs_llamacpp_xeon.md, session 16). Here the same
-kernels run in the same order, with the same serial / parallel choices, from one compiled
-function a layer. The results are bit-identical with the op-by-op path, and the GIL stays
-released for the whole layer.
+routing, the experts), each paying Python and Numba's dispatch. Here the same kernels run in the
+same order, with the same serial / parallel choices, from one compiled function a layer. The
+results are bit-identical with the op-by-op path, and the GIL stays released for the whole layer.
 
-The function is made per combination of weight formats. A template's globals name the
-kernels (Q_PAR, Q_SER, ...), and each combination gets a copy of the template with its own
-globals and its own name, so Numba caches each apart (cpu_kernels.twins.renamed_copy).
+The layer (layer_template) calls its two blocks' part functions (MIXER, FFN), each a block of the
+layer recipe (hybrid/arch/recipe.py): norm, part, residual add. COMPILED_PARTS maps each part type
+to its compiled implementation: `takes(part)` says which variants it runs (declared, checked when
+the runner is chosen), `make(backend, layer, block)` gives the part's function and its arguments. A
+MoE block's router and experts are parts too (ROUTE, MIXTURE). Templates' globals name the kernels
+and parts (Q_PAR, MIXER, ...), and each combination gets a copy of the template with its own globals
+and its own name, so Numba caches each apart (cpu_kernels.twins.renamed_copy). The templates live in
+this one file: Numba's cache of a caller does not see a change in a callee's file.
 
-It covers batches of one-token chunks (decode), float32 KV and families whose attention is
-GQA with NeoX RoPE and optional q/k norms, and softmax top-k routing. Anything else takes the
-op-by-op path.
+It covers batches of one-token chunks (decode) and float32 KV. Anything else takes the op-by-op path.
 
 Shape legend: T tokens (one a sequence), H hidden, Hq / Hkv query / kv heads, D head dim,
 E experts, K top-k, N pairs, F expert width, L layers, NB pool blocks, BT positions a block,
 nb blocks of a sequence.
 """
 import operator
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from numba import njit
@@ -27,9 +30,11 @@ from numba import njit
 from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing
 from cpu_kernels.twins import renamed_copy
 
-# The op-by-op path's thresholds (hybrid/backends/cpu.py), the same choices here.
-from .cpu import (SERIAL_MAX_ATTENTION, SERIAL_MAX_ELEMENTS, SERIAL_MAX_WEIGHT_BYTES, TINY_MAX_ATTENTION,
-                  TINY_MAX_ELEMENTS)
+from ..arch.recipe import FullAttention, MoE, SoftmaxTopK, SwiGLU
+
+# The op-by-op path's thresholds, the same choices here.
+from .cpu_thresholds import (SERIAL_MAX_ATTENTION, SERIAL_MAX_ELEMENTS, SERIAL_MAX_WEIGHT_BYTES, TINY_MAX_ATTENTION,
+                             TINY_MAX_ELEMENTS)
 
 NO_NORM = np.ones(1, dtype=np.float32)  # the q/k norm weight of families without one
 _INSTANCES = {}  # (template name, suffix) -> compiled instance
@@ -81,35 +86,43 @@ def _rope(x, positions, theta, one_thread):
         rope.rope_neox(x, positions, theta, x)
 
 
-def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant,
-                   attn_norm, ffn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim,
-                   q_raws, k_raws, v_raws, o_raws, r_raws, gu_raws, d_raws, top_k, normalize, serial_linears):
-    """x [T, H] += attention block, then += MoE block, for T one-token chunks: token t at position
-    positions[t] of the sequence whose blocks are tables[t] (int32 [T, nb]); its K/V go to
-    k_pool / v_pool [L, NB, BT, Hkv, D] at layer_index. serial_linears: bool [5], whether the q, k, v, o
-    and router weights are small enough for their serial kernels on one thread. Returns the routing ids
-    int64 [T, K]. Sizes are arguments, never globals: an instance serves every model of its formats."""
+def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, mixer_args, ffn_args):
+    """x [T, H] += the mixer block (MIXER), then += the feed-forward block (FFN), for T one-token chunks: token t
+    at position positions[t] of the sequence whose blocks are tables[t] (int32 [T, nb]); K/V go to
+    k_pool / v_pool [L, NB, BT, Hkv, D] at layer_index. Returns the FFN block's routing ids int64 [T, K]. Sizes
+    are arguments, never globals: an instance serves every model of its formats."""
+    h = np.empty_like(x)  # [T, H]: a block's normed input
+    MIXER(x, h, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, mixer_args)  # noqa: F821
+    return FFN(x, h, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, ffn_args)  # noqa: F821
+
+
+# -- parts: fn(x, h, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, args) -> ids [T, K]
+# (a [T, 0] array for a part that does not route); x += the block, h is work space [T, H] -----------------
+
+def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, args):
+    """x += o_proj(attention(rope(norm_heads(q, k)), v)) of rmsnorm(x); serial[i]: whether the q, k, v and o
+    weights are small enough for their serial kernels on one thread."""
+    (norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim, q_raws, k_raws, v_raws, o_raws,
+     serial) = args
     num_tokens, hidden = x.shape
     one_token_serial = num_tokens == 1 and one_thread
     # built here, not module constants: Numba would pass those read-only, a second typing of every kernel
     one_expert = np.zeros(1, dtype=np.int64)  # [1]
     row_starts = np.array([0, num_tokens], dtype=np.int64)  # [2]: all tokens in one group
     no_lse = np.empty((0, 0), dtype=np.float32)
-    # attention block
-    h = np.empty_like(x)  # [T, H]
-    _rmsnorm(x, attn_norm, eps, h, one_thread)
+    _rmsnorm(x, norm, eps, h, one_thread)
     q = np.empty((num_tokens, num_heads * head_dim), dtype=np.float32)  # [T, Hq*D]
     k = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
     v = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
-    if one_token_serial and serial_linears[0]:
+    if one_token_serial and serial[0]:
         Q_SER(q_raws, h, one_expert, row_starts, (q,), act_quant)  # noqa: F821
     else:
         Q_PAR(q_raws, h, one_expert, row_starts, (q,), act_quant)  # noqa: F821
-    if one_token_serial and serial_linears[1]:
+    if one_token_serial and serial[1]:
         K_SER(k_raws, h, one_expert, row_starts, (k,), act_quant)  # noqa: F821
     else:
         K_PAR(k_raws, h, one_expert, row_starts, (k,), act_quant)  # noqa: F821
-    if one_token_serial and serial_linears[2]:
+    if one_token_serial and serial[2]:
         V_SER(v_raws, h, one_expert, row_starts, (v,), act_quant)  # noqa: F821
     else:
         V_PAR(v_raws, h, one_expert, row_starts, (v,), act_quant)  # noqa: F821
@@ -138,30 +151,46 @@ def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread
                                 no_lse, attention.NO_SCALES, attention.NO_SCALES)
     o = np.empty((num_tokens, hidden), dtype=np.float32)  # [T, H]
     att2 = att.reshape(num_tokens, num_heads * head_dim)
-    if one_token_serial and serial_linears[3]:
+    if one_token_serial and serial[3]:
         O_SER(o_raws, att2, one_expert, row_starts, (o,), act_quant)  # noqa: F821
     else:
         O_PAR(o_raws, att2, one_expert, row_starts, (o,), act_quant)  # noqa: F821
     x += o
-    # MoE block
-    _rmsnorm(x, ffn_norm, eps, h, one_thread)
+    return np.empty((num_tokens, 0), dtype=np.int64)
+
+
+def moe_template(x, h, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, args):
+    """x += the routed experts' weighted sum for rmsnorm(x): router logits (R_PAR / R_SER; serial: whether the
+    router weight is small enough for its serial kernel on one thread), the router part (ROUTE), the pairs
+    grouped by expert, the experts part (MIXTURE)."""
+    norm, eps, r_raws, gu_raws, d_raws, top_k, normalize, serial = args
+    num_tokens, hidden = x.shape
+    one_expert = np.zeros(1, dtype=np.int64)  # [1]
+    row_starts = np.array([0, num_tokens], dtype=np.int64)  # [2]
+    _rmsnorm(x, norm, eps, h, one_thread)
     num_experts = r_raws[0].shape[1]  # the router's rows
     logits = np.empty((num_tokens, num_experts), dtype=np.float32)  # [T, E]
-    if one_token_serial and serial_linears[4]:
+    if num_tokens == 1 and one_thread and serial:
         R_SER(r_raws, h, one_expert, row_starts, (logits,), act_quant)  # noqa: F821
     else:
         R_PAR(r_raws, h, one_expert, row_starts, (logits,), act_quant)  # noqa: F821
     ids = np.empty((num_tokens, top_k), dtype=np.int64)  # [T, K]
     weights = np.empty((num_tokens, top_k), dtype=np.float32)  # [T, K]
-    if _small(logits.size, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread):
-        routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
-    else:
-        routing.route_softmax_topk(logits, top_k, normalize, ids, weights)
+    ROUTE(logits, top_k, normalize, ids, weights, one_thread)  # noqa: F821
     order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
     moe = np.zeros((num_tokens, hidden), dtype=np.float32)  # [T, H]
     MIXTURE(h, order, expert_ids, pair_starts, weights, gu_raws, d_raws, one_thread, act_quant, moe)  # noqa: F821
     x += moe
     return ids
+
+
+@njit(nogil=True, cache=True)
+def softmax_topk_route(logits, top_k, normalize, ids, weights, one_thread):
+    """The SoftmaxTopK router part: logits [T, E] -> ids, weights [T, K]."""
+    if _small(logits.size, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread):
+        routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
+    else:
+        routing.route_softmax_topk(logits, top_k, normalize, ids, weights)
 
 
 def expert_mixture_template(h, order, expert_ids, row_starts, weights, gu_raws, d_raws, one_thread, act_quant, out):
@@ -224,48 +253,79 @@ def expert_mixture(backend, layer, what):
     return mixture, gate[2] + up[2], down[2], names
 
 
-class LayerPlan:
-    """One layer's compiled decode function and the arguments that do not change between steps."""
+@dataclass(frozen=True)
+class Part:
+    """A part's compiled implementation: takes(part) whether it runs that variant; make(backend, layer, block or
+    part) -> (function, arguments, name), the name unique per function (its instances' cache key)."""
 
-    def __init__(self, backend, layer):
+    takes: Callable
+    make: Callable
+
+
+def _linear_kernels(backend, keyed_weights):
+    """({KEY_PAR, KEY_SER: runners}, (raws, ...), serial bool [n], format names) of (key, weight) pairs."""
+    kernels, raws_of, serial, names = {}, [], [], []
+    for key, weight in keyed_weights:
+        par, ser, raws, nbytes, name = _runners(backend, weight)
+        kernels.update({f"{key}_PAR": par, f"{key}_SER": ser})
+        raws_of.append(raws)
+        serial.append(nbytes <= SERIAL_MAX_WEIGHT_BYTES)
+        names.append(name)
+    return kernels, tuple(raws_of), np.array(serial), names
+
+
+def make_full_attention(backend, layer, block):
+    part = block.part
+    kernels, raws, serial, names = _linear_kernels(backend, (("Q", layer.attn_q), ("K", layer.attn_k),
+                                                             ("V", layer.attn_v), ("O", layer.attn_output)))
+    name = "_".join(names + ["qknorm" if part.qk_norm else "plain"])
+    fn = instance(full_attention_template, name, QK_NORM=part.qk_norm, **kernels)
+    q_norm, k_norm = (layer.attn_q_norm, layer.attn_k_norm) if part.qk_norm else (NO_NORM, NO_NORM)
+    args = (getattr(layer, block.norm), q_norm, k_norm, float(layer.eps), float(layer.rope_theta),
+            float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim) + raws + (serial,)
+    return fn, args, "attention_" + name
+
+
+def make_moe(backend, layer, block):
+    route, _, route_name = COMPILED_PARTS[type(block.part.router)].make(backend, layer, block.part.router)
+    mixture, gu_raws, d_raws, expert_names = COMPILED_PARTS[type(block.part.experts)].make(backend, layer,
+                                                                                           block.part.experts)
+    kernels, (r_raws,), serial, names = _linear_kernels(backend, (("R", layer.router),))
+    name = "_".join(names + [route_name] + expert_names)
+    fn = instance(moe_template, name, ROUTE=route, MIXTURE=mixture, **kernels)
+    args = (getattr(layer, block.norm), float(layer.eps), r_raws, gu_raws, d_raws, layer.num_experts_per_tok,
+            bool(layer.norm_topk_prob), bool(serial[0]))
+    return fn, args, "moe_" + name
+
+
+def make_swiglu(backend, layer, part):
+    """(expert_mixture's instance, gate+up raws, down raws, names)."""
+    return expert_mixture(backend, layer, f"decode layer {layer.index}")
+
+
+# The compiled implementation of each part type (hybrid/arch/recipe.py).
+COMPILED_PARTS = {
+    FullAttention: Part(takes=lambda part: part.rope == "neox", make=make_full_attention),
+    MoE: Part(takes=lambda part: True, make=make_moe),
+    SoftmaxTopK: Part(takes=lambda part: True, make=lambda backend, layer, part: (softmax_topk_route, (), "softmax")),
+    SwiGLU: Part(takes=lambda part: True, make=make_swiglu),
+}
+
+
+class LayerPlan:
+    """One layer's compiled decode function (layer_template over its blocks' parts) and the arguments that do not
+    change between steps."""
+
+    def __init__(self, backend, layer, recipe):
         self.raws = tuple(w.raw for w in _weights(layer))  # rebuilt when a weight's raw is replaced
-        kernels, names, raws_of, serial = {}, [], {}, []
-        for key, weight in (("Q", layer.attn_q), ("K", layer.attn_k), ("V", layer.attn_v), ("O", layer.attn_output),
-                            ("R", layer.router)):
-            par, ser, raws, nbytes, name = _runners(backend, weight)
-            kernels.update({f"{key}_PAR": par, f"{key}_SER": ser})
-            raws_of[key] = raws
-            serial.append(nbytes <= SERIAL_MAX_WEIGHT_BYTES)
-            names.append(name)
-        mixture, gu_raws, d_raws, expert_names = expert_mixture(backend, layer, f"decode layer {layer.index}")
-        names += expert_names
-        qk_norm = layer.attn_q_norm is not None
-        self.fn = instance(layer_template, "_".join(names + ["qknorm" if qk_norm else "plain"]),
-                           QK_NORM=qk_norm, MIXTURE=mixture, **kernels)
-        self.args = (
-            layer.attn_norm, layer.ffn_norm, layer.attn_q_norm if qk_norm else NO_NORM,
-            layer.attn_k_norm if qk_norm else NO_NORM, float(layer.eps), float(layer.rope_theta),
-            float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim,
-            raws_of["Q"], raws_of["K"], raws_of["V"], raws_of["O"], raws_of["R"], gu_raws, d_raws,
-            layer.num_experts_per_tok, bool(layer.norm_topk_prob), np.array(serial))
-        self._layer, self._backend, self._fused = layer, backend, None
+        mixer, ffn = (COMPILED_PARTS[type(b.part)].make(backend, layer, b) for b in (recipe.mixer, recipe.ffn))
+        self.fn = instance(layer_template, f"{mixer[2]}__{ffn[2]}", MIXER=mixer[0], FFN=ffn[0])
+        self.args = (mixer[1], ffn[1])
+        self.layer = layer
+        self.fused_call = None  # (the layer's fused instance, its arguments after `work`): set by the runner
         # what cpu_decode_fused.new_work's arrays depend on besides batch size and threads
         self.shapes = (layer.gate_exps.shape, layer.num_heads, layer.num_kv_heads, layer.head_dim,
                        layer.num_experts_per_tok)
-
-    @property
-    def layer(self):
-        return self._layer
-
-    def fused(self):
-        """(the layer as one parallel region, its arguments after act_quant): cpu_decode_fused, made at first use."""
-        if self._fused is None:
-            from .cpu_decode_fused import fused_layer
-
-            layer = self._layer
-            fn, raws = fused_layer(self._backend, layer, layer.attn_q_norm is not None)
-            self._fused = (fn, self.args[:10] + raws + (layer.num_experts_per_tok, bool(layer.norm_topk_prob)))
-        return self._fused
 
     def current(self, layer):
         """Whether the layer's weights still hold the raws this plan was made for (C-level loops: this runs
@@ -290,7 +350,6 @@ class DecodeStep:
         if any(c.kv.pool is not self.pool for c in batch.chunks):
             raise ValueError("a compiled decode step needs the batch's sequences in one KV pool")
         self.positions = batch.positions
-        self.settings = None  # the backend's per-step choices, made at the step's first layer (CpuBackend.decode_layer)
         width = max(len(c.kv.table) for c in batch.chunks)
         self.tables = np.zeros((len(batch.chunks), width), dtype=np.int32)
         for t, chunk in enumerate(batch.chunks):

@@ -2,9 +2,8 @@
 
 The compiled decode layer (cpu_decode.py) still opens a parallel region per op: eight a layer
 (q, k, v, o, router, attention, the experts' gate+up and down), each with a serial prologue (the
-rounding of x, the work split) while the other threads wait. On the H200 host's 16 cores a region
-costs 5-6 us before any work and a meeting of the threads inside one ~2 us
-(bench/results/vs_llamacpp_h200.md, session 16). Here the threads enter one region a layer and
+rounding of x, the work split) while the other threads wait. On 16 cores a region costs 5-6 us
+before any work and a meeting of the threads inside one ~2 us. Here the threads enter one region a layer and
 run it as llama.cpp runs its graph: every thread does the small serial work itself (norms, the
 rounding of x, the routing, the merge of attention splits: a few us, the same on every thread, so
 nobody waits for it), and the item-parallel ops claim items from counters and meet when all are
@@ -21,7 +20,8 @@ from numba import njit, prange
 
 from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing, simd, sync
 
-from .cpu_decode import instance
+from ..arch.recipe import FullAttention, MoE, SoftmaxTopK, SwiGLU
+from .cpu_decode import NO_NORM, instance
 
 NUM_STAGES = 8
 QKV, ROPE_KV, ATTEND, OUT, ROUTER, GATE_UP, DOWN, COMBINE = range(NUM_STAGES)
@@ -31,6 +31,14 @@ COMBINE_COLUMNS = 64  # output columns of a combine item
 # (the serial prologue alone: row 0's PROLOGUE)
 START, WHOLE, PROLOGUE = 3 * NUM_STAGES, 3 * NUM_STAGES + 1, 3 * NUM_STAGES + 2
 TRACE_COLUMNS = PROLOGUE + 1
+
+
+def fuses(recipe):
+    """Whether fused_template implements the layer recipe: it is written as one piece for attention (NeoX RoPE,
+    q/k norms or none), then a MoE with softmax top-k routing and SwiGLU experts."""
+    mixer, ffn = recipe.mixer.part, recipe.ffn.part
+    return (type(mixer) is FullAttention and mixer.rope == "neox" and type(ffn) is MoE
+            and type(ffn.router) is SoftmaxTopK and type(ffn.experts) is SwiGLU)
 
 
 # -- dense formats: the quantized formats' (prepare, run_item) signature over RECIPE ----------------------
@@ -67,9 +75,9 @@ def _rows_of_pairs(order, rows):
 
 def new_work(layer, num_tokens, num_workers):
     """The arrays a fused layer call writes besides x (fused_template's `work`), made once per batch size
-    and thread count and kept (CpuBackend.fused_work): allocated afresh at every call, the ~13 shared
-    and ~10 per-worker arrays cost ~9 us of the call's serial prologue on the VM and ~40-50 us on the
-    H200 host (bench/fused_stages.py, session 18), cold allocator state each time. Shapes: see the legend;
+    and thread count and kept (cpu_layer.CompiledRunner): allocated afresh at every call, the ~13 shared
+    and ~10 per-worker arrays cost tens of us of the call's serial prologue, cold allocator state each
+    time. Shapes: see the legend;
     P = the most key splits attention.num_key_splits gives, W = num_workers."""
     hidden, width, num_experts = layer.gate_exps.shape[2], layer.gate_exps.shape[1], layer.gate_exps.shape[0]
     heads, kv_heads, head_dim, top_k = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.num_experts_per_tok
@@ -296,7 +304,7 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
     gains each worker's ticks per stage (its own serial work, its items, its wait for the others), and
     those of the region's start and of the whole call. work: new_work's arrays for this batch size and
     thread count. The region's body is one call of the worker (worker_template): Numba's parfor passes over
-    the whole body inline were most of this layer's compile time (bench/results/startup.md)."""
+    the whole body inline were most of this layer's compile time."""
     entry = sync.cycles() if trace.shape[0] else 0
     num_tokens = x.shape[0]
     (q, k, v, acc, stats, o, logits, gate, up, down, moe, splits, split_starts, counters, one_expert, row_starts,
@@ -328,8 +336,8 @@ def fused_template(x, positions, tables, k_pool, v_pool, layer_index, act_quant,
     return ids_out
 
 
-def fused_layer(backend, layer, qk_norm):
-    """(the layer's fused instance, its weight raws in the template's order)."""
+def fused_layer(backend, layer, recipe):
+    """(the layer's fused instance, its arguments after fused_template's `work`)."""
     kernels, raws = {}, []
     for key, weight in (("Q", layer.attn_q), ("K", layer.attn_k), ("V", layer.attn_v), ("O", layer.attn_output),
                         ("R", layer.router), ("G", layer.gate_exps), ("U", layer.up_exps), ("D", layer.down_exps)):
@@ -340,6 +348,11 @@ def fused_layer(backend, layer, qk_norm):
     paired = (up.qtype == gate.qtype and up.raw.shape == gate.raw.shape and up.raw.flags.writeable == gate.raw.flags.writeable)
     names = [backend._kernels_of(w).fmt.__name__.rsplit(".", 1)[-1]
              for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.router, gate, up, layer.down_exps)]
+    qk_norm = recipe.mixer.part.qk_norm
     suffix = "_".join(names + ["paired" if paired else "split", "qknorm" if qk_norm else "plain"])
     worker = instance(worker_template, suffix, QK_NORM=qk_norm, GU_PAIRED=paired, **kernels)
-    return instance(fused_template, suffix, parallel=True, WORKER=worker), tuple(raws)
+    q_norm, k_norm = (layer.attn_q_norm, layer.attn_k_norm) if qk_norm else (NO_NORM, NO_NORM)
+    args = (getattr(layer, recipe.mixer.norm), getattr(layer, recipe.ffn.norm), q_norm, k_norm, float(layer.eps),
+            float(layer.rope_theta), float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads,
+            layer.head_dim) + tuple(raws) + (layer.num_experts_per_tok, bool(layer.norm_topk_prob))
+    return instance(fused_template, suffix, parallel=True, WORKER=worker), args

@@ -1,14 +1,14 @@
-"""A one-token decode layer on the GPU with its dense launches replayed as two graphs (the default;
-STRATA_DENSE_GRAPHS=0 turns it off).
+"""Graph regions of a one-token decode layer on the GPU (the default; dense_graphs=False turns them off).
 
 At 100 % resident a decode token is bound by the host's kernel launches, about 16 a layer
-(bench/results/gpu_model.md). Two runs of them take no per-step number, so each is captured once per
-layer and then replayed with one call:
-- "in": the attention RMSNorm, the q/k/v matmul(s), the q/k head norms and RoPE (which reads the
-  step's position from a fixed device buffer);
-- "out": the output projection, the residual add, the FFN RMSNorm, the router matmul and top-k.
-Between them the KV write and the attention launch one by one (they take the step's start as a
-number); after "out" the experts run as before (their own graphs, the split, the relay).
+(bench/results/gpu_model.md). Runs of them that take no per-step number are captured once per layer
+and then replayed with one call. Which runs those are comes from the layer recipe
+(hybrid/runners.py GraphRunner merges consecutive capturable steps); for qwen3moe's layer they are
+the attention RMSNorm, the q/k/v matmul(s), the q/k head norms and RoPE (which reads the step's
+position from a fixed device buffer); then the output projection, the residual add, the FFN RMSNorm,
+the router matmul and top-k. Between them the KV write and the attention launch one by one (they take
+the step's start as a number); after the second the experts run as before (their own graphs, the
+split, the relay).
 
 A graph replays the addresses it was captured with, so everything it reads or writes must stay put:
 the residual stream lives in a fixed buffer, and a region keeps the arrays of its first (uncaptured)
@@ -18,9 +18,6 @@ Shape legend: H hidden, Hq / Hkv query / kv heads, D head dim, K experts per tok
 import logging
 
 import numpy as np
-
-from ..blocks import attend, attention_inputs
-from ..moe import expert_mixture, moe_routing
 
 log = logging.getLogger(__name__)
 
@@ -106,23 +103,3 @@ class LayerGraphs:
             return fn()
         finally:
             be.rt = real
-
-
-def decode_layer(be, graphs, spec, layer, x, batch, eps, split=None, usage=None):
-    """One decode token through `layer`: x f32 [1, H], the fixed residual stream of graphs.begin_step, updated in
-    place."""
-    def inputs():
-        h = be.rmsnorm(x, layer.attn_norm, eps)  # [1, H]
-        q, k, v = attention_inputs(be, spec.attention, layer, h, batch.positions)  # [1, Hq, D], [1, Hkv, D] x 2
-        return q, k, v, be.rt.empty(q.shape, np.float32)
-
-    q, k, v, out = graphs.run(be, ("in", layer.index), inputs)
-    attend(be, layer, q, k, v, batch, out)
-
-    def routing():
-        be.add_into(x, be.linear(layer.attn_output, out.reshape(1, -1)))
-        h = be.rmsnorm(x, layer.ffn_norm, eps)
-        return (h,) + tuple(moe_routing(be, layer, h))  # h [1, H], ids [1, K], weights [1, K]
-
-    h, ids, weights = graphs.run(be, ("out", layer.index), routing)
-    be.add_into(x, expert_mixture(be, layer, h, ids, weights, split, usage))

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from cpu_kernels import FORMATS, activation, attention, moe_combine, rmsnorm, rope, routing
+from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing
+from cpu_kernels.formats import FORMATS
 
 ALL = sorted(FORMATS.values(), key=lambda m: m.__name__)
 each_format = pytest.mark.parametrize("fmt", ALL, ids=lambda m: m.__name__.rsplit(".", 1)[-1])

@@ -177,10 +177,10 @@ def test_a_decode_step_of_several_users_through_the_relay_matches_the_cpu_engine
 
 
 @pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
-def test_dense_graphs_match_the_default_launches(runtime, gguf_models, monkeypatch, target):
-    """STRATA_DENSE_GRAPHS=1 (a decode layer's dense launches as two captured graphs, the default) gives the
-    logits of STRATA_DENSE_GRAPHS=0 (the launches one by one), bit for bit, at 0, 50 and 100 % resident (the relay
-    on), over two sequences decoding in turn, and every region of every layer was captured and replayed."""
+def test_dense_graphs_match_the_default_launches(runtime, gguf_models, target):
+    """dense_graphs=True (a decode layer's dense launches as two captured graphs, the default) gives the logits of
+    dense_graphs=False (the launches one by one), bit for bit, at 0, 50 and 100 % resident (the relay on), over two
+    sequences decoding in turn, and every region of every layer was captured and replayed."""
     from hybrid import LLM
     from hybrid.batch import Batch, SeqChunk
 
@@ -192,9 +192,8 @@ def test_dense_graphs_match_the_default_launches(runtime, gguf_models, monkeypat
                        "50%": rng.random((c.num_layers, c.num_experts)) < 0.5,
                        "100%": np.ones((c.num_layers, c.num_experts), bool)}.items():
         logits = {}
-        for dense in ("0", "1"):
-            monkeypatch.setenv("STRATA_DENSE_GRAPHS", dense)
-            model = LLM(path, device="gpu", max_context=64, kv_sequences=2, resident=mask).model
+        for dense in (False, True):
+            model = LLM(path, device="gpu", max_context=64, kv_sequences=2, resident=mask, dense_graphs=dense).model
             kvs = [model.new_sequence(64) for _ in prompts]
             out = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(p), "last")])) for kv, p in zip(kvs, prompts)]
             last = list(out)  # each sequence's latest logits [1, V]
@@ -204,8 +203,10 @@ def test_dense_graphs_match_the_default_launches(runtime, gguf_models, monkeypat
                     out.append(last[u])
             logits[dense] = np.concatenate(out)
             graphs = model.backend.layer_graphs
-            if dense == "1":
+            assert model.runner.last_path == ("graphs" if dense else "plain"), name
+            if dense:
+                assert model.runner.regions() == [("norm", "project"), ("output", "residual", "norm", "route")], name
                 assert graphs.enabled and len(graphs._regions) == 2 * c.num_layers, name
                 assert all(graph is not None for _, _, graph in graphs._regions.values()), name
             model.close()
-        np.testing.assert_array_equal(logits["1"], logits["0"], err_msg=name)
+        np.testing.assert_array_equal(logits[True], logits[False], err_msg=name)

@@ -5,8 +5,12 @@ import numpy as np
 import pytest
 
 import hybrid
+from hybrid.backends import CpuBackend
 from hybrid.backends.cpu_decode import DecodeStep
 from hybrid.batch import Batch, SeqChunk
+from hybrid.formats import load_model
+from hybrid.model import Model
+from hybrid.runners import PlainRunner
 
 CASES = [("small", "F32"), ("small", "F16"), ("small", "BF16"), ("small", "Q8_0"), ("small", "Q4_0"),
          ("kquant", "Q4_K"), ("kquant", "Q5_K"), ("kquant", "Q6_K"), ("kquant", "Q4_K_M")]
@@ -53,11 +57,11 @@ def test_compiled_decode_is_bit_identical(gguf_models, size, target, numba_threa
     model = hybrid.LLM(path, device="cpu").model
     for prompts in (PROMPTS[:1], PROMPTS):
         op_by_op = decode(model, False, prompts, 3)
-        assert not model.backend._plans  # the op-by-op path made no plan
+        assert isinstance(model.runner, PlainRunner)
         compiled = decode(model, True, prompts, 3)
-        assert len(model.backend._plans) == model.config.num_layers
+        assert len(model.runner.plans) == model.config.num_layers
+        assert model.runner.last_path == ("compiled" if numba_threads_count() == 1 else "fused")
         np.testing.assert_array_equal(compiled, op_by_op)
-        model.backend._plans.clear()
 
 
 # F16 (a float format's instances) and Q4_K_M (mixed formats, gate and up paired) run in the default suite;
@@ -69,50 +73,53 @@ FUSED_CASES = [pytest.param("small", "Q8_0", marks=pytest.mark.slow, id="small-Q
 
 
 @pytest.mark.parametrize("size,target", FUSED_CASES)
-def test_fused_layer_is_bit_identical(gguf_models, size, target, monkeypatch):
+def test_fused_layer_is_bit_identical(gguf_models, size, target):
     """At any thread count, forced on: the same logits as the op-by-op path, also for a sequence long
     enough that its attention splits the keys (300 positions)."""
     path, _ = gguf_models(size, target)
     model = hybrid.LLM(path, device="cpu").model
     long_prompt = list(np.resize(PROMPTS[0] + PROMPTS[1], 300))
     for prompts in (PROMPTS, [long_prompt, PROMPTS[1]]):
-        monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+        model.backend.fused_decode = False
         op_by_op = decode(model, False, prompts, 2, capacity=320)
-        monkeypatch.setenv("STRATA_FUSED_DECODE", "1")
+        model.backend.fused_decode = True
         fused = decode(model, True, prompts, 2, capacity=320)
-        assert all(plan._fused is not None for plan in model.backend._plans.values())
+        assert model.runner.last_path == "fused"
         np.testing.assert_array_equal(fused, op_by_op)
 
 
-def test_env_picks_the_fused_layer(gguf_models, monkeypatch):
+def numba_threads_count():
+    import numba
+
+    return numba.get_num_threads()
+
+
+def test_fused_decode_setting_picks_the_fused_layer(gguf_models):
+    """CpuBackend(fused_decode=False) keeps the per-op regions at any thread count; None (the default) fuses from
+    two threads."""
     import numba
 
     path, _ = gguf_models("small", "Q8_0")
-    model = hybrid.LLM(path, device="cpu").model
-    monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+    model = Model(load_model(path), CpuBackend(fused_decode=False))
     decode(model, True, PROMPTS[:1], 1)
-    assert all(plan._fused is None for plan in model.backend._plans.values())
-    monkeypatch.setenv("STRATA_FUSED_DECODE", "on")
-    with pytest.raises(ValueError, match="STRATA_FUSED_DECODE=on: expected 0 or 1"):
-        decode(model, True, PROMPTS[:1], 1)
-    monkeypatch.delenv("STRATA_FUSED_DECODE")
+    assert model.runner.last_path == "compiled"
+    model.backend.fused_decode = None
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)  # one thread: the layer keeps its per-op regions
         decode(model, True, PROMPTS[:1], 1)
-        assert all(plan._fused is None for plan in model.backend._plans.values())
+        assert model.runner.last_path == "compiled"
     finally:
         numba.set_num_threads(before)
 
 
-def test_fused_work_arrays_kept_per_batch_size(gguf_models, monkeypatch):
+def test_fused_work_arrays_kept_per_batch_size(gguf_models):
     """The fused layer's work arrays are made once per batch size and reused by every layer and step; the
     FUSED_WORK_KEPT most recently used sizes stay."""
-    from hybrid.backends.cpu import FUSED_WORK_KEPT
+    from hybrid.backends.cpu_layer import FUSED_WORK_KEPT
 
     path, _ = gguf_models("small", "Q8_0")
-    model = hybrid.LLM(path, device="cpu").model
-    monkeypatch.setenv("STRATA_FUSED_DECODE", "1")
+    model = Model(load_model(path), CpuBackend(fused_decode=True))
     prompts = [[5 + i, 17, 300 - i] for i in range(FUSED_WORK_KEPT + 1)]
     decode(model, True, prompts[:1], 2)
     kept = model.backend._scratch().fused_work
@@ -131,12 +138,12 @@ def test_prefill_and_other_kv_dtypes_keep_the_op_by_op_path(gguf_models):
     model = hybrid.LLM(path, device="cpu").model
     kv = model.new_sequence(64)
     model.forward(Batch([SeqChunk(kv, 0, np.array(PROMPTS[0], np.int64))]))
-    assert not model.backend._plans  # a prompt chunk
+    assert model.runner.last_path == "plain" and not model.runner.plans  # a prompt chunk
     f16 = hybrid.LLM(path, device="cpu", kv="f16").model
     kv = f16.new_sequence(64)
     f16.forward(Batch([SeqChunk(kv, 0, np.array(PROMPTS[0], np.int64))]))
     f16.forward(Batch([SeqChunk(kv, kv.length, np.array([3], np.int64))]))
-    assert not f16.backend._plans  # f16 KV rows are encoded by the op-by-op path
+    assert f16.runner.last_path == "plain" and not f16.runner.plans  # f16 KV rows are encoded by the op-by-op path
 
 
 def test_decode_step_refuses_a_position_past_the_reserved_kv(gguf_models):
@@ -161,17 +168,19 @@ def test_sequences_of_another_kv_pool(gguf_models):
         kv = model.backend.new_kv(KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=2, max_blocks=2), 64)
         model.forward(Batch([SeqChunk(kv, 0, np.array(PROMPTS[0], np.int64))]))
         logits[compiled] = model.forward(Batch([SeqChunk(kv, kv.length, np.array([3], np.int64))]))
-        assert bool(model.backend._plans) == compiled
+        assert model.runner.last_path == ("plain" if not compiled else "compiled" if numba_threads_count() == 1
+                                          else "fused")
     np.testing.assert_array_equal(logits[True], logits[False])
 
 
-def test_env_turns_the_compiled_layers_off(gguf_models, monkeypatch):
+def test_compiled_decode_off_runs_the_layers_op_by_op(gguf_models):
     path, _ = gguf_models("small", "Q8_0")
-    monkeypatch.setenv("STRATA_COMPILED_DECODE", "0")
-    assert not hybrid.LLM(path, device="cpu").model.compiled_decode
-    monkeypatch.setenv("STRATA_COMPILED_DECODE", "yes")
-    with pytest.raises(ValueError, match="STRATA_COMPILED_DECODE='yes': expected 0 or 1"):
-        hybrid.LLM(path, device="cpu")
+    model = Model(load_model(path), CpuBackend(), compiled_decode=False)
+    assert not model.compiled_decode and isinstance(model.runner, PlainRunner)
+    kv = model.new_sequence(64)
+    model.forward(Batch([SeqChunk(kv, 0, np.array(PROMPTS[0], np.int64))]))
+    model.forward(Batch([SeqChunk(kv, kv.length, np.array([3], np.int64))]))
+    assert model.runner.last_path == "plain"
 
 
 def test_warm_up_compiles_the_decode_layers_and_leaves_no_trace(gguf_models):
@@ -181,6 +190,6 @@ def test_warm_up_compiles_the_decode_layers_and_leaves_no_trace(gguf_models):
     llm = hybrid.LLM(path, device="cpu")
     free = llm.model.kv_pool.blocks_free
     assert llm.warm_up() > 0
-    assert len(llm.model.backend._plans) == llm.config.num_layers
+    assert len(llm.model.runner.plans) == llm.config.num_layers
     gc.collect()
     assert llm.model.kv_pool.blocks_free == free  # the scratch sequence gave its blocks back
