@@ -1,4 +1,5 @@
-"""The MoE block, written once: route (top-k), run the chosen experts, combine.
+"""The MoE block's experts, written once: the routed experts' weighted sum (the router is its own
+part, hybrid/blocks.py).
 
 With an `ExpertSplit`, each (token, expert) pair runs where its expert lives: route, split the pairs
 by the resident mask, submit the device part (resident and borrowed experts, one grouped launch),
@@ -23,7 +24,7 @@ from .moe_relay import DecodeRelay
 from .pair_groups import PairGroups
 from .split_settings import SplitSettings
 
-__all__ = ["ExpertSplit", "PairGroups", "SplitSettings", "expert_mixture", "moe_block", "moe_routing"]
+__all__ = ["ExpertSplit", "PairGroups", "SplitSettings", "expert_mixture"]
 
 # Python's thread switch interval while a split is alive. The host part's worker needs the GIL for
 # a moment between its compiled calls while the calling thread queues the device part in Python;
@@ -173,18 +174,6 @@ class ExpertSplit:
             for layer_index, ids in self._deferred_host:
                 usage.record(layer_index, ids)
         self._deferred, self._deferred_host = [], []
-
-
-def moe_block(backend, spec, layer, h, split=None, usage=None):
-    """h [T, H] (normed hidden) -> expert mixture [T, H]; `usage`: an ExpertUsage that records the routing."""
-    ids, weights = moe_routing(backend, layer, h)
-    return expert_mixture(backend, layer, h, ids, weights, split, usage)
-
-
-def moe_routing(backend, layer, h):
-    """h [T, H] (normed hidden) -> (ids [T, K], weights [T, K]) of the experts each token uses."""
-    router_logits = backend.linear(layer.router, h)  # [T, E]
-    return backend.route(router_logits, layer.num_experts_per_tok, layer.norm_topk_prob)
 
 
 def expert_mixture(backend, layer, h, ids, weights, split=None, usage=None):
