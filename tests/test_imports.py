@@ -8,8 +8,6 @@ order), the other adds the imports inside functions (a cycle there is still two 
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hybrid", "cpu_kernels", "gpu_kernels", "placement", "server")
 
@@ -135,8 +133,6 @@ def test_no_module_level_import_cycle():
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-@pytest.mark.xfail(reason="issue 32: hybrid.backends.cpu_decode <-> cpu_decode_fused (a lazy import) is being "
-                          "broken with the layer recipe", strict=False)
 def test_no_import_cycle_counting_imports_inside_functions():
     found = function_level_cycles()
     assert not found, "import cycles (imports inside functions included): " + "; ".join(" <-> ".join(c) for c in found)
