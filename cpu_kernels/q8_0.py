@@ -5,24 +5,19 @@ Block layout, bytes:
     2:34    qs   32 int8 quants
 weight = d * q
 
-Shape legend: R output rows, C columns, B bytes per row (C // 32 * 34), T tokens,
-E experts, N (token, expert) rows sorted by group, G groups, W work items, K unpacked rows (ROWS_PER_ITEM),
-S token chunks.
+Shape legend: R output rows, C columns, B bytes per row (C // 32 * 34).
 """
 import numpy as np
 from gguf import GGMLQuantizationType
 from llvmlite import ir
-from numba import njit, prange
+from numba import njit
 
-from . import simd
-from .act_quant import INT8, quantize_rows, quantize_rows_i8
+from . import quant_driver, simd
 from .half import read_half
-from .prefill import dot_tile, token_panels
-from .prefill_i16 import (integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows,
-                          x_levels)
+from .prefill_i16 import x_levels
 from .simd import I8, I64
 from .target import int_dot_width
-from .tiles import ROWS_PER_ITEM, format_api, random_scales, work_items
+from .tiles import format_api, random_scales
 
 QTYPE = GGMLQuantizationType.Q8_0
 BLOCK_SIZE = 32
@@ -117,110 +112,14 @@ def _block_i8_tail(builder, q, o, b, xq, aux, acc):
 
 
 _block_i8.acc_type, _block_i8.blocks_per_step, _block_i8.tail = simd.vec(simd.F32, 16), 2, _block_i8_tail
-_dot_rows_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
-_dot_row_i8 = simd.rows_dot_intrinsic(_block_i8, BLOCK_BYTES, 1)
-_dot_rows_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
-_dot_row_i16 = simd.rows_dot_intrinsic(_block_i16, BLOCK_BYTES, 1)
-_unpack_row_fast = simd.unpack_row_intrinsic(_weights, BLOCK_BYTES, BLOCK_SIZE)
 _X_LEVELS = x_levels(128)  # integer prefill: |x| levels for |weight integers| <= 128
-_unpack_row_i16 = unpack_row_i16_intrinsic(_runs_i16, BLOCK_BYTES, BLOCK_SIZE)
-_dot_rows = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, simd.ROWS_IN_FLIGHT)
-_dot_row = simd.rows_dot_intrinsic(_block, BLOCK_BYTES, 1)
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def _rows_dot(w, r0, r1, x, out):
-    """out [R] rows r0:r1 = W[r0:r1] @ x [C]."""
-    groups, step, stride = simd.row_streams(r0, r1)
-    for i in range(groups):
-        _dot_rows(w, r0 + i * step, stride, x, x, out)
-    for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
-        _dot_row(w, rr, x, x, out)
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def _rows_dot_i16(w, r0, r1, xq, aux, out):
-    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int16 xq [C] and (scale, sum) pairs aux [C/16]."""
-    groups, step, stride = simd.row_streams(r0, r1)
-    for i in range(groups):
-        _dot_rows_i16(w, r0 + i * step, stride, xq, aux, out)
-    for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
-        _dot_row_i16(w, rr, xq, aux, out)
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def _rows_dot_i8(w, r0, r1, xq, aux, out):
-    """out [R] rows r0:r1 = W[r0:r1] @ x [C], x given as int8 xq [C] and (scale, sum) pairs aux [C/16]."""
-    groups, step, stride = simd.row_streams(r0, r1)
-    for i in range(groups):
-        _dot_rows_i8(w, r0 + i * step, stride, xq, aux, out)
-    for rr in range(r0 + groups * simd.ROWS_IN_FLIGHT, r1):
-        _dot_row_i8(w, rr, xq, aux, out)
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def _tile(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_quant):
-    """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s, r1);
-    panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
-    r0, t0, t1 = item[1], item[2], item[3]
-    r1 = item[5]
-    if t1 - t0 == 1 and act_quant == INT8:
-        _rows_dot_i8(w, r0, r1, x8[t0], x8aux[t0], out[t0])
-        return
-    if t1 - t0 == 1 and act_quant:
-        _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])
-        return
-    if t1 - t0 == 1:
-        _rows_dot(w, r0, r1, x[t0], out[t0])
-        return
-    if integer_prefill(act_quant):
-        wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
-        for r in range(r0, r1):
-            _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])
-        tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
-        return
-    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
-    for r in range(r0, r1):
-        _unpack_row_fast(w, r, buf[r - r0])
-    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def _dequantize(raw, out):
-    for r in prange(raw.shape[0]):
-        _unpack_row(raw[r], out[r])
-
-
-@njit(nogil=True, cache=True)
-def _prepare(raws, x, expert_ids, row_starts, act_quant):
-    """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
-    panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
-    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # integer prefill: prefill_i16
-    xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
-    x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
-    return items, (xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def _run_item(raws, x, items, prep, outs, i, act_quant):
-    """Item i of a moe_matmul call over its len(raws) weights: work item i % W of weight i // W."""
-    num_items = items.shape[0]
-    k, j = i // num_items, i % num_items
-    xq, xaux, x8, x8aux, panels, pxq, pdx, psums = prep
-    _tile(raws[k][items[j, 0]], x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, outs[k], items[j], act_quant)
-
-
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
-    """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
-    items, prep = _prepare(raws, x, expert_ids, row_starts, act_quant)
-    for i in prange(items.shape[0] * len(raws)):
-        _run_item(raws, x, items, prep, outs, i, act_quant)
-
+_kernels = quant_driver.instance("q8_0", quant_driver.INT8_DECODE, BLOCK_BYTES, BLOCK_SIZE, _unpack_row, _X_LEVELS,
+                                 _block, _block_i16, _weights, _runs_i16, _block_i8)
+_rows_dot, _rows_dot_i16, _rows_dot_i8 = _kernels.rows_dot, _kernels.rows_dot_i16, _kernels.rows_dot_i8
+_prepare, _run_item, _moe_matmul = _kernels.prepare, _kernels.run_item, _kernels.moe_matmul
 
 dequantize, matvec, matmul, moe_matmul, moe_matmul_pair = format_api(
-    __name__, BLOCK_SIZE, BLOCK_BYTES, _dequantize, _moe_matmul)
+    __name__, BLOCK_SIZE, BLOCK_BYTES, _kernels.dequantize, _moe_matmul)
 
 
 def random_blocks(rng, shape, scale):
