@@ -133,11 +133,11 @@ def contiguous(*arys):
 ROWS_IN_FLIGHT = 4  # rows one dot loop reads side by side (row_streams says which)
 STREAM_MIN_ROWS = 16  # a work item's rows are read as ROWS_IN_FLIGHT streams when each gets at least this many
 # While a dot loop reads its rows it prefetches the same bytes n loop steps on, n = PREFETCH_ROWS: the row n on
-# in each stream, or for neighbouring rows the rows 4n on. Before the streams (neighbouring rows always),
-# measured one thread, 768 x 2048 rows from DRAM (bench/row_dot.py, Zen 5, 8 rows on): Q8_0 7.7 -> 28 GB/s,
-# Q6_K 6.2 -> 27 GB/s, Q4_K 20 -> 22. The best n differs by host, so it is a process-wide value the compiled
-# loops load at run time, through an external symbol that cached code resolves again in every process;
-# cpu_kernels.prefetch.calibrate sets it per host, or takes a fixed distance.
+# in each stream, or for neighbouring rows the rows 4n on: the hardware prefetchers alone leave one thread's
+# dot loop well short of DRAM bandwidth (bench/row_dot.py; bench/results/cpu_prefetch.md). The best n differs
+# by host, so it is a process-wide value the compiled loops load at run time, through an external symbol that
+# cached code resolves again in every process; cpu_kernels.prefetch.calibrate sets it per host, or takes a
+# fixed distance.
 PREFETCH_ROWS = ctypes.c_int64(2)
 llvm.add_symbol("strata_prefetch_rows", ctypes.addressof(PREFETCH_ROWS))
 CACHE_LINE = 64
@@ -147,9 +147,8 @@ CACHE_LINE = 64
 def row_streams(r0, r1):
     """(loop steps, row step, stride) of a dot loop over rows r0:r1 reading ROWS_IN_FLIGHT rows a step: step i
     reads rows r0 + i * row step + k * stride. Long items run as streams a quarter item apart, which the
-    prefetchers follow (one VM core, Q4_K from DRAM in 128-row items: 12.1 -> 13.9 GB/s); short ones as
-    neighbouring rows, where a quarter of 16-32 rows is too short a stream (16-row items: 12.4 against 9.1 GB/s;
-    bench/results/cpu_kernels.md). The rows past the last step's are left to the caller."""
+    prefetchers follow; short ones as neighbouring rows, where a quarter of 16-32 rows is too short a stream
+    (bench/results/cpu_kernels.md). The rows past the last step's are left to the caller."""
     groups = (r1 - r0) // ROWS_IN_FLIGHT
     if groups >= STREAM_MIN_ROWS:
         return groups, 1, groups
@@ -202,11 +201,10 @@ def rows_dot_intrinsic(block_fn, block_bytes, num_rows):
     blocks b .. b + n - 1 per call; its `tail` adds the row's last (num_blocks % n) blocks one at a time.
     Reading num_rows rows per loop keeps that many memory streams going at once: one row at a time, a dot
     loop consumes its stream too slowly for the prefetchers and reaches less than half the DRAM bandwidth
-    (Q8_0, one core of an earlier host: 5.5 GB/s one row at a time, 12 GB/s four rows at a time, 15 GB/s from
-    L2). The rows lie `stride` apart (row_streams): in a long work item each stream runs on through the
-    next rows of its own quarter, where four neighbouring rows (576 bytes each in Q4_K at C = 1024) were one
-    short window the prefetchers kept losing. Where the hardware prefetchers still fall behind, the loop
-    also prefetches PREFETCH_ROWS loop steps on (the row that many on in each stream; for neighbouring
+    (bench/results/cpu_kernels.md). The rows lie `stride` apart (row_streams): in a long work item each stream
+    runs on through the next rows of its own quarter, where four neighbouring rows (576 bytes each in Q4_K at
+    C = 1024) are one short window the prefetchers lose. Where the hardware prefetchers still fall behind, the
+    loop also prefetches PREFETCH_ROWS loop steps on (the row that many on in each stream; for neighbouring
     rows, stride 1, four times as many rows), clamped to W's last row so it never reads another tensor.
     """
     from numba.core import cgutils

@@ -2,10 +2,10 @@
 
 A compiled decode layer at many threads opens one parallel region and runs its ops as stages
 inside it (hybrid/backends/cpu_decode_fused.py), where each op would otherwise open a region of its
-own (5-6 us at 16 threads on the H200 host against ~2 us for one of these meetings:
-bench/results/vs_llamacpp_h200.md, session 16). Each of the region's W workers (its iterations)
-owns a contiguous share of a stage's items, as a static schedule would give it, so its rows stream
-on; it claims them from its own counter, then claims what the other workers have left. Each adds
+own, which costs a few times one of these meetings at many threads (bench/results/vs_llamacpp_h200.md).
+Each of the region's W workers (its iterations) owns a contiguous share of a stage's items, as a static
+schedule would give it, so its rows stream on; it claims them from its own counter, then claims what the
+other workers have left. Each adds
 what it finished to the stage's done count and waits until every item is done. Waiting on items
 rather than on workers keeps this deadlock-free however the iterations map to threads: an item
 claimed is an item some running thread finishes.
@@ -123,7 +123,7 @@ def take(counters, stage, worker, num_workers, num_items, tried):
         lo, hi = owner * num_items // num_workers, (owner + 1) * num_items // num_workers
         slot = _slot(stage, owner, num_workers)
         # another's share is read before it is claimed from: a locked add waits for the line and serializes
-        # the scan (~3 us a stage over 16 shares on the H200 host), plain reads of spent shares overlap
+        # the scan (microseconds a stage over 16 shares), plain reads of spent shares overlap
         if hi > lo and (tried == 0 or lo + atomic_load(counters, slot) < hi):
             i = lo + atomic_add(counters, slot, 1)
             if i < hi:
