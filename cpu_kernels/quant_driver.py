@@ -5,6 +5,9 @@ A format module (q4_0, q8_0, q4_k, q5_k, q6_k) holds its block layout, its block
 the format's decode dots, prefill tiles, dequantizer and moe_matmul. Each template below is copied per format
 with the format's code as its globals (cpu_kernels.twins.renamed_copy), so every format compiles to its own
 machine code and caches under its own name, as if the driver were written out in the format's module.
+Numba checks those caches against this file only (as it checks any kernel against its own file, not the
+modules it calls into): after editing a format's block code, delete its cached instances
+(cpu_kernels/__pycache__/quant_driver.*_<format>*).
 
 Kernel shapes (which templates a format gets):
     INT16_DECODE  decode dots float or int16 (int8 runs as int16): Q4_0
