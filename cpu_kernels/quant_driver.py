@@ -5,9 +5,9 @@ A format module (q4_0, q8_0, q4_k, q5_k, q6_k) holds its block layout, its block
 the format's decode dots, prefill tiles, dequantizer and moe_matmul. Each template below is copied per format
 with the format's code as its globals (cpu_kernels.twins.renamed_copy), so every format compiles to its own
 machine code and caches under its own name, as if the driver were written out in the format's module.
-Numba checks those caches against this file only (as it checks any kernel against its own file, not the
-modules it calls into): after editing a format's block code, delete its cached instances
-(cpu_kernels/__pycache__/quant_driver.*_<format>*).
+Numba checks a cache against the file of the function it compiled only (here this file), not the modules
+whose code it compiled in; so an instance's name carries a digest of the format's module and of the modules
+that build its code (`source_digest`): an edited format, or an upgraded package, compiles afresh.
 
 Kernel shapes (which templates a format gets):
     INT16_DECODE  decode dots float or int16 (int8 runs as int16): Q4_0
@@ -17,6 +17,8 @@ Kernel shapes (which templates a format gets):
 Shape legend: R output rows, C columns, B bytes per row, T tokens, E experts, N (token, expert) rows sorted by
 group, G groups, W work items, K unpacked rows (ROWS_PER_ITEM), S token chunks.
 """
+import hashlib
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -272,7 +274,20 @@ def instance(name, shape, block_bytes, block_size, unpack_row, x_levels, block, 
             names[f"_dot_rows{suffix}"] = simd.rows_dot_intrinsic(block_fn, block_bytes, simd.ROWS_IN_FLIGHT)
             names[f"_dot_row{suffix}"] = simd.rows_dot_intrinsic(block_fn, block_bytes, 1)
     templates = dict(zip(Kernels._fields, (*shape[:4], dequantize, *shape[4:], moe_matmul)))
+    suffix = f"{name}_{source_digest(sys.modules[unpack_row.__module__])}"
     for kernel, template in templates.items():  # each compiled with the instances before it as globals
         if template is not None:
-            names[f"_{kernel}"] = njit(cache=True, **_OPTIONS[template])(renamed_copy(template, name, **names))
+            names[f"_{kernel}"] = njit(cache=True, **_OPTIONS[template])(renamed_copy(template, suffix, **names))
     return Kernels(**{kernel: names.get(f"_{kernel}") for kernel in Kernels._fields})
+
+
+def source_digest(format_module):
+    """8 hex digits of the sources an instance is compiled from: the format's module and the modules whose
+    builders and kernels the templates compile in."""
+    digest = hashlib.sha1()
+    for module in (format_module, simd, sys.modules[__name__], sys.modules[quantize_rows.__module__],
+                   sys.modules[dot_tile.__module__], sys.modules[integer_prefill.__module__],
+                   sys.modules[work_items.__module__]):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:8]
