@@ -82,7 +82,7 @@ class CompiledRunner:
         kept = self.backend._scratch().fused_work
         work = kept.pop(key, None)
         if work is None:
-            work = new_work(plan.layer, num_tokens, threads)
+            work = new_work(plan.layer, self.recipe, num_tokens, threads)
             while len(kept) >= FUSED_WORK_KEPT:
                 kept.pop(next(iter(kept)))
         kept[key] = work

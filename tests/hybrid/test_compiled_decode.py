@@ -1,6 +1,8 @@
 """The compiled decode layer (hybrid/backends/cpu_decode.py) and the layer as one parallel region
 (cpu_decode_fused.py) against the op-by-op path they replace: the same logits, bit for bit, for every
 weight format, one and two sequences, one thread and all threads."""
+from dataclasses import dataclass, replace
+
 import numpy as np
 import pytest
 
@@ -124,7 +126,7 @@ def test_fused_work_arrays_kept_per_batch_size(gguf_models):
     decode(model, True, prompts[:1], 2)
     kept = model.backend._scratch().fused_work
     (first,) = kept.values()
-    assert first[0].shape[0] == 1  # q [T, Hq*D] of one token
+    assert first[2][1] == 1  # row_starts [0, T] of one token
     decode(model, True, prompts[:1], 1)
     assert next(iter(kept.values())) is first  # the same arrays again
     for n in range(2, FUSED_WORK_KEPT + 2):
@@ -193,3 +195,28 @@ def test_warm_up_compiles_the_decode_layers_and_leaves_no_trace(gguf_models):
     assert len(llm.model.runner.plans) == llm.config.num_layers
     gc.collect()
     assert llm.model.kv_pool.blocks_free == free  # the scratch sequence gave its blocks back
+
+
+@dataclass(frozen=True)
+class TwinAttention:
+    """A part variant only the plain runner has an implementation of (full attention under another name)."""
+
+    qk_norm: bool = True
+
+
+def test_a_part_without_a_compiled_implementation_keeps_the_plain_runner(gguf_models, monkeypatch):
+    """A new part type with a plain implementation only: the model runs it op by op (the compiled runner is not
+    chosen), with the logits of the part it stands for."""
+    from hybrid import blocks
+    from hybrid.arch.recipe import FullAttention
+
+    monkeypatch.setitem(blocks.PART_STEPS, TwinAttention,
+                        lambda part: blocks.full_attention_steps(FullAttention(qk_norm=part.qk_norm)))
+    path, _ = gguf_models("small", "Q8_0")
+    model = Model(load_model(path), CpuBackend())
+    ref = decode(model, False, PROMPTS, 2)
+    recipe = model.spec.recipe
+    model.spec = replace(model.spec, recipe=replace(recipe, mixer=replace(recipe.mixer, part=TwinAttention())))
+    got = decode(model, True, PROMPTS, 2)
+    assert isinstance(model.runner, PlainRunner)
+    np.testing.assert_array_equal(got, ref)
