@@ -51,7 +51,8 @@ print(json.dumps({"prompt_tps": read["prompt_per_second"], "decode_tps": decode[
 
 def run(tree, args, share):
     """One fresh process of the engine in `tree`: {"prompt_tps", "decode_tps"}."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
+    path = os.pathsep.join(filter(None, (str(tree), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, "-c", WORKER, args.model, args.device, str(args.threads), str(share),
            str(args.prompt_tokens), str(args.decode_tokens), str(SHORT_PROMPT)]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
