@@ -109,7 +109,7 @@ class CpuBackend:
     _local = None  # per thread: the _Scratch of grouped_experts
     _host_plans = None  # layer index: cpu_host_experts.HostExpertsPlan, made at the layer's first hybrid decode step
     # int64 [W, cpu_decode_fused.TRACE_COLUMNS]: ticks each worker of a fused decode layer spends per stage,
-    # summed over calls (fused_template; bench/fused_stages.py sets it); zero rows: not profiled
+    # summed over calls (cpu_decode_fused.fused_layer; bench/fused_stages.py sets it); zero rows: not profiled
     stage_trace = np.zeros((0, 0), dtype=np.int64)
 
     def __init__(self, fused_decode=None, act_quant=None, prefetch_rows=None):

@@ -20,13 +20,17 @@ Shape legend: T tokens (one a sequence), H hidden, Hq / Hkv query / kv heads, D 
 E experts, K top-k, N pairs, F expert width, L layers, NB pool blocks, BT positions a block,
 nb blocks of a sequence.
 """
+import functools
+import hashlib
 import operator
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 from numba import njit
 
+import cpu_kernels
 from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing
 from cpu_kernels.twins import renamed_copy
 
@@ -41,13 +45,38 @@ _INSTANCES = {}  # (template name, suffix) -> compiled instance
 
 
 def instance(template, suffix, parallel=False, **kernels):
-    """`template` compiled with `kernels` as its globals, named template_suffix (its own cache files)."""
+    """`template` compiled with `kernels` as its globals, named template_suffix_digest (its own cache files). Numba
+    checks a cached function against its own file only, not the callees it compiled in: the digest covers those
+    (the kernels' names, which carry their own digests where generated, and cpu_kernels' sources), so a changed
+    kernel gives a new name, compiled afresh, rather than a stale cached instance."""
     key = (template.__name__, suffix)
     found = _INSTANCES.get(key)
     if found is None:
         options = dict(parallel=True) if parallel else {}
-        found = _INSTANCES[key] = njit(nogil=True, cache=True, **options)(renamed_copy(template, suffix, **kernels))
+        named = renamed_copy(template, f"{suffix}_{_digest(kernels)}", **kernels)
+        found = _INSTANCES[key] = njit(nogil=True, cache=True, **options)(named)
     return found
+
+
+def _digest(kernels):
+    """8 hex digits over the globals an instance is given and the sources of cpu_kernels."""
+    digest = hashlib.sha1(_kernel_sources_digest())
+    for name, value in sorted(kernels.items()):
+        func = getattr(value, "py_func", None)
+        digest.update((f"{name}={func.__module__}.{func.__qualname__}" if func is not None else f"{name}={value!r}").encode())
+        digest.update(b";")
+    return digest.hexdigest()[:8]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_sources_digest():
+    root = os.path.dirname(os.path.abspath(cpu_kernels.__file__))
+    digest = hashlib.sha1()
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.digest()
 
 
 # -- linear runners: fn(raws, x, expert_ids, row_starts, outs, act_quant), as the quantized kernels are ----
