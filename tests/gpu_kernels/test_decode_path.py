@@ -124,12 +124,12 @@ def test_decode_relay_matches_the_cpu_engine(runtime, gguf_models, target):
         relayed = [t for t in split.trace if t["tokens"] == 1]
         assert len(relayed) == 7 * int((~mask).any(axis=1).sum()), name  # 7 decode steps (the 8th token's
         assert all(t["cpu_s"] > 0 and t["step_s"] > 0 for t in relayed), name  # logits need no step)
-        assert split._relay is not None
+        assert split.relay.worker is not None
     host = gpu.model.split.host
     real = host.relay_decode_experts
 
     def failing(layer, mailbox, *args):
-        if mailbox is split._relay.mailbox:
+        if mailbox is split.relay.worker.mailbox:
             raise MemoryError("test: no room")
         return real(layer, mailbox, *args)
 
