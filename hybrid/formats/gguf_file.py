@@ -6,10 +6,11 @@ import numpy as np
 from gguf import GGUFReader
 
 from ..arch import arch_for_gguf
-from ..arch.base import validate_tensors
+from ..arch.base import expected_shape, validate_tensors
 from ..errors import ModelError
 from ..tokenizer import Tokenizer
 from .gguf_metadata import gguf_fields_to_dict
+from .gguf_split import open_split
 from .weights import ModelWeights, QuantTensor
 
 log = logging.getLogger(__name__)
@@ -79,20 +80,37 @@ def _tokenizer(fields, path):
         raise ModelError(f"{path}: damaged tokenizer metadata (the tokenizers library: {exc})") from None
 
 
+def _check_shapes(config, tensor_files, tensors):
+    """A split model's tensor of the wrong shape names its file: a file of another model among the shards."""
+    for name, shard_path in tensor_files.items():
+        want = expected_shape(name, config)
+        if want is not None and tensors[name].shape != want:
+            raise ModelError(f"{shard_path}: tensor '{name}' has shape {tensors[name].shape}, expected {want} "
+                             f"(a file of another model among the split model's files?)")
+
+
 def load_gguf(path):
+    """A GGUF file, or any file of a split model (every file is read), -> ModelWeights; nothing is copied."""
     path = str(path)
     reader = open_reader(path)
-    fields = gguf_fields_to_dict(reader)
+    shards, fields = open_split(path, reader, gguf_fields_to_dict(reader), open_reader, gguf_fields_to_dict)
+    path = shards[0][0]
     spec = arch_for_gguf(fields.get("general.architecture"), path)
-    tensors = {t.name: _quant_tensor(t, path) for t in reader.tensors}
+    tensors, tensor_files = {}, {}
+    for shard_path, shard_reader in shards:
+        for t in shard_reader.tensors:
+            tensors[t.name], tensor_files[t.name] = _quant_tensor(t, shard_path), shard_path
     if "token_embd.weight" not in tensors:
         raise ModelError(f"{path}: missing tensor 'token_embd.weight'")
     config = spec.config_from_gguf(fields, path, vocab_size=tensors["token_embd.weight"].shape[0],
                                    tie_word_embeddings="output.weight" not in tensors)
+    if len(shards) > 1:
+        _check_shapes(config, tensor_files, tensors)
     validate_tensors(spec, config, tensors, path)
     tokenizer = _tokenizer(fields, path)
-    log.info("loaded %s: %s, %d layers, %d experts (top-%d), %d tensors, %.1f MiB mapped",
-             path, spec.name, config.num_layers, config.num_experts, config.num_experts_per_tok,
-             len(tensors), sum(t.nbytes for t in tensors.values()) / 2**20)
+    log.info("loaded %s%s: %s, %d layers, %d experts (top-%d), %d tensors, %.1f MiB mapped", path,
+             f" (+ {len(shards) - 1} more files)" if len(shards) > 1 else "", spec.name, config.num_layers,
+             config.num_experts, config.num_experts_per_tok, len(tensors),
+             sum(t.nbytes for t in tensors.values()) / 2**20)
     return ModelWeights(config=config, tensors=tensors, tokenizer=tokenizer, source=path,
-                        file_handles=[reader])
+                        file_handles=[r for _, r in shards])

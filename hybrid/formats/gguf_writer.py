@@ -31,9 +31,15 @@ def _add_hparams(writer, config):
     writer.add_expert_weights_norm(config.norm_topk_prob)
 
 
-def write_gguf(path, config, tensors, tokenizer, name="strata-model"):
-    """tensors: QuantTensors, or (name, qtype, shape, make_raw) tuples whose raw is built when written."""
-    writer = GGUFWriter(str(path), config.arch)
+def write_gguf(path, config, tensors, tokenizer, name="strata-model", num_files=1):
+    """tensors: QuantTensors, or (name, qtype, shape, make_raw) tuples whose raw is built when written.
+
+    num_files > 1: a split model, `<path stem>-00001-of-0000N.gguf` ... beside `path` (gguf-py's split
+    writer, as llama.cpp's converter writes them: the metadata in the first file, tensors spread evenly).
+    Returns the paths written.
+    """
+    tensors = list(tensors)
+    writer = GGUFWriter(str(path), config.arch, split_max_tensors=-(-len(tensors) // num_files) if num_files > 1 else 0)
     writer.add_name(name)
     _add_hparams(writer, config)
     add_tokenizer_to_writer(writer, tokenizer)
@@ -51,6 +57,8 @@ def write_gguf(path, config, tensors, tokenizer, name="strata-model"):
     writer.write_ti_data_to_file()
     for make_raw in pending:
         writer.write_tensor_data(make_raw())
+    paths = [str(p) for p in writer.format_shard_names(writer.path)]
     writer.close()
-    log.info("wrote %s (%d tensors)", path, len(pending))
+    log.info("wrote %s (%d tensors)", ", ".join(paths), len(pending))
+    return paths
 
