@@ -25,15 +25,16 @@ import numpy as np
 from numba import njit, prange
 
 from . import simd
-from .act_quant import INT8, quantize_rows, quantize_rows_i8, without_int8
+from .act_quant import FLOAT, INT8, quantize_rows, quantize_rows_i8, without_int8
 from .prefill import dot_tile, token_panels
 from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows
 from .tiles import ROWS_PER_ITEM, decode_sub_block_sums, work_items
 from .twins import renamed_copy
 
 # Names the templates read from the instance's globals (F821 below): the format's intrinsics _dot_rows,
-# _dot_row (and _i16, _i8), _unpack_row_fast, _unpack_row_i16, its _unpack_row and _X_LEVELS, and the other
-# instances of the same format (_rows_dot, _tile, _prepare, _run_item).
+# _dot_row (and _i16, _i8), _unpack_row_fast, _unpack_row_i16, its _unpack_row, _X_LEVELS and _INT_PREFILL
+# (False: prefill multiplies in float under every act_quant), and the other instances of the same format
+# (_rows_dot, _tile, _prepare, _run_item).
 
 
 # -- decode dots: one token's row against rows r0:r1 ------------------------------------------------------
@@ -89,7 +90,7 @@ def tile(w, x, xq, xaux, panels, pxq, pdx, psums, out, item, act_quant):
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], out[t0])  # noqa: F821
         return
-    if integer_prefill(act_quant):
+    if _INT_PREFILL and integer_prefill(act_quant):  # noqa: F821
         wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
@@ -115,7 +116,7 @@ def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_q
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], out[t0])  # noqa: F821
         return
-    if integer_prefill(act_quant):
+    if _INT_PREFILL and integer_prefill(act_quant):  # noqa: F821
         wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
@@ -141,7 +142,7 @@ def tile_sums(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, ite
     if t1 - t0 == 1:
         _rows_dot(w, r0, r1, x[t0], xsum[t0], out[t0])  # noqa: F821
         return
-    if integer_prefill(act_quant):
+    if _INT_PREFILL and integer_prefill(act_quant):  # noqa: F821
         wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
@@ -164,8 +165,9 @@ def dequantize(raw, out):
 def prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
-    panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
-    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # noqa: F821 (integer prefill)
+    int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
+    panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = quantize_rows(x, items, without_int8(act_quant))  # [N, C], [N, C/16] (empty unless int16 decode)
     return items, (xq, xaux, panels, pxq, pdx, psums)
 
@@ -173,8 +175,9 @@ def prepare(raws, x, expert_ids, row_starts, act_quant):
 def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
-    panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
-    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # noqa: F821 (integer prefill)
+    int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
+    panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
     return items, (xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
@@ -185,8 +188,9 @@ def prepare_sums(raws, x, expert_ids, row_starts, act_quant):
     int16 dots by _quantize_rows (quantize_rows, or quantize_rows_split), for the int8 ones in NIBBLE_ORDER."""
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
     xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
-    panels = token_panels(x, items, not integer_prefill(act_quant))  # [S, C, 64] (float prefill)
-    pxq, pdx, psums = token_panels_i16(x, items, act_quant, _X_LEVELS)  # noqa: F821 (integer prefill)
+    int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
+    panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, act_quant)  # noqa: F821 ([N, C], [N, C/16], empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, True)  # [N, C], [N, C/16] (empty unless int8 decode)
     return items, (xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
@@ -257,16 +261,18 @@ class Kernels(NamedTuple):
 
 
 def instance(name, shape, block_bytes, block_size, unpack_row, x_levels, block, block_i16, weights, runs_i16,
-             block_i8=None, **shape_globals):
+             block_i8=None, int_prefill=True, **shape_globals):
     """The Kernels of format `name` (q8_0, ...) around its block code, of the given shape (INT16_DECODE,
     INT8_DECODE, SUMS_DECODE):
 
     block, block_i16, block_i8: simd.rows_dot_intrinsic's block_fn for float, int16 and int8 x (block_i8 None
         for INT16_DECODE); weights: simd.unpack_row_intrinsic's weights_fn; runs_i16: prefill_i16's block_fn;
     unpack_row(row [B], dst f32 [C]): the scalar dequantizer; x_levels: prefill_i16.x_levels of its weights;
+    int_prefill: False for a format whose weights are no int16 rows with one factor and min per 32 columns
+        (Q2_K's mins per 16): its prefill multiplies in float (runs_i16 must still build; it never runs);
     shape_globals: what the shape's templates read besides (SUMS_DECODE: _quantize_rows).
     """
-    names = dict(_X_LEVELS=x_levels, _unpack_row=unpack_row, **shape_globals,
+    names = dict(_X_LEVELS=x_levels, _INT_PREFILL=int_prefill, _unpack_row=unpack_row, **shape_globals,
                  _unpack_row_fast=simd.unpack_row_intrinsic(weights, block_bytes, block_size),
                  _unpack_row_i16=unpack_row_i16_intrinsic(runs_i16, block_bytes, block_size))
     for suffix, block_fn in (("", block), ("_i16", block_i16), ("_i8", block_i8)):
@@ -282,12 +288,16 @@ def instance(name, shape, block_bytes, block_size, unpack_row, x_levels, block, 
 
 
 def source_digest(format_module):
-    """8 hex digits of the sources an instance is compiled from: the format's module and the modules whose
-    builders and kernels the templates compile in."""
+    """8 hex digits of the sources an instance is compiled from: the format's module, the cpu_kernels modules
+    it imports (their block builders and tables compile in), and the modules whose builders and kernels the
+    templates compile in."""
     digest = hashlib.sha1()
+    imported = {getattr(value, "__module__", None) for value in vars(format_module).values()}
+    imported |= {value.__name__ for value in vars(format_module).values() if isinstance(value, type(sys))}
+    own = sorted(name for name in imported if name and name.startswith(f"{__package__}."))
     for module in (format_module, simd, sys.modules[__name__], sys.modules[quantize_rows.__module__],
                    sys.modules[dot_tile.__module__], sys.modules[integer_prefill.__module__],
-                   sys.modules[work_items.__module__]):
+                   sys.modules[work_items.__module__], *(sys.modules[name] for name in own)):
         with open(module.__file__, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:8]

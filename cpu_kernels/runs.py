@@ -1,0 +1,218 @@
+"""Block code of the formats whose blocks are runs of 32 small integers times a float factor, minus a min.
+
+A format of this family (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, TQ2_0) describes its block once,
+as `Runs`: per run j of 32 weights, int16 values v_j, a float factor f_j and optionally a float min m_j, and
+(Q2_K, whose mins change every 16 weights) integer lane mins u_j with one float factor g:
+
+    weight = f_j * v_j - m_j - g * u_j
+
+`run_blocks` builds from that description the four pieces quant_driver.instance takes: the float decode dot
+(`block`), the int16 decode dot (`block_i16`: one pmaddwd of v_j with the int16 x per run, one conversion
+and FMA with f_j * dx_j; the mins from x's float sums per 32 values, lane mins through a second pmaddwd), the
+float unpacking of prefill (`weights`) and the int16 unpacking of the integer prefill (`runs_i16`).
+Table formats (IQ4_NL, IQ4_XS, MXFP4) map their 4-bit indices through a 16-entry table with `lookup16`,
+one pshufb per 16 to 64 indices.
+
+Shape legend: R runs per block (1 or 8); `q` uint8 raw bytes, `o` a block's byte offset (i64 value).
+"""
+from typing import NamedTuple
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+
+from . import simd
+from .half import u32_as_f32
+from .simd import F32, I8, I16, I32, I64
+from .target import _target_features, int_dot_width
+
+RUN = 32  # weights per run
+INT_DOT_WIDTH = int_dot_width()
+
+
+class Runs(NamedTuple):
+    """A block as R runs: values (R x <32 x i16>), factors <R x float>, mins <R x float> or None, and lane mins
+    (R x <32 x i16>, their factor <R x float>) or None."""
+    values: list
+    factors: object
+    mins: object = None
+    lane_mins: tuple = None
+
+
+# -- byte-level pieces ---------------------------------------------------------------------------------------
+
+def offset(builder, o, at):
+    return builder.add(o, ir.Constant(I64, at))
+
+
+def load_bytes(builder, q, o, at, n):
+    """<n x i8> of the block's bytes at..at + n."""
+    return simd.load_at(builder, q, offset(builder, o, at), simd.vec(I8, n))
+
+
+def nibbles(builder, q, o, at, n):
+    """<2n x i8> of the n bytes at `at`: their low nibbles, then their high nibbles (0..15 each)."""
+    packed = load_bytes(builder, q, o, at, n)
+    low = builder.and_(packed, simd.splat_const(I8, n, 15))
+    high = builder.lshr(packed, simd.splat_const(I8, n, 4))
+    return simd.concat(builder, low, high)
+
+
+def nibble_runs(builder, q, o, at, count):
+    """count runs of 16 bytes from `at` as <32 x i8> each (ggml's 4-bit layout: weight l < 16 in the low nibble
+    of byte l, weight 16 + l in its high nibble), two runs per load."""
+    runs = []
+    for first in range(0, count, 2):
+        pair = min(2, count - first)
+        both = nibbles(builder, q, o, at + 16 * first, 16 * pair)
+        for k in range(pair):
+            runs.append(simd.lanes(builder, both, [16 * k + i for i in range(16)]
+                                   + [16 * pair + 16 * k + i for i in range(16)]))
+    return runs
+
+
+def crumb_runs(builder, q, o, at, count):
+    """The 2-bit quants of ggml's K-quant layout (Q2_K, Q3_K, TQ2_0): 32 bytes from `at` + 32h hold runs 4h..4h + 3,
+    run 4h + s in bits 2s..2s + 1 of each byte; count runs (a multiple of 4) as <32 x i8> in 0..3."""
+    runs = []
+    for h in range(count // 4):
+        packed = load_bytes(builder, q, o, at + 32 * h, 32)
+        for s in range(4):
+            runs.append(builder.and_(builder.lshr(packed, simd.splat_const(I8, 32, 2 * s)),
+                                     simd.splat_const(I8, 32, 3)))
+    return runs
+
+
+def widen(builder, values):
+    """<32 x i8> -> <32 x i16>, sign-extended."""
+    return builder.sext(values, simd.vec(I16, values.type.count))
+
+
+def pshufb_width():
+    """The widest pshufb of the compile target, in bytes: 64 (AVX-512BW), 32 (AVX2) or 16 (SSSE3)."""
+    features = _target_features()
+    return 64 if features["avx512bw"] else 32 if features["avx2"] else 16
+
+
+_PSHUFB = {64: "llvm.x86.avx512.pshuf.b.512", 32: "llvm.x86.avx2.pshuf.b", 16: "llvm.x86.ssse3.pshuf.b.128"}
+
+
+def lookup16(builder, table, indices):
+    """<n x i8> of table[indices] for a 16-entry int8 table and indices <n x i8> in 0..15: pshufb instructions
+    of the target's width, the table in every 16-byte lane (LLVM has no variable shuffle of its own)."""
+    from numba.core import cgutils
+
+    width = pshufb_width()
+    n = indices.type.count
+    fnty = ir.FunctionType(simd.vec(I8, width), [simd.vec(I8, width)] * 2)
+    fn = cgutils.get_or_insert_function(builder.module, fnty, _PSHUFB[width])
+    lut = simd.const_vec(I8, [int(v) for v in table] * (width // 16))
+    parts = [builder.call(fn, [lut, simd.lanes(builder, indices, [min(i, n - 1) for i in range(k, k + width)])])
+             for k in range(0, n, width)]  # indices padded to whole instructions
+    while len(parts) > 1:
+        parts = [simd.concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0] if parts[0].type.count == n else simd.lanes(builder, parts[0], range(n))
+
+
+def table_runs(builder, q, o, at, count, table):
+    """nibble_runs mapped through `table` (16 int8 values) as <32 x i16>: two runs per pshufb."""
+    runs = []
+    for first in range(0, count, 2):
+        pair = min(2, count - first)
+        both = lookup16(builder, table, nibbles(builder, q, o, at + 16 * first, 16 * pair))
+        for k in range(pair):
+            runs.append(widen(builder, simd.lanes(builder, both, [16 * k + i for i in range(16)]
+                                                  + [16 * pair + 16 * k + i for i in range(16)])))
+    return runs
+
+
+def e8m0_half(builder, e):
+    """The float 2^(e - 128) of an E8M0 byte e (i8; ggml_e8m0_to_fp32_half), exact (subnormal for e < 2)."""
+    e32 = builder.zext(e, I32)
+    tiny = builder.shl(ir.Constant(I32, 0x00200000), e32)
+    normal = builder.shl(builder.sub(e32, ir.Constant(I32, 1)), ir.Constant(I32, 23))
+    return builder.bitcast(builder.select(builder.icmp_unsigned("<", e32, ir.Constant(I32, 2)), tiny, normal), F32)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def e8m0_half_scalar(e):
+    """The float32 2^(e - 128) of an E8M0 byte e, exactly as gguf's e8m0_to_fp32_half."""
+    e = np.uint32(e)
+    if e < 2:
+        return u32_as_f32(np.uint32(0x00200000) << e)
+    return u32_as_f32((e - np.uint32(1)) << np.uint32(23))
+
+
+def splat_int(builder, value, n):
+    """A scalar integer broadcast to <n x int>."""
+    v = builder.insert_element(ir.Constant(simd.vec(value.type, 1), None), value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(simd.vec(I32, n), [0] * n))
+
+
+# -- the kernels' block code ---------------------------------------------------------------------------------
+
+def run_blocks(name, describe, block_size):
+    """(block, block_i16, weights, runs_i16) of a format whose describe(builder, q, o) gives the block at byte o
+    of row q as Runs (see the module docstring); block_size / 32 runs per block."""
+    num_runs = block_size // RUN
+    f32x = simd.vec(F32, RUN)
+
+    def run_weights(builder, runs):
+        out = []
+        for j, values in enumerate(runs.values):
+            w = builder.fmul(builder.sitofp(values, f32x), simd.lanes(builder, runs.factors, [j] * RUN),
+                             flags=simd.FAST)
+            if runs.mins is not None:
+                w = builder.fsub(w, simd.lanes(builder, runs.mins, [j] * RUN), flags=simd.FAST)
+            if runs.lane_mins is not None:
+                lane_values, lane_factors = runs.lane_mins
+                w = builder.fsub(w, builder.fmul(builder.sitofp(lane_values[j], f32x),
+                                                 simd.lanes(builder, lane_factors, [j] * RUN), flags=simd.FAST),
+                                 flags=simd.FAST)
+            out.append((RUN * j, w))
+        return out
+
+    def weights(builder, q, o):
+        return run_weights(builder, describe(builder, q, o))
+
+    def block(builder, q, o, b, xs, aux, acc):
+        xo = builder.mul(b, ir.Constant(I64, block_size))
+        for at, w in run_weights(builder, describe(builder, q, o)):
+            xv = simd.load_at(builder, xs, builder.add(xo, ir.Constant(I64, at)), f32x)
+            acc = simd.fma(builder, w, xv, acc)
+        return acc
+
+    def block_i16(builder, q, o, b, xq, aux, acc):
+        runs = describe(builder, q, o)
+        pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 2 * num_runs)), simd.vec(F32, 2 * num_runs))
+        dx = simd.lanes(builder, pairs, range(0, 2 * num_runs, 2))  # [R]
+        scales = builder.fmul(runs.factors, dx, flags=simd.FAST)
+        if runs.mins is not None:
+            sums = simd.lanes(builder, pairs, range(1, 2 * num_runs, 2))
+            terms = builder.fmul(runs.mins, sums, flags=simd.FAST)
+            acc = builder.fsub(acc, builder.shuffle_vector(terms, ir.Constant(terms.type, None), simd.const_vec(
+                I32, list(range(num_runs)) + [num_runs] * (16 - num_runs))), flags=simd.FAST)
+        lane_scales = None
+        if runs.lane_mins is not None:
+            lane_scales = builder.fmul(runs.lane_mins[1], dx, flags=simd.FAST)
+        xo = builder.mul(b, ir.Constant(I64, block_size))
+        i16x = simd.vec(I16, RUN)
+        for j, values in enumerate(runs.values):
+            xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, RUN * j)), i16x)
+            dots = simd.madd_i16(builder, values, xv, INT_DOT_WIDTH)  # <16 x i32>
+            acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), simd.lanes(builder, scales, [j] * 16), acc)
+            if lane_scales is not None:
+                dots = simd.madd_i16(builder, runs.lane_mins[0][j], xv, INT_DOT_WIDTH)
+                acc = builder.fsub(acc, builder.fmul(builder.sitofp(dots, simd.vec(F32, 16)),
+                                                     simd.lanes(builder, lane_scales, [j] * 16), flags=simd.FAST),
+                                   flags=simd.FAST)
+        return acc
+
+    def runs_i16(builder, q, o):
+        runs = describe(builder, q, o)
+        return runs.values, runs.factors, runs.mins
+
+    block.acc_type, block_i16.acc_type = f32x, simd.vec(F32, 16)
+    for fn in (block, block_i16, weights, runs_i16):
+        fn.__name__ = f"{name}_{fn.__name__}"
+    return block, block_i16, weights, runs_i16

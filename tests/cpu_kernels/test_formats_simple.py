@@ -1,0 +1,125 @@
+"""Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 and TQ2_0 kernels against gguf's dequantizer and NumPy
+float64 references (cpu_kernels.runs builds their block code)."""
+import importlib
+from functools import partial
+
+import gguf
+import numpy as np
+import pytest
+
+NAMES = ["iq4_xs", "q3_k", "q2_k"]
+R = 37  # odd rows, not a multiple of the 16-row work items
+SCALE = 0.02
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def fmt(request):
+    """Each format module once per test module (its kernels compile on first use and are shared)."""
+    return importlib.import_module(f"cpu_kernels.{request.param}")
+
+
+def cols(fmt):
+    """Columns of the test weights: 3 blocks (768 for super-block formats, 96 for 32-weight blocks)."""
+    return 3 * fmt.BLOCK_SIZE
+
+
+def weight(fmt, shape, seed):
+    """Random valid raw bytes for `shape`, read-only like the memory-mapped GGUF tensors the kernels get."""
+    raw = fmt.random_blocks(np.random.default_rng(seed), shape, SCALE)
+    raw.setflags(write=False)
+    return raw
+
+
+def random_bytes(fmt, num_blocks, seed):
+    """[num_blocks, B] of random bytes, every bit pattern, with sane scales (finite f16 of both signs, E8M0 in
+    2^-20..2^10) written over the format's scale fields: what gguf's dequantizer is compared with."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(num_blocks, fmt.BLOCK_BYTES), dtype=np.uint8)
+    for at in fmt.HALF_OFFSETS:
+        halves = (rng.uniform(1e-4, 1e-2, num_blocks) * rng.choice([-1, 1], num_blocks)).astype(np.float16)
+        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4:
+        blocks[:, 0] = rng.integers(108, 138, size=num_blocks)
+    return blocks
+
+
+def dequant(fmt, raw):
+    return gguf.quants.dequantize(raw, fmt.QTYPE).astype(np.float64)
+
+
+def reference(fmt, raw, x):
+    """x [T, C] @ W.T in float64 and the float32 error bound: C * eps * (|x| @ |W|.T)."""
+    w = dequant(fmt, raw)  # [R, C]
+    x = x.astype(np.float64)
+    return x @ w.T, x.shape[1] * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w).T)
+
+
+def weight_parts(fmt, raw):
+    """|W| for the rounding bounds: Q2_K's integer dot multiplies the rounded x with its scaled quants and its
+    mins apart, so its bound takes |d * scale * q| + |dmin * min| per weight."""
+    if hasattr(fmt, "abs_parts"):
+        return fmt.abs_parts(raw)
+    return np.abs(dequant(fmt, raw))
+
+
+def assert_close(got, ref, bound):
+    assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) - bound)
+
+
+def test_dequantize_matches_gguf_on_random_blocks(fmt):
+    raw = weight(fmt, (R, cols(fmt)), 0)
+    out = np.empty((R, cols(fmt)), dtype=np.float32)
+    fmt.dequantize(raw, out)
+    assert np.array_equal(out, gguf.quants.dequantize(raw, fmt.QTYPE))
+
+
+def test_dequantize_matches_gguf_on_random_bytes(fmt):
+    raw = random_bytes(fmt, 3 * R, 1).reshape(R, -1)
+    out = np.empty((R, cols(fmt)), dtype=np.float32)
+    fmt.dequantize(raw, out)
+    assert np.array_equal(out, gguf.quants.dequantize(raw, fmt.QTYPE))
+
+
+def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
+    raw = weight(fmt, (R, cols(fmt)), 2)
+    x = np.random.default_rng(3).standard_normal((33, cols(fmt))).astype(np.float32)  # [T, C]
+    ref, bound = reference(fmt, raw, x)  # [T, R]
+    w_abs = weight_parts(fmt, raw)  # [R, C]
+    decode_bound = bound[0] + act_rounding_bound(x[:1], w_abs, act_quant)[0]
+    out = np.empty(R, dtype=np.float32)
+    fmt.matvec(raw, x[0], out, act_quant=act_quant)
+    assert_close(out, ref[0], decode_bound)
+    out = np.empty((33, R), dtype=np.float32)  # prefill: one 32-token pass and one more token
+    fmt.matmul(raw, x, out, act_quant=act_quant)
+    assert_close(out, ref, bound + prefill_rounding_bound(fmt, x, w_abs, act_quant))
+
+
+def test_moe_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
+    num_experts = 4
+    raw = weight(fmt, (num_experts, R, cols(fmt)), 4)  # [E, R, B]
+    group_sizes = [3, 0, 1, 17]  # an empty group, a 1-row (decode) group
+    expert_ids = np.array([3, 0, 2, 3], dtype=np.int64)  # [G], expert 3 twice, expert 1 unused
+    row_starts = np.concatenate([[0], np.cumsum(group_sizes)]).astype(np.int64)  # [G+1]
+    x = np.random.default_rng(5).standard_normal((row_starts[-1], cols(fmt))).astype(np.float32)  # [N, C]
+    out = np.full((len(x), R), np.nan, dtype=np.float32)  # [N, R]
+    fmt.moe_matmul(raw, x, expert_ids, row_starts, out, act_quant=act_quant)
+    for g, e in enumerate(expert_ids):
+        rows = slice(row_starts[g], row_starts[g + 1])
+        ref, bound = reference(fmt, raw[e], x[rows])
+        rounding = act_rounding_bound if group_sizes[g] == 1 else partial(prefill_rounding_bound, fmt)
+        assert_close(out[rows], ref, bound + rounding(x[rows], weight_parts(fmt, raw[e]), act_quant))
+
+
+def test_random_blocks_scale(fmt):
+    raw = weight(fmt, (2, 16, 2 * fmt.BLOCK_SIZE), 6)
+    assert raw.shape == (2, 16, 2 * fmt.BLOCK_BYTES) and raw.dtype == np.uint8
+    w = dequant(fmt, raw)
+    assert np.all(np.isfinite(w))
+    assert 0.5 * SCALE < np.sqrt(np.mean(w ** 2)) < 2 * SCALE
+
+
+def test_moe_matmul_rejects_bad_expert_ids(fmt):
+    raw = weight(fmt, (2, R, cols(fmt)), 7)
+    out = np.empty((1, R), dtype=np.float32)
+    with pytest.raises(ValueError):
+        fmt.moe_matmul(raw, np.zeros((1, cols(fmt)), dtype=np.float32), np.array([2]), np.array([0, 1]), out)
