@@ -1,8 +1,8 @@
 """Write a synthetic qwen3moe GGUF of a chosen size for benchmarks: random weights, skewed routers.
 
-Weights are random valid blocks written directly in the file's types (Q8_0,
-Q4_K_M's mix of Q4_K and Q6_K, or Q6_K), one tensor at a time, so a 16 GB
-model never sits in RAM. Routers are skewed per layer: every token embedding
+Weights are random valid blocks written directly in the file's types (one type,
+or a mix of hybrid/formats/synthetic.py's MIXES: Q4_K_M, Q3_K_M, MXFP4_MOE,
+UD_MIX), one tensor at a time, so a 16 GB model never sits in RAM. Routers are skewed per layer: every token embedding
 shares one direction, and each layer's router gives its experts a Zipf-like
 bias along it (a different expert order per layer), so expert profiles look
 like real ones (a few hot experts per layer, a long tail).
@@ -20,6 +20,7 @@ random blocks would lose the shared direction the router bias reads).
     python bench/make_model.py --type Q4_K_M -o /tmp/bench-q4km.gguf            # ~1.5 GB
     python bench/make_model.py --type Q8_0 --layers 52 -o /tmp/bench-8g.gguf    # 8.5 GB (bench/gpu_model.py)
     python bench/make_model.py --type Q8_0 --layers 100 -o /tmp/bench-16g.gguf  # ~16 GB
+    python bench/make_model.py --type IQ3_S --files 3 -o /tmp/bench-iq3s.gguf   # bench-iq3s-00001-of-00003.gguf ...
 """
 import argparse
 import logging
@@ -36,10 +37,11 @@ from hybrid.arch.base import expected_shape  # noqa: E402
 from hybrid.arch.qwen3moe import SPEC  # noqa: E402
 from hybrid.demo_tokenizer import build_demo_tokenizer  # noqa: E402
 from hybrid.formats.gguf_writer import write_gguf  # noqa: E402
-from hybrid.formats.synthetic import GGUF_QUANTIZERS, type_for  # noqa: E402
+from hybrid.formats.synthetic import GGUF_QUANTIZERS, MIXES, type_for  # noqa: E402
 from hybrid.formats.weights import ModelConfig  # noqa: E402
 
 DEFAULT_ROUTER_SKEW = (0.0, 3.0)  # per-layer router bias strengths, LO..HI: Zipf-like exponents
+TYPES = ("Q8_0", "Q6_K", "IQ4_XS", "IQ3_S", "IQ2_XXS", "MXFP4", *MIXES)  # --type: a type or a mix
 SHARED_DIRECTION_WEIGHT = 0.1  # share of each embedding row along the common direction (small: tokens stay apart)
 SHARED_COS = SHARED_DIRECTION_WEIGHT / np.hypot(SHARED_DIRECTION_WEIGHT, 1 - SHARED_DIRECTION_WEIGHT)  # of a row, d
 
@@ -127,7 +129,8 @@ def router_skew_range(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-o", "--output", required=True, help="GGUF file to write")
-    p.add_argument("--type", default="Q4_K_M", choices=["Q8_0", "Q4_K_M", "Q6_K"], help="weight types")
+    p.add_argument("--type", default="Q4_K_M", choices=TYPES, help="weight type, or a mix of types (default Q4_K_M)")
+    p.add_argument("--files", type=int, default=1, help="a split model in this many files (llama.cpp's names)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--experts", type=int, default=64)
@@ -163,12 +166,17 @@ def main(argv=None):
             return raw
         return run
 
-    tmp = f"{args.output}.tmp"
-    write_gguf(tmp, config, [(n, q, s, counted(m)) for n, q, s, m in tensors], tokenizer,
-               name=f"strata-bench-qwen3moe-{args.type}-RANDOM-WEIGHTS")
-    os.replace(tmp, args.output)
+    tensors = [(n, q, s, counted(m)) for n, q, s, m in tensors]
+    name = f"strata-bench-qwen3moe-{args.type}-RANDOM-WEIGHTS"
+    if args.files > 1:
+        paths = write_gguf(args.output, config, tensors, tokenizer, name=name, num_files=args.files)
+    else:
+        tmp = f"{args.output}.tmp"
+        write_gguf(tmp, config, tensors, tokenizer, name=name)
+        os.replace(tmp, args.output)
+        paths = [args.output]
     bar.close()
-    logging.info("%s: %.2f GB", args.output, os.path.getsize(args.output) / 1e9)
+    logging.info("%s: %.2f GB", ", ".join(paths), sum(os.path.getsize(p) for p in paths) / 1e9)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ class LLM:
         self.threads = set_threads(cfg.threads)
         self.weights = load_model(model_path)
         check_supported(self.weights)
+        log.info("model types by bytes: %s", self.weights.type_mix())
         self.tokenizer = self.weights.tokenizer
         self.config = self.weights.config
         self.max_context = context_limit(cfg.max_context, self.config.context_length, self.weights.source)

@@ -1,6 +1,7 @@
 """GGUF model files, memory-mapped through gguf-py's reader (nothing is copied at load)."""
 import logging
 import os
+import re
 
 import numpy as np
 from gguf import GGUFReader
@@ -41,6 +42,10 @@ def _reader_problem(exc, size):
     """gguf-py's error on a file whose header was fine, in our words."""
     if isinstance(exc, UnicodeDecodeError):
         return "damaged GGUF metadata: a key or a string is not UTF-8"
+    unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(exc))
+    if unknown:
+        return (f"a tensor of unknown GGML type id {unknown[1]} (a type newer than this Strata's gguf package, or a "
+                f"damaged file)")
     if "GGUFValueType" in str(exc) or "GGMLQuantizationType" in str(exc):
         return "damaged GGUF metadata: a value or tensor of an unknown type"
     if "alignment" in str(exc):
