@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import jinja2.ext
+import jinja2.meta
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -33,6 +34,7 @@ END_OF_GENERATION_TEXTS = frozenset({
     "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
     "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>", "<EOT>",
 })
+HARMONY_ENDS = frozenset({"<|end|>", "<|return|>", "<|call|>"})
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.vocab_size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
         self.eos_ids = frozenset(self._end_of_generation_ids(eos_id, extra_eos_ids))
+        self.show_special(())
         self._template: jinja2.Template | None = None
         if self.add_bos:
             bos = backend.id_to_token(bos_id)
@@ -156,10 +159,28 @@ class Tokenizer:
 
     def _end_of_generation_ids(self, eos_id: int | None, extra: Iterable[int]) -> set[int]:
         ids = {i for i in (eos_id, *extra) if i is not None}
-        for token_id, added in self.backend.get_added_tokens_decoder().items():
-            if added.special and added.content in END_OF_GENERATION_TEXTS:
-                ids.add(token_id)
+        specials = {added.content: token_id for token_id, added in self.backend.get_added_tokens_decoder().items()
+                    if added.special}
+        ends = END_OF_GENERATION_TEXTS
+        if HARMONY_ENDS <= specials.keys():  # gpt-oss: <|end|> closes a message, not the answer
+            ends = ends - {"<|end|>"}
+            ids.discard(specials["<|end|>"])
+        ids.update(token_id for text, token_id in specials.items() if text in ends)
         return ids
+
+    def show_special(self, texts: Iterable[str]) -> None:
+        """Streamed output (`IncrementalDecoder`) shows the text of these special tokens (the markers a
+        tool-call or reasoning parser reads); other special tokens stay hidden."""
+        shown = set(texts)
+        self.hidden_special_ids = frozenset(token_id for token_id, added in
+                                            self.backend.get_added_tokens_decoder().items()
+                                            if added.special and added.content not in shown)
+
+    def special_ids(self, texts: Iterable[str]) -> dict[str, int]:
+        """text -> id of those of `texts` that are special tokens."""
+        specials = {added.content: token_id for token_id, added in self.backend.get_added_tokens_decoder().items()
+                    if added.special}
+        return {text: specials[text] for text in texts if text in specials}
 
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any], source: str) -> Tokenizer:
@@ -245,9 +266,19 @@ class Tokenizer:
                     token_limit: int | None = None, **kwargs: Any) -> list[int]:
         """Token ids of `messages` rendered by the chat template: the template's own markers are control
         tokens, special-token text inside the messages is plain text. `token_limit` as in `encode`."""
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt, **kwargs), token_limit)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> str:
+        """The chat template's text of `messages` (and `tools`, ...), special-token text in them escaped, for
+        `encode_rendered`."""
         escaper = self._escaper
-        rendered = self.apply_chat_template(escaper.escape(messages), add_generation_prompt,
-                                            tools=escaper.escape(kwargs.pop("tools", None)), **kwargs)
+        return self.apply_chat_template(escaper.escape(messages), add_generation_prompt,
+                                        tools=escaper.escape(kwargs.pop("tools", None)), **kwargs)
+
+    def encode_rendered(self, rendered: str, token_limit: int | None = None) -> list[int]:
+        """Token ids of a `render_chat` text: its markers are control tokens, the rest plain text."""
+        escaper = self._escaper
         if token_limit is not None:
             self._check_bound(escaper.unescaped_size(rendered), token_limit)
         ids = [self.bos_id] if self.add_bos else []
@@ -305,6 +336,17 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    @cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (`tools`, `enable_thinking`, ...)."""
+        if self.chat_template is None:
+            return frozenset()
+        env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        try:
+            return frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.chat_template)))
+        except TemplateError:
+            return frozenset()
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
         """Render `messages` with the model's chat template; extra kwargs (enable_thinking, ...) reach it."""
@@ -327,13 +369,17 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Streaming detokenizer: `push(id)` returns the text that id completes ('' while a character is split)."""
+    """Streaming detokenizer: `push(id)` returns the text that id completes ('' while a character is split).
+    Special tokens are hidden (`skip_special`) but those the tokenizer shows (`Tokenizer.show_special`)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
         self._backend = tokenizer.backend
-        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special)
+        self._hidden = tokenizer.hidden_special_ids if skip_special else frozenset()
+        self._stream = decoders.DecodeStream(skip_special_tokens=False)
 
     def push(self, token_id: int) -> str:
+        if token_id in self._hidden:
+            return ""
         return self._stream.step(self._backend, token_id) or ""
 
 

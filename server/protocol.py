@@ -195,9 +195,14 @@ class Responder:
         content = {"content": text} if delta else {"role": "assistant", "content": text}
         return {"index": 0, key: content, "logprobs": None, "finish_reason": finish_reason}
 
-    def complete(self, finished):
-        return self._body([self._choice(finished.text, finished.finish_reason)],
-                          usage=finished.usage, timings=finished.timings)
+    def complete(self, finished, output=None):
+        """The whole response; `output` (a chat's ChatOutput) reads the message out of the text."""
+        if output is None:
+            choice = self._choice(finished.text, finished.finish_reason)
+        else:
+            choice = {"index": 0, "message": output.message(finished.text), "logprobs": None,
+                      "finish_reason": output.finish_reason(finished.finish_reason)}
+        return self._body([choice], usage=finished.usage, timings=finished.timings)
 
     def first_chunk(self):
         delta = {"role": "assistant", "content": ""} if self.chat else ""
@@ -208,8 +213,12 @@ class Responder:
     def delta_chunk(self, text):
         return self._body([self._choice(text, None, delta=True)], chunk=True)
 
-    def final_chunk(self, finished):
-        choice = self._choice("", finished.finish_reason, delta=True)
+    def chat_delta_chunk(self, delta):
+        """A chunk of one chat delta ({"content": ...}, {"reasoning_content": ...} or {"tool_calls": [...]})."""
+        return self._body([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], chunk=True)
+
+    def final_chunk(self, finished, finish_reason=None):
+        choice = self._choice("", finish_reason or finished.finish_reason, delta=True)
         if self.chat:
             choice["delta"] = {}
         return self._body([choice], chunk=True, timings=finished.timings)

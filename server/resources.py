@@ -6,14 +6,15 @@ import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hybrid.errors import ModelError, RequestError
+from hybrid.errors import RequestError
 from hybrid.request import Delta, Failed
 from hybrid.scheduler import QueueFull
-from hybrid.tokenizer import ChatTemplateError, PromptTooLong
+from hybrid.tokenizer import PromptTooLong
 
 from .body import read_json
 from .errors import ApiError, bad_request
-from .protocol import Responder, chat_messages, completion_prompt, field, parse
+from .chat import prepare_chat
+from .protocol import Responder, completion_prompt, field, parse
 
 log = logging.getLogger(__name__)
 
@@ -26,46 +27,17 @@ def _disconnected(req):
     return req.env.get("waitress.client_disconnected", lambda: False)
 
 
-class Completions:
-    """POST /v1/chat/completions (`chat`) and /v1/completions."""
+class EngineResource:
+    """What the generating resources share: submitting to the engine and waiting for the result."""
 
-    def __init__(self, engine, model_id, chat, max_body_bytes):
-        self.engine, self.model_id, self.chat, self.max_body_bytes = engine, model_id, chat, max_body_bytes
+    def __init__(self, engine, model_id, max_body_bytes, dialect):
+        self.engine, self.model_id, self.max_body_bytes, self.dialect = engine, model_id, max_body_bytes, dialect
 
-    def on_post(self, req, resp):
-        body = read_json(req, self.max_body_bytes)
+    def _check_model(self, body):
         model = field(body, "model", str)
         if model is not None and model != self.model_id:
             raise ApiError(404, f"model '{model}' does not exist; this server has '{self.model_id}'", "model",
                            "model_not_found")
-        parsed = parse(body, self.engine.model.config.vocab_size)  # before the prompt: cheap checks first
-        handle = self._submit(parsed.request(self._prompt(body), self.engine.max_context))
-        responder = Responder(self.chat, self.model_id)
-        if parsed.stream:
-            resp.content_type = "text/event-stream"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.stream = self._sse(handle, responder, parsed.include_usage, _disconnected(req))
-        else:
-            resp.media = responder.complete(self._wait(handle, _disconnected(req)))
-
-    def _prompt(self, body):
-        """The prompt's token ids; one past the context is refused, before tokenizing when its size proves it."""
-        tokenizer, limit, param = self.engine.tokenizer, self.engine.max_context, "messages" if self.chat else "prompt"
-        try:
-            if self.chat:
-                return tokenizer.encode_chat(chat_messages(body), token_limit=limit)
-            prompt = completion_prompt(body)
-            if isinstance(prompt, str):
-                return tokenizer.encode(prompt, token_limit=limit)
-            if len(prompt) >= limit:
-                raise PromptTooLong(len(prompt), limit, exact=True)
-            return prompt
-        except PromptTooLong as exc:
-            raise ApiError(400, f"{exc}: shorten the {param}", param, "context_length_exceeded") from None
-        except ChatTemplateError as exc:  # its reason names no file of the server
-            raise bad_request(exc.reason, "messages") from None
-        except ModelError:
-            raise bad_request("this model has no chat template: use /v1/completions", "messages") from None
 
     def _submit(self, request):
         try:
@@ -87,14 +59,60 @@ class Completions:
                 raise ApiError(500, f"the request failed: {event.message}")
             return event
 
-    def _sse(self, handle, responder, include_usage, disconnected):
+
+class Completions(EngineResource):
+    """POST /v1/chat/completions (`chat`) and /v1/completions."""
+
+    def __init__(self, engine, model_id, chat, max_body_bytes, dialect):
+        super().__init__(engine, model_id, max_body_bytes, dialect)
+        self.chat = chat
+
+    def on_post(self, req, resp):
+        body = read_json(req, self.max_body_bytes)
+        self._check_model(body)
+        parsed = parse(body, self.engine.model.config.vocab_size)  # before the prompt: cheap checks first
+        output = None
+        if self.chat:
+            chat = prepare_chat(self.engine, self.dialect, body)
+            request = parsed.request(chat.prompt_ids, self.engine.max_context)
+            request.constraint, output = chat.constraint, chat.output
+        else:
+            request = parsed.request(self._prompt(body), self.engine.max_context)
+        handle = self._submit(request)
+        responder = Responder(self.chat, self.model_id)
+        if parsed.stream:
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.stream = self._sse(handle, responder, parsed.include_usage, _disconnected(req), output)
+        else:
+            resp.media = responder.complete(self._wait(handle, _disconnected(req)), output)
+
+    def _prompt(self, body):
+        """A completion prompt's token ids; one past the context is refused, before tokenizing when its size
+        proves it."""
+        tokenizer, limit = self.engine.tokenizer, self.engine.max_context
+        try:
+            prompt = completion_prompt(body)
+            if isinstance(prompt, str):
+                return tokenizer.encode(prompt, token_limit=limit)
+            if len(prompt) >= limit:
+                raise PromptTooLong(len(prompt), limit, exact=True)
+            return prompt
+        except PromptTooLong as exc:
+            raise ApiError(400, f"{exc}: shorten the prompt", "prompt", "context_length_exceeded") from None
+
+    def _sse(self, handle, responder, include_usage, disconnected, output):
+        """The event stream; `output` (a chat's ChatOutput) turns text into chat deltas."""
         done = False
         try:
             yield _sse(responder.first_chunk())
             while not disconnected():
                 event = handle.next_event(timeout=POLL_S)
                 if isinstance(event, Delta):
-                    if event.text:
+                    if output is not None:
+                        for delta in output.push(event.text):
+                            yield _sse(responder.chat_delta_chunk(delta))
+                    elif event.text:
                         yield _sse(responder.delta_chunk(event.text))
                 elif isinstance(event, Failed):
                     done = True
@@ -103,7 +121,12 @@ class Completions:
                     return
                 elif event is not None:
                     done = True
-                    yield _sse(responder.final_chunk(event))
+                    reason = event.finish_reason
+                    if output is not None:
+                        for delta in output.finish():
+                            yield _sse(responder.chat_delta_chunk(delta))
+                        reason = output.finish_reason(reason)
+                    yield _sse(responder.final_chunk(event, reason))
                     if include_usage:
                         yield _sse(responder.usage_chunk(event))
                     yield b"data: [DONE]\n\n"
