@@ -239,7 +239,7 @@ def main(argv=None):
     profile, _ = profile_half(args, first)
     profile_path = os.path.join(args.out_dir, "placement-profile.npz")
     profile.save(profile_path)
-    probs = profile.probabilities("decode")
+    probs, _ = profile.decode_estimate()  # what the planner plans from
     layers = range(c.num_layers)
     predicted = plan_slots(profile, sizes, num_slots, batch=1, max_context=args.max_context)
     configs = [("uniform", {"resident": uniform_mask(probs, layers, num_slots)}),

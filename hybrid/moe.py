@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from placement.borrow import BORROW_MIN_TOKENS, BorrowModel
+from placement.borrow import BORROW_MIN_TOKENS, DEVICE_MIN_WAIT_S, BorrowModel
 
 from .moe_host import HostSide
 from .moe_relay import DecodeRelay
@@ -92,15 +92,15 @@ class ExpertSplit:
         device_groups, host_groups = groups.select(on_device), groups.select(~on_device)
         borrowed = None
         if host_groups.num_groups and device.prefill_borrow and len(ids_host) >= BORROW_MIN_TOKENS:
-            keep = self.borrow.plan(layer, host_groups, device.borrow_bytes_per_second)  # [G_host]
+            keep = self.borrow.plan(layer, host_groups, device.borrow_bytes_per_second,
+                                    device_rows=len(device_groups.order))  # [G_host]
             borrowed, host_groups = host_groups.select(~keep), host_groups.select(keep)
         host_part, rows = None, device.fetch_rows(h) if host_groups.num_groups else None  # [T, H] queued
         if rows is not None and self.host_side.host_thread:  # the host starts first: queuing the device part takes time
             host_part = self.host_side.submit(layer, device.wait_rows(rows), ids_host, weights_host, host_groups)
-        pending, queue_s = None, 0.0
+        pending, queue_s, t_queue = None, 0.0, time.perf_counter()
         try:
             if device_groups.num_groups or (borrowed is not None and borrowed.num_groups):
-                t_queue = time.perf_counter()
                 pending = device.submit(layer, h, ids, weights, device_groups, borrowed)
                 queue_s = time.perf_counter() - t_queue
         finally:
@@ -108,7 +108,10 @@ class ExpertSplit:
         if rows is not None and host_part is None:  # in this thread, after the device part is queued
             host_part = self.host_side.submit(layer, device.wait_rows(rows), ids_host, weights_host, host_groups)
             host_out, cpu_s = self.host_side.wait(host_part)
+        t_wait = time.perf_counter()
         out = self._combine(device, h, pending, host_out)
+        if pending is not None and borrowed is None and time.perf_counter() - t_wait > DEVICE_MIN_WAIT_S:
+            self.borrow.measure_device(layer, len(device_groups.order), time.perf_counter() - t_queue)
         self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s,
                      0 if borrowed is None else borrowed.num_groups)
         return out

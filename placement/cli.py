@@ -175,7 +175,7 @@ def format_plan(placement):
                      f"({len(g.resident)} used)")
     s = placement.settings
     lines.append(f"predicted at batch {placement.predicted['batch']} (CPU {s['cpu_gbps']:g} GB/s, "
-                 f"GPU {s['gpu_gbps']:g} GB/s, {s['profile_tokens']} {s['profile_phase']} tokens profiled):")
+                 f"GPU {s['gpu_gbps']:g} GB/s, {s['profile_tokens']} tokens profiled, from {s['profile_phase']}):")
     lines.append(f"  {'':14s}{'resident':>9s}{'hit rate':>10s}{'decode tok/s':>14s}{'step ms':>9s}")
     rows = [("plan", placement.predicted), ("uniform", placement.baselines["uniform"]),
             ("global top-k", placement.baselines["global_top"])]

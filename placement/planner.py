@@ -207,10 +207,15 @@ def _splits(num_layers, num_gpus, layer_split):
 
 
 def _layer_probs(profile):
-    phase = "decode" if profile.tokens_decode > 0 else "all"
-    if phase == "all":
+    """(float64 [L, E] per decode token, how they were estimated): the decode routings with the prompt's
+    as their prior (ExpertProfile.decode_estimate)."""
+    probs, strength = profile.decode_estimate()
+    if profile.tokens_decode == 0:
         log.warning("profile %s has no decode tokens: planning from its prompt routings", profile.model_id)
-    return profile.probabilities(phase), phase
+        return probs, "prefill"
+    if strength == 0.0:
+        return probs, "decode"
+    return probs, f"decode, prompt prior of {strength:.3g} routings"
 
 
 def plan(profile, sizes, budgets, speeds=Speeds()):
@@ -267,7 +272,7 @@ def plan_slots(profile, sizes, num_slots, batch, speeds=Speeds(), max_context=40
     slot = max(sizes.expert_bytes)
     budget = {"expert_slots": int(num_slots), "slot_mib": slot / MIB, "expert_cache_mib": num_slots * slot / MIB}
     settings = {"parallel": batch, "max_context": max_context, "kv": kv_dtype, "cpu_gbps": speeds.cpu_gbps,
-                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(phase),
+                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(),
                 "planned_at": "start-up"}
     return _placement(profile, cost, mask, [(0, layers, num_slots, budget)], batch, settings)
 
@@ -275,7 +280,7 @@ def plan_slots(profile, sizes, num_slots, batch, speeds=Speeds(), max_context=40
 def _placement_of_split(profile, cost, mask, gpu_budgets, budgets, speeds, phase):
     settings = {"gpu_mib": list(budgets.gpu_mib), "parallel": budgets.num_slots, "max_context": budgets.max_context,
                 "kv": budgets.kv_dtype, "vram_reserve_mib": budgets.reserve_mib, "cpu_gbps": speeds.cpu_gbps,
-                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(phase)}
+                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens()}
     gpus = [(b.gpu, range(b.first_layer, b.last_layer), b.expert_slots, b.to_json()) for b in gpu_budgets]
     return _placement(profile, cost, mask, gpus, budgets.num_slots, settings)
 

@@ -81,6 +81,16 @@ class ExpertProfile:
             raise ProfileError(f"profile {self.model_id}: no {phase} tokens recorded")
         return np.clip(self.counts(phase) / num_tokens, 0.0, 1.0)
 
+    def decode_estimate(self):
+        """(float64 [L, E] per decode token, prior strength in routings): decode routings shrunk towards
+        the prompt routings (see `shrunk_probabilities`); the prompt's alone without decode tokens, the
+        decode's alone without prompt tokens."""
+        if self.tokens_decode == 0:
+            return self.probabilities("prefill"), np.inf
+        if self.tokens_prefill == 0:
+            return self.probabilities("decode"), 0.0
+        return shrunk_probabilities(self.decode, self.prefill, self.num_experts_per_tok)
+
     def check_model(self, num_layers, num_experts, other_id=None, what="the model"):
         """Raises ProfileError when the profile's layer or expert count differs from the model's."""
         if (self.num_layers, self.num_experts) != (num_layers, num_experts):
@@ -130,6 +140,34 @@ class ExpertProfile:
                        list(header.get("sources", [])))
         except ProfileError as exc:
             raise ProfileError(f"{path}: {exc}") from None
+
+
+PRIOR_STRENGTHS = np.concatenate([[0.0], np.geomspace(1.0, 1e6, 61)])  # routings per layer, tried in turn
+
+
+def shrunk_probabilities(decode, prefill, experts_per_token):
+    """(float64 [L, E], strength): each layer's decode routing shares, with the prompt routings as their prior.
+
+    A profile often holds few decode tokens (a handful per prompt) and many prompt tokens: decode shares
+    alone overfit those few tokens, prompt shares alone miss how decode differs. Per layer the estimate is
+    (n_e + s * pi_e) / (N + s), n the decode counts (N their sum), pi the prompt shares (with half a routing
+    added per expert, so that no expert is impossible): the posterior mean of a Dirichlet prior of strength s
+    around pi. s, in routings and shared by all layers, maximises the leave-one-out likelihood of the decode
+    routings, so the prompt prior counts for much while decode routings are few or agree with it, and fades
+    as they accumulate and disagree. Scaled by experts_per_token, a share becomes a per-token chance.
+    """
+    n = np.asarray(decode, dtype=np.float64)  # [L, E]
+    prior = np.asarray(prefill, dtype=np.float64) + 0.5
+    prior /= prior.sum(axis=1, keepdims=True)  # [L, E]
+    total = n.sum(axis=1, keepdims=True)  # [L, 1]
+    best, best_ll = 0.0, -np.inf
+    for s in PRIOR_STRENGTHS:
+        left_out = np.maximum(n - 1.0 + s * prior, 1e-300) / np.maximum(total - 1.0 + s, 1e-300)  # [L, E]
+        ll = float(np.sum(n * np.log(left_out)))
+        if ll > best_ll:
+            best, best_ll = s, ll
+    shares = (n + best * prior) / np.maximum(total + best, 1e-300)  # [L, E]
+    return np.clip(shares * experts_per_token, 0.0, 1.0), float(best)
 
 
 def _read_profile_file(path):

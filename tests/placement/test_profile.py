@@ -80,3 +80,47 @@ def test_show_without_matplotlib_skips_the_png(tmp_path, monkeypatch, caplog):
     assert not write_heatmap(ExpertProfile.empty("m", 1, 2, 1), tmp_path / "h.png")
     assert not (tmp_path / "h.png").exists()
     assert "matplotlib is not installed" in caplog.text
+
+
+def _routings(rng, shares, tokens, k):
+    """int64 [L, E] routing counts of `tokens` tokens, each picking k distinct experts by `shares` [L, E]."""
+    counts = np.zeros(shares.shape, np.int64)
+    for layer, p in enumerate(shares):
+        for _ in range(tokens):
+            counts[layer, rng.choice(len(p), size=k, replace=False, p=p)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_estimate_leans_on_the_prompt_prior_while_decode_agrees(seed):
+    rng = np.random.default_rng(seed)
+    L, E, K = 3, 16, 2
+    shares = rng.dirichlet(np.full(E, 0.5), size=L)  # [L, E]
+    prefill, decode = _routings(rng, shares, 2000, K), _routings(rng, shares, 20, K)
+    profile = ExpertProfile("m", K, prefill, decode, np.zeros((L, E, E), np.int64), 2000, 20)
+    estimate, strength = profile.decode_estimate()
+    assert strength > 40 * K  # worth more than the 20 decode tokens themselves
+    truth = shares * K
+    assert np.abs(estimate - truth).sum() < np.abs(profile.probabilities("decode") - truth).sum()
+    assert np.allclose(estimate.sum(axis=1), K)
+
+
+def test_decode_estimate_follows_many_decode_tokens_that_disagree():
+    rng = np.random.default_rng(7)
+    L, E, K = 2, 16, 2
+    prompt_shares, decode_shares = rng.dirichlet(np.full(E, 0.5), size=L), rng.dirichlet(np.full(E, 0.5), size=L)
+    prefill, decode = _routings(rng, prompt_shares, 2000, K), _routings(rng, decode_shares, 2000, K)
+    profile = ExpertProfile("m", K, prefill, decode, np.zeros((L, E, E), np.int64), 2000, 2000)
+    estimate, strength = profile.decode_estimate()
+    assert strength < 200
+    assert np.abs(estimate - decode_shares * K).max() < 0.1
+
+
+def test_decode_estimate_without_one_phase():
+    rng = np.random.default_rng(1)
+    counts = rng.integers(1, 50, size=(2, 8))
+    empty = np.zeros_like(counts)
+    only_prompt = ExpertProfile("m", 2, counts, empty, np.zeros((2, 8, 8), np.int64), 100, 0)
+    only_decode = ExpertProfile("m", 2, empty, counts, np.zeros((2, 8, 8), np.int64), 0, 100)
+    assert np.array_equal(only_prompt.decode_estimate()[0], only_prompt.probabilities("prefill"))
+    assert np.array_equal(only_decode.decode_estimate()[0], only_decode.probabilities("decode"))
