@@ -83,6 +83,13 @@ def crumb_runs(builder, q, o, at, count):
     return runs
 
 
+def fifth_bits(builder, q, o, at):
+    """<32 x i8> of bit j of the little-endian u32 at `at`, as bit 4 of lane j (Q5_0 / Q5_1's high bits)."""
+    word = splat_int(builder, simd.load_at(builder, q, offset(builder, o, at), I32), RUN)
+    bits = builder.and_(builder.lshr(word, simd.const_vec(I32, range(RUN))), simd.splat_const(I32, RUN, 1))
+    return builder.shl(builder.trunc(bits, simd.vec(I8, RUN)), simd.splat_const(I8, RUN, 4))
+
+
 def widen(builder, values):
     """<32 x i8> -> <32 x i16>, sign-extended."""
     return builder.sext(values, simd.vec(I16, values.type.count))
@@ -141,6 +148,13 @@ def e8m0_half_scalar(e):
     if e < 2:
         return u32_as_f32(np.uint32(0x00200000) << e)
     return u32_as_f32((e - np.uint32(1)) << np.uint32(23))
+
+
+@njit(inline="always", nogil=True, cache=True)
+def read_u32(row, at):
+    """The little-endian u32 at byte `at` of row, as an int64."""
+    return (np.int64(row[at]) | (np.int64(row[at + 1]) << 8) | (np.int64(row[at + 2]) << 16)
+            | (np.int64(row[at + 3]) << 24))
 
 
 def splat_int(builder, value, n):

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-NAMES = ["iq4_xs", "q3_k", "q2_k"]
+NAMES = ["iq4_xs", "q3_k", "q2_k", "mxfp4", "q4_1", "q5_0", "q5_1", "iq4_nl", "tq2_0"]
 R = 37  # odd rows, not a multiple of the 16-row work items
 SCALE = 0.02
 
@@ -78,6 +78,23 @@ def test_dequantize_matches_gguf_on_random_bytes(fmt):
     out = np.empty((R, cols(fmt)), dtype=np.float32)
     fmt.dequantize(raw, out)
     assert np.array_equal(out, gguf.quants.dequantize(raw, fmt.QTYPE))
+
+
+def test_dequantize_every_level_and_exponent(fmt):
+    """The table formats (IQ4_NL, IQ4_XS, MXFP4) on blocks whose index bytes run through all 256 values (every
+    level in both nibbles), MXFP4 on every exponent byte that keeps its values finite, against gguf; their tables are gguf's."""
+    if not hasattr(fmt, "KVALUES"):
+        pytest.skip("no level table")
+    table = gguf.quants.MXFP4 if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4 else gguf.quants.IQ4_NL
+    assert np.array_equal(fmt.KVALUES, table.kvalues)
+    blocks = random_bytes(fmt, 256, 8)
+    header = fmt.BLOCK_BYTES - fmt.BLOCK_SIZE // 2  # the 4-bit indices fill the rest of a block
+    blocks[:, header:] = (np.arange(blocks[:, header:].size) % 256).reshape(256, -1)
+    if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4:
+        blocks[:, 0] = np.minimum(np.arange(256), 250)  # 2^-128 (subnormal) .. 2^122 (more overflows float32)
+    out = np.empty((1, 256 * fmt.BLOCK_SIZE), dtype=np.float32)
+    fmt.dequantize(blocks.reshape(1, -1), out)
+    assert np.array_equal(out, gguf.quants.dequantize(blocks.reshape(1, -1), fmt.QTYPE))
 
 
 def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
