@@ -1,9 +1,10 @@
 """The kernel module of each GGML quant type Strata runs."""
 from gguf import GGMLQuantizationType as _Q
 
-from . import bf16, f16, f32, iq4_xs, q2_k, q3_k, q4_0, q4_k, q5_k, q6_k, q8_0
+from . import bf16, f16, f32, iq4_nl, iq4_xs, mxfp4, q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, tq2_0
 
-FORMATS = {m.QTYPE: m for m in (f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, iq4_xs, q3_k, q2_k)}
+FORMATS = {m.QTYPE: m for m in (f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, iq4_xs, q3_k, q2_k,
+                                mxfp4, q4_1, q5_0, q5_1, iq4_nl, tq2_0)}
 
 
 def format_for(qtype):
