@@ -5,6 +5,7 @@
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,8 +15,9 @@ from cpu_kernels.target import use_chosen_threads
 from .batch import Batch, SeqChunk
 from .errors import RequestError
 from .expert_usage import ExpertUsage
+from .grammar import GrammarError, GrammarVocab, allowed
 from .request import Delta, Failed, Finished, RequestHandle, StopFilter, check_prompt, timings
-from .sampling import Sampler
+from .sampling import Sampler, token_logprob
 from .scheduler import DEFAULT_DECODE_SHARE, DEFAULT_STEP_TOKENS, Scheduler
 from .tokenizer import IncrementalDecoder
 
@@ -30,6 +32,8 @@ class _Live:
     sampler: Sampler
     decoder: IncrementalDecoder
     stops: StopFilter
+    matcher: object = None  # grammar.Matcher of a constrained request
+    logprobs: list = None  # the TokenLogprobs so far, when the request asks for them
     text: str = ""
 
 
@@ -68,6 +72,8 @@ class Engine:
                                    max_step_tokens=max_step_tokens, clock=clock,
                                    restore_prefix=conversation_cache.restore if conversation_cache else None,
                                    park=self._park if conversation_cache else None)
+        self.grammar = GrammarVocab.of(self.tokenizer, self.model.config.vocab_size)
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="strata-grammar")
         self.stats = EngineStats()
         self._live = {}  # request_id -> _Live
         self._lock = threading.Condition()
@@ -86,14 +92,17 @@ class Engine:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
+        self._mask_pool.shutdown()
 
     def submit(self, request):
-        """Queue `request`; raises RequestError (bad prompt or parameters) or QueueFull."""
-        request.params.validate()
+        """Queue `request`; raises RequestError (bad prompt or parameters; GrammarError: a grammar that does
+        not compile against the vocabulary) or QueueFull. The grammar compiles here, on the caller's thread."""
+        request.check()
         check_prompt(request.prompt_ids, self.max_context, self.model.config.vocab_size)
         handle = RequestHandle(request)
+        matcher = self.grammar.matcher(request.constraint) if request.constraint is not None else None
         live = _Live(handle, Sampler(request.params), IncrementalDecoder(self.tokenizer),
-                     StopFilter(request.params.stop))
+                     StopFilter(request.params.stop), matcher, [] if request.logprobs else None)
         with self._lock:
             self.scheduler.add(request)
             self._live[request.request_id] = live
@@ -140,6 +149,7 @@ class Engine:
         The decode share rule is fed the time of the whole step (scheduling and sampling too) and, when
         steps run back to back, the gap since the last one ended (lock hand-overs to the HTTP threads):
         that is what the decoding slots wait for between two tokens, not only the forward pass.
+        The grammar masks of the constrained slots are computed in a worker thread while the model runs.
         """
         t0 = self.clock()
         start = t0 if self._last_end is None else self._last_end
@@ -147,12 +157,13 @@ class Engine:
             step = self.scheduler.schedule()
             for request in step.cancelled:
                 self._end(request.request_id, None, "cancelled")
+            masks = self._start_masks(step.chunks)
         if not step.chunks:
             self._last_end = None
             return False
         logits = self._forward(step.chunks)
         with self._lock:
-            self._postprocess(step.chunks, logits)
+            self._postprocess(step.chunks, logits, masks)
             self._last_end = self.clock()
             elapsed = self._last_end - start
             self.scheduler.record(step, elapsed)
@@ -178,7 +189,18 @@ class Engine:
         rows = iter(self.model.forward(batch))
         return [next(rows) if c.logits == "last" else None for c in chunks]
 
-    def _postprocess(self, chunks, logits):
+    def _start_masks(self, chunks):
+        """The next-token masks of the constrained slots sampled this step, as a `_StepMasks` being filled."""
+        matchers = {}
+        for chunk in chunks:
+            live = self._live[chunk.slot.request.request_id]
+            if chunk.logits == "last" and live.matcher is not None:
+                matchers[chunk.slot.request.request_id] = live.matcher
+        if not matchers:
+            return None
+        return _StepMasks(list(matchers), self._mask_pool.submit(self.grammar.fill_masks, list(matchers.values())))
+
+    def _postprocess(self, chunks, logits, masks=None):
         for chunk, row in zip(chunks, logits):
             slot = chunk.slot
             if isinstance(row, _Failed):  # a model or device error: the KV of this slot may be invalid, not parked
@@ -189,24 +211,46 @@ class Engine:
             try:
                 self.scheduler.advance(chunk)
                 if row is not None:
-                    self._emit(slot, self._live[slot.request.request_id].sampler(row))
+                    self._sample(slot, row, masks)
+            except GrammarError as exc:  # the request's own grammar: its message is the client's to read
+                log.warning("request %s failed: %s", slot.request.request_id, exc)
+                self._fail(slot, str(exc))
             except Exception:  # the log has the trace; the client gets no internals (file paths among them)
                 log.exception("request %s failed", slot.request.request_id)
                 self._fail(slot, "sampling or decoding the next token failed")
 
-    def _emit(self, slot, token_id):
+    def _sample(self, slot, row, masks):
+        """Sample the slot's next token from its logits row [V] (masked by its grammar), then emit it."""
+        request = slot.request
+        live = self._live[request.request_id]
+        mask = masks.allowed(request.request_id, live.matcher, row.size) if live.matcher is not None else None
+        row = live.sampler.adjusted(row, mask)  # [V]
+        token_id = live.sampler.draw(row)
+        logprob = token_logprob(row, token_id, request.top_logprobs) if live.logprobs is not None else None
+        if live.matcher is not None and not live.matcher.consume(token_id):
+            raise GrammarError(f"the grammar refused token {token_id}: {live.matcher.error}")
+        self._emit(slot, token_id, logprob, live.matcher is not None and live.matcher.done)
+
+    def _emit(self, slot, token_id, logprob=None, grammar_done=False):
+        """Append a sampled token and push its text; a complete grammar ends the request as an end token does."""
         live = self._live[slot.request.request_id]
         reason = self.scheduler.append_token(slot, token_id)
         self.stats.generated_tokens += 1
         is_eos = reason == "stop"
+        if grammar_done and reason is None:
+            reason = "stop"
         text, hit_stop = live.stops.push("" if is_eos else live.decoder.push(token_id))
         if hit_stop:
             reason = "stop"
         elif reason is not None:
             text += live.stops.flush()
         live.text += text
+        logprobs = None
+        if logprob is not None and not is_eos:
+            live.logprobs.append(logprob)
+            logprobs = [logprob]
         if text or not is_eos:
-            live.handle.events.put(Delta(text, [token_id]))
+            live.handle.events.put(Delta(text, [token_id], logprobs))
         if reason is not None:
             self.scheduler.finish(slot, reason)
             self._end(slot.request.request_id, slot, reason)
@@ -229,7 +273,8 @@ class Engine:
             live.handle.events.put(Failed(message))
             return
         if slot is None:
-            live.handle.events.put(Finished(reason, live.text, [], len(live.handle.request.prompt_ids), {}))
+            live.handle.events.put(Finished(reason, live.text, [], len(live.handle.request.prompt_ids), {},
+                                            live.logprobs))
             return
         now = self.clock()
         t = timings(len(slot.request.prompt_ids) - slot.cache_n, slot.prompt_finished - slot.prompt_started,
@@ -239,7 +284,8 @@ class Engine:
                  t["prompt_per_second"], t["cache_n"],
                  t["predicted_n"], t["predicted_ms"], t["predicted_per_second"],
                  (slot.prompt_started - slot.request.created) * 1e3)
-        live.handle.events.put(Finished(reason, live.text, list(slot.output_ids), len(slot.request.prompt_ids), t))
+        live.handle.events.put(Finished(reason, live.text, list(slot.output_ids), len(slot.request.prompt_ids), t,
+                                        live.logprobs))
 
 
 @dataclass
@@ -247,3 +293,25 @@ class _Failed:
     """Stands for the logits of a chunk whose forward pass failed."""
 
     error: Exception
+
+
+class _StepMasks:
+    """The grammar masks of one step's constrained requests, being filled in the engine's mask thread."""
+
+    def __init__(self, request_ids, future):
+        self.rows = {rid: i for i, rid in enumerate(request_ids)}
+        self.future = future
+
+    def allowed(self, request_id, matcher, vocab_size):
+        """bool [vocab_size]: the tokens the request's grammar allows next; GrammarError when it allows none."""
+        try:
+            masks = self.future.result()
+        except Exception as exc:
+            log.exception("computing the grammar masks failed")
+            raise GrammarError("computing the grammar's allowed tokens failed") from exc
+        if matcher.error:  # e.g. a step past llguidance's work limits
+            raise GrammarError(f"the grammar failed: {matcher.error}")
+        mask = allowed(masks[self.rows[request_id]], vocab_size)
+        if not mask.any():
+            raise GrammarError("the grammar allows no next token")
+        return mask

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from .errors import RequestError
 from .sampling import SamplingParams
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
 
 def context_limit(requested, model_context, source):
     """The context to run at: `requested` (None: the model's), refused when the model holds less."""
@@ -30,14 +32,28 @@ class Request:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by any thread (Engine.cancel), read by the engine thread
+    constraint: object = None  # a hybrid.grammar.Constraint the output must follow; None: free text
+    logprobs: bool = False  # return each generated token's log probability
+    top_logprobs: int = 0  # ... and the log probabilities of this many likeliest tokens at its step
+
+    def check(self):
+        """self, or RequestError naming the first setting out of its range (the sampling ones too)."""
+        self.params.validate()
+        if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs")
+        return self
 
 
 @dataclass
 class Delta:
-    """New output: the text it completes (stop strings held back) and the token ids."""
+    """New output: the text it completes (stop strings held back) and the token ids, with their
+    `TokenLogprob`s when the request asked for logprobs."""
 
     text: str
     token_ids: list
+    logprobs: list = None
 
 
 @dataclass
@@ -47,6 +63,7 @@ class Finished:
     token_ids: list
     prompt_n: int
     timings: dict
+    logprobs: list = None  # TokenLogprob of every generated token but an ending end token, when asked
 
     @property
     def usage(self):

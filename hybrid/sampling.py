@@ -66,12 +66,24 @@ class Sampler:
         self.bias_ids = np.fromiter(params.logit_bias, dtype=np.int64, count=len(params.logit_bias))
         self.bias = np.fromiter(params.logit_bias.values(), dtype=np.float64, count=len(params.logit_bias))
 
-    def __call__(self, logits):
-        """logits [V] -> token id."""
-        p = self.params
+    def __call__(self, logits, allowed=None):
+        """logits [V] (allowed: bool [V] or None) -> token id."""
+        return self.draw(self.adjusted(logits, allowed))
+
+    def adjusted(self, logits, allowed=None):
+        """The logits the draw and the logprobs use: logit_bias added, tokens outside `allowed` at -inf.
+
+        logits [V] -> [V]; the caller's row is never changed (it is returned as it is when nothing applies)."""
         if self.bias_ids.size:
-            logits = logits.astype(np.float64)  # [V], a copy: the caller's row stays as it was
+            logits = logits.astype(np.float64)  # [V], a copy
             logits[self.bias_ids] += self.bias
+        if allowed is not None:
+            logits = np.where(allowed, logits, -np.inf)  # [V]
+        return logits
+
+    def draw(self, logits):
+        """Adjusted logits [V] -> token id."""
+        p = self.params
         if p.temperature <= 0:
             return int(np.argmax(logits))
         logits = logits.astype(np.float64, copy=False)
@@ -91,3 +103,27 @@ class Sampler:
             keep = min(int(np.searchsorted(np.cumsum(weights) / total, p.top_p)) + 1, len(weights))
             candidates, weights = candidates[:keep], weights[:keep]
         return int(candidates[self.rng.choice(len(candidates), p=weights / weights.sum())])
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log probability and the `top` most likely tokens at its step: [(id, logprob)]."""
+
+    token_id: int
+    logprob: float
+    top: list
+
+
+def token_logprob(logits, token_id, num_top):
+    """log_softmax (float64) of adjusted logits [V] at `token_id`, and the `num_top` likeliest tokens that
+    the adjustment left possible (a finite logprob), in descending order."""
+    row = logits.astype(np.float64)  # [V]
+    top = row.max()
+    logz = top + np.log(np.exp(row - top).sum())
+    best = []
+    if num_top:
+        num_top = min(num_top, row.size)
+        ids = np.argpartition(-row, num_top - 1)[:num_top]
+        ids = ids[np.lexsort((ids, -row[ids]))]
+        best = [(int(i), float(row[i] - logz)) for i in ids if np.isfinite(row[i])]
+    return TokenLogprob(int(token_id), float(row[token_id] - logz), best)

@@ -126,9 +126,9 @@ def test_the_decode_share_is_fed_the_time_of_the_whole_step(llm):
     engine = Engine(fake, num_slots=1, clock=clock)  # stepped by hand, no loop thread
     postprocess = engine._postprocess
 
-    def slow_postprocess(chunks, logits):
+    def slow_postprocess(*args):
         clock.now += 0.1
-        postprocess(chunks, logits)
+        postprocess(*args)
 
     engine._postprocess = slow_postprocess
     engine.submit(greedy_request(llm.tokenizer.encode("Hi"), max_tokens=3))
