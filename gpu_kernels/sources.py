@@ -7,6 +7,7 @@ Sources need no headers, so NVRTC and hiprtc compile them as they are, with or w
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 SRC = Path(__file__).parent / "src"
@@ -14,12 +15,20 @@ SRC = Path(__file__).parent / "src"
 FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
     Q.F32: ("float.cuh",), Q.F16: ("float.cuh",), Q.BF16: ("float.cuh",), Q.Q8_0: ("q8_0.cuh",),
     Q.Q4_0: ("q4_0.cuh",), Q.Q4_K: ("kquant.cuh", "q4_k.cuh"), Q.Q5_K: ("kquant.cuh", "q5_k.cuh"),
-    Q.Q6_K: ("q6_k.cuh",),
+    Q.Q6_K: ("q6_k.cuh",), Q.Q2_K: ("q2_k.cuh",), Q.Q3_K: ("q3_k.cuh",),
+    Q.IQ4_XS: ("levels.cuh", "iq4_xs.cuh"), Q.MXFP4: ("levels.cuh", "mxfp4.cuh"),
+    Q.IQ3_S: ("levels.cuh", "iq3_s.cuh"), Q.IQ2_XXS: ("levels.cuh", "iq2_xxs.cuh"),
 }
 FORMAT_DEFINES = {  # quant type -> the macros its headers read (float.cuh: a weight's size, bits, conversion)
     Q.F32: {"FLOAT_BYTES": "4", "FLOAT_BITS": "u32", "TO_FLOAT": "__uint_as_float"},
     Q.F16: {"FLOAT_BYTES": "2", "FLOAT_BITS": "u16", "TO_FLOAT": "half_to_float"},
     Q.BF16: {"FLOAT_BYTES": "2", "FLOAT_BITS": "u16", "TO_FLOAT": "bf16_to_float"},
+}
+
+# quant type -> (the gguf.quants class whose 16 levels levels.cuh's LEVELS_* hold, {grid name: iq_grids table})
+FORMAT_TABLES = {
+    Q.IQ4_XS: ("IQ4_NL", {}), Q.MXFP4: ("MXFP4", {}), Q.IQ3_S: ("IQ4_NL", {"IQ3S_GRID": "IQ3_S"}),
+    Q.IQ2_XXS: ("IQ4_NL", {"IQ2XXS_GRID": "IQ2_XXS"}),
 }
 
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",
@@ -66,4 +75,30 @@ def module_source(name):
         qtype = Q[name.removeprefix("matmul_").upper()]
         prefix = "".join(f"#define {key} {value}\n" for key, value in FORMAT_DEFINES.get(qtype, {}).items())
         files = ("common.cuh", *FORMAT_HEADERS[qtype], "matmul.cu")
-    return prefix + "\n".join(f"// ---- {f}\n" + (SRC / f).read_text() for f in files)
+        if qtype in FORMAT_TABLES:
+            prefix += level_defines(FORMAT_TABLES[qtype][0])
+    texts = [f"// ---- {f}\n" + (SRC / f).read_text() for f in files]
+    if name.startswith("matmul_") and Q[name.removeprefix("matmul_").upper()] in FORMAT_TABLES:
+        texts.insert(1, grid_tables(FORMAT_TABLES[Q[name.removeprefix("matmul_").upper()]][1]))
+    return prefix + "\n".join(texts)
+
+
+def level_defines(quant):
+    """levels.cuh's LEVELS_0 .. LEVELS_3: gguf.quants' `quant` class's 16 int8 levels, four bytes a word."""
+    from gguf import quants
+
+    levels = np.array(getattr(quants, quant).kvalues, dtype=np.int8).view(np.uint32)  # [4]
+    return "".join(f"#define LEVELS_{i} 0x{int(w):08x}u\n" for i, w in enumerate(levels))
+
+
+def grid_tables(grids):
+    """Device constants of IQ grids: {C name: cpu_kernels.iq_grids table name}, the same tables the CPU reads,
+    one row's values packed into words (4 values a word, little-endian)."""
+    from cpu_kernels import iq_grids
+
+    out = "// ---- grid tables (sources.py, from cpu_kernels.iq_grids)\n"
+    for c_name, table_name in grids.items():
+        words = np.ascontiguousarray(getattr(iq_grids, table_name)).view(np.uint32).ravel()
+        body = ",".join(f"0x{int(w):08x}u" for w in words)
+        out += f"static const __device__ u32 {c_name}[{len(words)}] = {{{body}}};\n"
+    return out

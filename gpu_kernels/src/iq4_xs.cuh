@@ -1,0 +1,88 @@
+// IQ4_XS: super-blocks of 256 weights in 136 bytes: f16 d, u16 scales_h, scales_l[4], qs[128].
+// Sub-block j (32 weights: one unit, one slice): 6-bit scale ls = (scales_l[j / 2] >> 4 (j % 2) & 15) |
+// ((scales_h >> 2j & 3) << 4); qs[16j .. 16j + 15]: low nibbles weights 0..15, high ones 16..31;
+// weight = (d * (ls - 32)) * LEVELS[nibble] (levels.cuh: IQ4_NL's 16 levels).
+#define UNIT_WEIGHTS 32
+
+// ls - 32 of sub-block j from the block's first two words (d | scales_h << 16, scales_l).
+__device__ __forceinline__ int iq4xs_scale(u32 head, u32 scales_l, int j) {
+    return (int)(((scales_l >> (4 * j)) & 15u) | (((head >> (16 + 2 * j)) & 3u) << 4)) - 32;
+}
+
+__device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
+    const u8* b = row + 136 * (u >> 3);
+    int j = (int)(u & 7);
+    u32 head = *(const u32*)b, scales_l = *(const u32*)(b + 4);  // super-blocks are 8-byte multiples: aligned
+    float dl = __fmul_rn(half_to_float(head & 0xffffu), (float)iq4xs_scale(head, scales_l, j));
+    const u32* q = (const u32*)(b + 8 + 16 * j);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 lo = levels4(q[i] & 0x0F0F0F0Fu), hi = levels4((q[i] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            w[4 * i + c] = __fmul_rn(dl, SBYTE_FLOAT(lo, c));
+            w[16 + 4 * i + c] = __fmul_rn(dl, SBYTE_FLOAT(hi, c));
+        }
+    }
+}
+
+// A slice: sub-block s % 8 of super-block s / 8, its 16 quant bytes and the block's d and scales.
+#define SLICE_WEIGHTS 32
+struct Slice {
+    u32 head, scales_l;
+    uint2 q[2];
+};
+
+__device__ __forceinline__ Slice load_slice(const u8* row, int s) {
+    const u8* b = row + 136 * (s >> 3);
+    Slice sl;
+    sl.head = *(const u32*)b;
+    sl.scales_l = *(const u32*)(b + 4);
+    const uint2* q = (const uint2*)(b + 8 + 16 * (s & 7));
+    sl.q[0] = q[0];
+    sl.q[1] = q[1];
+    return sl;
+}
+
+template <int RPT, int TT>
+__device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
+                                          float (&acc)[RPT][TT]) {
+    const float* xs = x + 32 * s;
+    float dl[RPT], dot[RPT][TT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        dl[r] = half_to_float(sl[r].head & 0xffffu) * (float)iq4xs_scale(sl[r].head, sl[r].scales_l, s & 7);
+#pragma unroll
+        for (int t = 0; t < TT; ++t) dot[r][t] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // word i: weights 4i .. 4i + 3 (low nibbles) and 16 + 4i .. (high)
+        float w[RPT][8];
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            u32 v = i == 0 ? sl[r].q[0].x : i == 1 ? sl[r].q[0].y : i == 2 ? sl[r].q[1].x : sl[r].q[1].y;
+            u32 lo = levels4(v & 0x0F0F0F0Fu), hi = levels4((v >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                w[r][c] = SBYTE_FLOAT(lo, c);
+                w[r][4 + c] = SBYTE_FLOAT(hi, c);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            if (t < n) {
+                float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * i), x1 = *(const float4*)(xs + (i64)t * C + 16 + 4 * i);
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    DOT4(dot[r][t], w[r], 0, x0);
+                    DOT4(dot[r][t], w[r], 4, x1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPT; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+            if (t < n) acc[r][t] = fmaf(dl[r], dot[r][t], acc[r][t]);
+}

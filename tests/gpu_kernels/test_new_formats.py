@@ -1,0 +1,168 @@
+"""The GPU kernels of the formats of issue 35 (gpu_kernels/src: q2_k, q3_k, iq4_xs, mxfp4, iq3_s, iq2_xxs).
+
+Without a GPU: each format's unit_dequant and slice_dot, compiled for the CPU with g++ as
+test_slice_emulation.py does (the same module source the GPU compiles, grid tables included), bit-exact against
+gguf.quants.dequantize and against NumPy on the dequantized weights. With a GPU (marked `gpu`): the real
+dequant_rows, matmul and moe_matmul kernels against the same references, at decode and prefill sizes.
+"""
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from gpu_kernels.sources import module_name, module_source
+
+from .test_slice_emulation import HARNESS, PRELUDE
+
+NEW_FORMATS = [Q.IQ4_XS, Q.MXFP4, Q.Q3_K, Q.Q2_K, Q.IQ3_S, Q.IQ2_XXS]
+ROWS, COLS = 6, 768
+
+EXTRA_PRELUDE = r"""
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+"""
+
+DEQUANT_HARNESS = r"""
+extern "C" void dequant(const u8* row, int C, float* out) {
+    float w[UNIT_WEIGHTS];
+    for (int u = 0; u < C / UNIT_WEIGHTS; ++u) {
+        unit_dequant(row, u, w);
+        for (int i = 0; i < UNIT_WEIGHTS; ++i) out[u * UNIT_WEIGHTS + i] = w[i];
+    }
+}
+"""
+
+# Random valid blocks without the CPU formats: random bytes, then the block scales set to values of about unit
+# size (f16 fields: byte offsets in a block; MXFP4: its e8m0 byte).
+F16_SCALES = {Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82), Q.IQ3_S: (0,), Q.IQ2_XXS: (0,)}
+
+
+def random_rows(rng, qtype, num_rows, num_cols):
+    """uint8 [R, B]: random valid blocks of qtype for rows of num_cols weights."""
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    num_blocks = num_rows * num_cols // block_size
+    blocks = rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)  # [blocks, bytes]
+    if qtype == Q.MXFP4:
+        blocks[:, 0] = rng.integers(118, 130, size=num_blocks)
+    for offset in F16_SCALES.get(qtype, ()):
+        d = (rng.uniform(0.5, 1.5, num_blocks) * rng.choice([-1, 1], num_blocks) / 64).astype(np.float16)
+        blocks[:, offset:offset + 2] = d.view(np.uint8).reshape(num_blocks, 2)
+    return blocks.reshape(num_rows, -1)
+
+
+def dequant(raw, qtype):
+    return np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """qtype -> the format's header (as the GPU module has it, up to matmul.cu) compiled for the CPU, loaded."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    libs = {}
+
+    def get(qtype):
+        if qtype not in libs:
+            source = module_source(module_name(qtype)).split("// ---- matmul.cu")[0]
+            path = tmp_path_factory.mktemp(qtype.name.lower())
+            (path / "fmt.cpp").write_text(PRELUDE + EXTRA_PRELUDE + source + HARNESS + DEQUANT_HARNESS)
+            subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(path / "fmt.so"),
+                            str(path / "fmt.cpp")], check=True, capture_output=True)
+            libs[qtype] = ctypes.CDLL(str(path / "fmt.so"))
+        return libs[qtype]
+
+    return get
+
+
+def _ptr(a):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("qtype", NEW_FORMATS, ids=lambda q: q.name)
+def test_emulated_unit_dequant_bit_exact_with_gguf(emulated, qtype):
+    rng = np.random.default_rng(int(qtype))
+    raw = random_rows(rng, qtype, ROWS, COLS)
+    got = np.empty((ROWS, COLS), np.float32)
+    for r in range(ROWS):
+        emulated(qtype).dequant(_ptr(raw[r]), ctypes.c_int(COLS), _ptr(got[r]))
+    assert np.array_equal(got, dequant(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", NEW_FORMATS, ids=lambda q: q.name)
+def test_emulated_slice_dot(emulated, qtype):
+    rng = np.random.default_rng(int(qtype) + 1)
+    raw = random_rows(rng, qtype, ROWS, COLS)
+    x = (rng.standard_normal(COLS) * rng.uniform(0.01, 10, COLS // 32).repeat(32)).astype(np.float32)  # [C]
+    got, pair = np.empty(ROWS, np.float32), np.empty(2, np.float32)
+    for r in range(0, ROWS, 2):
+        emulated(qtype).dot_float(_ptr(raw[r]), _ptr(raw[r + 1]), _ptr(x), ctypes.c_int(COLS), _ptr(pair))
+        got[r:r + 2] = pair
+    ref = dequant(raw, qtype).astype(np.float64) @ x.astype(np.float64)
+    assert float(np.abs(got - ref).max() / np.abs(ref).max()) < 1e-5
+
+
+def test_grid_tables_are_the_cpus():
+    """The device grid constants are cpu_kernels.iq_grids' tables, which tests/cpu_kernels hold to gguf-py."""
+    from cpu_kernels import iq_grids
+
+    source = module_source(module_name(Q.IQ3_S))
+    body = source.split("IQ3S_GRID[512] = {")[1].split("}")[0]
+    words = np.array([int(w.rstrip("u"), 16) for w in body.split(",")], dtype=np.uint32)
+    assert np.array_equal(words.view(np.int8).reshape(512, 4), iq_grids.IQ3_S)
+
+
+# ---- on a GPU
+
+
+def rel_err(got, ref):
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", NEW_FORMATS, ids=lambda q: q.name)
+def test_dequant_rows_bit_exact_with_gguf(runtime, kernels, qtype):
+    rng = np.random.default_rng(int(qtype))
+    raw = random_rows(rng, qtype, 41, 512)  # [R, B]
+    row_ids = np.array([0, 40, 7, 7, 23], dtype=np.int64)
+    out = runtime.empty((len(row_ids), 512), np.float32)
+    kernels.dequant_rows(runtime.to_device(raw), qtype, runtime.to_device(row_ids), out)
+    assert np.array_equal(runtime.to_host(out), dequant(raw[row_ids], qtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 19])
+@pytest.mark.parametrize("qtype", NEW_FORMATS, ids=lambda q: q.name)
+def test_matmul(runtime, kernels, qtype, num_tokens):
+    rng = np.random.default_rng(int(qtype) * 10 + num_tokens)
+    raw = random_rows(rng, qtype, 67, 2048)  # [R, B]
+    x = rng.standard_normal((num_tokens, 2048)).astype(np.float32)  # [T, C]
+    out = runtime.empty((num_tokens, 67), np.float32)
+    kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+    ref = x.astype(np.float64) @ dequant(raw, qtype).astype(np.float64).T
+    assert rel_err(runtime.to_host(out), ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens", [1, 8])
+@pytest.mark.parametrize("qtype", NEW_FORMATS, ids=lambda q: q.name)
+def test_moe_matmul(runtime, kernels, qtype, tile_tokens):
+    """Expert slots [S, R, B], work tiles of pair rows each on one slot (tiles of one row: the decode kernel)."""
+    rng = np.random.default_rng(int(qtype) + tile_tokens)
+    num_slots, num_rows, num_cols = 3, 40, 1024
+    raw = random_rows(rng, qtype, num_slots * num_rows, num_cols).reshape(num_slots, num_rows, -1)  # [S, R, B]
+    counts = [1, 3, 8, 2] if tile_tokens == 8 else [1, 1, 1, 1]
+    tile_slot = np.array([2, 0, 1, 0], dtype=np.int32)
+    tile_row = np.cumsum([0] + counts[:-1]).astype(np.int32)
+    x = rng.standard_normal((sum(counts), num_cols)).astype(np.float32)  # [N, C]
+    out = runtime.empty((sum(counts), num_rows), np.float32)
+    kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out, runtime.to_device(tile_slot),
+                       runtime.to_device(tile_row), runtime.to_device(np.array(counts, dtype=np.int32)),
+                       tile_tokens=tile_tokens)
+    ref = np.concatenate([x[r:r + c].astype(np.float64) @ dequant(raw[s], qtype).astype(np.float64).T
+                          for s, r, c in zip(tile_slot, tile_row, counts)])
+    assert rel_err(runtime.to_host(out), ref) < 1e-5
