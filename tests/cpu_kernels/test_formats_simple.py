@@ -8,14 +8,32 @@ import numpy as np
 import pytest
 
 NAMES = ["iq4_xs", "q3_k", "q2_k", "mxfp4", "q4_1", "q5_0", "q5_1", "iq4_nl", "tq2_0"]
+# A format's kernels take ~30 s to compile cold: by default only IQ4_XS's run (the most used; Q2_K's and
+# MXFP4's own paths, lane mins, float prefill and E8M0 factors, are in the slow set with the rest).
+KERNEL_NAMES = [name if name == "iq4_xs" else pytest.param(name, marks=pytest.mark.slow) for name in NAMES]
 R = 37  # odd rows, not a multiple of the 16-row work items
 SCALE = 0.02
 
 
 @pytest.fixture(scope="module", params=NAMES)
 def fmt(request):
-    """Each format module once per test module (its kernels compile on first use and are shared)."""
+    """Each format module once per test module (its scalar dequantizer compiles on first use and is shared)."""
     return importlib.import_module(f"cpu_kernels.{request.param}")
+
+
+@pytest.fixture(scope="module", params=KERNEL_NAMES)
+def kfmt(request):
+    """The format modules whose kernels the tests below compile and run."""
+    return importlib.import_module(f"cpu_kernels.{request.param}")
+
+
+def unpack(fmt, raw):
+    """raw [R, B] -> f32 [R, C] through the format's scalar dequantizer row by row (what `dequantize` runs in
+    parallel; the parallel wrapper is compiled by the slow test below)."""
+    out = np.empty((raw.shape[0], raw.shape[1] // fmt.BLOCK_BYTES * fmt.BLOCK_SIZE), dtype=np.float32)
+    for r in range(raw.shape[0]):
+        fmt._unpack_row(raw[r], out[r])
+    return out
 
 
 def cols(fmt):
@@ -23,11 +41,14 @@ def cols(fmt):
     return 3 * fmt.BLOCK_SIZE
 
 
+def readonly(raw):
+    raw.setflags(write=False)  # as the memory-mapped GGUF tensors the kernels get (and one compiled type)
+    return raw
+
+
 def weight(fmt, shape, seed):
     """Random valid raw bytes for `shape`, read-only like the memory-mapped GGUF tensors the kernels get."""
-    raw = fmt.random_blocks(np.random.default_rng(seed), shape, SCALE)
-    raw.setflags(write=False)
-    return raw
+    return readonly(fmt.random_blocks(np.random.default_rng(seed), shape, SCALE))
 
 
 def random_bytes(fmt, num_blocks, seed):
@@ -40,7 +61,7 @@ def random_bytes(fmt, num_blocks, seed):
         blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
     if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4:
         blocks[:, 0] = rng.integers(108, 138, size=num_blocks)
-    return blocks
+    return readonly(blocks)
 
 
 def dequant(fmt, raw):
@@ -68,63 +89,66 @@ def assert_close(got, ref, bound):
 
 def test_dequantize_matches_gguf_on_random_blocks(fmt):
     raw = weight(fmt, (R, cols(fmt)), 0)
-    out = np.empty((R, cols(fmt)), dtype=np.float32)
-    fmt.dequantize(raw, out)
-    assert np.array_equal(out, gguf.quants.dequantize(raw, fmt.QTYPE))
+    assert np.array_equal(unpack(fmt, raw), gguf.quants.dequantize(raw, fmt.QTYPE))
 
 
 def test_dequantize_matches_gguf_on_random_bytes(fmt):
+    raw = random_bytes(fmt, 3 * R, 1).reshape(R, -1)
+    assert np.array_equal(unpack(fmt, raw), gguf.quants.dequantize(raw, fmt.QTYPE))
+
+
+@pytest.mark.slow
+def test_public_dequantize(fmt):
     raw = random_bytes(fmt, 3 * R, 1).reshape(R, -1)
     out = np.empty((R, cols(fmt)), dtype=np.float32)
     fmt.dequantize(raw, out)
     assert np.array_equal(out, gguf.quants.dequantize(raw, fmt.QTYPE))
 
 
-def test_dequantize_every_level_and_exponent(fmt):
+@pytest.mark.parametrize("name", ["iq4_xs", "iq4_nl", "mxfp4"])
+def test_dequantize_every_level_and_exponent(name):
     """The table formats (IQ4_NL, IQ4_XS, MXFP4) on blocks whose index bytes run through all 256 values (every
     level in both nibbles), MXFP4 on every exponent byte that keeps its values finite, against gguf; their tables are gguf's."""
-    if not hasattr(fmt, "KVALUES"):
-        pytest.skip("no level table")
+    fmt = importlib.import_module(f"cpu_kernels.{name}")
     table = gguf.quants.MXFP4 if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4 else gguf.quants.IQ4_NL
     assert np.array_equal(fmt.KVALUES, table.kvalues)
-    blocks = random_bytes(fmt, 256, 8)
+    blocks = random_bytes(fmt, 256, 8).copy()
     header = fmt.BLOCK_BYTES - fmt.BLOCK_SIZE // 2  # the 4-bit indices fill the rest of a block
     blocks[:, header:] = (np.arange(blocks[:, header:].size) % 256).reshape(256, -1)
     if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4:
         blocks[:, 0] = np.minimum(np.arange(256), 250)  # 2^-128 (subnormal) .. 2^122 (more overflows float32)
-    out = np.empty((1, 256 * fmt.BLOCK_SIZE), dtype=np.float32)
-    fmt.dequantize(blocks.reshape(1, -1), out)
-    assert np.array_equal(out, gguf.quants.dequantize(blocks.reshape(1, -1), fmt.QTYPE))
+    raw = readonly(blocks.reshape(1, -1))
+    assert np.array_equal(unpack(fmt, raw), gguf.quants.dequantize(raw, fmt.QTYPE))
 
 
-def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
-    raw = weight(fmt, (R, cols(fmt)), 2)
-    x = np.random.default_rng(3).standard_normal((33, cols(fmt))).astype(np.float32)  # [T, C]
-    ref, bound = reference(fmt, raw, x)  # [T, R]
-    w_abs = weight_parts(fmt, raw)  # [R, C]
+def test_matvec_and_matmul(kfmt, act_quant, act_rounding_bound, prefill_rounding_bound):
+    raw = weight(kfmt, (R, cols(kfmt)), 2)
+    x = np.random.default_rng(3).standard_normal((33, cols(kfmt))).astype(np.float32)  # [T, C]
+    ref, bound = reference(kfmt, raw, x)  # [T, R]
+    w_abs = weight_parts(kfmt, raw)  # [R, C]
     decode_bound = bound[0] + act_rounding_bound(x[:1], w_abs, act_quant)[0]
     out = np.empty(R, dtype=np.float32)
-    fmt.matvec(raw, x[0], out, act_quant=act_quant)
+    kfmt.matvec(raw, x[0], out, act_quant=act_quant)
     assert_close(out, ref[0], decode_bound)
     out = np.empty((33, R), dtype=np.float32)  # prefill: one 32-token pass and one more token
-    fmt.matmul(raw, x, out, act_quant=act_quant)
-    assert_close(out, ref, bound + prefill_rounding_bound(fmt, x, w_abs, act_quant))
+    kfmt.matmul(raw, x, out, act_quant=act_quant)
+    assert_close(out, ref, bound + prefill_rounding_bound(kfmt, x, w_abs, act_quant))
 
 
-def test_moe_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
+def test_moe_matmul(kfmt, act_quant, act_rounding_bound, prefill_rounding_bound):
     num_experts = 4
-    raw = weight(fmt, (num_experts, R, cols(fmt)), 4)  # [E, R, B]
+    raw = weight(kfmt, (num_experts, R, cols(kfmt)), 4)  # [E, R, B]
     group_sizes = [3, 0, 1, 17]  # an empty group, a 1-row (decode) group
     expert_ids = np.array([3, 0, 2, 3], dtype=np.int64)  # [G], expert 3 twice, expert 1 unused
     row_starts = np.concatenate([[0], np.cumsum(group_sizes)]).astype(np.int64)  # [G+1]
-    x = np.random.default_rng(5).standard_normal((row_starts[-1], cols(fmt))).astype(np.float32)  # [N, C]
+    x = np.random.default_rng(5).standard_normal((row_starts[-1], cols(kfmt))).astype(np.float32)  # [N, C]
     out = np.full((len(x), R), np.nan, dtype=np.float32)  # [N, R]
-    fmt.moe_matmul(raw, x, expert_ids, row_starts, out, act_quant=act_quant)
+    kfmt.moe_matmul(raw, x, expert_ids, row_starts, out, act_quant=act_quant)
     for g, e in enumerate(expert_ids):
         rows = slice(row_starts[g], row_starts[g + 1])
-        ref, bound = reference(fmt, raw[e], x[rows])
-        rounding = act_rounding_bound if group_sizes[g] == 1 else partial(prefill_rounding_bound, fmt)
-        assert_close(out[rows], ref, bound + rounding(x[rows], weight_parts(fmt, raw[e]), act_quant))
+        ref, bound = reference(kfmt, raw[e], x[rows])
+        rounding = act_rounding_bound if group_sizes[g] == 1 else partial(prefill_rounding_bound, kfmt)
+        assert_close(out[rows], ref, bound + rounding(x[rows], weight_parts(kfmt, raw[e]), act_quant))
 
 
 def test_random_blocks_scale(fmt):
@@ -135,8 +159,8 @@ def test_random_blocks_scale(fmt):
     assert 0.5 * SCALE < np.sqrt(np.mean(w ** 2)) < 2 * SCALE
 
 
-def test_moe_matmul_rejects_bad_expert_ids(fmt):
-    raw = weight(fmt, (2, R, cols(fmt)), 7)
+def test_moe_matmul_rejects_bad_expert_ids(kfmt):
+    raw = weight(kfmt, (2, R, cols(kfmt)), 7)
     out = np.empty((1, R), dtype=np.float32)
     with pytest.raises(ValueError):
-        fmt.moe_matmul(raw, np.zeros((1, cols(fmt)), dtype=np.float32), np.array([2]), np.array([0, 1]), out)
+        kfmt.moe_matmul(raw, np.zeros((1, cols(kfmt)), dtype=np.float32), np.array([2]), np.array([0, 1]), out)
