@@ -8,7 +8,7 @@ Block layout, bytes:
 weight = (d * scale_k) * q - dmin * min_k   (q in 0..3, k = weight index // 16)
 
 The mins change every 16 weights, which the integer prefill (one min per 32 columns) cannot take: Q2_K's
-prefill multiplies in float; its int16 decode dot takes the mins through a second pmaddwd per run.
+prefill multiplies in float; its int16 decode dot takes the mins from x's integer sums per 16 values.
 
 Shape legend: R output rows, C columns, B bytes per row (C // 256 * 84).
 """
@@ -20,7 +20,7 @@ from . import quant_driver, simd
 from .half import read_half
 from .prefill_i16 import x_levels
 from .runs import Runs, crumb_runs, load_bytes, offset, run_blocks, widen
-from .simd import I16
+from .simd import F32, I16
 from .tiles import format_api, random_weight
 
 QTYPE = GGMLQuantizationType.Q2_K
@@ -60,19 +60,17 @@ def abs_parts(raw):
 
 
 def _describe(builder, q, o):
-    """The block at byte o of row q as 8 runs of q * scale_k (<= 45, int16), factors d, and lane mins min_k
-    with factor dmin."""
+    """The block at byte o of row q as 8 runs of q * scale_k (<= 45, int16), factors d, and group mins
+    dmin * min_k."""
     packed = builder.zext(load_bytes(builder, q, o, 0, 16), simd.vec(I16, 16))
     scales = builder.and_(packed, simd.splat_const(I16, 16, 15))
     mins = builder.lshr(packed, simd.splat_const(I16, 16, 4))
-    values, lane_mins = [], []
-    for t, quants in enumerate(crumb_runs(builder, q, o, _QS, 8)):
-        spread = [2 * t] * 16 + [2 * t + 1] * 16
-        values.append(builder.mul(widen(builder, quants), simd.lanes(builder, scales, spread)))
-        lane_mins.append(simd.lanes(builder, mins, spread))
+    values = [builder.mul(widen(builder, quants), simd.lanes(builder, scales, [2 * t] * 16 + [2 * t + 1] * 16))
+              for t, quants in enumerate(crumb_runs(builder, q, o, _QS, 8))]
     d = simd.load_half(builder, q, offset(builder, o, _D))
     dmin = simd.load_half(builder, q, offset(builder, o, _D + 2))
-    return Runs(values, simd.splat(builder, d, 8), None, (lane_mins, simd.splat(builder, dmin, 8)))
+    group_mins = builder.fmul(builder.uitofp(mins, simd.vec(F32, 16)), simd.splat(builder, dmin, 16), flags=simd.FAST)
+    return Runs(values, simd.splat(builder, d, 8), None, group_mins)
 
 
 _block, _block_i16, _weights, _runs_i16 = run_blocks("q2_k", _describe, BLOCK_SIZE)

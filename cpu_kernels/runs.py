@@ -1,14 +1,15 @@
 """Block code of the formats whose blocks are runs of 32 small integers times a float factor, minus a min.
 
 A format of this family (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, TQ2_0) describes its block once,
-as `Runs`: per run j of 32 weights, int16 values v_j, a float factor f_j and optionally a float min m_j, and
-(Q2_K, whose mins change every 16 weights) integer lane mins u_j with one float factor g:
+as `Runs`: per run j of 32 weights, int16 values v_j, a float factor f_j and optionally a float min m_j, or
+(Q2_K, whose mins change every 16 weights) a float min g_k per group k of 16 weights:
 
-    weight = f_j * v_j - m_j - g * u_j
+    weight = f_j * v_j - m_j - g_k
 
 `run_blocks` builds from that description the four pieces quant_driver.instance takes: the float decode dot
 (`block`), the int16 decode dot (`block_i16`: one pmaddwd of v_j with the int16 x per run, one conversion
-and FMA with f_j * dx_j; the mins from x's float sums per 32 values, lane mins through a second pmaddwd), the
+and FMA with f_j * dx_j; the mins from x's float sums per 32 values, group mins from x's integer sums per 16
+values, which the rows of a dot loop share), the
 float unpacking of prefill (`weights`) and the int16 unpacking of the integer prefill (`runs_i16`).
 Table formats (IQ4_NL, IQ4_XS, MXFP4) map their 4-bit indices through a 16-entry table with `lookup16`,
 one pshufb per 16 to 64 indices.
@@ -31,12 +32,12 @@ INT_DOT_WIDTH = int_dot_width()
 
 
 class Runs(NamedTuple):
-    """A block as R runs: values (R x <32 x i16>), factors <R x float>, mins <R x float> or None, and lane mins
-    (R x <32 x i16>, their factor <R x float>) or None."""
+    """A block as R runs: values (R x <32 x i16>), factors <R x float>, mins <R x float> or None, and group mins
+    <2R x float> (one per 16 weights; R = 8 only) or None."""
     values: list
     factors: object
     mins: object = None
-    lane_mins: tuple = None
+    group_mins: object = None
 
 
 # -- byte-level pieces ---------------------------------------------------------------------------------------
@@ -163,6 +164,18 @@ def splat_int(builder, value, n):
     return builder.shuffle_vector(v, v, ir.Constant(simd.vec(I32, n), [0] * n))
 
 
+def group_sums(builder, xvs):
+    """<16 x i32> of the sums of the 16-value groups of 8 runs xvs (<32 x i16> each), in order: one pmaddwd
+    with ones per run, then three rounds of pairwise sums. x alone: the rows of a dot loop share them."""
+    ones = simd.splat_const(I16, RUN, 1)
+    parts = [simd.madd_i16(builder, xv, ones, INT_DOT_WIDTH) for xv in xvs]  # <16 x i32>: 8 pair sums a group
+    while len(parts) > 1:
+        parts = [builder.add(builder.shuffle_vector(a, b, simd.const_vec(I32, range(0, 32, 2))),
+                             builder.shuffle_vector(a, b, simd.const_vec(I32, range(1, 32, 2))))
+                 for a, b in zip(parts[::2], parts[1::2])]
+    return parts[0]
+
+
 # -- the kernels' block code ---------------------------------------------------------------------------------
 
 def run_blocks(name, describe, block_size):
@@ -178,10 +191,8 @@ def run_blocks(name, describe, block_size):
                              flags=simd.FAST)
             if runs.mins is not None:
                 w = builder.fsub(w, simd.lanes(builder, runs.mins, [j] * RUN), flags=simd.FAST)
-            if runs.lane_mins is not None:
-                lane_values, lane_factors = runs.lane_mins
-                w = builder.fsub(w, builder.fmul(builder.sitofp(lane_values[j], f32x),
-                                                 simd.lanes(builder, lane_factors, [j] * RUN), flags=simd.FAST),
+            if runs.group_mins is not None:
+                w = builder.fsub(w, simd.lanes(builder, runs.group_mins, [2 * j] * 16 + [2 * j + 1] * 16),
                                  flags=simd.FAST)
             out.append((RUN * j, w))
         return out
@@ -206,20 +217,16 @@ def run_blocks(name, describe, block_size):
             terms = builder.fmul(runs.mins, sums, flags=simd.FAST)
             acc = builder.fsub(acc, builder.shuffle_vector(terms, ir.Constant(terms.type, None), simd.const_vec(
                 I32, list(range(num_runs)) + [num_runs] * (16 - num_runs))), flags=simd.FAST)
-        lane_scales = None
-        if runs.lane_mins is not None:
-            lane_scales = builder.fmul(runs.lane_mins[1], dx, flags=simd.FAST)
         xo = builder.mul(b, ir.Constant(I64, block_size))
         i16x = simd.vec(I16, RUN)
+        xvs = [simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, RUN * j)), i16x) for j in range(num_runs)]
         for j, values in enumerate(runs.values):
-            xv = simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, RUN * j)), i16x)
-            dots = simd.madd_i16(builder, values, xv, INT_DOT_WIDTH)  # <16 x i32>
+            dots = simd.madd_i16(builder, values, xvs[j], INT_DOT_WIDTH)  # <16 x i32>
             acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), simd.lanes(builder, scales, [j] * 16), acc)
-            if lane_scales is not None:
-                dots = simd.madd_i16(builder, runs.lane_mins[0][j], xv, INT_DOT_WIDTH)
-                acc = builder.fsub(acc, builder.fmul(builder.sitofp(dots, simd.vec(F32, 16)),
-                                                     simd.lanes(builder, lane_scales, [j] * 16), flags=simd.FAST),
-                                   flags=simd.FAST)
+        if runs.group_mins is not None:
+            sums = builder.fmul(builder.sitofp(group_sums(builder, xvs), simd.vec(F32, 16)),
+                                simd.lanes(builder, dx, [k // 2 for k in range(16)]), flags=simd.FAST)
+            acc = builder.fsub(acc, builder.fmul(runs.group_mins, sums, flags=simd.FAST), flags=simd.FAST)
         return acc
 
     def runs_i16(builder, q, o):
