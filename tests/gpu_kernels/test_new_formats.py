@@ -166,3 +166,34 @@ def test_moe_matmul(runtime, kernels, qtype, tile_tokens):
     ref = np.concatenate([x[r:r + c].astype(np.float64) @ dequant(raw[s], qtype).astype(np.float64).T
                           for s, r, c in zip(tile_slot, tile_row, counts)])
     assert rel_err(runtime.to_host(out), ref) < 1e-5
+
+
+# ---- the GPU backend's Python side on the NumPy stand-in runtime
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size,target", [("small", "MXFP4_MOE"), ("kquant", "UD_MIX")])
+def test_gpu_backend_wiring_on_new_formats(gguf_models, numpy_runtime, reference_kernels, size, target):
+    """test_backend_wiring's check on files of the new types: GpuBackend's uploads, expert slots and work tiles
+    with NumPy kernels against the CPU engine, at 0, 50 and 100 % of the experts resident."""
+    from cpu_kernels.formats import is_supported
+    from hybrid.backends.gpu import GpuBackend
+    from hybrid.formats import load_model
+    from hybrid.formats.synthetic import mix_types
+    from hybrid.model import Model
+
+    from .test_backend_wiring import CpuBackend, score
+
+    missing = sorted(q.name for q in mix_types(target) if not is_supported(q))
+    if missing:
+        pytest.skip(f"no CPU kernels yet for {', '.join(missing)}")
+    weights = load_model(gguf_models(size, target)[0])
+    c = weights.config
+    ref = score(Model(weights, CpuBackend()))
+    rng = np.random.default_rng(0)
+    for fraction in (0.0, 0.5, 1.0):
+        backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=2,
+                             resident=rng.random((c.num_layers, c.num_experts)) < fraction)
+        backend.kernels = reference_kernels
+        got = score(Model(weights, backend, host=CpuBackend()))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max(), err_msg=f"{fraction:.0%}")
