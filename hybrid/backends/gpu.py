@@ -18,7 +18,9 @@ import numpy as np
 from cpu_kernels.rope import inv_freq_f32
 from gpu_kernels.expert_cache import MIB, ExpertCache, expert_bytes, plan
 from gpu_kernels.kernels import Kernels, describe_act_quant
+from gpu_kernels.sources import FORMAT_HEADERS
 
+from ..errors import ModelError
 from ..formats.weights import QuantTensor
 from .. import kv_store
 from ..kv_cache import BLOCK_TOKENS, KVPool
@@ -35,6 +37,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE_MIB = 512
 PCIE_PROBE_BYTES = 64 << 20  # the pinned host -> device copy timed at start-up
+
+
+def check_gpu_formats(weights):
+    """ModelError naming the first weight whose GGML type has no GPU kernels (gpu_kernels/src)."""
+    for w in weights:
+        if isinstance(w, QuantTensor) and w.qtype not in FORMAT_HEADERS:
+            kinds = ", ".join(sorted(q.name for q in FORMAT_HEADERS))
+            raise ModelError(f"tensor '{w.name}' has type {w.qtype.name}, which has no GPU kernels yet (the GPU "
+                             f"runs {kinds}); run it with --device cpu")
 
 
 class GpuBackend:
@@ -90,6 +101,8 @@ class GpuBackend:
             dense += [layer.attn_norm, layer.ffn_norm, layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output,
                       layer.router] + [v for v in (layer.attn_q_norm, layer.attn_k_norm) if v is not None]
         unique = {id(w): w for w in dense}
+        check_gpu_formats(list(unique.values()) + [w for layer in model.layers
+                                                   for w in (layer.gate_exps, layer.up_exps, layer.down_exps)])
         dense_bytes = sum(w.nbytes for w in unique.values())
         per_block = kv_store.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv.dtype) * BLOCK_TOKENS
         kv_blocks = self.kv_sequences * self.vram_blocks_per_sequence()

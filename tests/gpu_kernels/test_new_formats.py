@@ -197,3 +197,21 @@ def test_gpu_backend_wiring_on_new_formats(gguf_models, numpy_runtime, reference
         backend.kernels = reference_kernels
         got = score(Model(weights, backend, host=CpuBackend()))
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max(), err_msg=f"{fraction:.0%}")
+
+
+def test_a_type_without_gpu_kernels_is_named_before_upload(gguf_models, numpy_runtime):
+    """A file of a type the CPU runs but the GPU kernels do not: a ModelError naming the tensor, not a KeyError at
+    the first launch (IQ4_NL has Q4_0's 18 bytes per 32 weights: a Q4_0 tensor retyped is well formed)."""
+    from hybrid.backends.gpu import GpuBackend
+    from hybrid.errors import ModelError
+    from hybrid.formats import load_model
+    from hybrid.formats.weights import QuantTensor
+    from hybrid.model import Model
+
+    weights = load_model(gguf_models("small", "Q4_0")[0])
+    name = "blk.1.ffn_up_exps.weight"
+    t = weights.tensors[name]
+    weights.tensors[name] = QuantTensor(name, Q.IQ4_NL, t.shape, t.raw)
+    with pytest.raises(ModelError, match=f"^tensor '{name}' has type IQ4_NL, which has no GPU kernels yet .*--device "
+                                         "cpu$"):
+        Model(weights, GpuBackend(numpy_runtime, max_context=256))
