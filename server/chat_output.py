@@ -15,10 +15,22 @@ class ChatOutput:
         self.num_calls += len(calls)
         return calls
 
+    def read(self, text, final=False):
+        """The `Parsed` output of newly generated text (`final`: of the whole text), with the calls kept."""
+        parsed = self.parser.parse(text) if final else self.parser.push(text)
+        parsed.calls = self._calls(parsed)
+        return parsed
+
+    def read_end(self):
+        """The `Parsed` output held back until the end, with the calls kept."""
+        parsed = self.parser.finish()
+        parsed.calls = self._calls(parsed)
+        return parsed
+
     def message(self, text):
         """The `message` of a whole response."""
-        parsed = self.parser.parse(text)
-        calls = self._calls(parsed)
+        parsed = self.read(text, final=True)
+        calls = parsed.calls
         message = {"role": "assistant", "content": parsed.content if parsed.content.strip() or not calls else None}
         if parsed.reasoning:
             message["reasoning_content"] = parsed.reasoning
@@ -29,11 +41,11 @@ class ChatOutput:
 
     def push(self, text):
         """The deltas of newly generated text."""
-        return self._deltas(self.parser.push(text))
+        return self._deltas(self.read(text))
 
     def finish(self):
         """The deltas of the text held back until the end."""
-        return self._deltas(self.parser.finish())
+        return self._deltas(self.read_end())
 
     def _deltas(self, parsed):
         deltas = []
@@ -41,8 +53,7 @@ class ChatOutput:
             deltas.append({"reasoning_content": parsed.reasoning})
         if parsed.content:
             deltas.append({"content": parsed.content})
-        first = self.num_calls
-        for index, call in enumerate(self._calls(parsed), first):
+        for index, call in enumerate(parsed.calls, self.num_calls - len(parsed.calls)):
             deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
                                            "function": {"name": call.name, "arguments": ""}}]})
             deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})

@@ -3,6 +3,7 @@ import json
 
 import falcon
 
+ANTHROPIC_PREFIX = "/v1/messages"
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
@@ -18,10 +19,16 @@ def bad_request(message, param=None):
 
 
 def serialize_error(req, resp, exc):
-    """Falcon error serializer: every HTTP error (ours and Falcon's own) as OpenAI error JSON."""
+    """Falcon error serializer: every HTTP error (ours and Falcon's own) as OpenAI error JSON, or as
+    Anthropic's on its Messages routes."""
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = error_body(exc.status_code, exc.description or exc.title, getattr(exc, "param", None),
-                           getattr(exc, "code", None))
+    message = exc.description or exc.title
+    if req.path.startswith(ANTHROPIC_PREFIX):
+        from .anthropic import error_body as anthropic_error
+
+        resp.data = json.dumps(anthropic_error(exc.status_code, message)).encode()
+        return
+    resp.data = error_body(exc.status_code, message, getattr(exc, "param", None), getattr(exc, "code", None))
 
 
 def error_body(status, message, param=None, code=None):

@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_LOGIT_BIAS = 1024
 MAX_INT32 = 2**31 - 1
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass
@@ -168,6 +169,7 @@ def parse(body, vocab_size):
     if integer(body, "n", 1, 1, MAX_INT32) != 1:
         raise _bad("only n = 1 is supported", "n")
     stream = field(body, "stream", bool, False)
+    integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     options = field(body, "stream_options", dict, {})
     params = sampling_params(body, vocab_size)
     return ParsedRequest(params, stream, bool(field(options, "include_usage", bool, False)))

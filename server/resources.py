@@ -198,7 +198,8 @@ class Metrics:
 
 
 class ApiKey:
-    """Middleware: when a key is set, every route but /health and /metrics needs `Authorization: Bearer <key>`."""
+    """Middleware: when a key is set, every route but /health and /metrics needs `Authorization: Bearer <key>`
+    or `x-api-key: <key>` (Anthropic's header)."""
 
     def __init__(self, api_key):
         self.api_key = api_key
@@ -207,5 +208,8 @@ class ApiKey:
         if not self.api_key or req.path in OPEN_PATHS:
             return
         auth = req.get_header("Authorization") or ""
-        if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-            raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+        key = req.get_header("x-api-key") or ""
+        if not (hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode())
+                or hmac.compare_digest(key.encode(), self.api_key.encode())):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)",
+                           code="invalid_api_key")

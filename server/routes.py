@@ -1,6 +1,7 @@
 """The Falcon WSGI app over a started engine: `create_app(engine, ...)`, for tests, `strata serve` and get_app."""
 import falcon
 
+from .anthropic import CountTokens, Messages
 from .body import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .errors import serialize_error
 from .metrics import registry_for
@@ -18,6 +19,8 @@ def create_app(engine, model_id, api_key=None, description="", max_body_bytes=DE
     app.set_error_serializer(serialize_error)
     app.add_route("/v1/chat/completions", Completions(engine, model_id, True, max_body_bytes, dialect))
     app.add_route("/v1/completions", Completions(engine, model_id, False, max_body_bytes, dialect))
+    app.add_route("/v1/messages", Messages(engine, model_id, max_body_bytes, dialect))
+    app.add_route("/v1/messages/count_tokens", CountTokens(engine, model_id, max_body_bytes, dialect))
     app.add_route("/v1/models", Models(model_id, description))
     app.add_route("/health", Health())
     app.add_route("/slots", Slots(engine))
