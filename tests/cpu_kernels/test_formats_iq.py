@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from cpu_kernels import iq2_xxs, iq3_s, iq3_xxs, iq_grids
+from cpu_kernels import iq1_m, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs, iq_grids
 
-FORMATS = [iq3_s, iq2_xxs, iq3_xxs]
+FORMATS = [iq3_s, iq2_xxs, iq3_xxs, iq2_xs, iq2_s, iq1_s, iq1_m]
 R, C = 37, 512  # odd rows, two super-blocks
 SCALE = 0.02
 each_format = pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
@@ -79,7 +79,58 @@ def _cover_iq3_xxs(rng):
     return np.concatenate([_halves(rng, n), indices, _words(_cover_ksigns_words(rng, n, 0))], axis=1)
 
 
-COVER = {iq3_s: _cover_iq3_s, iq2_xxs: _cover_iq2_xxs, iq3_xxs: _cover_iq3_xxs}
+def _cover_iq2_xs(rng):
+    """Blocks whose grid indices run through all 512 and sign indices through all 128."""
+    n = 16
+    entries = np.arange(512).reshape(n, 32)
+    words = (entries | (entries % 128) << 9).astype("<u2").view(np.uint8)
+    scales = rng.integers(0, 256, size=(n, 8), dtype=np.uint8)
+    return np.concatenate([_halves(rng, n), words, scales], axis=1)
+
+
+def _cover_iq2_s(rng):
+    """Blocks whose grid indices run through all 1024 and sign bytes through all 256."""
+    n = 32
+    indices = np.arange(1024).reshape(n, 32)
+    high = ((indices >> 8).reshape(n, 8, 4) << np.array([0, 2, 4, 6])).sum(axis=-1).astype(np.uint8)
+    signs = (np.arange(n * 32) % 256).reshape(n, 32).astype(np.uint8)
+    scales = rng.integers(0, 256, size=(n, 8), dtype=np.uint8)
+    return np.concatenate([_halves(rng, n), (indices & 255).astype(np.uint8), signs, high, scales], axis=1)
+
+
+def _cover_iq1_s(rng):
+    """Blocks whose grid indices run through all 2048, with both delta signs and every scale."""
+    n = 64
+    indices = np.arange(2048).reshape(n, 32)
+    words = ((indices >> 8).reshape(n, 8, 4) << np.array([0, 3, 6, 9])).sum(axis=-1)
+    words |= (np.arange(n * 8).reshape(n, 8) % 16) << 12  # scale and delta sign
+    return np.concatenate([_halves(rng, n), (indices & 255).astype(np.uint8), words.astype("<u2").view(np.uint8)],
+                          axis=1)
+
+
+def _cover_iq1_m(rng):
+    """Blocks whose grid indices run through all 2048, with both delta signs and every scale."""
+    n = 64
+    indices = np.arange(2048).reshape(n, 32)
+    nibbles = (indices >> 8) | (np.arange(n * 32).reshape(n, 32) // 3 % 2) << 3  # [n, 32]
+    high = (nibbles[:, 0::2] | nibbles[:, 1::2] << 4).astype(np.uint8)
+    blocks = np.concatenate([(indices & 255).astype(np.uint8), high, rng.integers(0, 256, size=(n, 8), dtype=np.uint8)],
+                            axis=1)
+    iq1_m.set_d(blocks, _halves(rng, n).view(np.float16)[:, 0])
+    return blocks
+
+
+COVER = {iq3_s: _cover_iq3_s, iq2_xxs: _cover_iq2_xxs, iq3_xxs: _cover_iq3_xxs, iq2_xs: _cover_iq2_xs,
+         iq2_s: _cover_iq2_s, iq1_s: _cover_iq1_s, iq1_m: _cover_iq1_m}
+
+
+def _set_d(fmt, blocks, bits):
+    """Set the f16 d of blocks uint8 [n, block bytes] to the bit pattern `bits`."""
+    halves = np.full(len(blocks), bits, dtype="<u2")
+    if fmt is iq1_m:
+        iq1_m.set_d(blocks, halves.view(np.float16))
+    else:
+        blocks[:, :2] = halves.view(np.uint8).reshape(-1, 2)
 
 
 def _dequantize(fmt, raw):
@@ -93,9 +144,8 @@ def test_dequantize_matches_gguf(fmt):
     """Random blocks, odd f16 scales (subnormal, negative, zero), and blocks of every grid row and sign pattern."""
     rng = np.random.default_rng(0)
     raw = fmt.random_blocks(rng, (R, C), SCALE)
-    d_at = getattr(fmt, "_D", 0)
     for row, bits in ((0, 0x0001), (1, 0x8203), (2, 0xB400), (3, 0x0000)):
-        raw[row, d_at:d_at + 2] = np.array([bits], dtype="<u2").view(np.uint8)
+        _set_d(fmt, raw[row].reshape(-1, fmt.BLOCK_BYTES), bits)
     assert np.array_equal(_dequantize(fmt, raw), gguf.quants.dequantize(raw, fmt.QTYPE))
     cover = COVER[fmt](rng)
     assert np.array_equal(_dequantize(fmt, cover), gguf.quants.dequantize(cover, fmt.QTYPE))
