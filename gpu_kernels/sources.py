@@ -18,6 +18,9 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
     Q.Q6_K: ("q6_k.cuh",), Q.Q2_K: ("q2_k.cuh",), Q.Q3_K: ("q3_k.cuh",),
     Q.IQ4_XS: ("levels.cuh", "iq4_xs.cuh"), Q.MXFP4: ("levels.cuh", "mxfp4.cuh"),
     Q.IQ3_S: ("levels.cuh", "iq3_s.cuh"), Q.IQ2_XXS: ("levels.cuh", "iq2_xxs.cuh"),
+    Q.Q4_1: ("q4_1.cuh", "block32.cuh"), Q.Q5_0: ("q5_0.cuh", "block32.cuh"),
+    Q.Q5_1: ("q5_1.cuh", "block32.cuh"), Q.IQ4_NL: ("levels.cuh", "iq4_nl.cuh", "block32.cuh"),
+    Q.IQ3_XXS: ("levels.cuh", "iq3_xxs.cuh", "block32.cuh"),
 }
 FORMAT_DEFINES = {  # quant type -> the macros its headers read (float.cuh: a weight's size, bits, conversion)
     Q.F32: {"FLOAT_BYTES": "4", "FLOAT_BITS": "u32", "TO_FLOAT": "__uint_as_float"},
@@ -28,7 +31,8 @@ FORMAT_DEFINES = {  # quant type -> the macros its headers read (float.cuh: a we
 # quant type -> (the gguf.quants class whose 16 levels levels.cuh's LEVELS_* hold, {grid name: iq_grids table})
 FORMAT_TABLES = {
     Q.IQ4_XS: ("IQ4_NL", {}), Q.MXFP4: ("MXFP4", {}), Q.IQ3_S: ("IQ4_NL", {"IQ3S_GRID": "IQ3_S"}),
-    Q.IQ2_XXS: ("IQ4_NL", {"IQ2XXS_GRID": "IQ2_XXS"}),
+    Q.IQ2_XXS: ("IQ4_NL", {"IQ2XXS_GRID": "IQ2_XXS"}), Q.IQ4_NL: ("IQ4_NL", {}),
+    Q.IQ3_XXS: ("IQ4_NL", {"IQ3XXS_GRID": "IQ3_XXS"}),
 }
 
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",

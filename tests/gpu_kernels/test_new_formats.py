@@ -1,4 +1,4 @@
-"""The GPU kernels of the formats of issue 35 (gpu_kernels/src: q2_k, q3_k, iq4_xs, mxfp4, iq3_s, iq2_xxs).
+"""The GPU kernels of the formats of issue 35 (gpu_kernels/src: one .cuh per format of NEW_FORMATS).
 
 Without a GPU: each format's unit_dequant and slice_dot, compiled for the CPU with g++ as
 test_slice_emulation.py does (the same module source the GPU compiles, grid tables included), bit-exact against
@@ -19,12 +19,13 @@ from gpu_kernels.sources import module_name, module_source
 
 from .test_slice_emulation import HARNESS, PRELUDE
 
-NEW_FORMATS = [Q.IQ4_XS, Q.MXFP4, Q.Q3_K, Q.Q2_K, Q.IQ3_S, Q.IQ2_XXS]
+NEW_FORMATS = [Q.IQ4_XS, Q.MXFP4, Q.Q3_K, Q.Q2_K, Q.IQ3_S, Q.IQ2_XXS, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ3_XXS]
 ROWS, COLS = 6, 768
 
 EXTRA_PRELUDE = r"""
 static inline int __popc(unsigned v) { return __builtin_popcount(v); }
 static inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
 """
 
 DEQUANT_HARNESS = r"""
@@ -39,7 +40,8 @@ extern "C" void dequant(const u8* row, int C, float* out) {
 
 # Random valid blocks without the CPU formats: random bytes, then the block scales set to values of about unit
 # size (f16 fields: byte offsets in a block; MXFP4: its e8m0 byte).
-F16_SCALES = {Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82), Q.IQ3_S: (0,), Q.IQ2_XXS: (0,)}
+F16_SCALES = {Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82), Q.IQ3_S: (0,), Q.IQ2_XXS: (0,), Q.Q4_1: (0, 2),
+              Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.IQ3_XXS: (0,)}
 
 
 def random_rows(rng, qtype, num_rows, num_cols):
@@ -200,18 +202,19 @@ def test_gpu_backend_wiring_on_new_formats(gguf_models, numpy_runtime, reference
 
 
 def test_a_type_without_gpu_kernels_is_named_before_upload(gguf_models, numpy_runtime):
-    """A file of a type the CPU runs but the GPU kernels do not: a ModelError naming the tensor, not a KeyError at
-    the first launch (IQ4_NL has Q4_0's 18 bytes per 32 weights: a Q4_0 tensor retyped is well formed)."""
+    """A file of a type the CPU runs but the GPU kernels do not (TQ2_0): a ModelError naming the tensor, not a
+    KeyError at the first launch."""
     from hybrid.backends.gpu import GpuBackend
     from hybrid.errors import ModelError
     from hybrid.formats import load_model
     from hybrid.formats.weights import QuantTensor
     from hybrid.model import Model
 
-    weights = load_model(gguf_models("small", "Q4_0")[0])
+    weights = load_model(gguf_models("kquant", "Q4_K_M")[0])
     name = "blk.1.ffn_up_exps.weight"
-    t = weights.tensors[name]
-    weights.tensors[name] = QuantTensor(name, Q.IQ4_NL, t.shape, t.raw)
-    with pytest.raises(ModelError, match=f"^tensor '{name}' has type IQ4_NL, which has no GPU kernels yet .*--device "
+    shape = weights.tensors[name].shape
+    raw = np.random.default_rng(0).integers(0, 256, (*shape[:-1], shape[-1] // 256 * 66), dtype=np.uint8)  # never read
+    weights.tensors[name] = QuantTensor(name, Q.TQ2_0, shape, raw)
+    with pytest.raises(ModelError, match=f"^tensor '{name}' has type TQ2_0, which has no GPU kernels yet .*--device "
                                          "cpu$"):
         Model(weights, GpuBackend(numpy_runtime, max_context=256))

@@ -1,0 +1,45 @@
+// IQ4_NL: blocks of 32 weights in 18 bytes: f16 d, qs[16] (low nibbles weights 0..15, high 16..31);
+// weight = d * LEVELS[nibble] (levels.cuh). One unit = one slice = one block (block32.cuh's slice dot).
+#define UNIT_WEIGHTS 32
+__device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
+    const u8* b = row + 18 * u;
+    float d = load_half(b);
+    u32 q[4];
+    load_words_a2(b + 2, q, 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 lo = levels4(q[i] & 0x0F0F0F0Fu), hi = levels4((q[i] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            w[4 * i + c] = __fmul_rn(d, SBYTE_FLOAT(lo, c));
+            w[16 + 4 * i + c] = __fmul_rn(d, SBYTE_FLOAT(hi, c));
+        }
+    }
+}
+
+struct Slice {
+    u32 q[4];
+    u16 d;
+};
+
+__device__ __forceinline__ Slice load_slice(const u8* row, int s) {
+    const u8* b = row + 18 * s;  // blocks are 2-byte aligned
+    Slice sl;
+    sl.d = load_u16(b);
+    load_words_a2(b + 2, sl.q, 4);
+    return sl;
+}
+
+__device__ __forceinline__ void slice_values(const Slice& sl, float* q, float* scale, float* offset) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 lo = levels4(sl.q[i] & 0x0F0F0F0Fu), hi = levels4((sl.q[i] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            q[4 * i + c] = SBYTE_FLOAT(lo, c);
+            q[16 + 4 * i + c] = SBYTE_FLOAT(hi, c);
+        }
+    }
+    *scale = half_to_float(sl.d);
+    *offset = 0.0f;
+}
