@@ -18,10 +18,10 @@ log = logging.getLogger(__name__)
 TILE_TOKENS = 8  # common.cuh's TILE_TOKENS: tokens per work tile of the tiled matmuls
 UNIT_WEIGHTS = {Q.F32: 1, Q.F16: 1, Q.BF16: 1, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16,
                 Q.Q2_K: 32, Q.Q3_K: 32, Q.IQ4_XS: 32, Q.MXFP4: 32, Q.IQ3_S: 32, Q.IQ2_XXS: 32, Q.Q4_1: 32, Q.Q5_0: 32,
-                Q.Q5_1: 32, Q.IQ4_NL: 32, Q.IQ3_XXS: 32}
+                Q.Q5_1: 32, Q.IQ4_NL: 32, Q.IQ3_XXS: 32, Q.IQ2_XS: 32, Q.IQ2_S: 32, Q.IQ1_S: 32, Q.IQ1_M: 32}
 SLICE_WEIGHTS = {Q.F32: 4, Q.F16: 8, Q.BF16: 8, Q.Q8_0: 8, Q.Q4_0: 16, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 32,
                  Q.Q2_K: 32, Q.Q3_K: 32, Q.IQ4_XS: 32, Q.MXFP4: 32, Q.IQ3_S: 32, Q.IQ2_XXS: 32, Q.Q4_1: 32, Q.Q5_0: 32,
-                Q.Q5_1: 32, Q.IQ4_NL: 32, Q.IQ3_XXS: 32}
+                Q.Q5_1: 32, Q.IQ4_NL: 32, Q.IQ3_XXS: 32, Q.IQ2_XS: 32, Q.IQ2_S: 32, Q.IQ1_S: 32, Q.IQ1_M: 32}
 MAX_THREADS = 256
 MATMUL_THREADS = 256  # common.cuh's MATMUL_THREADS: a matmul block, groups of `tpr` lanes each on its own rows
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)

@@ -20,7 +20,9 @@ FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
     Q.IQ3_S: ("levels.cuh", "iq3_s.cuh"), Q.IQ2_XXS: ("levels.cuh", "iq2_xxs.cuh"),
     Q.Q4_1: ("q4_1.cuh", "block32.cuh"), Q.Q5_0: ("q5_0.cuh", "block32.cuh"),
     Q.Q5_1: ("q5_1.cuh", "block32.cuh"), Q.IQ4_NL: ("levels.cuh", "iq4_nl.cuh", "block32.cuh"),
-    Q.IQ3_XXS: ("levels.cuh", "iq3_xxs.cuh", "block32.cuh"),
+    Q.IQ3_XXS: ("levels.cuh", "iq3_xxs.cuh", "block32.cuh"), Q.IQ2_XS: ("levels.cuh", "iq2_xs.cuh", "block32.cuh"),
+    Q.IQ2_S: ("levels.cuh", "iq2_s.cuh", "block32.cuh"), Q.IQ1_S: ("levels.cuh", "iq1_s.cuh", "block32.cuh"),
+    Q.IQ1_M: ("levels.cuh", "iq1_m.cuh", "block32.cuh"),
 }
 FORMAT_DEFINES = {  # quant type -> the macros its headers read (float.cuh: a weight's size, bits, conversion)
     Q.F32: {"FLOAT_BYTES": "4", "FLOAT_BITS": "u32", "TO_FLOAT": "__uint_as_float"},
@@ -32,7 +34,9 @@ FORMAT_DEFINES = {  # quant type -> the macros its headers read (float.cuh: a we
 FORMAT_TABLES = {
     Q.IQ4_XS: ("IQ4_NL", {}), Q.MXFP4: ("MXFP4", {}), Q.IQ3_S: ("IQ4_NL", {"IQ3S_GRID": "IQ3_S"}),
     Q.IQ2_XXS: ("IQ4_NL", {"IQ2XXS_GRID": "IQ2_XXS"}), Q.IQ4_NL: ("IQ4_NL", {}),
-    Q.IQ3_XXS: ("IQ4_NL", {"IQ3XXS_GRID": "IQ3_XXS"}),
+    Q.IQ3_XXS: ("IQ4_NL", {"IQ3XXS_GRID": "IQ3_XXS"}), Q.IQ2_XS: ("IQ4_NL", {"IQ2XS_GRID": "IQ2_XS"}),
+    Q.IQ2_S: ("IQ4_NL", {"IQ2S_GRID": "IQ2_S"}), Q.IQ1_S: ("IQ4_NL", {"IQ1_GRID": "IQ1"}),
+    Q.IQ1_M: ("IQ4_NL", {"IQ1_GRID": "IQ1"}),
 }
 
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",

@@ -19,7 +19,8 @@ from gpu_kernels.sources import module_name, module_source
 
 from .test_slice_emulation import HARNESS, PRELUDE
 
-NEW_FORMATS = [Q.IQ4_XS, Q.MXFP4, Q.Q3_K, Q.Q2_K, Q.IQ3_S, Q.IQ2_XXS, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ3_XXS]
+NEW_FORMATS = [Q.IQ4_XS, Q.MXFP4, Q.Q3_K, Q.Q2_K, Q.IQ3_S, Q.IQ2_XXS, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ3_XXS,
+               Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M]
 ROWS, COLS = 6, 768
 
 EXTRA_PRELUDE = r"""
@@ -41,7 +42,8 @@ extern "C" void dequant(const u8* row, int C, float* out) {
 # Random valid blocks without the CPU formats: random bytes, then the block scales set to values of about unit
 # size (f16 fields: byte offsets in a block; MXFP4: its e8m0 byte).
 F16_SCALES = {Q.IQ4_XS: (0,), Q.Q3_K: (108,), Q.Q2_K: (80, 82), Q.IQ3_S: (0,), Q.IQ2_XXS: (0,), Q.Q4_1: (0, 2),
-              Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.IQ3_XXS: (0,)}
+              Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,), Q.IQ3_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,),
+              Q.IQ1_S: (0,)}
 
 
 def random_rows(rng, qtype, num_rows, num_cols):
@@ -51,6 +53,11 @@ def random_rows(rng, qtype, num_rows, num_cols):
     blocks = rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)  # [blocks, bytes]
     if qtype == Q.MXFP4:
         blocks[:, 0] = rng.integers(118, 130, size=num_blocks)
+    if qtype == Q.IQ1_M:  # its f16 d: the top nibbles of the four scale words at bytes 48 ..
+        d = (rng.uniform(0.5, 1.5, num_blocks) / 64).astype(np.float16).view(np.uint16)
+        words = blocks[:, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)  # [blocks, 4]
+        words |= ((d[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16)) & np.uint16(15)) << np.uint16(12)
+        blocks[:, 48:56] = words.view(np.uint8)
     for offset in F16_SCALES.get(qtype, ()):
         d = (rng.uniform(0.5, 1.5, num_blocks) * rng.choice([-1, 1], num_blocks) / 64).astype(np.float16)
         blocks[:, offset:offset + 2] = d.view(np.uint8).reshape(num_blocks, 2)
