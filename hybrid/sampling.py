@@ -6,6 +6,7 @@ import numpy as np
 
 from .errors import RequestError
 
+_MASK_ADD = np.array([-np.inf, 0.0], dtype=np.float32)  # added to a logit whose token is (not) allowed
 MAX_SEED = 2**64 - 1  # numpy's generators take any size; a bound keeps a request's seed a plain number
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 all but forces it
 
@@ -78,7 +79,7 @@ class Sampler:
             logits = logits.astype(np.float64)  # [V], a copy
             logits[self.bias_ids] += self.bias
         if allowed is not None:
-            logits = np.where(allowed, logits, -np.inf)  # [V]
+            logits = logits + _MASK_ADD.take(allowed.view(np.uint8))  # [V]; a gather: no branch per token
         return logits
 
     def draw(self, logits):
