@@ -6,7 +6,15 @@ from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routi
 from cpu_kernels.formats import FORMATS
 
 ALL = sorted(FORMATS.values(), key=lambda m: m.__name__)
-each_format = pytest.mark.parametrize("fmt", ALL, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+DEFAULT = {"f32", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "iq4_xs", "iq3_s"}  # every driver template; the rest slow
+
+
+def _name(fmt):
+    return fmt.__name__.rsplit(".", 1)[-1]
+
+
+each_format = pytest.mark.parametrize(
+    "fmt", [f if _name(f) in DEFAULT else pytest.param(f, marks=pytest.mark.slow) for f in ALL], ids=_name)
 R = 37  # not a multiple of the 4 rows a dot loop reads at once
 
 
