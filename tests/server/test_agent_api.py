@@ -67,7 +67,7 @@ def check_call(name, arguments, choice):
 CHOICES = ["get_weather", "required", "get_weather", "required"]
 
 
-@pytest.mark.slow  # the streamed twin below runs by default
+@pytest.mark.slow  # the first 4-slot constrained batch compiles; a 1-slot streamed call runs by default
 def test_forced_call_validates_in_four_slots(client):
     def ask(i):
         return client.chat.completions.create(**forced(CHOICES[i], seed=i))
@@ -81,20 +81,23 @@ def test_forced_call_validates_in_four_slots(client):
         check_call(call.function.name, call.function.arguments, choice)
 
 
-def test_forced_call_streams_in_four_slots(client):
-    def ask(i):
-        calls, reasons = {}, []
-        for chunk in client.chat.completions.create(**forced(CHOICES[i], seed=10 + i), stream=True):
-            for delta in chunk.choices[0].delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
-                call["id"] = delta.id or call["id"]
-                call["name"] = delta.function.name or call["name"]
-                call["arguments"] += delta.function.arguments or ""
-            reasons.append(chunk.choices[0].finish_reason)
-        return calls, reasons
+def streamed_call(client, i):
+    """The calls and finish reasons of a streamed forced call (`CHOICES[i]`)."""
+    calls, reasons = {}, []
+    for chunk in client.chat.completions.create(**forced(CHOICES[i], seed=10 + i), stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            call["name"] = delta.function.name or call["name"]
+            call["arguments"] += delta.function.arguments or ""
+        reasons.append(chunk.choices[0].finish_reason)
+    return calls, reasons
 
-    with ThreadPoolExecutor(4) as pool:
-        for choice, (calls, reasons) in zip(CHOICES, pool.map(ask, range(4))):
+
+@pytest.mark.parametrize("slots", [pytest.param(4, marks=pytest.mark.slow), 1])
+def test_forced_call_streams(client, slots):
+    with ThreadPoolExecutor(slots) as pool:
+        for choice, (calls, reasons) in zip(CHOICES, pool.map(lambda i: streamed_call(client, i), range(slots))):
             assert reasons[-1] == "tool_calls" and list(calls) == [0]
             assert calls[0]["id"].startswith("call_")
             check_call(calls[0]["name"], calls[0]["arguments"], choice)
