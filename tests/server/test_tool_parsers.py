@@ -134,3 +134,52 @@ def test_forced_grammar_accepts_the_template_form_and_refuses_others(dialect, de
     assert calls(parse(dialect, CANONICAL[dialect])) == [("get_weather", {"city": "Paris", "days": 2})]
     assert not accepts(CANONICAL[dialect].replace("Paris", "Paris", 1).replace("2", '"two"'))
     assert not accepts(CANONICAL[dialect].replace("get_weather", "get_time"))
+
+
+THOUGHT_AND_CALL = ('<think>\nWeather needed.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+                    '{"city": "Paris"}}\n</tool_call>')
+
+
+def test_openai_message_and_deltas():
+    from server.chat_output import ChatOutput
+
+    message = ChatOutput(DIALECTS["hermes"].parser(TOOLS, False)).message(THOUGHT_AND_CALL)
+    assert message["content"] is None and message["reasoning_content"] == "Weather needed."
+    (call,) = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = ChatOutput(DIALECTS["hermes"].parser(TOOLS, False))
+    deltas = [d for piece in THOUGHT_AND_CALL for d in output.push(piece)] + output.finish()
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Weather needed."
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["index"] == 0 and calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert calls[1] == {"index": 0, "function": {"arguments": '{"city": "Paris"}'}}
+    assert output.finish_reason("stop") == "tool_calls" and output.finish_reason("length") == "length"
+
+
+def test_only_the_first_call_without_parallel_calls():
+    from server.chat_output import ChatOutput
+
+    two = THOUGHT_AND_CALL + '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert len(ChatOutput(DIALECTS["hermes"].parser(TOOLS, False)).message(two)["tool_calls"]) == 2
+    (call,) = ChatOutput(DIALECTS["hermes"].parser(TOOLS, False), parallel=False).message(two)["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+
+
+def test_anthropic_events_of_thinking_and_a_call(demo_tokenizer):
+    from hybrid.request import Finished
+    from server.anthropic import Reply
+    from server.chat_output import ChatOutput
+
+    reply = Reply("demo", ChatOutput(DIALECTS["hermes"].parser(TOOLS, False)), 5, demo_tokenizer, [])
+    events = [reply.start()]
+    for piece in THOUGHT_AND_CALL:
+        events += reply.push(reply.output.read(piece))
+    events += reply.finish(Finished("stop", THOUGHT_AND_CALL, [1, 2, 3], 5, {}))
+    kinds = [(e["type"], (e.get("content_block") or e.get("delta") or {}).get("type")) for e in events]
+    kinds = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]  # consecutive deltas as one
+    assert kinds == [("message_start", None), ("content_block_start", "thinking"),
+                     ("content_block_delta", "thinking_delta"), ("content_block_stop", None),
+                     ("content_block_start", "tool_use"), ("content_block_delta", "input_json_delta"),
+                     ("content_block_stop", None), ("message_delta", None), ("message_stop", None)]
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[-2]["usage"] == {"output_tokens": 3}
