@@ -10,20 +10,11 @@ from hybrid.request import Delta, Failed
 from .anthropic_request import openai_body
 from .body import read_json
 from .chat import prepare_chat
+from .errors import anthropic_error
 from .protocol import parse
 from .resources import POLL_S, EngineResource, _disconnected
 
 log = logging.getLogger(__name__)
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
-
-
-def error_body(status, message):
-    """Anthropic's error JSON."""
-    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
 
 class Messages(EngineResource):
     def on_post(self, req, resp):
@@ -54,7 +45,7 @@ class Messages(EngineResource):
                         yield _event(item)
                 elif isinstance(event, Failed):
                     done = True
-                    yield _event(error_body(500, f"the request failed: {event.message}"))
+                    yield _event(anthropic_error(500, f"the request failed: {event.message}"))
                     return
                 elif event is not None:
                     done = True
