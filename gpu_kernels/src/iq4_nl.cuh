@@ -43,3 +43,11 @@ __device__ __forceinline__ void slice_values(const Slice& sl, float* q, float* s
     *scale = half_to_float(sl.d);
     *offset = 0.0f;
 }
+
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): levels.cuh's levels_dot_q.
+#define INT_DECODE 1
+template <int RPT>
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) acc[r][0] = fmaf(half_to_float(sl[r].d), levels_dot_q(sl[r].q, xq, s), acc[r][0]);
+}

@@ -86,3 +86,15 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
         for (int t = 0; t < TT; ++t)
             if (t < n) acc[r][t] = fmaf(dl[r], dot[r][t], acc[r][t]);
 }
+
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): levels.cuh's levels_dot_q.
+#define INT_DECODE 1
+template <int RPT>
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        u32 q[4] = {sl[r].q[0].x, sl[r].q[0].y, sl[r].q[1].x, sl[r].q[1].y};
+        float dl = half_to_float(sl[r].head & 0xffffu) * (float)iq4xs_scale(sl[r].head, sl[r].scales_l, s & 7);
+        acc[r][0] = fmaf(dl, levels_dot_q(q, xq, s), acc[r][0]);
+    }
+}

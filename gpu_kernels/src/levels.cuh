@@ -30,3 +30,19 @@ __device__ __forceinline__ void load_words_a1(const u8* p, u32* out, int num_wor
         lo = hi;
     }
 }
+
+// The int16-x dot of 32 weights whose levels are the 4 words q (low nibbles weights 0..15, high ones 16..31)
+// with XQ block `blk` (the `_1q` kernels): the exact integer sum of level * x through dp4a, times dx.
+__device__ __forceinline__ float levels_dot_q(const u32 (&q)[4], const XQ& xq, int blk) {
+    int at = XQ_BLOCK * blk;
+    uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
+    uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
+    int a = 0, b = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int lo = (int)levels4(q[i] & 0x0F0F0F0Fu), hi = (int)levels4((q[i] >> 4) & 0x0F0F0F0Fu);
+        a = dp4a(lo, (int)WORD(h0, i), dp4a(hi, (int)WORD(h1, i), a));
+        b = dp4a(lo, (int)WORD(l0, i), dp4a(hi, (int)WORD(l1, i), b));
+    }
+    return xq.scale[blk] * (float)(256 * a + b);
+}

@@ -76,3 +76,11 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
         for (int t = 0; t < TT; ++t)
             if (t < n) acc[r][t] = fmaf(e8m0_half(sl[r].e), dot[r][t], acc[r][t]);
 }
+
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): levels.cuh's levels_dot_q.
+#define INT_DECODE 1
+template <int RPT>
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) acc[r][0] = fmaf(e8m0_half(sl[r].e), levels_dot_q(sl[r].q, xq, s), acc[r][0]);
+}

@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from gpu_kernels.sources import module_name, module_source
+from gpu_kernels.sources import INT_DECODE, module_name, module_source
 
 from .test_slice_emulation import HARNESS, PRELUDE
 
@@ -27,12 +27,6 @@ DEFAULT_FORMATS = NEW_FORMATS[:6]  # emulated by default (a g++ build each); the
 def emulation_params():
     return [pytest.param(q, id=q.name, marks=() if q in DEFAULT_FORMATS else pytest.mark.slow) for q in NEW_FORMATS]
 ROWS, COLS = 6, 768
-
-EXTRA_PRELUDE = r"""
-static inline int __popc(unsigned v) { return __builtin_popcount(v); }
-static inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-"""
 
 DEQUANT_HARNESS = r"""
 extern "C" void dequant(const u8* row, int C, float* out) {
@@ -84,7 +78,7 @@ def emulated(tmp_path_factory):
         if qtype not in libs:
             source = module_source(module_name(qtype)).split("// ---- matmul.cu")[0]
             path = tmp_path_factory.mktemp(qtype.name.lower())
-            (path / "fmt.cpp").write_text(PRELUDE + EXTRA_PRELUDE + source + HARNESS + DEQUANT_HARNESS)
+            (path / "fmt.cpp").write_text(PRELUDE + source + HARNESS + DEQUANT_HARNESS)
             subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(path / "fmt.so"),
                             str(path / "fmt.cpp")], check=True, capture_output=True)
             libs[qtype] = ctypes.CDLL(str(path / "fmt.so"))
@@ -159,6 +153,23 @@ def test_matmul(runtime, kernels, qtype, num_tokens):
     kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
     ref = x.astype(np.float64) @ dequant(raw, qtype).astype(np.float64).T
     assert rel_err(runtime.to_host(out), ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", sorted(set(NEW_FORMATS) & INT_DECODE), ids=lambda q: Q(q).name)
+def test_int16_matvec(runtime, qtype):
+    """The `_1q` kernels of the new INT_DECODE formats: x rounded to int16 once per block, integer dots."""
+    from gpu_kernels.kernels import Kernels
+
+    from .conftest import xq_rounded
+
+    rng = np.random.default_rng(int(qtype) + 5)
+    raw = random_rows(rng, qtype, 67, 2048)  # [R, B]
+    x = (rng.standard_normal((1, 2048)) * rng.uniform(0.01, 10, (1, 64)).repeat(32, axis=1)).astype(np.float32)
+    out = runtime.empty((1, 67), np.float32)
+    Kernels(runtime, act_quant="int16").matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+    ref = xq_rounded(x) @ dequant(raw, qtype).astype(np.float64).T
+    assert rel_err(runtime.to_host(out), ref) < 1e-4
 
 
 @pytest.mark.gpu

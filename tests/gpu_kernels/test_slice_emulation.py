@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu_kernels.sources import FORMAT_HEADERS, INT_DECODE, SRC
+from gpu_kernels.sources import INT_DECODE, module_name, module_source
 from hybrid.formats.synthetic import encode
 
 from .conftest import dequant, xq_arrays
@@ -47,6 +47,9 @@ static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4
 static inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 """
 
 HARNESS = r"""
@@ -90,7 +93,7 @@ def build(tmp_path_factory):
 
     def get(qtype):
         if qtype not in libs:
-            source = PRELUDE + "\n".join((SRC / f).read_text() for f in ("common.cuh", *FORMAT_HEADERS[qtype]))
+            source = PRELUDE + module_source(module_name(qtype)).split("// ---- matmul.cu")[0]  # tables included
             path = tmp_path_factory.mktemp(qtype.name.lower())
             (path / "slices.cpp").write_text(source + HARNESS)
             subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(path / "slices.so"),
