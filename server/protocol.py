@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from hybrid.request import Request
 from hybrid.sampling import LOGIT_BIAS_RANGE, MAX_SEED, SamplingParams
 
+from . import structured
 from .errors import bad_request as _bad
 
 _NUMBER = (int, float)
@@ -15,7 +16,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_LOGIT_BIAS = 1024
 MAX_INT32 = 2**31 - 1
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass
@@ -25,13 +25,14 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    structured: structured.Structured  # response_format and logprobs settings
 
     def request(self, prompt_ids, max_context):
         """The engine request; without max_tokens in the body, generation may run to the end of the context."""
         max_tokens = self.params.max_tokens
         if max_tokens is None:
             max_tokens = max(1, max_context - len(prompt_ids))
-        return Request(prompt_ids, replace(self.params, max_tokens=max_tokens))
+        return Request(prompt_ids, replace(self.params, max_tokens=max_tokens), **self.structured.request_fields())
 
 
 def field(body, name, types, default=None):
@@ -164,22 +165,24 @@ def completion_prompt(body):
     raise _bad("field 'prompt' must be a string, a list of token ids, or a list of one of those", "prompt")
 
 
-def parse(body, vocab_size):
-    """The settings of a body (all but its prompt), checked."""
+def parse(body, vocab_size, chat=True):
+    """The settings of a chat (`chat`) or completions body (all but its prompt), checked."""
     if integer(body, "n", 1, 1, MAX_INT32) != 1:
         raise _bad("only n = 1 is supported", "n")
     stream = field(body, "stream", bool, False)
-    integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     options = field(body, "stream_options", dict, {})
     params = sampling_params(body, vocab_size)
-    return ParsedRequest(params, stream, bool(field(options, "include_usage", bool, False)))
+    return ParsedRequest(params, stream, bool(field(options, "include_usage", bool, False)),
+                         structured.parse(body, chat))
 
 
 class Responder:
     """Builds the response bodies of one request: `chat` (chat.completion) or text_completion."""
 
-    def __init__(self, chat, model):
-        self.chat, self.model = chat, model
+    def __init__(self, chat, model, token_bytes=None):
+        """token_bytes(token id) -> bytes: for the logprobs objects (the engine's `grammar.token_bytes`)."""
+        self.chat, self.model, self.token_bytes = chat, model, token_bytes
+        self.text_offset = 0  # characters of a streamed completion's text sent so far
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -190,19 +193,30 @@ class Responder:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def _choice(self, text, finish_reason, delta=False):
+    def _logprobs(self, entries):
+        """The OpenAI logprobs object of TokenLogprobs (None: not asked)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return structured.chat_logprobs(entries, self.token_bytes)
+        return structured.completion_logprobs(entries, self.token_bytes, self.text_offset)
+
+    def _choice(self, text, finish_reason, delta=False, logprobs=None):
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+            self.text_offset += len(text) if delta else 0
+            return choice
         key = "delta" if delta else "message"
         content = {"content": text} if delta else {"role": "assistant", "content": text}
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, key: content, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
 
     def complete(self, finished, output=None):
         """The whole response; `output` (a chat's ChatOutput) reads the message out of the text."""
         if output is None:
-            choice = self._choice(finished.text, finished.finish_reason)
+            choice = self._choice(finished.text, finished.finish_reason, logprobs=finished.logprobs)
         else:
-            choice = {"index": 0, "message": output.message(finished.text), "logprobs": None,
+            choice = {"index": 0, "message": output.message(finished.text),
+                      "logprobs": self._logprobs(finished.logprobs),
                       "finish_reason": output.finish_reason(finished.finish_reason)}
         return self._body([choice], usage=finished.usage, timings=finished.timings)
 
@@ -212,15 +226,18 @@ class Responder:
             else self._choice("", None)
         return self._body([choice], chunk=True)
 
-    def delta_chunk(self, text):
-        return self._body([self._choice(text, None, delta=True)], chunk=True)
+    def delta_chunk(self, text, logprobs=None):
+        """A chunk of streamed text; `logprobs`: the TokenLogprobs of its tokens, when asked."""
+        return self._body([self._choice(text, None, delta=True, logprobs=logprobs)], chunk=True)
 
-    def chat_delta_chunk(self, delta):
+    def chat_delta_chunk(self, delta, logprobs=None):
         """A chunk of one chat delta ({"content": ...}, {"reasoning_content": ...} or {"tool_calls": [...]})."""
-        return self._body([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], chunk=True)
+        return self._body([{"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+                            "finish_reason": None}], chunk=True)
 
-    def final_chunk(self, finished, finish_reason=None):
-        choice = self._choice("", finish_reason or finished.finish_reason, delta=True)
+    def final_chunk(self, finished, finish_reason=None, logprobs=None):
+        """The chunk with the finish reason; `logprobs`: those of tokens whose text no chunk carried yet."""
+        choice = self._choice("", finish_reason or finished.finish_reason, delta=True, logprobs=logprobs)
         if self.chat:
             choice["delta"] = {}
         return self._body([choice], chunk=True, timings=finished.timings)

@@ -70,16 +70,18 @@ class Completions(EngineResource):
     def on_post(self, req, resp):
         body = read_json(req, self.max_body_bytes)
         self._check_model(body)
-        parsed = parse(body, self.engine.model.config.vocab_size)  # before the prompt: cheap checks first
+        parsed = parse(body, self.engine.model.config.vocab_size, self.chat)  # before the prompt: cheap checks
         output = None
         if self.chat:
             chat = prepare_chat(self.engine, self.dialect, body)
             request = parsed.request(chat.prompt_ids, self.engine.max_context)
-            request.constraint, output = chat.constraint, chat.output
+            output = chat.output
+            if chat.constraint is not None:  # a forced tool call wins over response_format
+                request.constraint = chat.constraint
         else:
             request = parsed.request(self._prompt(body), self.engine.max_context)
         handle = self._submit(request)
-        responder = Responder(self.chat, self.model_id)
+        responder = Responder(self.chat, self.model_id, self.engine.grammar.token_bytes)
         if parsed.stream:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
@@ -103,17 +105,21 @@ class Completions(EngineResource):
 
     def _sse(self, handle, responder, include_usage, disconnected, output):
         """The event stream; `output` (a chat's ChatOutput) turns text into chat deltas."""
-        done = False
+        done, logprobs = False, None  # logprobs: those of tokens whose text no chunk carried yet
         try:
             yield _sse(responder.first_chunk())
             while not disconnected():
                 event = handle.next_event(timeout=POLL_S)
                 if isinstance(event, Delta):
+                    if event.logprobs is not None:
+                        logprobs = (logprobs or []) + event.logprobs
                     if output is not None:
                         for delta in output.push(event.text):
-                            yield _sse(responder.chat_delta_chunk(delta))
+                            yield _sse(responder.chat_delta_chunk(delta, logprobs))
+                            logprobs = None
                     elif event.text:
-                        yield _sse(responder.delta_chunk(event.text))
+                        yield _sse(responder.delta_chunk(event.text, logprobs))
+                        logprobs = None
                 elif isinstance(event, Failed):
                     done = True
                     yield _sse({"error": {"message": f"the request failed: {event.message}",
@@ -124,9 +130,10 @@ class Completions(EngineResource):
                     reason = event.finish_reason
                     if output is not None:
                         for delta in output.finish():
-                            yield _sse(responder.chat_delta_chunk(delta))
+                            yield _sse(responder.chat_delta_chunk(delta, logprobs))
+                            logprobs = None
                         reason = output.finish_reason(reason)
-                    yield _sse(responder.final_chunk(event, reason))
+                    yield _sse(responder.final_chunk(event, reason, logprobs))
                     if include_usage:
                         yield _sse(responder.usage_chunk(event))
                     yield b"data: [DONE]\n\n"
