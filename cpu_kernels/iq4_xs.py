@@ -55,7 +55,7 @@ def _describe(builder, q, o):
     scales = builder.sub(builder.or_(low, builder.shl(high, simd.splat_const(I16, 8, 4))), simd.splat_const(I16, 8, 32))
     d = simd.splat(builder, simd.load_half(builder, q, o), 8)
     factors = builder.fmul(builder.sitofp(scales, simd.vec(F32, 8)), d, flags=simd.FAST)
-    return Runs(table_runs(builder, q, o, _QS, 8, KVALUES), factors)
+    return Runs(table_runs(builder, q, o, _QS, 8, KVALUES, paired=True), factors, paired=True)
 
 
 _block, _block_i16, _weights, _runs_i16 = run_blocks("iq4_xs", _describe, BLOCK_SIZE)

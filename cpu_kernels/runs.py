@@ -33,11 +33,32 @@ INT_DOT_WIDTH = int_dot_width()
 
 class Runs(NamedTuple):
     """A block as R runs: values (R x <32 x i16>), factors <R x float>, mins <R x float> or None, and group mins
-    <2R x float> (one per 16 weights; R = 8 only) or None."""
+    <2R x float> (one per 16 weights; R = 8 only) or None. paired: the values come two runs at a time in 4-bit
+    order (table_runs), [run 2p weights 0-15, run 2p + 1 weights 0-15] then the weights 16-31 of both."""
     values: list
     factors: object
     mins: object = None
     group_mins: object = None
+    paired: bool = False
+
+
+def _swap_halves(builder, values):
+    """Per two <32 x i16> a, b: [a 0-15, b 0-15] and [a 16-31, b 16-31] (its own inverse)."""
+    out = []
+    for a, b in zip(values[::2], values[1::2]):
+        out += [builder.shuffle_vector(a, b, simd.const_vec(I32, [*range(16), *range(32, 48)])),
+                builder.shuffle_vector(a, b, simd.const_vec(I32, [*range(16, 32), *range(48, 64)]))]
+    return out
+
+
+def paired_values(builder, runs):
+    """The runs' values in Runs.paired order."""
+    return runs.values if runs.paired else _swap_halves(builder, runs.values)
+
+
+def natural_values(builder, runs):
+    """The runs' values in weight order, one <32 x i16> per run."""
+    return _swap_halves(builder, runs.values) if runs.paired else runs.values
 
 
 # -- byte-level pieces ---------------------------------------------------------------------------------------
@@ -122,12 +143,16 @@ def lookup16(builder, table, indices):
     return parts[0] if parts[0].type.count == n else simd.lanes(builder, parts[0], range(n))
 
 
-def table_runs(builder, q, o, at, count, table):
-    """nibble_runs mapped through `table` (16 int8 values) as <32 x i16>: two runs per pshufb."""
+def table_runs(builder, q, o, at, count, table, paired=False):
+    """nibble_runs mapped through `table` (16 int8 values) as <32 x i16>: two runs per pshufb; paired (an even
+    count): in Runs.paired order, the halves of each pshufb as they come."""
     runs = []
     for first in range(0, count, 2):
         pair = min(2, count - first)
         both = lookup16(builder, table, nibbles(builder, q, o, at + 16 * first, 16 * pair))
+        if paired:
+            runs += [widen(builder, simd.lanes(builder, both, range(32 * k, 32 * k + 32))) for k in range(2)]
+            continue
         for k in range(pair):
             runs.append(widen(builder, simd.lanes(builder, both, [16 * k + i for i in range(16)]
                                                   + [16 * pair + 16 * k + i for i in range(16)])))
@@ -180,13 +205,15 @@ def group_sums(builder, xvs):
 
 def run_blocks(name, describe, block_size):
     """(block, block_i16, weights, runs_i16) of a format whose describe(builder, q, o) gives the block at byte o
-    of row q as Runs (see the module docstring); block_size / 32 runs per block."""
+    of row q as Runs (see the module docstring); block_size / 32 runs per block. The int16 dot of a block of
+    8 runs takes two runs per conversion (pairing two 32-weight blocks instead measured slower: their shuffles
+    cost more than the conversions they save)."""
     num_runs = block_size // RUN
     f32x = simd.vec(F32, RUN)
 
     def run_weights(builder, runs):
         out = []
-        for j, values in enumerate(runs.values):
+        for j, values in enumerate(natural_values(builder, runs)):
             w = builder.fmul(builder.sitofp(values, f32x), simd.lanes(builder, runs.factors, [j] * RUN),
                              flags=simd.FAST)
             if runs.mins is not None:
@@ -207,31 +234,46 @@ def run_blocks(name, describe, block_size):
             acc = simd.fma(builder, w, xv, acc)
         return acc
 
-    def block_i16(builder, q, o, b, xq, aux, acc):
-        runs = describe(builder, q, o)
-        pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 2 * num_runs)), simd.vec(F32, 2 * num_runs))
-        dx = simd.lanes(builder, pairs, range(0, 2 * num_runs, 2))  # [R]
+    def int_dot(builder, runs, num, b, xq, aux, acc):
+        """acc <16 x float> += the `num` runs of Runs from block b's first run on . x, for int16 xq [C] and
+        (dx, sum) pairs aux [C/16]: per two runs (lanes 0-7 the first, 8-15 the second) two pmaddwd, summed
+        in int32, one conversion and one FMA with f_j * dx_j."""
+        first = builder.mul(b, ir.Constant(I64, num_runs))  # run index
+        pairs = simd.load_at(builder, aux, builder.mul(first, ir.Constant(I64, 2)), simd.vec(F32, 2 * num))
+        dx = simd.lanes(builder, pairs, range(0, 2 * num, 2))  # [num]
         scales = builder.fmul(runs.factors, dx, flags=simd.FAST)
         if runs.mins is not None:
-            sums = simd.lanes(builder, pairs, range(1, 2 * num_runs, 2))
-            terms = builder.fmul(runs.mins, sums, flags=simd.FAST)
+            terms = builder.fmul(runs.mins, simd.lanes(builder, pairs, range(1, 2 * num, 2)), flags=simd.FAST)
             acc = builder.fsub(acc, builder.shuffle_vector(terms, ir.Constant(terms.type, None), simd.const_vec(
-                I32, list(range(num_runs)) + [num_runs] * (16 - num_runs))), flags=simd.FAST)
-        xo = builder.mul(b, ir.Constant(I64, block_size))
+                I32, list(range(num)) + [num] * (16 - num))), flags=simd.FAST)
+        xo = builder.mul(first, ir.Constant(I64, RUN))
         i16x = simd.vec(I16, RUN)
-        xvs = [simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, RUN * j)), i16x) for j in range(num_runs)]
-        for j, values in enumerate(runs.values):
-            dots = simd.madd_i16(builder, values, xvs[j], INT_DOT_WIDTH)  # <16 x i32>
-            acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), simd.lanes(builder, scales, [j] * 16), acc)
+        xvs = [simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, RUN * j)), i16x) for j in range(num)]
+        if num % 2:
+            for j, values in enumerate(natural_values(builder, runs)):
+                dots = simd.madd_i16(builder, values, xvs[j], INT_DOT_WIDTH)  # <16 x i32>
+                acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), simd.lanes(builder, scales, [j] * 16),
+                               acc)
+        else:
+            values = paired_values(builder, runs)
+            for p in range(num // 2):
+                halves = _swap_halves(builder, xvs[2 * p:2 * p + 2])
+                dots = builder.add(*(simd.madd_i16(builder, v, xv, INT_DOT_WIDTH)
+                                     for v, xv in zip(values[2 * p:2 * p + 2], halves)))
+                acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)),
+                               simd.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8), acc)
         if runs.group_mins is not None:
             sums = builder.fmul(builder.sitofp(group_sums(builder, xvs), simd.vec(F32, 16)),
                                 simd.lanes(builder, dx, [k // 2 for k in range(16)]), flags=simd.FAST)
             acc = builder.fsub(acc, builder.fmul(runs.group_mins, sums, flags=simd.FAST), flags=simd.FAST)
         return acc
 
+    def block_i16(builder, q, o, b, xq, aux, acc):
+        return int_dot(builder, describe(builder, q, o), num_runs, b, xq, aux, acc)
+
     def runs_i16(builder, q, o):
         runs = describe(builder, q, o)
-        return runs.values, runs.factors, runs.mins
+        return natural_values(builder, runs), runs.factors, runs.mins
 
     block.acc_type, block_i16.acc_type = f32x, simd.vec(F32, 16)
     for fn in (block, block_i16, weights, runs_i16):

@@ -62,7 +62,7 @@ def random_blocks(rng, shape, scale):
     if cols % BLOCK_SIZE:
         raise ValueError(f"random_blocks: {cols} columns is not a multiple of {BLOCK_SIZE}")
     num_blocks = int(np.prod(lead, dtype=np.int64)) * (cols // BLOCK_SIZE)
-    crumbs = rng.integers(0, 3, size=(num_blocks, _D, 4)).astype(np.uint8)  # [blocks, 64, 4]
+    crumbs = rng.integers(0, 3, size=(num_blocks, _D, 4), dtype=np.uint8)  # [blocks, 64, 4]
     qs = crumbs[..., 0] | (crumbs[..., 1] << 2) | (crumbs[..., 2] << 4) | (crumbs[..., 3] << 6)
     d = (scale / 0.82 * rng.uniform(0.5, 1.5, size=num_blocks)).astype(np.float16)
     blocks = np.concatenate([qs, d.view(np.uint8).reshape(num_blocks, 2)], axis=1)  # [blocks, 66]
