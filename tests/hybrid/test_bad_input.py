@@ -137,10 +137,10 @@ def test_missing_gguf_tensor(tmp_path, gguf_models):
 
 
 def test_unsupported_tensor_type(tmp_path, gguf_models):
-    # IQ4_NL has Q4_0's 18 bytes per 32 weights: the retyped file is well formed but unsupported.
-    path, _ = gguf_models("small", "Q4_0")
-    dst = _rewrite_gguf(path, str(tmp_path / "iq.gguf"), retype={"blk.0.attn_q.weight": GGMLQuantizationType.IQ4_NL})
-    with pytest.raises(hybrid.ModelError, match=r"iq.gguf: tensor 'blk.0.attn_q.weight' has type IQ4_NL"):
+    # I32 has F32's 4 bytes per value: the retyped file is well formed but unsupported.
+    path, _ = gguf_models("small", "F32")
+    dst = _rewrite_gguf(path, str(tmp_path / "iq.gguf"), retype={"blk.0.attn_q.weight": GGMLQuantizationType.I32})
+    with pytest.raises(hybrid.ModelError, match=r"iq.gguf: tensor 'blk.0.attn_q.weight' has type I32"):
         hybrid.LLM(dst)  # the file is read; the engine has no kernel for the type
 
 
