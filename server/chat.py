@@ -35,9 +35,17 @@ def prepare_chat(engine, dialect, body):
     thinking = dialect.thinking(rendered)
     constraint = None
     if chat.forced:
-        marker = Markers(tokenizer.special_ids(dialect.markers))
-        try:
-            constraint = Constraint.from_lark(dialect.grammar(chat.forced, chat.parallel, marker, thinking))
-        except GrammarError as exc:
-            raise bad_request(f"the tools' parameters cannot be enforced: {exc}", "tools") from None
+        constraint = forced_call(dialect, chat, tokenizer, thinking)
     return PreparedChat(prompt_ids, ChatOutput(dialect.parser(chat.schemas, thinking), chat.parallel), constraint)
+
+
+def forced_call(dialect, chat, tokenizer, thinking):
+    """The grammar of a call to one of `chat.forced` in the dialect; a tool whose parameters the grammar
+    library cannot compile is a 400 that names it."""
+    for name, schema in chat.forced.items():
+        try:
+            Constraint.from_json_schema(schema)
+        except GrammarError as exc:
+            raise bad_request(f"tool '{name}': its parameters cannot be enforced: {exc}", "tools") from None
+    marker = Markers(tokenizer.special_ids(dialect.markers))
+    return Constraint.from_lark(dialect.grammar(chat.forced, chat.parallel, marker, thinking))

@@ -169,6 +169,8 @@ def test_free_chat_streams_as_it_answers_whole(client):
     ({"chat_template_kwargs": {"messages": []}}, "may not set 'messages'"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"logprobs": True, "top_logprobs": 21}, "20"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tool 'f': its parameters cannot be enforced: invalid JSON schema: Invalid type"),
 ])
 def test_bad_tool_input_is_a_400_in_openai_shape(client, change, message):
     with pytest.raises(openai.BadRequestError) as caught:
