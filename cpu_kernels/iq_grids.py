@@ -62,7 +62,8 @@ def lookup(builder, name, table, indices):
     fn = builder.module.globals.get(f"llvm.masked.gather.v{count}i{row_ty.width}.v{count}p0") or ir.Function(
         builder.module, fn_ty, f"llvm.masked.gather.v{count}i{row_ty.width}.v{count}p0")
     mask = ir.Constant(simd.vec(I1, count), [1] * count)
-    return builder.call(fn, [pointers, ir.Constant(I32, table.shape[1]), mask, ir.Constant(simd.vec(row_ty, count), None)])
+    passthru = ir.Constant(simd.vec(row_ty, count), None)
+    return builder.call(fn, [pointers, ir.Constant(I32, table.shape[1]), mask, passthru])
 
 
 def int_splat(builder, value, n):

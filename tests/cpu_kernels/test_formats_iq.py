@@ -13,6 +13,10 @@ FORMATS = [iq3_s, iq2_xxs, iq3_xxs, iq2_xs, iq2_s, iq1_s, iq1_m]
 R, C = 37, 512  # odd rows, two super-blocks
 SCALE = 0.02
 each_format = pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+# Kernel tests run by default for the formats users run most (test_fused compiles every format's moe kernels with
+# the same argument types, so these add little but run time); the rest are slow.
+KERNEL_PARAMS = [fmt if fmt in (iq3_s, iq2_xxs) else pytest.param(fmt, marks=pytest.mark.slow) for fmt in FORMATS]
+each_kernel = pytest.mark.parametrize("fmt", KERNEL_PARAMS, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 
 
 def _name(fmt):
@@ -169,7 +173,7 @@ def _assert_close(got, ref, bound):
     assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) - bound)
 
 
-@each_format
+@each_kernel
 def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
     raw = fmt.random_blocks(np.random.default_rng(2), (R, C), SCALE)  # writable: test_fused compiled these types
     x = np.random.default_rng(3).standard_normal((33, C)).astype(np.float32)  # [T, C]
@@ -185,7 +189,7 @@ def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_
     _assert_close(out, ref, bound + prefill_rounding_bound(fmt, x, w_abs, act_quant))
 
 
-@each_format
+@each_kernel
 def test_moe_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
     raw = fmt.random_blocks(np.random.default_rng(4), (5, R, C), SCALE)  # [E, R, B]
     group_sizes = [3, 0, 1, 33, 2]  # an empty group, a 1-row (decode) group, one past a 32-token pass
