@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 NAMES = ["iq4_xs", "q3_k", "q2_k", "mxfp4", "q4_1", "q5_0", "q5_1", "iq4_nl", "tq2_0"]
-# A format's kernels take ~30 s to compile cold: by default only IQ4_XS's run (the most used; Q2_K's and
-# MXFP4's own paths, lane mins, float prefill and E8M0 factors, are in the slow set with the rest).
+# A format's kernels take ~30 s to compile cold: by default only IQ4_XS's run (the most used, and test_fused
+# compiles the same writable-array kernels); Q2_K's group mins and float prefill, MXFP4's E8M0 factors and
+# the other formats' kernels are slow tests.
 KERNEL_NAMES = [name if name == "iq4_xs" else pytest.param(name, marks=pytest.mark.slow) for name in NAMES]
 R = 37  # odd rows, not a multiple of the 16-row work items
 SCALE = 0.02
@@ -41,14 +42,10 @@ def cols(fmt):
     return 3 * fmt.BLOCK_SIZE
 
 
-def readonly(raw):
-    raw.setflags(write=False)  # as the memory-mapped GGUF tensors the kernels get (and one compiled type)
-    return raw
-
-
 def weight(fmt, shape, seed):
-    """Random valid raw bytes for `shape`, read-only like the memory-mapped GGUF tensors the kernels get."""
-    return readonly(fmt.random_blocks(np.random.default_rng(seed), shape, SCALE))
+    """Random valid raw bytes for `shape`, writable like the weights the CPU backend places (the array type
+    test_fused compiles too)."""
+    return fmt.random_blocks(np.random.default_rng(seed), shape, SCALE)
 
 
 def random_bytes(fmt, num_blocks, seed):
@@ -61,7 +58,7 @@ def random_bytes(fmt, num_blocks, seed):
         blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
     if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4:
         blocks[:, 0] = rng.integers(108, 138, size=num_blocks)
-    return readonly(blocks)
+    return blocks
 
 
 def dequant(fmt, raw):
@@ -112,12 +109,12 @@ def test_dequantize_every_level_and_exponent(name):
     fmt = importlib.import_module(f"cpu_kernels.{name}")
     table = gguf.quants.MXFP4 if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4 else gguf.quants.IQ4_NL
     assert np.array_equal(fmt.KVALUES, table.kvalues)
-    blocks = random_bytes(fmt, 256, 8).copy()
+    blocks = random_bytes(fmt, 256, 8)
     header = fmt.BLOCK_BYTES - fmt.BLOCK_SIZE // 2  # the 4-bit indices fill the rest of a block
     blocks[:, header:] = (np.arange(blocks[:, header:].size) % 256).reshape(256, -1)
     if fmt.QTYPE == gguf.GGMLQuantizationType.MXFP4:
         blocks[:, 0] = np.minimum(np.arange(256), 250)  # 2^-128 (subnormal) .. 2^122 (more overflows float32)
-    raw = readonly(blocks.reshape(1, -1))
+    raw = blocks.reshape(1, -1)
     assert np.array_equal(unpack(fmt, raw), gguf.quants.dequantize(raw, fmt.QTYPE))
 
 
