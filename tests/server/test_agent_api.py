@@ -147,6 +147,8 @@ def test_chat_template_kwargs_reach_the_template(client, served):
                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     added = len(tokenizer.encode("<think>\n\n</think>\n\n", add_special=False))
     assert no_think.usage.prompt_tokens == plain.usage.prompt_tokens + added
+    unused = client.chat.completions.create(model="demo", messages=ASK, max_tokens=1, tools=TOOLS, tool_choice="none")
+    assert unused.usage.prompt_tokens == plain.usage.prompt_tokens  # tool_choice none: the template gets no tools
 
 
 def test_free_chat_streams_as_it_answers_whole(client):

@@ -183,3 +183,29 @@ def test_anthropic_events_of_thinking_and_a_call(demo_tokenizer):
                      ("content_block_stop", None), ("message_delta", None), ("message_stop", None)]
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert events[-2]["usage"] == {"output_tokens": 3}
+
+
+def test_the_anthropic_client_reads_those_events(demo_tokenizer):
+    anthropic = pytest.importorskip("anthropic")
+    httpx = pytest.importorskip("httpx2")  # the anthropic client's HTTP library
+
+    from hybrid.request import Finished
+    from server.anthropic import Reply, _event
+    from server.chat_output import ChatOutput
+
+    reply = Reply("demo", ChatOutput(DIALECTS["hermes"].parser(TOOLS, False)), 5, demo_tokenizer, [])
+    events = [reply.start()] + reply.push(reply.output.read(THOUGHT_AND_CALL))
+    events += reply.finish(Finished("stop", THOUGHT_AND_CALL, [1, 2, 3], 5, {}))
+    stream = b"".join(map(_event, events))
+
+    def answer(request):
+        return httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"})
+
+    client = anthropic.Anthropic(api_key="k", base_url="http://strata.test", max_retries=0,
+                                 http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+    with client.messages.stream(model="demo", max_tokens=9, messages=[{"role": "user", "content": "?"}]) as s:
+        message = s.get_final_message()
+    thinking, use = message.content
+    assert (thinking.type, thinking.thinking) == ("thinking", "Weather needed.")
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens == 3
