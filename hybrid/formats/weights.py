@@ -60,7 +60,7 @@ class ModelWeights:
     file_handles: list = field(default_factory=list)
 
     def type_mix(self):
-        """The file's GGML types by their share of the tensor bytes, largest first: 'Q4_K 61 %, Q6_K 38 %, F32 0.4 %'."""
+        """The GGML types by their share of the tensor bytes, largest first: 'Q4_K 61 %, Q6_K 38 %, F32 0.4 %'."""
         by_type = {}
         for t in self.tensors.values():
             by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.nbytes
