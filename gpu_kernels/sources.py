@@ -74,7 +74,7 @@ def all_modules():
 @lru_cache(maxsize=None)
 def module_source(name):
     """The full source of module `name` ("ops", "matmul_<type>" or "kv_<type>")."""
-    prefix = ""
+    prefix, tables = "", ""
     if name == "ops":
         files = ("common.cuh", "ops.cu")
     elif name.startswith("kv_"):
@@ -85,11 +85,11 @@ def module_source(name):
         prefix = "".join(f"#define {key} {value}\n" for key, value in FORMAT_DEFINES.get(qtype, {}).items())
         files = ("common.cuh", *FORMAT_HEADERS[qtype], "matmul.cu")
         if qtype in FORMAT_TABLES:
-            prefix += level_defines(FORMAT_TABLES[qtype][0])
+            levels, grids = FORMAT_TABLES[qtype]
+            prefix += level_defines(levels)
+            tables = grid_tables(grids)
     texts = [f"// ---- {f}\n" + (SRC / f).read_text() for f in files]
-    if name.startswith("matmul_") and Q[name.removeprefix("matmul_").upper()] in FORMAT_TABLES:
-        texts.insert(1, grid_tables(FORMAT_TABLES[Q[name.removeprefix("matmul_").upper()]][1]))
-    return prefix + "\n".join(texts)
+    return prefix + "\n".join(texts[:1] + [tables] * bool(tables) + texts[1:])
 
 
 def level_defines(quant):
