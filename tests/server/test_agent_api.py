@@ -152,7 +152,7 @@ def test_chat_template_kwargs_reach_the_template(client, served):
 
 
 def test_free_chat_streams_as_it_answers_whole(client):
-    body = dict(model="demo", messages=ASK, tools=TOOLS, max_tokens=12, temperature=0)
+    body = dict(model="demo", messages=ASK, tools=TOOLS, max_tokens=6, temperature=0)
     whole = client.chat.completions.create(**body).choices[0]
     chunks = list(client.chat.completions.create(**body, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
