@@ -154,14 +154,17 @@ def shrunk_probabilities(decode, prefill, experts_per_token):
     added per expert, so that no expert is impossible): the posterior mean of a Dirichlet prior of strength s
     around pi. s, in routings and shared by all layers, maximises the leave-one-out likelihood of the decode
     routings, so the prompt prior counts for much while decode routings are few or agree with it, and fades
-    as they accumulate and disagree. Scaled by experts_per_token, a share becomes a per-token chance.
+    as they accumulate and disagree. The prior weighs at most the prompt routings it was made from: at that
+    strength the estimate is the pooled shares of both phases. Scaled by experts_per_token, a share becomes a
+    per-token chance.
     """
     n = np.asarray(decode, dtype=np.float64)  # [L, E]
+    prompt_routings = float(np.asarray(prefill).sum(axis=1).min())
     prior = np.asarray(prefill, dtype=np.float64) + 0.5
     prior /= prior.sum(axis=1, keepdims=True)  # [L, E]
     total = n.sum(axis=1, keepdims=True)  # [L, 1]
     best, best_ll = 0.0, -np.inf
-    for s in PRIOR_STRENGTHS:
+    for s in [*PRIOR_STRENGTHS[PRIOR_STRENGTHS < prompt_routings], prompt_routings]:
         left_out = np.maximum(n - 1.0 + s * prior, 1e-300) / np.maximum(total - 1.0 + s, 1e-300)  # [L, E]
         ll = float(np.sum(n * np.log(left_out)))
         if ll > best_ll:
