@@ -79,3 +79,29 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
             if (t < n) acc[r][t] = fmaf(db, dot[r][t], acc[r][t]);
     }
 }
+
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): per grid row, the dp4a of its values with
+// x's bytes, less twice that of its negative values (a byte mask from the 4 sign bits), exact in int32.
+#define INT_DECODE 1
+__device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
+
+template <int RPT>
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+    int at = XQ_BLOCK * s;
+    uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
+    uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        int a = 0, b = 0;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) {
+            int v = (int)iq3s_row(sl[r].qs, (sl[r].tail >> 16) & 0xffu, g);
+            int neg = v & (int)sign_bytes((sl[r].signs >> (4 * g)) & 15u);
+            int xh = (int)(g < 4 ? WORD(h0, g) : WORD(h1, g - 4)), xl = (int)(g < 4 ? WORD(l0, g) : WORD(l1, g - 4));
+            a = dp4a(v, xh, a) - 2 * dp4a(neg, xh, 0);
+            b = dp4a(v, xl, b) - 2 * dp4a(neg, xl, 0);
+        }
+        float db = iq3s_db((u16)(sl[r].tail & 0xffffu), sl[r].tail >> 24, s & 7);
+        acc[r][0] = fmaf(db * xq.scale[s], (float)(256 * a + b), acc[r][0]);
+    }
+}
