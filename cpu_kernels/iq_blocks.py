@@ -22,7 +22,7 @@ Shape legend: R output rows, C columns, B bytes per row (C // 256 * block bytes)
 from llvmlite import ir
 
 from . import iq_grids, quant_driver, simd
-from .iq_grids import int_splat
+from .iq_grids import I1, int_splat
 from .kquant import QK_K, SUB
 from .prefill_i16 import x_levels
 from .simd import F32, I8, I16, I32, I64
@@ -30,7 +30,6 @@ from .target import int_dot_width
 from .tiles import random_weight
 
 INT_DOT_WIDTH = int_dot_width()
-I1 = ir.IntType(1)
 
 
 def const(offset):
@@ -40,11 +39,6 @@ def const(offset):
 def at(builder, o, offset):
     """Byte o + offset (an i64)."""
     return builder.add(o, const(offset))
-
-
-def load_int(builder, q, offset, ty):
-    """The little-endian integer of type ty at byte `offset` of row pointer q."""
-    return simd.load_at(builder, q, offset, ty)
 
 
 def grid_rows(builder, name, table, indices):
