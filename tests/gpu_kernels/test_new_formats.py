@@ -142,15 +142,23 @@ def test_dequant_rows_bit_exact_with_gguf(runtime, kernels, qtype):
     assert np.array_equal(runtime.to_host(out), dequant(raw[row_ids], qtype))
 
 
+@pytest.fixture(scope="module")
+def float_kernels(runtime):
+    """Kernels with x as float in every matmul (the int16 decode has its own test below)."""
+    from gpu_kernels.kernels import Kernels
+
+    return Kernels(runtime, act_quant="float")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 19])
 @pytest.mark.parametrize("qtype", NEW_FORMATS, ids=lambda q: q.name)
-def test_matmul(runtime, kernels, qtype, num_tokens):
+def test_matmul(runtime, float_kernels, qtype, num_tokens):
     rng = np.random.default_rng(int(qtype) * 10 + num_tokens)
     raw = random_rows(rng, qtype, 67, 2048)  # [R, B]
     x = rng.standard_normal((num_tokens, 2048)).astype(np.float32)  # [T, C]
     out = runtime.empty((num_tokens, 67), np.float32)
-    kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+    float_kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
     ref = x.astype(np.float64) @ dequant(raw, qtype).astype(np.float64).T
     assert rel_err(runtime.to_host(out), ref) < 1e-5
 
@@ -175,7 +183,7 @@ def test_int16_matvec(runtime, qtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens", [1, 8])
 @pytest.mark.parametrize("qtype", NEW_FORMATS, ids=lambda q: q.name)
-def test_moe_matmul(runtime, kernels, qtype, tile_tokens):
+def test_moe_matmul(runtime, float_kernels, qtype, tile_tokens):
     """Expert slots [S, R, B], work tiles of pair rows each on one slot (tiles of one row: the decode kernel)."""
     rng = np.random.default_rng(int(qtype) + tile_tokens)
     num_slots, num_rows, num_cols = 3, 40, 1024
@@ -185,7 +193,7 @@ def test_moe_matmul(runtime, kernels, qtype, tile_tokens):
     tile_row = np.cumsum([0] + counts[:-1]).astype(np.int32)
     x = rng.standard_normal((sum(counts), num_cols)).astype(np.float32)  # [N, C]
     out = runtime.empty((sum(counts), num_rows), np.float32)
-    kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out, runtime.to_device(tile_slot),
+    float_kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out, runtime.to_device(tile_slot),
                        runtime.to_device(tile_row), runtime.to_device(np.array(counts, dtype=np.int32)),
                        tile_tokens=tile_tokens)
     ref = np.concatenate([x[r:r + c].astype(np.float64) @ dequant(raw[s], qtype).astype(np.float64).T
@@ -241,3 +249,30 @@ def test_a_type_without_gpu_kernels_is_named_before_upload(gguf_models, numpy_ru
     with pytest.raises(ModelError, match=f"^tensor '{name}' has type TQ2_0, which has no GPU kernels yet .*--device "
                                          "cpu$"):
         Model(weights, GpuBackend(numpy_runtime, max_context=256))
+
+
+# ---- the engine on a GPU with files of the new types
+
+GPU_MODELS = [("kquant", "UD_MIX"), ("kquant", "MXFP4_MOE"), ("kquant", "Q3_K_M"), ("small", "Q4_1"), ("small", "Q5_0"),
+              ("small", "Q5_1"), ("small", "IQ4_NL"), ("kquant", "IQ3_XXS"), ("kquant", "IQ2_XS"), ("kquant", "IQ2_S"),
+              ("kquant", "IQ1_S"), ("kquant", "IQ1_M")]  # with UD_MIX's and the mixes' types: every new format
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size,target", GPU_MODELS, ids=[f"{s}-{t}" for s, t in GPU_MODELS])
+def test_gpu_engine_matches_cpu(runtime, gguf_models, size, target):
+    """test_gpu_model's check on the new types: device="gpu" at 0, 50 and 100 % of the experts resident against
+    the CPU engine, logits within 2e-3 and 8 greedy tokens equal."""
+    from hybrid import LLM
+
+    from .test_gpu_model import PROMPT, masks
+
+    path, _ = gguf_models(size, target)
+    cpu = LLM(path, device="cpu", max_context=256)
+    ref = cpu.score(PROMPT)
+    ref_tokens = cpu.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+    for name, mask in masks(cpu.config.num_layers, cpu.config.num_experts).items():
+        gpu = LLM(path, device="gpu", max_context=256, resident=mask)
+        assert gpu.device == "gpu"
+        assert rel_err(gpu.score(PROMPT), ref) <= 2e-3, name
+        assert gpu.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens, name
