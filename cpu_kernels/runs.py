@@ -7,10 +7,10 @@ as `Runs`: per run j of 32 weights, int16 values v_j, a float factor f_j and opt
     weight = f_j * v_j - m_j - g_k
 
 `run_blocks` builds from that description the four pieces quant_driver.instance takes: the float decode dot
-(`block`), the int16 decode dot (`block_i16`: one pmaddwd of v_j with the int16 x per run, one conversion
-and FMA with f_j * dx_j; the mins from x's float sums per 32 values, group mins from x's integer sums per 16
-values, which the rows of a dot loop share), the
-float unpacking of prefill (`weights`) and the int16 unpacking of the integer prefill (`runs_i16`).
+(`block`), the int16 decode dot (`block_i16`: one pmaddwd of v_j with the int16 x per run, the int32 dots of
+two runs summed before one conversion and FMA with f_j * dx_j; the mins from x's float sums per 32 values,
+group mins from x's integer sums per 16 values, which the rows of a dot loop share), the float unpacking of
+prefill (`weights`) and the int16 unpacking of the integer prefill (`runs_i16`).
 Table formats (IQ4_NL, IQ4_XS, MXFP4) map their 4-bit indices through a 16-entry table with `lookup16`,
 one pshufb per 16 to 64 indices.
 
@@ -25,7 +25,7 @@ from numba import njit
 from . import simd
 from .half import u32_as_f32
 from .simd import F32, I8, I16, I32, I64
-from .target import _target_features, int_dot_width
+from .target import int_dot_width
 
 RUN = 32  # weights per run
 INT_DOT_WIDTH = int_dot_width()
@@ -118,9 +118,9 @@ def widen(builder, values):
 
 
 def pshufb_width():
-    """The widest pshufb of the compile target, in bytes: 64 (AVX-512BW), 32 (AVX2) or 16 (SSSE3)."""
-    features = _target_features()
-    return 64 if features["avx512bw"] else 32 if features["avx2"] else 16
+    """The widest pshufb of the compile target, in bytes: 64 (AVX-512BW), 32 (AVX2) or 16 (SSSE3): the byte
+    width of its widest pmaddwd (the same features decide both)."""
+    return 2 * INT_DOT_WIDTH
 
 
 _PSHUFB = {64: "llvm.x86.avx512.pshuf.b.512", 32: "llvm.x86.avx2.pshuf.b", 16: "llvm.x86.ssse3.pshuf.b.128"}
