@@ -122,7 +122,10 @@ class GrammarVocab:
     def fill_masks(self, matchers):
         """The next-token masks of `matchers`: int32 [len(matchers), W], one row each, in their order."""
         masks = llnp.allocate_token_bitmask(len(matchers), self.vocab_size)
-        llnp.fill_next_token_bitmask_par(self.executor, [(m.ll, i) for i, m in enumerate(matchers)], masks)
+        if len(matchers) == 1:  # in this thread: waking llguidance's pool costs more than one mask
+            llnp.fill_next_token_bitmask(matchers[0].ll, masks, 0)
+        else:
+            llnp.fill_next_token_bitmask_par(self.executor, [(m.ll, i) for i, m in enumerate(matchers)], masks)
         return masks
 
     def token_bytes(self, token_id):
