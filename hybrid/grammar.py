@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 # (llguidance's default) lets a weak or confused model write blanks until max_tokens.
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema's JSON text
+MAX_SCHEMA_DEPTH = 32  # nesting levels of a JSON schema
 
 
 class GrammarError(RequestError):
@@ -41,11 +43,21 @@ class Constraint:
 
     @classmethod
     def from_json_schema(cls, schema):
-        """Output that parses as JSON and validates against `schema` (a dict, or its JSON text)."""
+        """Output that parses as JSON and validates against `schema` (a dict, True for any JSON, or the JSON
+        text of one), within MAX_SCHEMA_BYTES and MAX_SCHEMA_DEPTH."""
         try:
-            text = schema if isinstance(schema, str) else json.dumps(schema)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+            schema = json.loads(schema) if isinstance(schema, str) else schema
+            schema = {} if schema is True else schema
+            text = json.dumps(schema)
         except (TypeError, ValueError) as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
+        if len(text) > MAX_SCHEMA_BYTES:
+            raise GrammarError(f"the JSON schema has {len(text)} characters of JSON; the limit is {MAX_SCHEMA_BYTES}")
+        if _depth(schema) > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        except ValueError as exc:
             raise GrammarError(f"invalid JSON schema: {exc}") from None
         return cls(grammar, "JSON schema")
 
@@ -63,6 +75,17 @@ class Constraint:
 
     def __repr__(self):
         return f"Constraint({self.kind}, {len(self.grammar)} characters)"
+
+
+def _depth(value):
+    """Nesting levels of a JSON value (a scalar: 0)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def lark_json(schema):

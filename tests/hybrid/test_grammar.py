@@ -48,7 +48,11 @@ def test_bad_grammars_raise_with_the_library_message():
         Constraint.from_lark("start: foo")
     with pytest.raises(GrammarError, match="JSON schema"):
         Constraint.from_json_schema({"type": "object", "properties": {"a": {1, 2}}})  # a set: no JSON
-    assert Constraint.json_object().kind == "JSON schema"
+    with pytest.raises(GrammarError, match="nested more than 32"):
+        Constraint.from_json_schema(json.loads('{"not":' * 40 + "{}" + "}" * 40))
+    with pytest.raises(GrammarError, match="the limit is 65536"):
+        Constraint.from_json_schema({"enum": ["x" * 70_000]})
+    assert Constraint.json_object().kind == Constraint.from_json_schema(True).kind == "JSON schema"
 
 
 def test_a_special_token_the_vocabulary_lacks_fails_at_submit(engine):
