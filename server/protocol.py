@@ -182,7 +182,7 @@ class Responder:
     def __init__(self, chat, model, token_bytes=None):
         """token_bytes(token id) -> bytes: for the logprobs objects (the engine's `grammar.token_bytes`)."""
         self.chat, self.model, self.token_bytes = chat, model, token_bytes
-        self.text_offset = 0  # characters of a streamed completion's text sent so far
+        self.text_offset = 0  # where the next token's text starts in a completion's logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -199,13 +199,14 @@ class Responder:
             return None
         if self.chat:
             return structured.chat_logprobs(entries, self.token_bytes)
-        return structured.completion_logprobs(entries, self.token_bytes, self.text_offset)
+        body = structured.completion_logprobs(entries, self.token_bytes, self.text_offset)
+        if body["tokens"]:
+            self.text_offset = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
 
     def _choice(self, text, finish_reason, delta=False, logprobs=None):
         if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-            self.text_offset += len(text) if delta else 0
-            return choice
+            return {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         key = "delta" if delta else "message"
         content = {"content": text} if delta else {"role": "assistant", "content": text}
         return {"index": 0, key: content, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}

@@ -109,8 +109,9 @@ def chat_logprobs(entries, token_bytes):
 
 
 def completion_logprobs(entries, token_bytes, text_offset=0):
-    """A completions choice's `logprobs` object; `text_offset`: where the first token's text starts in the
-    choice's text (a stream's later chunks start past the text sent before)."""
+    """A completions choice's `logprobs` object; `text_offset`: where the first token starts (a stream's later
+    chunks go on from the tokens sent before). Offsets add up the token strings, so a token that is not whole
+    UTF-8 counts its `bytes:` form."""
     if entries is None:
         return None
     tokens, offsets = [], []

@@ -129,6 +129,11 @@ def test_completion_logprobs(client):
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert len(top) <= 2 and logprob == pytest.approx(max(top.values()))  # greedy: the likeliest token
+    chunks = [c.choices[0].logprobs for c in client.completions.create(
+        model="demo", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert sum((c.tokens for c in chunks), []) == logprobs.tokens
+    assert sum((c.text_offset for c in chunks), []) == logprobs.text_offset
 
 
 @pytest.mark.parametrize("body, param", [
