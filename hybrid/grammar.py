@@ -1,10 +1,12 @@
 """Grammar-constrained sampling through llguidance: JSON schemas, any JSON object, Lark grammars.
 
 - `Constraint`: a checked grammar, made without the model (on an HTTP thread); a grammar llguidance
-  cannot compile raises `GrammarError` with llguidance's message.
+  cannot compile raises `GrammarError` with llguidance's message (a schema past our size and depth
+  limits: with ours).
 - `GrammarVocab`: the model's vocabulary handed to llguidance once per loaded tokenizer; it makes a
   request's `Matcher` (the grammar against the vocabulary) and fills the masks of a step's constrained
-  slots at once, in llguidance's thread pool with the GIL released (`fill_masks`).
+  slots at once, with the GIL released (`fill_masks`: several in llguidance's thread pool, one in the
+  calling thread).
 - A mask is a bitmask row, int32 [W] with W = ceil(V / 32), bit t set when token t may come next;
   `allowed(row, V)` turns it into bool [V].
 """
