@@ -6,7 +6,7 @@ note: strings, enums, a date pattern, numbers with bounds, an array of line item
 median over one walk through a valid document (its BPE tokens), mask computed then the token consumed,
 at 1 slot and at 4 slots (the library's own batched call, 4 documents walked side by side).
 
-    python bench/grammar_libs.py [--big PATH.json] [--repeats 5]
+    python -m bench.grammar_libs [--big PATH.json] [--repeats 5]
 
 xgrammar needs torch and transformers; install it where they are (pip install xgrammar) to compare.
 """
