@@ -3,7 +3,9 @@ import pytest
 
 from gpu_kernels.errors import KernelCompileError
 from gpu_kernels.nvrtc import Nvrtc, find_library
-from gpu_kernels.sources import all_modules, module_source
+from gpu_kernels.sources import module_source
+
+from .module_sets import module_params
 
 pytestmark = pytest.mark.skipif(find_library() is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
 
@@ -13,7 +15,7 @@ def nvrtc():
     return Nvrtc()
 
 
-@pytest.mark.parametrize("name,kernel_names", all_modules(), ids=[m[0] for m in all_modules()])
+@pytest.mark.parametrize("name,kernel_names", module_params())
 def test_module_compiles_for_sm90(nvrtc, name, kernel_names):
     cubin = nvrtc.compile(name, module_source(name), "sm_90", ("--std=c++14",))
     assert cubin[:4] == b"\x7fELF"

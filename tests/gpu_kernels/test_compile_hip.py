@@ -15,9 +15,11 @@ from gpu_kernels import hiprtc
 from gpu_kernels.errors import KernelCompileError
 from gpu_kernels.hipcc import Hipcc, find_hipcc, kernel_assembly
 from gpu_kernels.kernels import format_tuning, has_dot4, tuned_source
-from gpu_kernels.sources import FORMAT_HEADERS, INT_DECODE, all_modules, module_name, module_source
+from gpu_kernels.sources import FORMAT_HEADERS, INT_DECODE, module_name, module_source
 
-MODULES = all_modules()
+from .module_sets import DEFAULT_MODULES, REST_MODULES, module_params
+
+MODULES = DEFAULT_MODULES  # built at once by the `builds` fixture; REST_MODULES in the slow test
 IDS = [name for name, _ in MODULES]
 FORMAT_OF = {module_name(q): q for q in FORMAT_HEADERS}
 needs_hiprtc = pytest.mark.skipif(hiprtc.find_library() is None, reason="no hiprtc (Debian: libamdhip64-dev)")
@@ -82,8 +84,21 @@ def test_a_hiprtc_compile_error_names_module_chip_and_shows_log():
     assert "'ops_broken (gfx906)'" in str(info.value) and "not_declared" in str(info.value)
 
 
+@pytest.mark.slow
+@needs_hiprtc
 @needs_hipcc
-@pytest.mark.parametrize("name,kernel_names", MODULES, ids=IDS)
+def test_the_less_common_formats_compile_for_gfx906_and_gfx1100(hipcc):
+    compiler = hiprtc.Hiprtc()
+    assembly = assemble_all(hipcc, "gfx1100", [name for name, _ in REST_MODULES])
+    for name, kernel_names in REST_MODULES:
+        code = compiler.compile(name, runtime_source(name), "gfx906")
+        assert code[:4] == b"\x7fELF", name
+        for kernel in kernel_names:
+            assert kernel.encode() in code and f".amdhsa_kernel {kernel}\n" in assembly[name], (name, kernel)
+
+
+@needs_hipcc
+@pytest.mark.parametrize("name,kernel_names", [p for p in module_params() if not p.marks])
 def test_module_compiles_for_gfx1100(gfx1100_assembly, name, kernel_names):
     assembly = gfx1100_assembly[name]
     for kernel in kernel_names:
