@@ -1,17 +1,18 @@
 """Tools, reasoning fields and the Anthropic Messages API against a real HTTP server (the waitress server and
 app of `strata serve`, on the demo model with its Qwen3-style template), driven by the official `openai` and
-`anthropic` clients. One server, 4 slots, for the whole module."""
+`anthropic` clients. One server, 4 slots (tests/server/conftest.py served), shared with test_structured.py."""
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from .conftest import SERVED_API_KEY
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-API_KEY = "agent-key"
+API_KEY = SERVED_API_KEY
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
                           "days": {"type": "integer", "minimum": 1, "maximum": 7},
@@ -22,24 +23,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def served(demo_path):
-    import hybrid
-    from hybrid.engine import Engine
-    from server import create_app
-    from server.http import HttpServer
-    from server.serve import listen_socket
-
-    engine = Engine(hybrid.LLM(demo_path, max_context=1024), num_slots=4).start()
-    sock = listen_socket("127.0.0.1", 0)
-    http = HttpServer(create_app(engine, "demo", api_key=API_KEY), [sock], parallel=4, max_queue=16,
-                      max_connections=64)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    http.stop()
-    thread.join(timeout=10)
-    engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 model, 4 slots) with the official `openai` client; the request fields and response shapes of
 server/structured.py on their own."""
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,31 +11,15 @@ from server import structured
 from server.errors import ApiError
 from tests.json_schemas import random_schemas
 
+from .conftest import SERVED_API_KEY
+
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-API_KEY = "structured-key"
+API_KEY = SERVED_API_KEY
 ASK = [{"role": "user", "content": "The order as JSON, please."}]
 
 
-@pytest.fixture(scope="module")
-def served(demo_path):
-    import hybrid
-    from hybrid.engine import Engine
-    from server import create_app
-    from server.http import HttpServer
-    from server.serve import listen_socket
-
-    engine = Engine(hybrid.LLM(demo_path, max_context=1024), num_slots=4).start()
-    sock = listen_socket("127.0.0.1", 0)
-    http = HttpServer(create_app(engine, "demo", api_key=API_KEY), [sock], parallel=4, max_queue=16,
-                      max_connections=64)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    http.stop()
-    thread.join(timeout=10)
-    engine.stop()
 
 
 @pytest.fixture(scope="module")
