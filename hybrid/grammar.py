@@ -53,10 +53,9 @@ class Constraint:
             text = json.dumps(schema)
         except (TypeError, ValueError) as exc:
             raise GrammarError(f"invalid JSON schema: {exc}") from None
-        if len(text) > MAX_SCHEMA_BYTES:
-            raise GrammarError(f"the JSON schema has {len(text)} characters of JSON; the limit is {MAX_SCHEMA_BYTES}")
-        if _depth(schema) > MAX_SCHEMA_DEPTH:
-            raise GrammarError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        problem = schema_past_limits(schema)
+        if problem:
+            raise GrammarError(f"the JSON schema {problem}")
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except ValueError as exc:
@@ -77,6 +76,17 @@ class Constraint:
 
     def __repr__(self):
         return f"Constraint({self.kind}, {len(self.grammar)} characters)"
+
+
+def schema_past_limits(schema):
+    """What puts a JSON schema past MAX_SCHEMA_BYTES or MAX_SCHEMA_DEPTH, as the end of a sentence about it
+    ("has N bytes of JSON; ..."), or None within them."""
+    size = len(json.dumps(schema).encode())
+    if size > MAX_SCHEMA_BYTES:
+        return f"has {size} bytes of JSON; the limit is {MAX_SCHEMA_BYTES}"
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep"
+    return None
 
 
 def _depth(value):

@@ -4,12 +4,12 @@ import json
 import re
 from dataclasses import dataclass, field as dataclass_field
 
+from hybrid.grammar import schema_past_limits
+
 from .errors import bad_request as _bad
 from .protocol import chat_messages, field
 
 MAX_TOOLS = 128  # OpenAI's limit
-MAX_SCHEMA_BYTES = 64 * 1024  # one tool's parameters, as JSON text
-MAX_SCHEMA_DEPTH = 32  # nesting levels of one tool's parameters
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 REASONING_EFFORTS = ("low", "medium", "high")
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
@@ -81,21 +81,9 @@ def check_schema(schema, where, param):
         return
     if not isinstance(schema, dict):
         raise _bad(f"{where} must be a JSON schema object", param)
-    size = len(json.dumps(schema).encode())
-    if size > MAX_SCHEMA_BYTES:
-        raise _bad(f"{where} has {size} bytes of JSON; the limit is {MAX_SCHEMA_BYTES}", param)
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
-        raise _bad(f"{where} is nested more than {MAX_SCHEMA_DEPTH} levels deep", param)
-
-
-def _depth(value):
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
+    problem = schema_past_limits(schema)
+    if problem:
+        raise _bad(f"{where} {problem}", param)
 
 
 def tool_choice(body, schemas):
