@@ -13,9 +13,9 @@ FORMATS = [iq3_s, iq2_xxs, iq3_xxs, iq2_xs, iq2_s, iq1_s, iq1_m]
 R, C = 37, 512  # odd rows, two super-blocks
 SCALE = 0.02
 each_format = pytest.mark.parametrize("fmt", FORMATS, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-# Kernel tests run by default for the formats users run most (test_fused compiles every format's moe kernels with
-# the same argument types, so these add little but run time); the rest are slow.
-KERNEL_PARAMS = [fmt if fmt in (iq3_s, iq2_xxs) else pytest.param(fmt, marks=pytest.mark.slow) for fmt in FORMATS]
+# Kernel tests run by default for IQ3_S, the grid format users run most (test_fused compiles its moe kernels with
+# the same argument types, so it adds little but run time); the rest are slow (each costs its own cold compile).
+KERNEL_PARAMS = [fmt if fmt is iq3_s else pytest.param(fmt, marks=pytest.mark.slow) for fmt in FORMATS]
 each_kernel = pytest.mark.parametrize("fmt", KERNEL_PARAMS, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 
 

@@ -105,8 +105,9 @@ def test_a_type_no_kernel_runs_is_one_line_naming_the_tensor():
     from hybrid.weight_formats import check_supported
 
     weights = SimpleNamespace(source="m.gguf", tensors={"blk.0.ffn_up_exps.weight": SimpleNamespace(
-        name="blk.0.ffn_up_exps.weight", qtype=Q.Q2_K)})
-    supported = r"\(supported: BF16, F16, F32, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0\)$"
-    with pytest.raises(ModelError, match=r"^m.gguf: tensor 'blk.0.ffn_up_exps.weight' has type Q2_K, which Strata "
+        name="blk.0.ffn_up_exps.weight", qtype=Q.TQ1_0)})
+    supported = r"\(supported: BF16, F16, F32, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS, " \
+        r"MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TQ2_0\)$"
+    with pytest.raises(ModelError, match=r"^m.gguf: tensor 'blk.0.ffn_up_exps.weight' has type TQ1_0, which Strata "
                                          r"does not support " + supported):
         check_supported(weights)
