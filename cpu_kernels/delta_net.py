@@ -1,0 +1,198 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention) as Numba kernels, float32 state.
+
+A linear-attention layer keeps, per sequence, the last W-1 inputs of its causal depthwise conv (the conv
+state) and one [Dk, Dv] matrix per value head (the delta-rule state). Per token t and value head h, with q, k
+L2-normed (q also scaled by Dk^-0.5), decay exp(g) and write strength beta:
+    S *= exp(g);  S += k (beta (v - S^T k))^T;  out = S^T q
+`delta_rule_recurrent` runs that token by token (decode); `delta_rule_chunked` runs a prompt by chunks of
+tokens, each chunk's updates condensed into small matrix products (the UT transform of the DeltaNet paper,
+as transformers' torch_chunk_gated_delta_rule), the state read and written once a chunk.
+
+Shape legend: T tokens, C conv channels (2 Hk Dk + Hv Dv), W conv width, Hk key heads, Hv value heads
+(a multiple of Hk: key head h // (Hv / Hk) serves value head h), Dk / Dv key / value head dim, L chunk tokens.
+"""
+import numpy as np
+from numba import njit, prange
+
+from .twins import serial_twin
+
+CHUNK_TOKENS = 64  # tokens a chunk of the chunked form
+L2_EPS = 1e-6  # as transformers' l2norm (and FLA's)
+CONV_BLOCK = 64  # channels a parallel iteration of the conv
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def conv1d_silu(x, weight, state, out):
+    """Causal depthwise conv then silu: x [T, C], weight [C, W], state [W-1, C] (the W-1 inputs before x,
+    replaced by the last W-1 of state ++ x) -> out [T, C]; out must not be x."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    for block in prange((channels + CONV_BLOCK - 1) // CONV_BLOCK):
+        lo, hi = block * CONV_BLOCK, min(channels, (block + 1) * CONV_BLOCK)
+        for t in range(num_tokens):
+            for c in range(lo, hi):
+                acc = np.float32(0.0)
+                for i in range(width):
+                    j = t - (width - 1) + i  # input position; < 0: in the state
+                    acc += weight[c, i] * (x[j, c] if j >= 0 else state[width - 1 + j, c])
+                out[t, c] = acc / (np.float32(1.0) + np.exp(-acc))  # [T, C]
+        for i in range(width - 1):  # ascending: reads state[T + i] before it is written
+            j = num_tokens - (width - 1) + i
+            for c in range(lo, hi):
+                state[i, c] = x[j, c] if j >= 0 else state[num_tokens + i, c]
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def delta_gates(a, b, ssm_a, dt_bias, g, beta):
+    """a, b [T, Hv], ssm_a [Hv] (-exp(A_log), as GGUF stores it), dt_bias [Hv] -> g [T, Hv] = ssm_a *
+    softplus(a + dt_bias) (the log decay), beta [T, Hv] = sigmoid(b)."""
+    num_tokens, num_heads = a.shape
+    for t in range(num_tokens):
+        for h in range(num_heads):
+            z = a[t, h] + dt_bias[h]
+            softplus = z if z > 20.0 else np.log1p(np.exp(z))
+            g[t, h] = ssm_a[h] * softplus
+            beta[t, h] = 1.0 / (1.0 + np.exp(-b[t, h]))
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _l2_normed(x, scale, out):
+    """out [D] = x [D] * rsqrt(sum(x^2) + L2_EPS) * scale."""
+    sum_sq = 0.0
+    for i in range(x.shape[0]):
+        sum_sq += np.float64(x[i]) * x[i]
+    inv = np.float32(scale / np.sqrt(sum_sq + L2_EPS))
+    for i in range(x.shape[0]):
+        out[i] = x[i] * inv
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def delta_rule_recurrent(q, k, v, g, beta, state, out):
+    """Token by token: q, k [T, Hk, Dk] (raw: normed here), v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv]
+    float32 (updated in place) -> out [T, Hv, Dv]."""
+    num_tokens, num_v_heads, dv = v.shape
+    num_k_heads, dk = q.shape[1], q.shape[2]
+    group = num_v_heads // num_k_heads
+    for h in prange(num_v_heads):
+        s = state[h]  # [Dk, Dv]
+        qn, kn = np.empty(dk, np.float32), np.empty(dk, np.float32)
+        kv_mem, o = np.empty(dv, np.float32), np.empty(dv, np.float32)
+        for t in range(num_tokens):
+            _l2_normed(q[t, h // group], 1.0 / np.sqrt(dk), qn)
+            _l2_normed(k[t, h // group], 1.0, kn)
+            decay = np.float32(np.exp(g[t, h]))
+            kv_mem[:] = 0.0
+            for i in range(dk):
+                for j in range(dv):
+                    s[i, j] *= decay
+                    kv_mem[j] += s[i, j] * kn[i]
+            for j in range(dv):
+                kv_mem[j] = (v[t, h, j] - kv_mem[j]) * beta[t, h]  # the delta, written along kn
+            o[:] = 0.0
+            for i in range(dk):
+                for j in range(dv):
+                    s[i, j] += kn[i] * kv_mem[j]
+                    o[j] += s[i, j] * qn[i]
+            out[t, h] = o  # [T, Hv, Dv]
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _chunk(qn, kn, vb, cum, beta, s, system, u, w, out):
+    """One chunk of one head: qn, kn [L, Dk] normed, vb [L, Dv] = beta v, cum [L] cumulative log decay,
+    beta [L], s [Dk, Dv] (updated), work system [L, L], u [L, Dv], w [L, Dk] -> out [L, Dv]."""
+    n, dk = kn.shape
+    dv = vb.shape[1]
+    for i in range(n):  # strictly lower: beta_i (k_i . k_j) exp(cum_i - cum_j)
+        for j in range(i):
+            dot = np.float32(0.0)
+            for d in range(dk):
+                dot += kn[i, d] * kn[j, d]
+            system[i, j] = beta[i] * dot * np.exp(cum[i] - cum[j])
+    for i in range(n):  # (I + system)^-1 [beta v, beta exp(cum) k], by forward substitution
+        u[i] = vb[i]
+        scale = beta[i] * np.exp(cum[i])
+        for d in range(dk):
+            w[i, d] = kn[i, d] * scale
+        for j in range(i):
+            a = system[i, j]
+            for d in range(dv):
+                u[i, d] -= a * u[j, d]
+            for d in range(dk):
+                w[i, d] -= a * w[j, d]
+    for i in range(n):  # u becomes the new values: u - w s
+        for d in range(dk):
+            wd = w[i, d]
+            for j in range(dv):
+                u[i, j] -= wd * s[d, j]
+    for i in range(n):  # out_i = exp(cum_i) q_i s + sum_{j <= i} (q_i . k_j) exp(cum_i - cum_j) u_j
+        out[i] = 0.0
+        decay = np.exp(cum[i])
+        for d in range(dk):
+            qd = qn[i, d] * decay
+            for j in range(dv):
+                out[i, j] += qd * s[d, j]
+        for j in range(i + 1):
+            dot = np.float32(0.0)
+            for d in range(dk):
+                dot += qn[i, d] * kn[j, d]
+            a = dot * np.exp(cum[i] - cum[j])
+            for d in range(dv):
+                out[i, d] += a * u[j, d]
+    last = cum[n - 1]
+    end_decay = np.exp(last)
+    for d in range(dk):
+        for j in range(dv):
+            s[d, j] *= end_decay
+    for i in range(n):  # s += sum_i exp(last - cum_i) k_i^T u_i
+        for d in range(dk):
+            kd = kn[i, d] * np.exp(last - cum[i])
+            for j in range(dv):
+                s[d, j] += kd * u[i, j]
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def delta_rule_chunked(q, k, v, g, beta, state, out):
+    """The recurrence of delta_rule_recurrent (same arguments) by chunks of CHUNK_TOKENS tokens."""
+    num_tokens, num_v_heads, dv = v.shape
+    num_k_heads, dk = q.shape[1], q.shape[2]
+    group = num_v_heads // num_k_heads
+    chunk = CHUNK_TOKENS
+    for h in prange(num_v_heads):
+        qn, kn = np.empty((chunk, dk), np.float32), np.empty((chunk, dk), np.float32)
+        vb, u, o = np.empty((chunk, dv), np.float32), np.empty((chunk, dv), np.float32), np.empty((chunk, dv), np.float32)
+        w, system = np.empty((chunk, dk), np.float32), np.empty((chunk, chunk), np.float32)
+        cum, bt = np.empty(chunk, np.float32), np.empty(chunk, np.float32)
+        for lo in range(0, num_tokens, chunk):
+            n = min(chunk, num_tokens - lo)
+            total = np.float32(0.0)
+            for i in range(n):
+                t = lo + i
+                _l2_normed(q[t, h // group], 1.0 / np.sqrt(dk), qn[i])
+                _l2_normed(k[t, h // group], 1.0, kn[i])
+                total += g[t, h]
+                cum[i], bt[i] = total, beta[t, h]
+                for j in range(dv):
+                    vb[i, j] = v[t, h, j] * beta[t, h]
+            _chunk(qn[:n], kn[:n], vb[:n], cum[:n], bt[:n], state[h], system, u[:n], w[:n], o[:n])
+            for i in range(n):
+                out[lo + i, h] = o[i]  # [T, Hv, Dv]
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def rmsnorm_gated(x, z, weight, eps, out):
+    """Per head: out = weight * x / rms(x) * silu(z); x, z, out [T, Hv, Dv], weight [Dv]; out may be x."""
+    num_tokens, num_heads, dv = x.shape
+    for r in prange(num_tokens * num_heads):
+        t, h = r // num_heads, r % num_heads
+        sum_sq = 0.0
+        for i in range(dv):
+            sum_sq += np.float64(x[t, h, i]) * x[t, h, i]
+        inv_rms = np.float32(1.0 / np.sqrt(sum_sq / dv + eps))
+        for i in range(dv):
+            gate = z[t, h, i]
+            out[t, h, i] = weight[i] * (x[t, h, i] * inv_rms) * (gate / (np.float32(1.0) + np.exp(-gate)))
+
+
+conv1d_silu_serial = serial_twin(conv1d_silu)
+delta_rule_recurrent_serial = serial_twin(delta_rule_recurrent)
+rmsnorm_gated_serial = serial_twin(rmsnorm_gated)
