@@ -4,7 +4,11 @@ The cache is a pool of blocks of BT positions; position j of the sequence sits i
 pool block table[j // BT], row j % BT. Query t sits at position start_pos+t and
 attends to keys key_lo..start_pos+t, only those below key_hi: a range that leaves
 out keys attended elsewhere gives a partial result, with its log-sum-exp (`lse`)
-for a merge. Query head h reads kv head h // (Hq // Hkv).
+for a merge. A sliding window W > 0 also leaves out keys before start_pos+t+1-W
+(the query and the W-1 keys before it, as HF's sliding_window mask). Query head h
+reads kv head h // (Hq // Hkv). Attention sinks (gpt-oss: a learned logit per head
+in the softmax's denominator, attending nothing) apply once to the merged result
+(`apply_sinks`), so partial ranges merge as without them.
 
 The cache may hold K/V as float32, as f16 or bf16 bits, or as int8 with one
 float32 scale per (position, kv head) (see `load_row`); rows are widened to
@@ -133,15 +137,19 @@ def _partial(q, k_cache, v_cache, k_scale, v_scale, table, t, kv, j0, j1, scale,
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def attention(q, k_cache, v_cache, table, start_pos, key_lo, key_hi, scale, out, lse=NO_LSE, k_scale=NO_SCALES,
-              v_scale=NO_SCALES):
+              v_scale=NO_SCALES, window=0):
     """q [T, Hq, D], k_cache/v_cache [NB, BT, Hkv, D] through table int32 [nb] (k_scale/v_scale [NB, BT, Hkv]
-    for int8 caches) -> out [T, Hq, D] over keys key_lo..min(start_pos+t, key_hi-1); lse [T, Hq] too unless
-    it is NO_LSE (an empty key range gives out 0 and lse -inf). Callers that want a cached kernel pass every
-    argument: Numba keys an omitted array default by its id(), so each new process compiles it anew."""
+    for int8 caches) -> out [T, Hq, D] over keys max(key_lo, start_pos+t+1-window)..min(start_pos+t, key_hi-1)
+    (window 0: from key_lo); lse [T, Hq] too unless it is NO_LSE (an empty key range gives out 0 and lse -inf).
+    Callers that want a cached kernel pass every argument: Numba keys an omitted array default by its id(), so
+    each new process compiles it anew."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    num_splits = num_key_splits(num_tokens * num_kv_heads, max(min(start_pos + num_tokens, key_hi) - key_lo, 1))
+    max_keys = min(start_pos + num_tokens, key_hi) - key_lo
+    if window > 0:
+        max_keys = min(max_keys, window)
+    num_splits = num_key_splits(num_tokens * num_kv_heads, max(max_keys, 1))
     acc = np.empty((num_tokens, num_kv_heads, num_splits, group, head_dim), dtype=np.float32)  # [T, Hkv, P, G, D]
     stats = np.empty((num_tokens, num_kv_heads, num_splits, group, 2), dtype=np.float64)  # [T, Hkv, P, G, 2]
     scale32 = np.float32(scale)
@@ -150,9 +158,10 @@ def attention(q, k_cache, v_cache, table, start_pos, key_lo, key_hi, scale, out,
         kv = (item // num_splits) % num_kv_heads
         rank = item // (num_splits * num_kv_heads)
         t = rank // 2 if rank % 2 == 0 else num_tokens - 1 - rank // 2  # zigzag: balances causal work
-        num_keys = max(min(start_pos + t + 1, key_hi) - key_lo, 0)
-        j0 = key_lo + s * num_keys // num_splits
-        j1 = key_lo + (s + 1) * num_keys // num_splits
+        lo = key_lo if window <= 0 else max(key_lo, start_pos + t + 1 - window)
+        num_keys = max(min(start_pos + t + 1, key_hi) - lo, 0)
+        j0 = lo + s * num_keys // num_splits
+        j1 = lo + (s + 1) * num_keys // num_splits
         if j1 > j0:
             _partial(q, k_cache, v_cache, k_scale, v_scale, table, t, kv, j0, j1, scale32, acc[t, kv, s],
                      stats[t, kv, s])
@@ -200,3 +209,19 @@ def _merge(acc, stats, out):
 
 
 attention_serial = serial_twin(attention)
+
+
+@njit(nogil=True, cache=True)
+def apply_sinks(out, lse, sinks):
+    """Each head's sink logit joins the softmax's denominator, as a key of value 0 would: out [T, Hq, D] *=
+    1 / (1 + exp(sinks[h] - lse[t, h])) and lse [T, Hq] becomes log(exp(lse) + exp(sinks[h])), so the result
+    still merges with a part over other keys. An empty range (lse -inf) keeps out 0. Not fastmath: lse may be
+    -inf."""
+    num_tokens, num_heads, head_dim = out.shape
+    for t in range(num_tokens):
+        for h in range(num_heads):
+            sink, before = np.float64(sinks[h]), np.float64(lse[t, h])
+            keep = np.float32(1.0 / (1.0 + np.exp(sink - before)))
+            lse[t, h] = np.float32(np.logaddexp(before, sink))
+            for d in range(head_dim):
+                out[t, h, d] *= keep

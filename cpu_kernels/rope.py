@@ -45,3 +45,30 @@ def rope_neox(x, positions, theta, out):
 
 
 rope_neox_serial = serial_twin(rope_neox)
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def rope_neox_freqs(x, positions, inv_freq, scale, out):
+    """x [T, nH, D], positions int64 [T], inv_freq f32 [R/2] -> out [T, nH, D]: the NeoX rotation of the first R
+    dims (pairs i, i + R/2) by pos * inv_freq[i], cos and sin times `scale` (YaRN's attention factor), as HF's
+    rotary embeddings with scaled or partial frequencies; dims R.. are copied. out may be x."""
+    num_tokens, num_heads, head_dim = x.shape
+    half = inv_freq.shape[0]
+    scale32 = np.float32(scale)
+    for t in prange(num_tokens):
+        pos = np.float32(positions[t])
+        for i in range(half):
+            angle = np.float64(pos * inv_freq[i])  # float32 product, as HF
+            c = np.float32(np.cos(angle)) * scale32
+            s = np.float32(np.sin(angle)) * scale32
+            for h in range(num_heads):
+                x1 = x[t, h, i]
+                x2 = x[t, h, i + half]
+                out[t, h, i] = x1 * c - x2 * s  # [T, nH, D]
+                out[t, h, i + half] = x2 * c + x1 * s
+        for h in range(num_heads):
+            for d in range(2 * half, head_dim):
+                out[t, h, d] = x[t, h, d]
+
+
+rope_neox_freqs_serial = serial_twin(rope_neox_freqs)
