@@ -1,4 +1,5 @@
-"""MoE router (softmax, top-k as HF Qwen3Moe) and the expert-sorted grouping of its picks.
+"""MoE routers (softmax top-k as HF Qwen3Moe; sigmoid with a choice bias and group-limited top-k as HF
+Glm4Moe / DeepSeek-V3) and the expert-sorted grouping of their picks.
 
 Shape legend: T tokens, E experts, K top-k, G experts with at least one pair.
 A pair is a flat index t * K + j into the [T, K] assignment.
@@ -7,6 +8,8 @@ import numpy as np
 from numba import njit, prange
 
 from .twins import serial_twin
+
+LOWEST = np.float32(-3.0e38)  # below any score (fast-math kernels assume no infinities)
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
@@ -44,6 +47,68 @@ def route_softmax_topk(logits, k, normalize, ids_out, weights_out):
                 weights_out[t, j] /= kept_sum
 
 
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def route_sigmoid_topk(logits, bias, k, num_groups, topk_groups, normalize, scale, ids_out, weights_out):
+    """logits [T, E], bias [E] -> ids_out int64 [T, K] (highest choice first, ties to the lower id), weights_out f32
+    [T, K]. Scores s = sigmoid(logits); the choice ranks s + bias among the experts of the topk_groups groups (of
+    num_groups equal runs of ids) whose two best choice values sum highest; a weight is the chosen expert's s, over
+    the K's sum (+1e-20) where normalize, times scale."""
+    num_tokens, num_experts = logits.shape
+    group_size = num_experts // num_groups
+    for t in prange(num_tokens):
+        scores = np.empty(num_experts, dtype=np.float32)  # [E]
+        choice = np.empty(num_experts, dtype=np.float32)  # [E]
+        for e in range(num_experts):
+            x = logits[t, e]
+            if x >= 0:  # no exp of a large positive value (fast-math assumes no infinities)
+                scores[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+            else:
+                z = np.exp(x)
+                scores[e] = z / (np.float32(1.0) + z)
+            choice[e] = scores[e] + bias[e]
+        allowed = np.ones(num_groups, dtype=np.bool_)  # [G]
+        if topk_groups < num_groups:
+            group_score = np.empty(num_groups, dtype=np.float32)
+            for g in range(num_groups):
+                first, second = LOWEST, LOWEST
+                for e in range(g * group_size, (g + 1) * group_size):
+                    if choice[e] > first:
+                        first, second = choice[e], first
+                    elif choice[e] > second:
+                        second = choice[e]
+                group_score[g] = first + second
+            allowed[:] = False
+            for _ in range(topk_groups):
+                best = -1
+                for g in range(num_groups):
+                    if not allowed[g] and (best < 0 or group_score[g] > group_score[best]):
+                        best = g
+                allowed[best] = True
+        best_choice = np.empty(k, dtype=np.float32)  # [K]
+        num_kept = 0
+        for e in range(num_experts):
+            if not allowed[e // group_size]:
+                continue
+            c = choice[e]
+            if num_kept == k and c <= best_choice[k - 1]:
+                continue
+            slot = min(num_kept, k - 1)
+            while slot > 0 and best_choice[slot - 1] < c:  # strict: equal values keep the lower id first
+                best_choice[slot] = best_choice[slot - 1]
+                ids_out[t, slot] = ids_out[t, slot - 1]
+                slot -= 1
+            best_choice[slot] = c
+            ids_out[t, slot] = e
+            num_kept = min(num_kept + 1, k)
+        total = np.float32(0.0)
+        for j in range(k):
+            weights_out[t, j] = scores[ids_out[t, j]]
+            total += weights_out[t, j]
+        factor = np.float32(scale) / (total + np.float32(1e-20)) if normalize else np.float32(scale)
+        for j in range(k):
+            weights_out[t, j] *= factor
+
+
 @njit(nogil=True, cache=True)
 def group_by_expert(ids, num_experts):
     """ids int64 [T, K] -> order int64 [T*K] (pairs sorted by expert, stable),
@@ -77,3 +142,4 @@ def group_by_expert(ids, num_experts):
 
 
 route_softmax_topk_serial = serial_twin(route_softmax_topk)
+route_sigmoid_topk_serial = serial_twin(route_sigmoid_topk)

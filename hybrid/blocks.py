@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from .arch.recipe import FullAttention, MoE, SoftmaxTopK, SwiGLU
+from .arch.recipe import DenseFFN, FullAttention, MoE, SharedExpert, SigmoidTopK, SoftmaxTopK, SwiGLU
 from .moe import expert_mixture
 
 
@@ -22,16 +22,22 @@ class Step:
     name: str
     run: Callable  # (backend, layer, s) -> None
     capturable: bool
+    step_graph: bool = False  # not capturable alone, but may run inside a whole-step graph (hybrid/runners.py:
+    # its per-step numbers are read on the device there, and nothing waits for the host)
 
 
 def attention_inputs(backend, part, layer, h, positions):
     """h [T, H] (normed hidden) -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]): projected, head-normed, roped."""
     q, k, v, qk = backend.project_qkv(layer, h)  # qk: q and k as one view, or None
+    if part.qkv_bias:
+        for x, bias in ((q, layer.attn_q_bias), (k, layer.attn_k_bias), (v, layer.attn_v_bias)):
+            backend.add_bias(x.reshape(x.shape[0], -1), bias)
     if part.qk_norm:
         backend.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
         backend.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)
     for x in (q, k) if qk is None else (qk,):
-        backend.rope(x, positions, layer.rope_theta)
+        backend.rope(x if layer.rotary_dim == layer.head_dim else x[..., :layer.rotary_dim], positions,
+                     layer.rope_theta)
     return q, k, v
 
 
@@ -59,7 +65,8 @@ def full_attention_steps(part):
     def output(be, layer, s):
         s["y"] = be.linear(layer.attn_output, s["att"].reshape(s["h"].shape[0], -1))
 
-    return (Step("project", project, True), Step("attention", attention, False), Step("output", output, True))
+    return (Step("project", project, True), Step("attention", attention, False, step_graph=True),
+            Step("output", output, True))
 
 
 def softmax_topk_steps(part):
@@ -71,22 +78,64 @@ def softmax_topk_steps(part):
     return (Step("route", route, True),)
 
 
+def sigmoid_topk_steps(part):
+    """h -> ids, weights [T, K]: sigmoid scores, the choice biased and group-limited, the weights unbiased."""
+    def route(be, layer, s):
+        router_logits = be.linear(layer.router, s["h"])  # [T, E]
+        s["ids"], s["weights"] = be.route_sigmoid(router_logits, layer.router_choice_bias, layer.num_experts_per_tok,
+                                                  part.num_groups, part.topk_groups, layer.norm_topk_prob, part.scale)
+
+    return (Step("route", route, True),)
+
+
+def swiglu_ffn(be, h, gate, up, down):
+    """down(silu(gate(h)) * up(h)) [T, H] for h [T, H]: a dense SwiGLU through the backend's ops."""
+    return be.linear(down, be.silu_mul(be.linear(gate, h), be.linear(up, h)))
+
+
+def shared_expert_steps(part):
+    """h -> shared [T, H], the shared expert of every token (queued before the routed experts: with a split, the
+    device runs it while the host runs its experts); added to the mixture by moe_steps' last step."""
+    def shared(be, layer, s):
+        s["shared"] = swiglu_ffn(be, s["h"], layer.gate_shexp, layer.up_shexp, layer.down_shexp)
+
+    return (Step("shared_expert", shared, True),)
+
+
+def _add_shared(be, layer, s):
+    be.add_into(s["y"], s["shared"])
+
+
+def dense_ffn_steps(part):
+    """h -> y [T, H]: a dense layer's SwiGLU FFN."""
+    def ffn(be, layer, s):
+        s["y"] = swiglu_ffn(be, s["h"], layer.ffn_gate, layer.ffn_up, layer.ffn_down)
+
+    return (Step("dense_ffn", ffn, True),)
+
+
 def swiglu_steps(part):
     """(h, ids, weights) -> y [T, H]: through the expert split where there is one (it waits for the routing
     or hands it over, so never captured)."""
     def experts(be, layer, s):
         s["y"] = expert_mixture(be, layer, s["h"], s["ids"], s["weights"], s["split"], s["usage"])
 
-    return (Step("experts", experts, False),)
+    return (Step("experts", experts, False, step_graph=True),)
 
 
 def moe_steps(part):
-    router, experts = _steps_of(part.router), _steps_of(part.experts)
-    return None if router is None or experts is None else router + experts
+    """The router's steps, the shared expert's, the experts', then the shared expert's output added to theirs (not
+    captured: the experts' y is a new array each step)."""
+    parts = [_steps_of(p) for p in (part.router, part.shared, part.experts) if p is not None]
+    if any(p is None for p in parts):
+        return None
+    add = (Step("add_shared", _add_shared, False, step_graph=True),) if part.shared is not None else ()
+    return sum(parts, ()) + add
 
 
 PART_STEPS = {FullAttention: full_attention_steps, MoE: moe_steps, SoftmaxTopK: softmax_topk_steps,
-              SwiGLU: swiglu_steps}
+              SigmoidTopK: sigmoid_topk_steps, SwiGLU: swiglu_steps, SharedExpert: shared_expert_steps,
+              DenseFFN: dense_ffn_steps}
 
 
 def _steps_of(part):
@@ -107,7 +156,7 @@ def block_steps(block):
     def residual(be, layer, s):
         be.add_into(s["x"], s["y"])
 
-    return (Step("norm", norm, True),) + part + (Step("residual", residual, part[-1].capturable),)
+    return (Step("norm", norm, True),) + part + (Step("residual", residual, part[-1].capturable, step_graph=True),)
 
 
 def layer_steps(recipe):

@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LayerWeights:
+    """One decoder layer's weights (each field filled from the tensor its family declares for it: hybrid/arch/base.py
+    LayerTensor.field; None where the layer's recipe has no such part) and the few numbers its parts need."""
+
     index: int
     num_heads: int
     num_kv_heads: int
@@ -26,41 +29,56 @@ class LayerWeights:
     rope_theta: float
     num_experts_per_tok: int
     norm_topk_prob: bool
-    attn_norm: np.ndarray  # [H]
-    ffn_norm: np.ndarray  # [H]
-    attn_q: object
-    attn_k: object
-    attn_v: object
-    attn_output: object
-    attn_q_norm: np.ndarray  # [D] or None
-    attn_k_norm: np.ndarray
-    router: object
-    gate_exps: object
-    up_exps: object
-    down_exps: object
+    attn_norm: np.ndarray = None  # [H]
+    ffn_norm: np.ndarray = None  # [H]
+    attn_q: object = None
+    attn_k: object = None
+    attn_v: object = None
+    attn_output: object = None
+    attn_q_norm: np.ndarray = None  # [D] or None
+    attn_k_norm: np.ndarray = None
+    router: object = None
+    gate_exps: object = None
+    up_exps: object = None
+    down_exps: object = None
+    rotary_dim: int = 0  # dims of a head RoPE rotates (the first ones)
+    attn_q_bias: np.ndarray = None  # [Hq*D]
+    attn_k_bias: np.ndarray = None  # [Hkv*D]
+    attn_v_bias: np.ndarray = None  # [Hkv*D]
+    router_choice_bias: np.ndarray = None  # [E]: added to the router's scores for the choice only (SigmoidTopK)
+    gate_shexp: object = None  # the shared expert [S, H], [S, H], [H, S]
+    up_shexp: object = None
+    down_shexp: object = None
+    ffn_gate: object = None  # a dense FFN [F, H], [F, H], [H, F]
+    ffn_up: object = None
+    ffn_down: object = None
+
+    def dense_weights(self):
+        """Every weight but the routed experts' (what a device holds for the layer)."""
+        experts = {id(self.gate_exps), id(self.up_exps), id(self.down_exps)}
+        return [value for name, value in vars(self).items()
+                if name not in LAYER_NUMBERS and value is not None and id(value) not in experts]
 
 
-def _layer_weights(weights, index):
+LAYER_NUMBERS = frozenset(("index", "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta",
+                           "num_experts_per_tok", "norm_topk_prob", "rotary_dim"))
+
+
+def _layer_weights(weights, index, spec, name_index=None):
+    """Layer `index`'s LayerWeights: its tensors `blk.{name_index or index}.*` as its recipe declares them, vectors
+    (norms, biases) as float32 arrays."""
     c = weights.config
-
-    def t(suffix):
-        return weights.get(f"blk.{index}.{suffix}")
-
-    def vec(suffix):
-        tensor = t(suffix)
-        return None if tensor is None else np.ascontiguousarray(dequantize(tensor))
-
+    blk = index if name_index is None else name_index
+    fields = {}
+    for t in spec.layer_tensors(c, index):
+        tensor = weights.get(f"blk.{blk}.{t.gguf}")
+        if tensor is not None and len(tensor.shape) == 1:
+            tensor = np.ascontiguousarray(dequantize(tensor))
+        fields[t.field] = tensor
     return LayerWeights(
-        index=index, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        index=blk, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         eps=c.rms_norm_eps, rope_theta=c.rope_theta, num_experts_per_tok=c.num_experts_per_tok,
-        norm_topk_prob=c.norm_topk_prob,
-        attn_norm=vec("attn_norm.weight"), ffn_norm=vec("ffn_norm.weight"),
-        attn_q=t("attn_q.weight"), attn_k=t("attn_k.weight"), attn_v=t("attn_v.weight"),
-        attn_output=t("attn_output.weight"),
-        attn_q_norm=vec("attn_q_norm.weight"), attn_k_norm=vec("attn_k_norm.weight"),
-        router=t("ffn_gate_inp.weight"),
-        gate_exps=t("ffn_gate_exps.weight"), up_exps=t("ffn_up_exps.weight"), down_exps=t("ffn_down_exps.weight"),
-    )
+        norm_topk_prob=c.norm_topk_prob, rotary_dim=c.rotary_dim or c.head_dim, **fields)
 
 
 class Model:
@@ -79,7 +97,8 @@ class Model:
         self.config = weights.config
         self.spec = ARCHS[self.config.arch]
         self.backend = backend
-        self.layers = [_layer_weights(weights, i) for i in range(self.config.num_layers)]
+        self.recipes = tuple(self.spec.layer_recipe(self.config, i) for i in range(self.config.num_layers))
+        self.layers = [_layer_weights(weights, i, self.spec) for i in range(self.config.num_layers)]
         self.token_embd = weights["token_embd.weight"]
         self.output_norm = np.ascontiguousarray(dequantize(weights["output_norm.weight"]))
         tied = self.config.tie_word_embeddings
@@ -115,7 +134,7 @@ class Model:
     def compiled_decode(self, on):
         """Chooses the runner again: compiled layers or op by op."""
         self._compiled_decode = bool(on)
-        self.runner = choose_runner(self.spec.recipe, self.backend, self._compiled_decode, self.split)
+        self.runner = choose_runner(self.recipes, self.backend, self._compiled_decode, self.split)
 
     def forward(self, batch):
         """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache."""

@@ -1,6 +1,7 @@
 """Layer runners: how a step's layers run, each made from the family's layer recipe.
 
-`choose_runner` picks one at the model's construction from the backend's declared capabilities:
+`choose_runner` picks one at the model's construction from the backend's declared capabilities and the
+layers' recipes (one per layer: a family's layers may differ):
 - PlainRunner: the recipe's steps (hybrid/blocks.py) one by one, every op a backend call. It runs every
   batch; the others hand it the batches they do not take.
 - GraphRunner (a backend with layer graphs: the GPU): one sequence's one-token decode step, each layer's
@@ -10,24 +11,35 @@
 A runner's `last_path` names the path its latest step took ("plain", "graphs", "compiled", "fused").
 Shape legend: T tokens, H hidden.
 """
+from .arch.recipe import LayerRecipe
 from .blocks import layer_steps
 
 
 class PlainRunner:
-    """Every layer op by op."""
+    """Every layer op by op. recipes: one LayerRecipe per layer, or one for every layer. steps: the first layer's
+    steps; steps_of(i): layer i's."""
 
-    def __init__(self, recipe):
-        self.steps = layer_steps(recipe)
-        if self.steps is None:
-            raise ValueError(f"no implementation of every part of {recipe}")
+    def __init__(self, recipes):
+        self.recipes = recipes
+        made = {}
+        for recipe in (recipes,) if isinstance(recipes, LayerRecipe) else recipes:
+            if recipe not in made:
+                made[recipe] = layer_steps(recipe)
+                if made[recipe] is None:
+                    raise ValueError(f"no implementation of every part of {recipe}")
+        self._steps = made
+        self.steps = next(iter(made.values()))
         self.last_path = None
+
+    def steps_of(self, index):
+        return self.steps if isinstance(self.recipes, LayerRecipe) else self._steps[self.recipes[index]]
 
     def run(self, model, x, batch):
         """x [T, H] through every layer (in place); returns x."""
         be = model.backend
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             s = {"x": x, "batch": batch, "split": model.split, "usage": model.usage}
-            for step in self.steps:
+            for step in self.steps_of(i):
                 step.run(be, layer, s)
         self.last_path = "plain"
         return x
@@ -64,11 +76,12 @@ class GraphRunner:
 
     def __init__(self, graphs, plain):
         self.graphs, self.plain = graphs, plain
-        self.program = graph_regions(plain.steps)
+        self.program = graph_regions(plain.steps)  # the first layer's
+        self._programs = {id(steps): graph_regions(steps) for steps in plain._steps.values()}
         self.last_path = None
 
     def regions(self):
-        """Each region's step names, in order."""
+        """Each region's step names, in order (the first layer's)."""
         return [tuple(step.name for step in steps) for region, steps in self.program if region is not None]
 
     def run(self, model, x, batch):
@@ -77,9 +90,9 @@ class GraphRunner:
             return self.plain.run(model, x, batch)
         be = model.backend
         x = self.graphs.begin_step(be, x, batch.positions)  # [1, H], the fixed buffer the graphs read
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             s = {"x": x, "batch": batch, "split": model.split, "usage": model.usage}
-            for region, steps in self.program:
+            for region, steps in self._programs[id(self.plain.steps_of(i))]:
                 if region is None:
                     steps[0].run(be, layer, s)
                 else:
@@ -89,13 +102,15 @@ class GraphRunner:
         return x
 
 
-def choose_runner(recipe, backend, compiled_decode, split):
-    """The runner of a model: graphs or compiled layers where the backend declares them (compiled layers only
-    with compiled_decode and no expert split), else op by op."""
-    plain = PlainRunner(recipe)
+def choose_runner(recipes, backend, compiled_decode, split):
+    """The runner of a model (recipes: one per layer, or one for all): graphs or compiled layers where the backend
+    declares them (compiled layers only with compiled_decode, no expert split and one recipe for every layer), else
+    op by op."""
+    plain = PlainRunner(recipes)
     capabilities = backend.capabilities
     if capabilities.graphed_decode and backend.layer_graphs is not None:
         return GraphRunner(backend.layer_graphs, plain)
-    if capabilities.compiled_decode_layer and compiled_decode and split is None:
-        return backend.layer_runner(recipe, plain)
+    one = recipes if isinstance(recipes, LayerRecipe) else recipes[0] if len(set(recipes)) == 1 else None
+    if capabilities.compiled_decode_layer and compiled_decode and split is None and one is not None:
+        return backend.layer_runner(one, plain)
     return plain

@@ -2,13 +2,13 @@
 q/k RMSNorm, NeoX RoPE, softmax top-k routing (norm_topk_prob), SwiGLU experts."""
 from ..errors import ModelError
 from ..formats.weights import ModelConfig
-from .base import LAYER_TENSORS_HF, QK_NORM_TENSORS_HF, ArchSpec, require
+from .base import ArchSpec, require
 from .recipe import Block, FullAttention, LayerRecipe, MoE, SoftmaxTopK, SwiGLU
 
 NAME = "qwen3moe"
 
 
-def config_from_gguf(fields, source, vocab_size, tie_word_embeddings):
+def config_from_gguf(fields, source, vocab_size, tie_word_embeddings, tensor_names=()):
     def key(suffix, default=None):
         value = fields.get(f"{NAME}.{suffix}", default)
         if value is None:
@@ -82,5 +82,4 @@ SPEC = ArchSpec(
                        ffn=Block("ffn_norm", MoE(router=SoftmaxTopK(), experts=SwiGLU()))),
     config_from_gguf=config_from_gguf,
     config_from_hf=config_from_hf,
-    layer_tensors_hf={**LAYER_TENSORS_HF, **QK_NORM_TENSORS_HF},
 )

@@ -1,21 +1,26 @@
 """The layer recipe: what one decoder layer is made of, as data a family picks and every runner reads.
 
 A layer is a sequence of residual blocks: x += part(rmsnorm(x, norm weight)). A block's part is one of
-the part types below; a family builds its `LayerRecipe` from them (hybrid/arch/qwen3moe.py) and says
-nothing else about how a layer runs. Each runner (hybrid/runners.py, hybrid/backends/cpu_layer.py,
-the GPU graphs) implements part types, not families: a new variant is a new part type here plus one
-implementation per backend; a runner that has none for a recipe's part is not used for that model.
+the part types below; a family builds its `LayerRecipe` from them (hybrid/arch/qwen3moe.py), per layer
+where its layers differ (ArchSpec.layer_recipe: leading dense layers, sliding / full attention), and says
+nothing else about how a layer runs. Each runner (hybrid/runners.py, hybrid/backends/cpu_layer.py, the GPU
+graphs) implements part types, not families: a new variant is a new part type (or a field with a default
+that keeps the old behaviour) here plus one implementation per backend; a runner that has none for a
+recipe's part is not used for that model.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
 class FullAttention:
-    """Causal attention over every earlier position: GQA, per-head q/k RMSNorm (qk_norm), RoPE (rope:
-    "neox" rotates the two halves of the head dim)."""
+    """Causal attention over every earlier position: GQA, per-head q/k RMSNorm (qk_norm), biases on the q, k
+    and v projections (qkv_bias), RoPE (rope: "neox" rotates the two halves of the rotated dims: the first
+    config.rotary_dim of each head, the rest pass through)."""
 
     qk_norm: bool = False
     rope: str = "neox"
+    qkv_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -25,16 +30,40 @@ class SoftmaxTopK:
 
 
 @dataclass(frozen=True)
+class SigmoidTopK:
+    """Router (DeepSeek-V3 / GLM-4.5): scores sigmoid(logits); the choice adds the layer's router_choice_bias
+    [E] to them, keeps the topk_groups best of num_groups expert groups (a group's worth: its two best) and
+    the top k there; the weights are the chosen experts' unbiased scores, renormalized where norm_topk_prob
+    says, times `scale` (routed_scaling_factor)."""
+
+    num_groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class SwiGLU:
     """Experts: down(silu(gate(x)) * up(x)) for each routed (token, expert) pair, weighted per token."""
 
 
 @dataclass(frozen=True)
-class MoE:
-    """A routed mixture of experts."""
+class SharedExpert:
+    """A dense SwiGLU expert run for every token beside the routed ones (LayerWeights gate_shexp, up_shexp,
+    down_shexp), added to their mixture."""
 
-    router: SoftmaxTopK = SoftmaxTopK()
+
+@dataclass(frozen=True)
+class MoE:
+    """A routed mixture of experts, with a shared expert where `shared` is one."""
+
+    router: object = SoftmaxTopK()
     experts: SwiGLU = SwiGLU()
+    shared: Optional[SharedExpert] = None
+
+
+@dataclass(frozen=True)
+class DenseFFN:
+    """A dense SwiGLU feed-forward (LayerWeights ffn_gate, ffn_up, ffn_down): a MoE model's leading dense layers."""
 
 
 @dataclass(frozen=True)
@@ -57,10 +86,10 @@ class LayerRecipe:
         return (self.mixer, self.ffn)
 
     def parts(self):
-        """Every part the layer uses, nested ones (a MoE's router and experts) included."""
+        """Every part the layer uses, nested ones (a MoE's router, experts and shared expert) included."""
         found = []
         for block in self.blocks:
             found.append(block.part)
             if isinstance(block.part, MoE):
-                found += [block.part.router, block.part.experts]
+                found += [p for p in (block.part.router, block.part.experts, block.part.shared) if p is not None]
         return tuple(found)

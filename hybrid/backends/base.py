@@ -90,6 +90,16 @@ class Backend(Protocol):
     def route(self, router_logits, k, normalize) -> tuple:
         """router_logits [T, E] -> (ids [T, K], weights [T, K])."""
 
+    def route_sigmoid(self, router_logits, bias, k, num_groups, topk_groups, normalize, scale) -> tuple:
+        """router_logits [T, E], choice bias [E] -> (ids [T, K], weights [T, K]): the SigmoidTopK router
+        (hybrid/arch/recipe.py)."""
+
+    def add_bias(self, x, bias) -> None:
+        """x [T, R] += bias [R] in place (a contiguous x)."""
+
+    def silu_mul(self, gate, up) -> Any:
+        """silu(gate) * up, a new [T, F] (a dense SwiGLU's middle)."""
+
     def experts(self, x, ids, weights, gate_exps, up_exps, down_exps) -> Any:
         """Every (token, expert) pair's SwiGLU expert, combined per token: x [T, H] -> [T, H]. A device backend,
         which holds only some experts, runs them through the split instead (it is given a host backend)."""

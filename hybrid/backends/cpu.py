@@ -246,6 +246,26 @@ class CpuBackend:
         kernel(router_logits, k, normalize, ids, weights)
         return ids, weights
 
+    def route_sigmoid(self, router_logits, bias, k, num_groups, topk_groups, normalize, scale):
+        """router_logits [T, E], bias [E] -> (ids [T, K], weights [T, K]) (cpu_kernels.routing.route_sigmoid_topk)."""
+        num_tokens = router_logits.shape[0]
+        ids = np.empty((num_tokens, k), dtype=np.int64)  # [T, K]
+        weights = np.empty((num_tokens, k), dtype=np.float32)  # [T, K]
+        kernel = _small_or_parallel(router_logits.size, routing.route_sigmoid_topk_serial, routing.route_sigmoid_topk)
+        kernel(router_logits, bias, k, num_groups, topk_groups, bool(normalize), float(scale), ids, weights)
+        return ids, weights
+
+    def add_bias(self, x, bias):
+        """x [T, R] += bias [R] in place."""
+        x += bias
+
+    def silu_mul(self, gate, up):
+        """silu(gate) * up [T, F], a new array."""
+        out = np.empty_like(gate)
+        (activation.swiglu_serial if _small(gate.size, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS)
+         else activation.swiglu)(gate, up, out)
+        return out
+
     def experts(self, x, ids, weights, gate_exps, up_exps, down_exps):
         """SwiGLU experts for every (token, expert) pair, combined per token: x [T, H] -> [T, H]."""
         groups = self.group_pairs(ids, gate_exps.shape[0])

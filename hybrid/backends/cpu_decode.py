@@ -334,8 +334,9 @@ def make_swiglu(backend, layer, part):
 
 # The compiled implementation of each part type (hybrid/arch/recipe.py).
 COMPILED_PARTS = {
-    FullAttention: Part(takes=lambda part: part.rope == "neox", make=make_full_attention),
-    MoE: Part(takes=lambda part: True, make=make_moe),
+    # the default variants only (a field a newer part sets makes it another variant: the plain runner runs it)
+    FullAttention: Part(takes=lambda part: part == FullAttention(qk_norm=part.qk_norm), make=make_full_attention),
+    MoE: Part(takes=lambda part: part == MoE(router=part.router, experts=part.experts), make=make_moe),
     SoftmaxTopK: Part(takes=lambda part: True, make=lambda backend, layer, part: (softmax_topk_route, (), "softmax")),
     SwiGLU: Part(takes=lambda part: True, make=make_swiglu),
 }

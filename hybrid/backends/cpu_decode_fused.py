@@ -430,9 +430,9 @@ class FusedPart:
 
 # The fused implementations of the parts, by where they sit: a mixer part's worker returns its output, which the
 # feed-forward part's worker adds to x with its own.
-FUSED_MIXERS = {FullAttention: FusedPart(lambda part: part.rope == "neox", fused_attention, new_attention_work)}
-FUSED_FFNS = {MoE: FusedPart(lambda part: type(part.router) is SoftmaxTopK and type(part.experts) is SwiGLU,
-                             fused_moe, new_moe_work)}
+FUSED_MIXERS = {FullAttention: FusedPart(lambda part: part == FullAttention(qk_norm=part.qk_norm), fused_attention,
+                                         new_attention_work)}
+FUSED_FFNS = {MoE: FusedPart(lambda part: part == MoE(router=SoftmaxTopK(), experts=SwiGLU()), fused_moe, new_moe_work)}
 
 
 def fuses(recipe):

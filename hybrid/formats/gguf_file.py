@@ -108,7 +108,7 @@ def load_gguf(path):
     if "token_embd.weight" not in tensors:
         raise ModelError(f"{path}: missing tensor 'token_embd.weight'")
     config = spec.config_from_gguf(fields, path, vocab_size=tensors["token_embd.weight"].shape[0],
-                                   tie_word_embeddings="output.weight" not in tensors)
+                                   tie_word_embeddings="output.weight" not in tensors, tensor_names=frozenset(tensors))
     if len(shards) > 1:
         _check_shapes(config, tensor_files, tensors)
     validate_tensors(spec, config, tensors, path)

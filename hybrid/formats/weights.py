@@ -24,6 +24,15 @@ class ModelConfig:
     context_length: int
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on the q, k and v projections
+    rotary_dim: int = 0  # dims of each head RoPE rotates (the first ones); 0: the whole head
+    first_dense_layers: int = 0  # leading layers with a dense FFN instead of experts
+    dense_intermediate_size: int = 0  # their FFN width
+    shared_intermediate_size: int = 0  # the shared expert's width; 0: none
+    num_expert_groups: int = 1  # group-limited routing: experts in this many groups,
+    topk_expert_groups: int = 1  # of which a token's experts come from this many
+    routed_scaling_factor: float = 1.0  # routed experts' weights times this
+    num_nextn_layers: int = 0  # NextN / MTP layers after the num_layers decoder layers (loaded, not run)
 
 
 @dataclass
