@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from .delta_launch import DeltaNetLaunchers
 from .sources import INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
     return AttentionPlan(kernel, rows, width, num_tiles, -(-num_keys // split_keys), split_keys, 4 * shared)
 
 
-class Kernels:
+class Kernels(DeltaNetLaunchers):
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
     key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: "auto";
@@ -205,6 +206,18 @@ class Kernels:
         if self._dummy is None:
             self._dummy = self.rt.zeros((4,), np.float32)
         return self._dummy
+
+    @staticmethod
+    def _address(start_at):
+        """The device position array of a start_at, or a null pointer."""
+        return np.uint64(0) if start_at is None else start_at[0]
+
+    def split_scratch_sizes(self, num_tokens, num_q_heads, num_kv_heads, head_dim, num_keys):
+        """(values, rows) of the split scratch paged_attention needs over num_keys keys (0, 0: no splits)."""
+        plan = attention_plan(num_tokens, num_q_heads // num_kv_heads, num_kv_heads, head_dim, num_keys, self.warp,
+                              self.max_splits)
+        rows = num_tokens * num_q_heads
+        return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)
 
     def _split_buffers(self, num_values, num_rows):
         """Device scratch for the splits' partial outputs [S, T, Hq, D] and lse [S, T, Hq], flat."""
@@ -305,13 +318,16 @@ class Kernels:
                      (x, positions, inv_freq, np.int32(num_heads), np.int32(head_dim)))
 
     def paged_attention(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out,
-                        lse=None, stage=None):
+                        lse=None, stage=None, start_at=None):
         """out [T, Hq, D] = causal GQA attention of q [T, Hq, D] (query t at position start + t) over keys
         [key_lo, start + t + 1) of the paged cache k_pool / v_pool [NB, BT, Hkv, D] (k_scale / v_scale
         [NB, BT, Hkv] for int8, else None) through table int32 [nb]; logical blocks with table < 0 come
         from stage = (k_stage, v_stage, k_stage_scale, v_stage_scale) [nS, BT, Hkv(, D)] (scales None
         unless int8). lse [T, Hq], when given, gets each row's log-sum-exp (-inf with no key), for
-        attn_merge. Arrays contiguous, each starting 16-byte aligned."""
+        attn_merge. Arrays contiguous, each starting 16-byte aligned.
+        start_at = (positions int64 [1] on the device, split scratch (out, lse) or None): the kernels read
+        start there (a captured decode step replays with the step's position); `start` is then a bound on
+        it that plans the key splits, and the splits write into the given scratch, which the capture keeps."""
         num_tokens, num_q_heads, head_dim = q.shape
         _, block_tokens, num_kv_heads, _ = k_pool.shape
         if head_dim > PA_MAX_HEAD_DIM or num_q_heads % num_kv_heads:
@@ -325,6 +341,9 @@ class Kernels:
         num_rows = num_tokens * num_q_heads
         if plan.splits == 1:
             target, target_lse, want_lse = out, self._or_dummy(lse), int(lse is not None)
+        elif start_at is not None:
+            target, target_lse = start_at[1]
+            want_lse = 1
         else:
             target, target_lse = self._split_buffers(plan.splits * num_rows * head_dim, plan.splits * num_rows)
             want_lse = 1
@@ -334,7 +353,7 @@ class Kernels:
                 *map(self._or_dummy, (k_stage, v_stage, k_stage_scale, v_stage_scale)), target, target_lse,
                 np.int32(want_lse), *tokens, np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim),
                 np.int32(block_tokens), np.int32(start), np.int32(key_lo), np.float32(scale), np.int32(plan.rows),
-                np.int32(plan.width), np.int32(plan.split_keys))
+                np.int32(plan.width), np.int32(plan.split_keys), self._address(start_at))
         self._launch(self._kv(kv_dtype, plan.kernel), (plan.num_tiles, num_kv_heads, plan.splits), PA_THREADS, args,
                      shared_mem=plan.shared_mem)
         if plan.splits > 1:
@@ -342,16 +361,18 @@ class Kernels:
                          (target, target_lse, out, self._or_dummy(lse), np.int32(lse is not None),
                           np.int32(plan.splits), np.int32(num_rows), np.int32(head_dim)), shared_mem=4 * plan.splits)
 
-    def kv_write(self, kv_dtype, x, pool, scale, table, start):
+    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None):
         """Encode rows x [n, Hkv, D] f32 of positions start .. start + n - 1 into pool [NB, BT, Hkv, D]
-        through table int32 [nb] (pool blocks only); scale [NB, BT, Hkv] gets int8's row scales (else None)."""
+        through table int32 [nb] (pool blocks only); scale [NB, BT, Hkv] gets int8's row scales (else None).
+        start_at: as paged_attention's (start read on the device)."""
         num_rows, num_kv_heads, head_dim = x.shape
         if num_rows == 0:
             return
         threads = self._threads(head_dim)
         self._launch(self._kv(kv_dtype, "kv_write"), (num_rows * num_kv_heads,), threads,
                      (x, pool, self._or_dummy(scale), table, np.int32(start), np.int32(num_kv_heads),
-                      np.int32(head_dim), np.int32(pool.shape[1])), shared_mem=threads * 4)
+                      np.int32(head_dim), np.int32(pool.shape[1]), self._address(start_at)),
+                     shared_mem=threads * 4)
 
     def attn_merge(self, out_a, lse_a, out_b, lse_b, out):
         """out [T, Hq, D] = merge of two attentions over disjoint keys, (out_a, lse_a) and (out_b, lse_b)

@@ -1,7 +1,7 @@
 """The CUDA/HIP C sources of the kernels, assembled into compilable modules.
 
 A module is "ops" (norms, RoPE, attention merge, SwiGLU, routing, row moves), one per quant format
-(its header + the matmul kernels) or one per KV storage type ("kv_<type>": the paged KV kernels).
+(its header + the matmul kernels) one per KV storage type ("kv_<type>": the paged KV kernels) or "delta_net" (Gated DeltaNet, sigmoid gates).
 Sources need no headers, so NVRTC and hiprtc compile them as they are, with or without a GPU.
 """
 from functools import lru_cache
@@ -48,6 +48,7 @@ INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q")  # one token, x rounded to i
 INT_DECODE = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.IQ3_S})
 KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type
 KV_KERNELS = ("paged_attention", "paged_attention_1", "paged_attention_merge", "kv_write")
+DELTA_NET_KERNELS = ("delta_conv1d_silu", "delta_gates", "delta_rule", "rmsnorm_gated", "sigmoid_mul")
 
 
 def module_name(qtype=None):
@@ -68,15 +69,15 @@ def matmul_kernels(qtype):
 def all_modules():
     """Every module: (name, kernel names)."""
     return ([(module_name(), OPS_KERNELS)] + [(module_name(q), matmul_kernels(q)) for q in FORMAT_HEADERS]
-            + [(kv_module_name(d), KV_KERNELS) for d in KV_DEFINES])
+            + [(kv_module_name(d), KV_KERNELS) for d in KV_DEFINES] + [("delta_net", DELTA_NET_KERNELS)])
 
 
 @lru_cache(maxsize=None)
 def module_source(name):
     """The full source of module `name` ("ops", "matmul_<type>" or "kv_<type>")."""
     prefix, tables = "", ""
-    if name == "ops":
-        files = ("common.cuh", "ops.cu")
+    if name in ("ops", "delta_net"):
+        files = ("common.cuh", f"{name}.cu")
     elif name.startswith("kv_"):
         prefix = f"#define {KV_DEFINES[name.removeprefix('kv_')]}\n"
         files = ("common.cuh", "kv.cu")

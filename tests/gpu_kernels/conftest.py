@@ -8,6 +8,7 @@ import pytest
 from cpu_kernels.formats import format_for
 from gpu_kernels.numpy_runtime import NumpyRuntime, queue_or_run
 from hybrid import kv_store
+from tests import delta_net_reference
 
 
 @pytest.fixture(scope="session")
@@ -105,6 +106,22 @@ class ReferenceKernels:
         x64 = x.astype(np.float64)
         out[:] = weight * (x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + eps))
 
+    def delta_conv1d_silu(self, x, weight, state, out):
+        out[:], state[:] = delta_net_reference.conv1d(x, weight, state)
+
+    def delta_gates(self, a, b, ssm_a, dt_bias, g, beta):
+        g[:], beta[:] = delta_net_reference.gates(a, b, ssm_a, dt_bias)
+
+    def delta_rule(self, q, k, v, g, beta, state, out):
+        out[:], state[:] = delta_net_reference.delta_rule_recurrent(q, k, v, g, beta, state)
+
+    def rmsnorm_gated(self, x, z, weight, eps, out):
+        out[:] = delta_net_reference.rmsnorm_gated(x, z, weight, eps)
+
+    def sigmoid_mul(self, x, gate):
+        gate = gate.reshape(-1, *[1] * (x.ndim - 1)) if gate.size != x.size else gate
+        x[:] = x / (1.0 + np.exp(-gate.astype(np.float64)))
+
     def rope_neox(self, x, positions, inv_freq):
         angle = (positions[:, None].astype(np.float32) * inv_freq).astype(np.float64)  # [T, D/2], float32 as HF
         half = x.shape[2] // 2
@@ -113,7 +130,10 @@ class ReferenceKernels:
         x[..., :half], x[..., half:] = x1 * c - x2 * s, x2 * c + x1 * s
 
     def paged_attention(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out,
-                        lse=None, stage=None):
+                        lse=None, stage=None, start_at=None):
+        if start_at is not None:  # read when the call runs, as the kernel reads it
+            bound, start = start, int(start_at[0][0])
+            assert start <= bound, f"position {start} past the bound {bound} the capture planned for"
         num_tokens, num_q_heads, head_dim = q.shape
         num_kv_heads = k_pool.shape[2]
         group = num_q_heads // num_kv_heads
@@ -136,7 +156,9 @@ class ReferenceKernels:
                 row_lse = (m + np.log(total))[..., 0]  # [Hkv, T*G]
             lse[:] = row_lse.reshape(num_kv_heads, num_tokens, group).transpose(1, 0, 2).reshape(lse.shape)
 
-    def kv_write(self, kv_dtype, x, pool, scale, table, start):
+    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None):
+        if start_at is not None:
+            start = int(start_at[0][0])
         positions = start + np.arange(x.shape[0])
         block_tokens = pool.shape[1]
         at = (table[positions // block_tokens], positions % block_tokens)
