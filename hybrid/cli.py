@@ -4,13 +4,12 @@ import json
 import logging
 import sys
 
-from .cli_options import add_device_options, add_setting, add_threads_and_context, config_of, llm_objects
+from .cli_options import add_settings, config_of, llm_objects
 from .cli_types import float_in, int_at_least, token_ids
 
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text from a prompt (the demo model when no --model is given)")
-    add_setting(p, "model")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -23,16 +22,16 @@ def _add_generate(sub):
     p.add_argument("--seed", type=int_at_least(0), default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    add_threads_and_context(p, "context limit (default: the model's)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    add_device_options(p)
+    add_settings(p, "generate")
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args):
     from .llm import LLM
 
-    llm = LLM(config=config_of(args), **llm_objects(args))
+    config = config_of(args)
+    llm = LLM(config=config, **llm_objects(args, config))
     if args.prompt_ids:
         prompt = args.prompt_ids
     else:
@@ -81,8 +80,11 @@ def build_parser():
     from placement.cli import add_subcommands
     from server.serve import add_serve
 
+    from .config_show import add_config_command
+
     add_serve(sub)
     add_subcommands(sub, load_llm)  # profile, profile merge, profile show, plan
+    add_config_command(sub)
     return parser
 
 

@@ -1,30 +1,45 @@
 """The engine's command-line options, made from EngineConfig's settings (hybrid/config.py), and the
-EngineConfig and LLM objects of parsed arguments; shared by `strata generate`, `serve` and `profile`."""
-import argparse
+EngineConfig and LLM objects of parsed arguments; shared by `strata generate`, `serve`, `profile`, `plan` and
+`config show`."""
+from .config import SECTIONS, SETTINGS, choice, flag_of, env_var, resolve_sources, switch
+from .config_file import find_config, read_config
 
-from .cli_types import existing_file
-from .config import SETTINGS, EngineConfig, choice, switch
-
-DYNAMIC_FLAGS = {"decay": float, "margin": float, "min_score": float, "max_swaps": int, "max_pending": int}
+DYNAMIC_FIELDS = ("decay", "margin", "min_score", "max_swaps", "max_pending")  # DynamicSettings' fields
 
 
-def add_setting(p, name, default=None, **overrides):
-    """The flag of EngineConfig setting `name`: its parser and help; `default` None means not given, so that
-    the environment and then the config's default apply (EngineConfig.resolve)."""
-    meta = SETTINGS[name].metadata
-    parse = meta["parse"]
-    shown = SETTINGS[name].default if default is None else default
-    notes = ([] if shown is None or "default" in meta["help"] else [f"default {shown}"]) + (
-        [f"env {meta['env']}"] if meta["env"] else [])
-    options = dict(dest=name, default=default, help=meta["help"] + (f" ({'; '.join(notes)})" if notes else ""))
+def add_setting(p, name, **overrides):
+    """The flag of EngineConfig setting `name`, with its parser and help. Its argparse default is None (not
+    given), so that the environment, the config file and then the defaults apply (config_of)."""
+    f = SETTINGS[name]
+    meta, parse = f.metadata, f.metadata["parse"]
+    shown = meta["cli_default"] if meta["cli_default"] is not None else f.default
+    notes = ([] if shown is None or "default" in meta["help"] else [f"default {shown}"]) + [f"env {env_var(name)}"]
+    options = dict(dest=name, default=None, help=f"{meta['help']} ({'; '.join(notes)})")
     if isinstance(parse, choice):
         options["choices"] = parse.choices
     elif parse is switch:  # a --no-X flag
-        options.update(action="store_const", const=False, help=meta["help"])
+        options.update(action="store_const", const=False)
     else:
         options["type"] = parse
+    if meta["metavar"]:
+        options["metavar"] = meta["metavar"]
     options.update(overrides)
-    p.add_argument(meta["flag"], **options)
+    p.add_argument(flag_of(name), **options)
+
+
+def add_settings(p, command, required=()):
+    """The flags of every setting `command` has (None: every setting's flag), in argument groups by section,
+    and --config; `required`: settings the command needs (checked by config_of: a config file may give them)."""
+    p.add_argument("--config", default=None, metavar="FILE", help="settings file (TOML; default $STRATA_CONFIG, "
+                   "else ~/.config/strata/strata.toml when it exists); flags and STRATA_* variables win over it")
+    groups = {}
+    for name, f in SETTINGS.items():
+        if command in f.metadata["commands"] or (command is None and f.metadata["commands"]):
+            section = f.metadata["section"]
+            if section not in groups:
+                groups[section] = p.add_argument_group(f"{SECTIONS[section]} settings")
+            add_setting(groups[section], name)
+    p.set_defaults(required_settings=tuple(required), settings_command=command or "config")
 
 
 def settings_of(args):
@@ -32,81 +47,48 @@ def settings_of(args):
     return {name: getattr(args, name) for name in SETTINGS if getattr(args, name, None) is not None}
 
 
+def command_defaults(command):
+    """The defaults of `command` where they differ from the library's (device auto for the commands with a
+    --device flag; `config show` shows those of `serve`)."""
+    command = "serve" if command == "config" else command
+    return {name: f.metadata["cli_default"] for name, f in SETTINGS.items()
+            if f.metadata["cli_default"] is not None and command in f.metadata["commands"]}
+
+
+def config_and_sources(args, environ=None):
+    """(EngineConfig, {name: source}) of parsed `args`: their flags > the environment > the config file >
+    the commands' defaults > the library's."""
+    path = find_config(getattr(args, "config", None), environ)
+    file = read_config(path) if path else None
+    config, sources = resolve_sources(settings_of(args), environ, file, command_defaults(getattr(args, "settings_command", None)), flags=True)
+    missing = [flag_of(n) for n in getattr(args, "required_settings", ()) if getattr(config, n) is None]
+    if missing:
+        raise ValueError(f"strata {args.settings_command} needs {', '.join(missing)} (a flag, its STRATA_* variable or "
+                         f"the config file)")
+    return config, sources
+
+
 def config_of(args, environ=None):
-    """The EngineConfig of parsed `args`: their flags > the environment > defaults."""
-    return EngineConfig.resolve(settings_of(args), environ)
+    """The EngineConfig of parsed `args` (config_and_sources)."""
+    return config_and_sources(args, environ)[0]
 
 
-def add_threads_and_context(p, context_help):
-    add_setting(p, "threads", metavar="N")
-    add_setting(p, "max_context", metavar="N", help=f"{context_help}; more than the model's is an error")
+def llm_objects(args, config=None):
+    """LLM's keywords that are not EngineConfig fields: placement, profile, dynamic (the dynamic_* settings),
+    from `config` (default: config_of(args))."""
+    config = config or config_of(args)
+    return dict(placement=config.placement, profile=config.profile, dynamic=dynamic_settings(config))
 
 
-def add_device_options(p):
-    add_setting(p, "kv")
-    add_setting(p, "kv_resident", metavar="N")
-    add_setting(p, "kv_host_attention")
-    add_setting(p, "device", default="auto")
-    add_setting(p, "expert_cache_mib", metavar="N|auto")
-    add_setting(p, "vram_reserve_mib", metavar="N")
-    p.add_argument("--placement", type=existing_file, default=None, metavar="FILE",
-                   help="resident experts from `strata plan` (placement.json); refused if it does not fit")
-    add_setting(p, "expert_cache", default="auto")
-    p.add_argument("--profile", type=existing_file, default=None, metavar="P.npz",
-                   help="expert profile (`strata profile`) to plan the expert cache from at start-up")
-    add_setting(p, "prefill_borrow", help="never copy non-resident experts to the GPU for large prompt chunks "
-                                          "(prefill borrow)")
-    _add_dynamic_options(p)
-
-
-def llm_objects(args):
-    """LLM's keywords that are not settings: placement, profile, dynamic (the --dynamic-* flags)."""
-    return dict(placement=args.placement, profile=args.profile, dynamic=dynamic_settings(args))
-
-
-def _dynamic_value(field, kind):
-    """argparse type of --dynamic-FIELD: a `kind` within placement.dynamic.SETTING_LIMITS."""
-    from placement.dynamic import SETTING_LIMITS
-
-    valid, what = SETTING_LIMITS[field]
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not valid(value):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-        return value
-
-    return parse
-
-
-def _add_dynamic_options(p):
+def dynamic_settings(config):
+    """The DynamicSettings of the dynamic_* settings (None when none is given); ValueError when one is given
+    without expert_cache dynamic."""
     from placement.dynamic import DynamicSettings
 
-    g = p.add_argument_group("dynamic expert cache (with --expert-cache dynamic; placement/dynamic.py)")
-    helps = {"decay": "per-step decay of an expert's usage score, in (0, 1]",
-             "margin": "hysteresis: a newcomer's score must exceed (1 + MARGIN) x the evicted expert's ...",
-             "min_score": "... plus this many (decayed) routings",
-             "max_swaps": "swaps started per step, over all layers",
-             "max_pending": "swaps in flight at once (pinned staging buffers)"}
-    for field, kind in DYNAMIC_FLAGS.items():
-        flag = "--dynamic-" + field.replace("_", "-")
-        g.add_argument(flag, dest=f"dynamic_{field}", type=_dynamic_value(field, kind), default=None,
-                       metavar=field.upper(),
-                       help=f"{helps[field]} (default {getattr(DynamicSettings, field)})")
-
-
-def dynamic_settings(args):
-    """The DynamicSettings of the --dynamic-* flags (None when none is given); ValueError when one is
-    given without --expert-cache dynamic."""
-    from placement.dynamic import DynamicSettings
-
-    given = {f: getattr(args, f"dynamic_{f}") for f in DYNAMIC_FLAGS if getattr(args, f"dynamic_{f}") is not None}
+    given = {f: getattr(config, f"dynamic_{f}") for f in DYNAMIC_FIELDS if getattr(config, f"dynamic_{f}") is not None}
     if not given:
         return None
-    if args.expert_cache != "dynamic":
-        flags = ", ".join("--dynamic-" + f.replace("_", "-") for f in given)
-        raise ValueError(f"{flags}: only with --expert-cache dynamic (got --expert-cache {args.expert_cache})")
+    if config.expert_cache != "dynamic":
+        flags = ", ".join(flag_of(f"dynamic_{f}") for f in given)
+        raise ValueError(f"{flags}: only with --expert-cache dynamic (got --expert-cache {config.expert_cache})")
     return DynamicSettings(**given)

@@ -1,32 +1,16 @@
-"""argparse `type=` callables that refuse bad values before anything loads.
+"""argparse `type=` callables that refuse bad values before anything loads (those of the settings are in
+hybrid/config_types.py, and re-exported here for the commands' own arguments).
 
 argparse turns their ArgumentTypeError into one line that names the flag:
 "strata serve: error: argument --port: must be in 1..65535, got 99999".
 """
 import argparse
-import os
 
-from .config import integer, number
+from .config_types import existing_file, integer, number, output_file  # noqa: F401
 
 int_at_least = integer  # an int >= low
 float_in = number  # a float in [low, high], or (low, high] with low_open
 port = integer(1, 65535)
-
-
-def existing_file(text):
-    if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
-    return text
-
-
-def output_file(text):
-    """A file to write: its folder must exist (checked before hours of work produce it)."""
-    folder = os.path.dirname(text) or "."
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"{text}: no folder {folder} to write it in")
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text}: a folder, not a file name")
-    return text
 
 
 def token_ids(text):

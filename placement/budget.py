@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MIB = 1 << 20
-KV_BYTES = {"f16": 2.0, "bf16": 2.0, "int8": 1.0}  # per K or V element; int8 adds a f16 scale per head row
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0}  # per K or V element; int8 adds a f16 scale per head row
 PREFILL_CHUNK = 512  # tokens of activations the scratch must hold (hybrid.llm.PREFILL_CHUNK)
 WORKSPACE_BYTES = 64 * MIB  # kernel workspaces and the expert staging buffers
 

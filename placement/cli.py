@@ -1,18 +1,14 @@
 """`strata profile`, `strata profile merge`, `strata profile show` and `strata plan`."""
-import argparse
 import os
 
-from hybrid.cli_options import add_setting, add_threads_and_context, config_of
+from hybrid.cli_options import add_settings, config_of
 from hybrid.cli_types import existing_file, float_in, int_at_least, output_file
-
-from .budget import KV_BYTES
 
 
 def add_subcommands(sub, load_llm):
     """Adds `profile` (with `merge` and `show`) and `plan` to the `strata` subparsers; load_llm(args): the
     engine's LLM of parsed `profile` arguments (the engine passes it, placement does not build engines)."""
     p = sub.add_parser("profile", help="record expert usage on prompts; `profile merge` / `profile show`")
-    p.add_argument("--model", help="GGUF file or HF safetensors directory")
     p.add_argument("--prompts", type=existing_file,
                    help="JSONL of chat messages, or plain text with one prompt per line")
     p.add_argument("--max-tokens", type=int_at_least(1), default=128,
@@ -20,8 +16,8 @@ def add_subcommands(sub, load_llm):
     p.add_argument("--temperature", type=float_in(0), default=0.8, help="sampling temperature (default 0.8)")
     p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="seed of the first prompt, +1 per prompt (default 0)")
-    add_threads_and_context(p, "context limit (default: the model's)")
     p.add_argument("-o", "--output", type=output_file, help="profile to write (.npz)")
+    add_settings(p, "profile")
     p.set_defaults(func=_run_profile, load_llm=load_llm)
     profile_sub = p.add_subparsers(dest="profile_command", metavar="{merge,show}")
     m = profile_sub.add_parser("merge", help="add profiles of one model together")
@@ -39,23 +35,8 @@ def add_subcommands(sub, load_llm):
 
 def _add_plan(sub):
     p = sub.add_parser("plan", help="choose the experts each GPU holds from a profile")
-    p.add_argument("--model", required=True, help="GGUF file or HF safetensors directory")
-    p.add_argument("--profile", required=True, type=existing_file, help="expert profile (.npz) of this model")
-    p.add_argument("--gpu-mib", required=True, type=_gpu_mib,
-                   help="memory per GPU in MiB, comma-separated: 24000 or 24000,24000")
-    p.add_argument("--parallel", type=int_at_least(1), default=1,
-                   help="slots served at once; the planned decode batch")
-    p.add_argument("--max-context", type=int_at_least(1), default=None,
-                   help="context per slot (default: the model's; more is an error)")
-    p.add_argument("--kv", choices=sorted(KV_BYTES), default="f16", help="KV cache type (default f16)")
-    p.add_argument("--kv-resident", type=int_at_least(1), default=None, metavar="N",
-                   help="plan for an engine that keeps only the newest N tokens of each slot's KV in VRAM")
-    p.add_argument("--vram-reserve-mib", type=float_in(0), default=1024.0, help="headroom kept per GPU (default 1024)")
-    p.add_argument("--layer-split", type=_layer_split, default="auto",
-                   help="auto, or the first layer of each GPU after the first (e.g. 24 for 2 GPUs)")
-    add_setting(p, "cpu_gbps", metavar="GBPS")
-    add_setting(p, "gpu_gbps", metavar="GBPS")
     p.add_argument("-o", "--output", required=True, type=output_file, help="placement to write (.json)")
+    add_settings(p, "plan", required=("model", "profile", "gpu_mib"))
     p.set_defaults(func=_run_plan)
 
 
@@ -68,7 +49,8 @@ def _run_profile(args):
     from .prompts import read_prompts
     from .report import format_summary, summarize
 
-    missing = [flag for flag, value in (("--model", args.model), ("--prompts", args.prompts), ("-o", args.output))
+    config = config_of(args)
+    missing = [flag for flag, value in (("--model", config.model), ("--prompts", args.prompts), ("-o", args.output))
                if not value]
     if missing:
         raise ValueError(f"strata profile needs {', '.join(missing)} (or use `profile merge` / `profile show`)")
@@ -122,26 +104,6 @@ def _run_show(args):
     return 0
 
 
-def _gpu_mib(text):
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MiB per GPU, comma-separated (e.g. 24000,24000), "
-                                         f"got {text!r}") from None
-    if any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"every GPU needs a positive size, got {text!r}")
-    return tuple(values)
-
-
-def _layer_split(text):
-    if text == "auto":
-        return "auto"
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or layer indices (e.g. 24), got {text!r}") from None
-
-
 def _run_plan(args):
     from hybrid.formats import load_model
     from hybrid.request import context_limit
@@ -150,13 +112,13 @@ def _run_plan(args):
     from .planner import Budgets, Speeds, plan
     from .profile import ExpertProfile, model_id
 
-    weights = load_model(args.model)
-    profile = ExpertProfile.load(args.profile)
-    profile.check_model(weights.config.num_layers, weights.config.num_experts, model_id(weights))
-    max_context = context_limit(args.max_context, weights.config.context_length, weights.source)
-    budgets = Budgets(args.gpu_mib, args.parallel, max_context, args.kv, args.vram_reserve_mib, args.layer_split,
-                      args.kv_resident)
     config = config_of(args)
+    weights = load_model(config.model)
+    profile = ExpertProfile.load(config.profile)
+    profile.check_model(weights.config.num_layers, weights.config.num_experts, model_id(weights))
+    max_context = context_limit(config.max_context, weights.config.context_length, weights.source)
+    budgets = Budgets(config.gpu_mib, config.parallel, max_context, config.kv, config.vram_reserve_mib,
+                      config.layer_split, config.kv_resident)
     placement = plan(profile, ModelSizes.from_weights(weights), budgets, Speeds(config.cpu_gbps, config.gpu_gbps))
     placement.model_id = model_id(weights)
     placement.save(args.output)

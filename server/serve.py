@@ -96,13 +96,13 @@ def save_profile(engine, llm_weights, path):
 def build_from_args(args, config):
     """The app and engine of parsed `strata serve` arguments (server.options) and their config, for `run` and
     `get_app` alike."""
-    if args.conversation_cache_dir:  # an unusable folder fails here, before the model loads
-        os.makedirs(args.conversation_cache_dir, exist_ok=True)
-    return build(config, llm_objects(args), conversation_options(args), max_body_bytes(args))
+    if config.conversation_cache_dir:  # an unusable folder fails here, before the model loads
+        os.makedirs(config.conversation_cache_dir, exist_ok=True)
+    return build(config, llm_objects(args, config), conversation_options(config), max_body_bytes(config))
 
 
-def max_body_bytes(args):
-    return round(args.max_body_mib * MIB)
+def max_body_bytes(config):
+    return round(config.max_body_mib * MIB)
 
 
 def app_from_environment():
@@ -181,19 +181,19 @@ def run(args):
     from .http import serve_http
 
     config = config_of(args)
-    with listen_socket(args.host, args.port) as sock:
-        warn_exposure(args.host, config.api_key)
-        max_connections = connection_limit(config, args.max_connections)
+    with listen_socket(config.host, config.port) as sock:
+        warn_exposure(config.host, config.api_key)
+        max_connections = connection_limit(config, config.max_connections)
         app, engine = build_from_args(args, config)
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        log.info("serving on http://%s:%d/v1", host, args.port)
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        log.info("serving on http://%s:%d/v1", host, config.port)
         stop_on_sigterm()
         try:
             serve_http(app, [sock], parallel=config.parallel, max_queue=queue_limit(config),
-                       max_connections=max_connections, max_body_bytes=max_body_bytes(args))
+                       max_connections=max_connections, max_body_bytes=max_body_bytes(config))
         finally:
             engine.stop()
-            if args.profile_out:
-                save_profile(engine, engine.model.weights, args.profile_out)
+            if config.profile_out:
+                save_profile(engine, engine.model.weights, config.profile_out)
             engine.model.close()
     return 0

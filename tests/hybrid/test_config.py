@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import SETTINGS, EngineConfig
+from hybrid.config import COMMANDS, SECTIONS, SETTINGS, EngineConfig, env_var, file_settings, flag_of
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_rows():
-    """The first cells of every `| setting | meaning |` table of the README (EngineConfig's; the command line's
-    own options have `| ... option | meaning |` tables): each a list of flag / env names."""
+    """The first cells of the README's topic tables (`| setting | meaning |`; the command line's own options have
+    `| ... option | meaning |` tables): each a list of flag / env names."""
     rows, in_table = [], False
     for line in README.read_text().splitlines():
         if line.startswith("| setting | meaning |"):
@@ -30,16 +30,23 @@ def readme_rows():
 
 def setting_names():
     """name -> the flag and env var of each setting that has either."""
-    return {name: {f.metadata["flag"], f.metadata["env"]} - {None} for name, f in SETTINGS.items()}
+    return {name: {flag_of(name), env_var(name)} - {None} for name in SETTINGS}
 
 
-def test_the_readme_tables_list_exactly_the_settings():
+def test_the_readme_reference_is_generated_from_the_settings():
+    from hybrid.config_doc import reference
+
+    assert reference() in README.read_text(), "run python -m hybrid.config_doc README.md"
+    for name in file_settings():
+        assert f"| `{name}` |" in reference()
+
+
+def test_the_readme_topic_tables_name_settings():
     rows = readme_rows()
     documented = [n for row in rows for n in row]
     assert len(documented) == len(set(documented)), "a flag or variable is in two rows"
     wanted = set().union(*setting_names().values())
     assert set(documented) - wanted == set(), "in the README but not an EngineConfig setting"
-    assert wanted - set(documented) == set(), "an EngineConfig setting missing from the README's tables"
     by_name = {n: name for name, names in setting_names().items() for n in names}
     for row in rows:
         assert len({by_name[n] for n in row}) == 1, f"one row, one setting: {row}"
@@ -49,7 +56,8 @@ def test_every_setting_has_help_and_a_working_default():
     config = EngineConfig()
     for name, f in SETTINGS.items():
         assert f.metadata["help"], name
-        assert f.metadata["env"] is None or f.metadata["env"].startswith("STRATA_"), name
+        assert f.metadata["internal"] or env_var(name).startswith("STRATA_"), name
+        assert f.metadata["section"] in SECTIONS and set(f.metadata["commands"]) <= set(COMMANDS), name
         assert getattr(config, name) == f.default or f.default is None
 
 
@@ -60,7 +68,7 @@ def test_flags_win_over_the_environment_over_defaults():
     assert (config.threads, config.act_quant, config.decode_relay) == (3, "float", False)
     config = EngineConfig.resolve({"threads": 5, "decode_relay": True, "act_quant": None}, environ)
     assert (config.threads, config.act_quant, config.decode_relay) == (5, "float", True)  # None: not given
-    assert config.kv == "f32"  # STRATA_KV is no setting's variable
+    assert config.kv == "f16" and EngineConfig.resolve(environ={"STRATA_KV_SEQUENCES": "4"}).kv_sequences == 1
     assert EngineConfig.resolve(environ={"STRATA_THREADS": "  "}).threads is None  # blank: unset
 
 
@@ -135,16 +143,22 @@ def test_defaults_match_the_parts_that_use_them():
     from hybrid import config
     from hybrid.backends import DEVICES
     from hybrid.backends.gpu import DEFAULT_RESERVE_MIB, KV_HOST_ATTENTION
-    from hybrid.kv_store import KV_DTYPES
+    from hybrid.kv_store import KV_DTYPES, STORES
     from hybrid.residency import EXPERT_CACHE_MODES
     from hybrid.scheduler import DEFAULT_DECODE_SHARE
+    from placement.dynamic import DynamicSettings
     from placement.planner import DEFAULT_CPU_GBPS, DEFAULT_GPU_GBPS
+    from server.body import DEFAULT_MAX_BODY_BYTES, MIB
 
     assert config.ISA_FLOORS == tuple(ISA_FLOORS) and set(config.ACT_QUANTS) == set(ACT_QUANTS)
     assert (config.KV_DTYPES, config.DEVICES, config.EXPERT_CACHE_MODES, config.KV_HOST_ATTENTION) == (
         KV_DTYPES, DEVICES, EXPERT_CACHE_MODES, KV_HOST_ATTENTION)
     assert (config.DEFAULT_RESERVE_MIB, config.DEFAULT_DECODE_SHARE) == (DEFAULT_RESERVE_MIB, DEFAULT_DECODE_SHARE)
     assert (config.DEFAULT_CPU_GBPS, config.DEFAULT_GPU_GBPS) == (DEFAULT_CPU_GBPS, DEFAULT_GPU_GBPS)
+    assert config.DEFAULT_MAX_BODY_MIB * MIB == DEFAULT_MAX_BODY_BYTES
+    assert set(config.PARKED_KV) == set(STORES)
+    for name in ("decay", "margin", "min_score", "max_swaps", "max_pending"):  # said in the help
+        assert f"(default {getattr(DynamicSettings, name)})" in SETTINGS[f"dynamic_{name}"].metadata["help"]
 
 
 def test_llm_takes_a_config_and_keyword_settings(demo_path):
