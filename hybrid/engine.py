@@ -19,6 +19,8 @@ from .grammar import GrammarError, GrammarVocab, allowed
 from .request import Delta, Failed, Finished, RequestHandle, StopFilter, check_prompt, timings
 from .sampling import Sampler, token_logprob
 from .scheduler import DEFAULT_DECODE_SHARE, DEFAULT_STEP_TOKENS, Scheduler
+from .speculative.acceptance import verify
+from .speculative.slot import SlotSpeculation
 from .tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class _Live:
     stops: StopFilter
     matcher: object = None  # grammar.Matcher of a constrained request
     logprobs: list = None  # the TokenLogprobs so far, when the request asks for them
+    spec: SlotSpeculation = None  # the request's drafter, when it drafts
     text: str = ""
 
 
@@ -46,6 +49,8 @@ class EngineStats:
         self.generated_tokens = 0
         self.prompt_per_second = 0.0  # prompt tokens per second of the last step that read a prompt
         self.decode_per_second = 0.0  # decoded tokens per second of the last step that decoded
+        self.draft_n = 0  # draft tokens scored
+        self.draft_n_accepted = 0  # ... and kept
 
     def count(self, reason):
         self.requests[reason] = self.requests.get(reason, 0) + 1
@@ -54,15 +59,22 @@ class EngineStats:
         if step.num_prompt:
             self.prompt_per_second = step.num_prompt / elapsed_s
         if step.num_decode:
-            self.decode_per_second = step.num_decode / elapsed_s
+            self.decode_per_second = (step.num_decode + step.num_accepted) / elapsed_s
+        self.draft_n += step.num_draft
+        self.draft_n_accepted += step.num_accepted
         self.prompt_tokens += step.num_prompt
 
 
 class Engine:
-    """`llm`: a `hybrid.LLM` (or anything with `.model`, `.tokenizer`, `.max_context`)."""
+    """`llm`: a `hybrid.LLM` (or anything with `.model`, `.tokenizer`, `.max_context`).
+
+    speculation: a `hybrid.speculative.SpecSettings` (None: off). Requests without a grammar then draft
+    tokens (n-gram lookup over their own text) that each step scores with the slot's next token; requests with
+    a grammar never draft (their masks would have to follow every draft)."""
 
     def __init__(self, llm, num_slots=1, max_queue=64, decode_share=DEFAULT_DECODE_SHARE,
-                 max_step_tokens=DEFAULT_STEP_TOKENS, conversation_cache=None, clock=time.perf_counter):
+                 max_step_tokens=DEFAULT_STEP_TOKENS, conversation_cache=None, clock=time.perf_counter,
+                 speculation=None):
         self.model, self.tokenizer, self.max_context = llm.model, llm.tokenizer, llm.max_context
         self.conversations = conversation_cache
         self.clock = clock
@@ -71,7 +83,9 @@ class Engine:
                                    eos_ids=self.tokenizer.eos_ids, max_queue=max_queue, decode_share=decode_share,
                                    max_step_tokens=max_step_tokens, clock=clock,
                                    restore_prefix=conversation_cache.restore if conversation_cache else None,
-                                   park=self._park if conversation_cache else None)
+                                   park=self._park if conversation_cache else None, draft=self._draft)
+        self.speculation = speculation if speculation is not None and speculation.enabled and all(
+            s.kv.supports_rollback for s in self.scheduler.slots) else None
         self.grammar = GrammarVocab.of(self.tokenizer, self.model.config.vocab_size)
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="strata-grammar")
         self.stats = EngineStats()
@@ -103,6 +117,8 @@ class Engine:
         matcher = self.grammar.matcher(request.constraint) if request.constraint is not None else None
         live = _Live(handle, Sampler(request.params), IncrementalDecoder(self.tokenizer),
                      StopFilter(request.params.stop), matcher, [] if request.logprobs else None)
+        if self.speculation is not None and matcher is None:
+            live.spec = SlotSpeculation(self.speculation, request.prompt_ids)
         with self._lock:
             self.scheduler.add(request)
             self._live[request.request_id] = live
@@ -163,7 +179,7 @@ class Engine:
             return False
         logits = self._forward(step.chunks)
         with self._lock:
-            self._postprocess(step.chunks, logits, masks)
+            self._postprocess(step, logits, masks)
             self._last_end = self.clock()
             elapsed = self._last_end - start
             self.scheduler.record(step, elapsed)
@@ -184,10 +200,20 @@ class Engine:
             return [self._forward([c])[0] for c in chunks]  # find the failing request: one chunk at a time
 
     def _run(self, chunks):
+        """Per chunk: its logits row [V] ("last"), rows [n, V] ("all") or None."""
         batch = Batch([SeqChunk(c.slot.kv, c.start, np.asarray(c.token_ids, dtype=np.int64), c.logits)
                        for c in chunks])
-        rows = iter(self.model.forward(batch))
-        return [next(rows) if c.logits == "last" else None for c in chunks]
+        logits, out, at = self.model.forward(batch), [], 0  # [T_out, V]
+        for c in chunks:
+            n = {"last": 1, "all": len(c.token_ids)}.get(c.logits, 0)
+            out.append(logits[at] if c.logits == "last" else logits[at:at + n] if n else None)
+            at += n
+        return out
+
+    def _draft(self, slot, limit):
+        """Scheduler callback: the slot's draft tokens for this step (none when its request does not draft)."""
+        live = self._live.get(slot.request.request_id)
+        return live.spec.draft(limit) if live is not None and live.spec is not None else []
 
     def _start_masks(self, chunks):
         """The next-token masks of the constrained slots sampled this step, as a `_StepMasks` being filled."""
@@ -200,8 +226,8 @@ class Engine:
             return None
         return _StepMasks(list(matchers), self._mask_pool.submit(self.grammar.fill_masks, list(matchers.values())))
 
-    def _postprocess(self, chunks, logits, masks=None):
-        for chunk, row in zip(chunks, logits):
+    def _postprocess(self, step, logits, masks=None):
+        for chunk, row in zip(step.chunks, logits):
             slot = chunk.slot
             if isinstance(row, _Failed):  # a model or device error: the KV of this slot may be invalid, not parked
                 message = str(row.error) if isinstance(row.error, RequestError) else \
@@ -210,7 +236,9 @@ class Engine:
                 continue
             try:
                 self.scheduler.advance(chunk)
-                if row is not None:
+                if chunk.logits == "all":
+                    step.num_accepted += self._verify(slot, chunk, row)
+                elif row is not None:
                     self._sample(slot, row, masks)
             except GrammarError as exc:  # the request's own grammar: its message is the client's to read
                 log.warning("request %s failed: %s", slot.request.request_id, exc)
@@ -231,9 +259,28 @@ class Engine:
             raise GrammarError(f"the grammar refused token {token_id}: {live.matcher.error}")
         self._emit(slot, token_id, logprob, live.matcher is not None and live.matcher.done)
 
+    def _verify(self, slot, chunk, rows):
+        """Keep the slot's accepted drafts and one more token from its verification rows [1 + k, V], roll the
+        KV back past them, emit them; returns the number of drafts kept."""
+        request = slot.request
+        live = self._live[request.request_id]
+        tokens, adjusted = verify(live.sampler, rows, chunk.token_ids[1:])
+        num_accepted = len(tokens) - 1
+        live.spec.record(len(chunk.token_ids) - 1, num_accepted)
+        self.scheduler.rollback(slot, chunk.start + len(tokens))
+        for i, (token_id, row) in enumerate(zip(tokens, adjusted)):
+            slot.num_cached = chunk.start + i + 1  # as plain decoding has it when this token is sampled
+            logprob = token_logprob(row, token_id, request.top_logprobs) if live.logprobs is not None else None
+            if self._emit(slot, token_id, logprob):
+                break
+        return num_accepted
+
     def _emit(self, slot, token_id, logprob=None, grammar_done=False):
-        """Append a sampled token and push its text; a complete grammar ends the request as an end token does."""
+        """Append a sampled token and push its text; a complete grammar ends the request as an end token does.
+        Returns True when the token ended the request."""
         live = self._live[slot.request.request_id]
+        if live.spec is not None:
+            live.spec.extend([token_id])
         reason = self.scheduler.append_token(slot, token_id)
         self.stats.generated_tokens += 1
         is_eos = reason == "stop"
@@ -255,6 +302,7 @@ class Engine:
             self.scheduler.finish(slot, reason)
             self._end(slot.request.request_id, slot, reason)
             self.scheduler.release(slot)
+        return reason is not None
 
     def _fail(self, slot, message, keep_kv=True):
         self.scheduler.finish(slot, "error")
@@ -279,6 +327,8 @@ class Engine:
         now = self.clock()
         t = timings(len(slot.request.prompt_ids) - slot.cache_n, slot.prompt_finished - slot.prompt_started,
                     len(slot.output_ids), now - slot.prompt_finished, cache_n=slot.cache_n)
+        if live.spec is not None:
+            t.update(draft_n=live.spec.draft_n, draft_n_accepted=live.spec.draft_n_accepted)
         log.info("request %s done (%s): prompt %d tokens read in %.0f ms (%.1f tok/s), %d restored, %d tokens in "
                  "%.0f ms (%.1f tok/s), queued %.0f ms", request_id, reason, t["prompt_n"], t["prompt_ms"],
                  t["prompt_per_second"], t["cache_n"],

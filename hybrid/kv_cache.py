@@ -112,6 +112,8 @@ class SequenceKV:
     """One sequence's positions [0, length) in `pool`, at most max_tokens of them. Its blocks go back to
     the pool when it is cut (`truncate`) or dropped."""
 
+    supports_rollback = True  # `rollback` may drop a verification chunk's rejected positions (speculation)
+
     def __init__(self, pool, max_tokens):
         self.pool, self.max_tokens = pool, max_tokens
         self.dtype, self.num_layers = pool.dtype, pool.num_layers
@@ -188,6 +190,11 @@ class SequenceKV:
         for layer in range(self.num_layers):
             self.write(layer, 0, k[layer], v[layer])
         self.length = n
+
+    def rollback(self, length):
+        """Drop the positions [length, self.length) of the last step's chunk (drafts the sampler rejected): the
+        sequence is then as if it had never seen them (positions past `length` are rewritten before read)."""
+        self.truncate(length)
 
     def truncate(self, length):
         """Keep positions [0, length); the blocks past them go back to the pool."""

@@ -82,11 +82,20 @@ class Sampler:
             logits = logits + _MASK_ADD.take(allowed.view(np.uint8))  # [V]; a gather: no branch per token
         return logits
 
+    @property
+    def greedy(self):
+        return self.params.temperature <= 0
+
     def draw(self, logits):
         """Adjusted logits [V] -> token id."""
-        p = self.params
-        if p.temperature <= 0:
+        if self.greedy:
             return int(np.argmax(logits))
+        candidates, probs = self.distribution(logits)
+        return int(candidates[self.rng.choice(len(candidates), p=probs)])
+
+    def distribution(self, logits):
+        """Adjusted logits [V] -> (token ids [C], probabilities [C]): what `draw` samples from (not greedy)."""
+        p = self.params
         logits = logits.astype(np.float64, copy=False)
         with np.errstate(over="ignore"):  # a tiny temperature sends all but the top logits to -inf: greedy
             scaled = (logits - logits.max()) / p.temperature  # [V], <= 0
@@ -103,7 +112,7 @@ class Sampler:
         if p.top_p < 1.0:
             keep = min(int(np.searchsorted(np.cumsum(weights) / total, p.top_p)) + 1, len(weights))
             candidates, weights = candidates[:keep], weights[:keep]
-        return int(candidates[self.rng.choice(len(candidates), p=weights / weights.sum())])
+        return candidates, weights / weights.sum()
 
 
 @dataclass

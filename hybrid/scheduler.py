@@ -62,6 +62,7 @@ class Slot:
     finish_reason: str = None
     prompt_started: float = 0.0
     prompt_finished: float = 0.0
+    drafts: list = field(default_factory=list)  # draft tokens scored in this step's decode chunk
 
     @property
     def num_prompt_left(self):
@@ -78,14 +79,16 @@ class ScheduledChunk:
     slot: Slot
     token_ids: list
     start: int
-    logits: str  # "last" when a token is sampled after this chunk, else "none"
+    logits: str  # "last" when a token is sampled after this chunk, "all" for a decode chunk with drafts, else "none"
 
 
 @dataclass
 class Step:
     chunks: list  # decode chunks first, then at most one prompt chunk
     cancelled: list  # requests dropped this step (from the queue or from a slot)
-    num_decode: int = 0
+    num_decode: int = 0  # decoding slots (each scores one token, and its drafts)
+    num_draft: int = 0  # draft tokens in the decode chunks
+    num_accepted: int = 0  # drafts the sampler kept (set after the step)
     num_prompt: int = 0
     prompt_waiting: bool = False  # a slot is reading a prompt (whether or not this step carries a chunk)
 
@@ -204,10 +207,11 @@ class ChunkSizer:
 class Scheduler:
     def __init__(self, num_slots, new_sequence, max_context, eos_ids=(), max_queue=64,
                  decode_share=DEFAULT_DECODE_SHARE, max_step_tokens=DEFAULT_STEP_TOKENS, clock=time.perf_counter,
-                 restore_prefix=None, park=None):
+                 restore_prefix=None, park=None, draft=None):
         """restore_prefix(prompt_ids, kv) -> tokens restored: fills a new slot's KV from parked conversations.
 
         park(token_ids, kv, finish_reason): keeps the KV of an ending request's computed positions (token_ids).
+        draft(slot, limit) -> at most `limit` draft tokens to score after the slot's last token (speculation).
         """
         if num_slots < 1:
             raise ValueError(f"the number of slots must be >= 1, got {num_slots}")
@@ -219,7 +223,7 @@ class Scheduler:
         self.eos_ids = frozenset(eos_ids)
         self.sizer = ChunkSizer(decode_share, max_step_tokens)
         self.clock = clock
-        self.restore_prefix, self.park = restore_prefix, park
+        self.restore_prefix, self.park, self.draft = restore_prefix, park, draft
 
     def add(self, request):
         if len(self.queue) >= self.max_queue:
@@ -232,19 +236,27 @@ class Scheduler:
     def schedule(self):
         cancelled = self._drop_cancelled()
         self._admit()
-        chunks = [ScheduledChunk(s, [s.output_ids[-1]], s.num_cached, "last")
-                  for s in self.slots if s.state is SlotState.DECODE]
-        step = Step(chunks, cancelled, num_decode=len(chunks))
+        chunks = [self._decode_chunk(s) for s in self.slots if s.state is SlotState.DECODE]
+        step = Step(chunks, cancelled, num_decode=len(chunks), num_draft=sum(len(c.slot.drafts) for c in chunks))
         reading = [s for s in self.slots if s.state is SlotState.PREFILL]
         if reading:
             slot = min(reading, key=lambda s: s.prompt_started)
-            n = self.sizer.size(step.num_decode, slot.num_prompt_left)
+            n = self.sizer.size(step.num_decode + step.num_draft, slot.num_prompt_left)
             step.prompt_waiting, step.num_prompt = True, n
             if n:
                 ids = slot.request.prompt_ids[slot.num_cached : slot.num_cached + n]
                 last = n == slot.num_prompt_left
                 chunks.append(ScheduledChunk(slot, ids, slot.num_cached, "last" if last else "none"))
         return step
+
+    def _decode_chunk(self, slot):
+        """The slot's last token, then the drafts that fit its max_tokens and the context."""
+        slot.drafts = []
+        if self.draft is not None:
+            limit = min(slot.request.params.max_tokens - len(slot.output_ids), self.max_context - slot.num_cached) - 1
+            slot.drafts = list(self.draft(slot, limit)) if limit > 0 else []
+        return ScheduledChunk(slot, [slot.output_ids[-1]] + slot.drafts, slot.num_cached,
+                              "all" if slot.drafts else "last")
 
     def _drop_cancelled(self):
         dropped = [r for r in self.queue if r.cancelled]
@@ -274,6 +286,11 @@ class Scheduler:
         slot.num_cached += len(chunk.token_ids)
         if slot.state is SlotState.PREFILL and slot.num_prompt_left == 0:
             slot.state, slot.prompt_finished = SlotState.DECODE, self.clock()
+
+    def rollback(self, slot, num_cached):
+        """After a verification step: keep the slot's first num_cached positions (the rejected drafts' go)."""
+        slot.num_cached = num_cached
+        slot.kv.rollback(num_cached)
 
     def append_token(self, slot, token_id):
         """Append a sampled token; returns the finish reason when it ends the request, else None."""

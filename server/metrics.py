@@ -17,6 +17,8 @@ class EngineCollector:
         yield requests
         yield CounterMetricFamily("strata_prompt_tokens", "Prompt tokens read", value=stats.prompt_tokens)
         yield CounterMetricFamily("strata_generated_tokens", "Tokens generated", value=stats.generated_tokens)
+        yield CounterMetricFamily("strata_draft_n", "Draft tokens scored (speculative decoding)", value=stats.draft_n)
+        yield CounterMetricFamily("strata_draft_n_accepted", "Draft tokens accepted", value=stats.draft_n_accepted)
         slots = GaugeMetricFamily("strata_slots", "Slots by state", labels=["state"])
         for state in SlotState:
             slots.add_metric([state.value], sum(1 for s in snapshot["slots"] if s["state"] == state.value))

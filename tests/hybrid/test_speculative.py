@@ -1,0 +1,219 @@
+"""Speculative decoding: the n-gram drafter, the acceptance rule, and the engine with drafts.
+
+The engine's sampling test runs a fake trigram model (logits from a table, no kernels) so that hundreds of
+seeded requests cost a second; the greedy and rollback tests run the demo model (random weights: greedy
+decoding of it soon repeats itself, so n-gram drafts are both accepted and rejected).
+"""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hybrid.batch import Batch, SeqChunk
+from hybrid.engine import Engine
+from hybrid.request import Finished, Request
+from hybrid.sampling import Sampler, SamplingParams
+from hybrid.speculative import SpecSettings
+from hybrid.speculative.acceptance import verify
+from hybrid.speculative.ngram import NgramDrafter
+from hybrid.speculative.slot import SlotSpeculation
+
+CHI2_999 = {7: 24.32}  # chi-square quantile 0.999 by degrees of freedom
+ALWAYS = SpecSettings(k=4, ngram=3, min_p=0.0)
+
+
+def test_ngram_drafts_what_followed_the_latest_match():
+    d = NgramDrafter(3)
+    d.extend([5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6])
+    assert d.draft(3) == [7, 1, 2]  # "5 6" last followed by 7, then "5 6 7" by 1 ...
+    d.extend([7])
+    assert d.draft(2) == [1, 2]
+    assert NgramDrafter(3).draft(4) == []
+
+
+def test_ngram_drafts_repeat_a_loop_past_the_text_end():
+    d = NgramDrafter(2)
+    d.extend([3, 4, 3, 4, 3])
+    assert d.draft(5) == [4, 3, 4, 3, 4]
+
+
+def test_ngram_confidence_stops_the_draft():
+    d = NgramDrafter(1)
+    d.extend([1, 2, 1, 3, 1, 4, 1])  # 1 was followed by 2, 3, 4: the latest (4) has a third of the votes
+    assert d.draft(3, min_p=0.5) == []
+    assert d.draft(1, min_p=0.3) == [4]
+
+
+def test_adaptive_k_follows_acceptance():
+    spec = SlotSpeculation(SpecSettings(k=4), [1, 2, 3])
+    spec.record(4, 1)
+    spec.record(3, 0)
+    assert spec.k == 2
+    spec.record(2, 2)
+    assert spec.k == 4 and (spec.draft_n, spec.draft_n_accepted) == (9, 3)
+
+
+def test_greedy_verify_keeps_the_argmax_prefix():
+    rows = np.zeros((4, 6), np.float32)
+    rows[0, 2] = rows[1, 3] = rows[2, 5] = rows[3, 1] = 1.0
+    sampler = Sampler(SamplingParams(temperature=0))
+    assert verify(sampler, rows, [2, 3, 4])[0] == [2, 3, 5]
+    assert verify(sampler, rows, [2, 3, 5])[0] == [2, 3, 5, 1]
+
+
+def test_acceptance_rule_keeps_the_distribution():
+    """One position, a draft of any probability: the emitted token is distributed as p (with top-k / top-p)."""
+    rng = np.random.default_rng(0)
+    row = rng.normal(0, 1.5, 8).astype(np.float32)
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, min_p=0.0, seed=0)
+    candidates, probs = Sampler(params).distribution(row)
+    p = np.zeros(8)
+    p[candidates] = probs
+    num = 4000
+    for draft in (int(np.argmax(p)), int(candidates[-1]), int(np.argmin(row))):
+        sampler = Sampler(SamplingParams(**{**params.__dict__, "seed": draft}))
+        counts = np.bincount([verify(sampler, np.stack([row, row]), [draft])[0][0] for _ in range(num)], minlength=8)
+        assert counts[p == 0].sum() == 0
+        expected = num * p[p > 0]
+        assert ((counts[p > 0] - expected) ** 2 / expected).sum() < CHI2_999[7]
+
+
+class TokenSequence:
+    """A fake model's cache entry: the tokens it has read (rolled back as the KV is)."""
+
+    supports_rollback = True
+
+    def __init__(self):
+        self.tokens = []
+
+    def truncate(self, length):
+        del self.tokens[length:]
+
+    rollback = truncate
+
+
+class TrigramModel:
+    """Next-token logits from the last two tokens read (a random table over the first `used` ids): the engine
+    path of real models without kernels. Asserts that every chunk starts where the sequence ends."""
+
+    def __init__(self, vocab_size, used=8, seed=0):
+        rng = np.random.default_rng(seed)
+        self.used = used
+        self.config = SimpleNamespace(vocab_size=vocab_size, num_layers=1, num_experts=1, num_experts_per_tok=1)
+        self.table = np.full((used, used, vocab_size), -np.inf, np.float32)  # [prev, last, V]
+        self.table[:, :, :used] = rng.normal(0, 1.2, (used, used, used))
+
+    def new_sequence(self, max_tokens):
+        return TokenSequence()
+
+    def forward(self, batch):
+        rows = []
+        for chunk in batch.chunks:
+            seq = chunk.kv.tokens
+            assert chunk.start == len(seq), "a chunk must start where its sequence ends"
+            seq.extend(int(t) for t in chunk.token_ids)
+            wanted = range(chunk.start, len(seq)) if chunk.logits == "all" else \
+                [len(seq) - 1] if chunk.logits == "last" else []
+            rows += [self.table[seq[j - 1], seq[j]] for j in wanted]
+        return np.asarray(rows, np.float32).reshape(len(rows), self.config.vocab_size)
+
+    def exact(self, prompt, positions):
+        """Marginal distributions [positions, used] of the next `positions` tokens at temperature 1."""
+        p = np.exp(self.table[:, :, :self.used])
+        p /= p.sum(-1, keepdims=True)  # [prev, last, next]
+        pairs = np.zeros((self.used, self.used))
+        pairs[prompt[-2], prompt[-1]] = 1.0  # probability of (prev, last)
+        out = []
+        for _ in range(positions):
+            pairs = np.einsum("ab,abc->bc", pairs, p)
+            out.append(pairs.sum(0))
+        return np.asarray(out)
+
+
+def test_sampling_with_drafts_keeps_each_positions_distribution(demo_tokenizer):
+    """800 seeded requests, 4 slots: the first 4 tokens' marginals match the model's exact ones (chi-square at
+    p = 0.001), while drafts were both accepted and rejected (the prompt holds every token, so each has a
+    draft; the first token is sampled after the prompt, the others after drafts)."""
+    model = TrigramModel(demo_tokenizer.vocab_size)
+    llm = SimpleNamespace(model=model, tokenizer=demo_tokenizer, max_context=64)
+    prompt, num, positions = [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 5, 6, 3, 1, 2], 800, 4
+    engine = Engine(llm, num_slots=4, max_queue=num, speculation=ALWAYS).start()
+    try:
+        params = dict(max_tokens=positions, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
+        handles = [engine.submit(Request(prompt, SamplingParams(**params, seed=s))) for s in range(num)]
+        outputs = np.asarray([h.result().token_ids for h in handles])  # [num, positions]
+    finally:
+        engine.stop()
+    assert 0 < engine.stats.draft_n_accepted < engine.stats.draft_n
+    for i, p in enumerate(model.exact(prompt, positions)):
+        counts = np.bincount(outputs[:, i], minlength=model.used)
+        assert ((counts - num * p) ** 2 / (num * p)).sum() < CHI2_999[model.used - 1], f"position {i}"
+
+
+GREEDY_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "Hello there, hello there, hello",
+                  "abc abc abc abc", "x = 1\ny = 2\nx = 1\n"]
+
+
+def _serve(llm, prompts, num_slots, speculation, **params):
+    engine = Engine(llm, num_slots=num_slots, speculation=speculation).start()
+    try:
+        handles = [engine.submit(Request(list(p), SamplingParams(**params))) for p in prompts]
+        return [h.result() for h in handles], engine.stats
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(demo_llm):
+    prompts = [demo_llm.tokenizer.encode(t) for t in GREEDY_PROMPTS]
+    return prompts, [demo_llm.generate(p, max_tokens=24, temperature=0).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("num_slots", [1, 4])
+def test_greedy_with_drafts_equals_plain_greedy(demo_llm, greedy_reference, num_slots):
+    prompts, reference = greedy_reference
+    results, stats = _serve(demo_llm, prompts, num_slots, ALWAYS, max_tokens=24, temperature=0)
+    assert [r.token_ids for r in results] == reference
+    assert stats.draft_n_accepted > 0 and stats.draft_n > stats.draft_n_accepted
+    assert sum(r.timings["draft_n"] for r in results) == stats.draft_n
+    assert all(isinstance(r, Finished) and r.finish_reason == "length" for r in results)
+
+
+def test_logprobs_and_stops_with_drafts(demo_llm, greedy_reference):
+    """Each emitted token's logprob is the one plain decoding reports; a stop string cuts the same text."""
+    prompts, _ = greedy_reference
+    params = dict(max_tokens=24, temperature=0, stop=["there"])
+    plain, _ = _serve(demo_llm, prompts, 2, None, **params)
+    drafted, _ = _serve(demo_llm, prompts, 2, ALWAYS, **params)
+    assert [r.text for r in drafted] == [r.text for r in plain]
+    plain, _ = _serve(demo_llm, prompts[:2], 2, None, max_tokens=16, temperature=0)
+    reqs = [Request(list(p), SamplingParams(max_tokens=16, temperature=0), logprobs=True, top_logprobs=2)
+            for p in prompts[:2]]
+    engine = Engine(demo_llm, num_slots=2, speculation=ALWAYS).start()
+    try:
+        results = [engine.submit(r).result() for r in reqs]
+    finally:
+        engine.stop()
+    for got, want in zip(results, plain):
+        assert got.token_ids == want.token_ids and [lp.token_id for lp in got.logprobs] == want.token_ids
+        assert all(np.isfinite(lp.logprob) and len(lp.top) == 2 for lp in got.logprobs)
+
+
+def test_rollback_leaves_the_kv_as_if_the_drafts_were_never_seen(demo_llm):
+    """A verification chunk crossing a block boundary, rolled back to its first two tokens: its block past them
+    goes back to the pool, and the sequence then equals, bit for bit (KV and next logits), one that was loaded
+    with the kept positions only and never held the rejected ones."""
+    model, rng = demo_llm.model, np.random.default_rng(3)
+    a = model.new_sequence(128)
+    model.forward(Batch([SeqChunk(a, 0, rng.integers(3, 900, 62), "none")]))
+    model.forward(Batch([SeqChunk(a, 62, np.array([5, 6, 7, 8]), "all")]))
+    kept = a.export(64)
+    free = model.kv_pool.blocks_free
+    a.rollback(64)
+    assert a.length == 64 and a.capacity == 64 and model.kv_pool.blocks_free == free + 1
+    fresh = model.new_sequence(128)
+    fresh.load(*kept)
+    logits = [model.forward(Batch([SeqChunk(kv, 64, np.array([9, 10, 11]), "all")])) for kv in (a, fresh)]
+    assert np.array_equal(logits[0], logits[1])
+    for x, y in zip(a.export(67), fresh.export(67)):
+        assert np.array_equal(x, y)
