@@ -65,6 +65,7 @@ def build(config=None, llm_options=None, conversations=None, max_body_bytes=DEFA
     max_body_bytes: a larger request body is refused (413) before it is read."""
     from hybrid.engine import Engine
     from hybrid.llm import LLM
+    from hybrid.speculative import SpecSettings
 
     config = config or EngineConfig.resolve()
     max_queue = queue_limit(config)
@@ -75,8 +76,10 @@ def build(config=None, llm_options=None, conversations=None, max_body_bytes=DEFA
     log_budget(llm, config.parallel, max_queue)
     log.info("kernels ready in %.1f s (compiled on a first run, else loaded from Numba's cache)", llm.warm_up())
     engine = Engine(llm, num_slots=config.parallel, max_queue=max_queue, decode_share=config.decode_share,
-                    conversation_cache=conversation_cache(llm, conversations)).start()
-    log.info("engine: %d slots, decode share %.2f", config.parallel, config.decode_share)
+                    conversation_cache=conversation_cache(llm, conversations),
+                    speculation=SpecSettings.of(config)).start()
+    log.info("engine: %d slots, decode share %.2f, up to %d n-gram drafts per step", config.parallel,
+             config.decode_share, config.spec)
     return create_app(engine, name, api_key=config.api_key, description=description,
                       max_body_bytes=max_body_bytes), engine
 
