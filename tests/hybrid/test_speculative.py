@@ -163,6 +163,13 @@ def _serve(llm, prompts, num_slots, speculation, **params):
         engine.stop()
 
 
+def serve_ids(model, tokenizer, prompts, num_slots, speculation, max_tokens=24):
+    """Greedy output token ids of `prompts` served by an engine over `model`, and the engine's stats."""
+    llm = SimpleNamespace(model=model, tokenizer=tokenizer, max_context=256)
+    results, stats = _serve(llm, prompts, num_slots, speculation, max_tokens=max_tokens, temperature=0)
+    return [r.token_ids for r in results], stats
+
+
 @pytest.fixture(scope="module")
 def greedy_reference(demo_llm):
     prompts = [demo_llm.tokenizer.encode(t) for t in GREEDY_PROMPTS]
