@@ -64,21 +64,30 @@ LAYER_NUMBERS = frozenset(("index", "num_heads", "num_kv_heads", "head_dim", "ep
                            "num_experts_per_tok", "norm_topk_prob", "rotary_dim"))
 
 
-def _layer_weights(weights, index, spec, name_index=None):
-    """Layer `index`'s LayerWeights: its tensors `blk.{name_index or index}.*` as its recipe declares them, vectors
-    (norms, biases) as float32 arrays."""
+def _layer_weights(weights, index, spec):
+    """Layer `index`'s LayerWeights: its tensors `blk.{index}.*` as its recipe declares them, vectors (norms,
+    biases) as float32 arrays."""
     c = weights.config
-    blk = index if name_index is None else name_index
     fields = {}
     for t in spec.layer_tensors(c, index):
-        tensor = weights.get(f"blk.{blk}.{t.gguf}")
+        tensor = weights.get(f"blk.{index}.{t.gguf}")
         if tensor is not None and len(tensor.shape) == 1:
             tensor = np.ascontiguousarray(dequantize(tensor))
         fields[t.field] = tensor
     return LayerWeights(
-        index=blk, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        index=index, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         eps=c.rms_norm_eps, rope_theta=c.rope_theta, num_experts_per_tok=c.num_experts_per_tok,
         norm_topk_prob=c.norm_topk_prob, rotary_dim=c.rotary_dim or c.head_dim, **fields)
+
+
+def _nextn(weights, spec):
+    """The NextN (MTP) layers after the decoder layers, loaded and kept for a drafter, not run: ([LayerWeights] of
+    their decoder layer, [{suffix after "nextn.": QuantTensor}] of their own tensors: eh_proj, enorm, hnorm, ...)."""
+    c = weights.config
+    indices = range(c.num_layers, c.num_layers + c.num_nextn_layers)
+    own = [{name.split(".nextn.", 1)[1]: t for name, t in weights.tensors.items() if name.startswith(f"blk.{i}.nextn.")}
+           for i in indices]
+    return [_layer_weights(weights, i, spec) for i in indices], own
 
 
 class Model:
@@ -99,6 +108,7 @@ class Model:
         self.backend = backend
         self.recipes = tuple(self.spec.layer_recipe(self.config, i) for i in range(self.config.num_layers))
         self.layers = [_layer_weights(weights, i, self.spec) for i in range(self.config.num_layers)]
+        self.nextn_layers, self.nextn_tensors = _nextn(weights, self.spec)
         self.token_embd = weights["token_embd.weight"]
         self.output_norm = np.ascontiguousarray(dequantize(weights["output_norm.weight"]))
         tied = self.config.tie_word_embeddings

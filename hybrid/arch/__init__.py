@@ -1,8 +1,8 @@
 """Architecture families, looked up by GGUF `general.architecture` or HF `model_type`."""
 from ..errors import ModelError
-from . import qwen3moe
+from . import glm4moe, qwen3moe
 
-ARCHS = {spec.name: spec for spec in (qwen3moe.SPEC,)}
+ARCHS = {spec.name: spec for spec in (qwen3moe.SPEC, glm4moe.SPEC)}
 
 
 def arch_for_gguf(name, source):

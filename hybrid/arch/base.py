@@ -129,7 +129,9 @@ class ArchSpec:
     recipe, or recipe_for(config, layer) where layers differ; config_from_gguf(fields, source, vocab_size,
     tie_word_embeddings, tensor_names) and config_from_hf(config_json, source) -> ModelConfig; norm_names: the
     family's names of a block's norm (NORM_TENSORS' entries it renames); extra_tensors(config) -> {name: shape}:
-    tensors outside the layers' recipes that a file must have (e.g. NextN layers)."""
+    tensors outside the layers' recipes that a file must have (e.g. NextN layers); write_gguf_hparams(writer,
+    config): the family's GGUF keys beyond the common ones, block_count and feed_forward_length included (None:
+    the MoE layers' width as feed_forward_length, as qwen3moe's files have)."""
 
     name: str
     hf_model_types: tuple
@@ -139,6 +141,7 @@ class ArchSpec:
     recipe_for: Optional[Callable] = None
     norm_names: tuple = ()
     extra_tensors: Optional[Callable] = None
+    write_gguf_hparams: Optional[Callable] = None
 
     def layer_recipe(self, config, layer):
         """The recipe of layer `layer` (0-based)."""

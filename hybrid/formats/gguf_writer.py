@@ -9,16 +9,21 @@ import logging
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 
+from ..arch import ARCHS
 from .gguf_tokenizer import add_tokenizer_to_writer
 
 log = logging.getLogger(__name__)
 
 
 def _add_hparams(writer, config):
+    spec = ARCHS[config.arch]
     writer.add_context_length(config.context_length)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_layers)
-    writer.add_feed_forward_length(config.moe_intermediate_size)
+    if spec.write_gguf_hparams is None:
+        writer.add_block_count(config.num_layers)
+        writer.add_feed_forward_length(config.moe_intermediate_size)
+    else:
+        spec.write_gguf_hparams(writer, config)
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_key_length(config.head_dim)

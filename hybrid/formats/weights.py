@@ -25,6 +25,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on the q, k and v projections
+    qk_norm: bool = False  # per-head q/k RMSNorm (where the family makes it optional)
     rotary_dim: int = 0  # dims of each head RoPE rotates (the first ones); 0: the whole head
     first_dense_layers: int = 0  # leading layers with a dense FFN instead of experts
     dense_intermediate_size: int = 0  # their FFN width

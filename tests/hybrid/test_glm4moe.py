@@ -1,0 +1,118 @@
+"""glm4moe (GLM-4.5/4.6/4.7): tiny random models against transformers' Glm4MoeForCausalLM (float32), its GGUF
+names and keys, the NextN layer kept, and one-line errors on bad files."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import hybrid
+from hybrid.errors import ModelError
+from tests.hybrid.glm4moe_models import glm_greedy, glm_logits, reference_dir, save_glm_hf_dir, write_glm_gguf
+
+PROMPT_IDS = [5, 17, 300, 42, 7, 99, 123, 64, 8, 250, 11, 3, 77, 500, 21, 9, 300, 42, 1, 2,
+              60, 61, 62, 400, 33, 34, 35, 36, 37]  # 29 tokens: prefill size
+
+
+def rel_err(ours, ref):
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def glm_hf_dir(tmp_path_factory, demo_tokenizer):
+    return save_glm_hf_dir(str(tmp_path_factory.mktemp("glm-hf")), demo_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def glm_files(tmp_path_factory, glm_hf_dir):
+    """target -> (GGUF path, reference HF directory on its dequantized weights); built on first use."""
+    cache = {}
+
+    def get(target):
+        if target not in cache:
+            directory = tmp_path_factory.mktemp(f"glm-{target}")
+            path = write_glm_gguf(glm_hf_dir, str(directory / f"glm-{target}.gguf"), target)
+            cache[target] = (path, reference_dir(path, glm_hf_dir, str(directory)))
+        return cache[target]
+
+    return get
+
+
+@pytest.mark.parametrize("target,tol", [("F32", 1e-4), ("Q8_0", 2e-3)])
+def test_gguf_logits_match_transformers(glm_files, target, tol):
+    path, ref_dir = glm_files(target)
+    llm = hybrid.LLM(path, device="cpu")
+    ours = llm.score(PROMPT_IDS)
+    assert rel_err(ours, glm_logits(ref_dir, PROMPT_IDS)) <= tol
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["F32", "Q8_0"])
+def test_greedy_generation_matches_transformers(glm_files, target):
+    path, ref_dir = glm_files(target)
+    llm = hybrid.LLM(path, device="cpu")
+    out = llm.generate(PROMPT_IDS[:9], max_tokens=32, temperature=0.0, ignore_eos=True)
+    assert out.token_ids == glm_greedy(ref_dir, PROMPT_IDS[:9], 32)
+
+
+def test_safetensors_dir_matches_transformers(glm_hf_dir):
+    llm = hybrid.LLM(glm_hf_dir, device="cpu")
+    assert rel_err(llm.score(PROMPT_IDS), glm_logits(glm_hf_dir, PROMPT_IDS)) <= 1e-4
+
+
+def test_gguf_names_keys_and_nextn_layer(glm_files):
+    """llama.cpp's names (gguf-py's MODEL_TENSORS[GLM4_MOE]) and keys; the NextN layer loaded and kept, not run."""
+    from gguf import GGUFReader
+    from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
+
+    path, _ = glm_files("F32")
+    reader = GGUFReader(path)
+    allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[MODEL_ARCH.GLM4_MOE]}
+    for t in reader.tensors:
+        stem = t.name.rsplit(".", 1)[0]
+        generic = "blk.{bid}." + stem.split(".", 2)[2] if stem.startswith("blk.") else stem
+        assert generic in allowed, t.name
+    keys = {f.name for f in reader.fields.values()}
+    for key in ("block_count", "leading_dense_block_count", "expert_shared_count", "expert_gating_func",
+                "expert_weights_scale", "expert_group_count", "expert_group_used_count", "rope.dimension_count",
+                "nextn_predict_layers"):
+        assert f"glm4moe.{key}" in keys
+    llm = hybrid.LLM(path, device="cpu")
+    c = llm.config
+    assert (c.num_layers, c.num_nextn_layers, c.first_dense_layers, c.rotary_dim) == (3, 1, 1, 8)
+    model = llm.model
+    assert [layer.index for layer in model.nextn_layers] == [3]
+    assert model.nextn_layers[0].gate_shexp is not None
+    assert set(model.nextn_tensors[0]) == {"eh_proj.weight", "enorm.weight", "hnorm.weight",
+                                           "shared_head_norm.weight"}
+    assert len(model.layers) == 3 and model.kv_pool.num_layers == 3
+
+
+def _write_without(glm_hf_dir, path, monkeypatch, drop_key=None, drop_tensor=None):
+    """A tiny glm4moe GGUF without one metadata key or one tensor."""
+    from hybrid.arch import ARCHS, glm4moe
+    from hybrid.formats import gguf_writer
+
+    if drop_key is not None:
+        def hparams(writer, config):
+            glm4moe.write_gguf_hparams(writer, config)
+            writer.kv_data[0].pop(f"glm4moe.{drop_key}")
+
+        monkeypatch.setitem(ARCHS, "glm4moe", dataclasses.replace(ARCHS["glm4moe"], write_gguf_hparams=hparams))
+    if drop_tensor is not None:
+        write = gguf_writer.write_gguf
+        monkeypatch.setattr(gguf_writer, "write_gguf", lambda p, config, tensors, *a, **k: write(
+            p, config, [t for t in tensors if t.name != drop_tensor], *a, **k))
+    return write_glm_gguf(glm_hf_dir, path, "F32")
+
+
+@pytest.mark.parametrize("drop_key,drop_tensor,message", [
+    ("feed_forward_length", None, "missing GGUF metadata 'glm4moe.feed_forward_length'"),
+    (None, "blk.1.ffn_gate_shexp.weight", "missing tensor 'blk.1.ffn_gate_shexp.weight'"),
+    (None, "blk.3.nextn.eh_proj.weight", "missing tensor 'blk.3.nextn.eh_proj.weight'"),
+])
+def test_missing_glm_key_or_tensor_is_one_line_error(glm_hf_dir, tmp_path, monkeypatch, drop_key, drop_tensor,
+                                                     message):
+    path = _write_without(glm_hf_dir, str(tmp_path / "bad.gguf"), monkeypatch, drop_key, drop_tensor)
+    with pytest.raises(ModelError) as err:
+        hybrid.LLM(path, device="cpu")
+    assert message in str(err.value) and "\n" not in str(err.value)
