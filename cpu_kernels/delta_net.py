@@ -9,7 +9,8 @@ tokens, each chunk's updates condensed into small matrix products (the UT transf
 as transformers' torch_chunk_gated_delta_rule), the state read and written once a chunk.
 
 Shape legend: T tokens, C conv channels (2 Hk Dk + Hv Dv), W conv width, Hk key heads, Hv value heads
-(a multiple of Hk: key head h // (Hv / Hk) serves value head h), Dk / Dv key / value head dim, L chunk tokens.
+(a multiple of Hk: key head h // (Hv / Hk) serves value head h, or h % Hk where `tiled`, as llama.cpp's
+qwen35moe files order them), Dk / Dv key / value head dim, L chunk tokens.
 """
 import numpy as np
 from numba import njit, prange
@@ -67,19 +68,20 @@ def _l2_normed(x, scale, out):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def delta_rule_recurrent(q, k, v, g, beta, state, out):
+def delta_rule_recurrent(q, k, v, g, beta, state, out, tiled=False):
     """Token by token: q, k [T, Hk, Dk] (raw: normed here), v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv]
     float32 (updated in place) -> out [T, Hv, Dv]."""
     num_tokens, num_v_heads, dv = v.shape
     num_k_heads, dk = q.shape[1], q.shape[2]
     group = num_v_heads // num_k_heads
     for h in prange(num_v_heads):
+        kh = h % num_k_heads if tiled else h // group
         s = state[h]  # [Dk, Dv]
         qn, kn = np.empty(dk, np.float32), np.empty(dk, np.float32)
         kv_mem, o = np.empty(dv, np.float32), np.empty(dv, np.float32)
         for t in range(num_tokens):
-            _l2_normed(q[t, h // group], 1.0 / np.sqrt(dk), qn)
-            _l2_normed(k[t, h // group], 1.0, kn)
+            _l2_normed(q[t, kh], 1.0 / np.sqrt(dk), qn)
+            _l2_normed(k[t, kh], 1.0, kn)
             decay = np.float32(np.exp(g[t, h]))
             kv_mem[:] = 0.0
             for i in range(dk):
@@ -151,13 +153,14 @@ def _chunk(qn, kn, vb, cum, beta, s, system, u, w, out):
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def delta_rule_chunked(q, k, v, g, beta, state, out):
+def delta_rule_chunked(q, k, v, g, beta, state, out, tiled=False):
     """The recurrence of delta_rule_recurrent (same arguments) by chunks of CHUNK_TOKENS tokens."""
     num_tokens, num_v_heads, dv = v.shape
     num_k_heads, dk = q.shape[1], q.shape[2]
     group = num_v_heads // num_k_heads
     chunk = CHUNK_TOKENS
     for h in prange(num_v_heads):
+        kh = h % num_k_heads if tiled else h // group
         qn, kn = np.empty((chunk, dk), np.float32), np.empty((chunk, dk), np.float32)
         vb, u, o = np.empty((chunk, dv), np.float32), np.empty((chunk, dv), np.float32), np.empty((chunk, dv), np.float32)
         w, system = np.empty((chunk, dk), np.float32), np.empty((chunk, chunk), np.float32)
@@ -167,8 +170,8 @@ def delta_rule_chunked(q, k, v, g, beta, state, out):
             total = np.float32(0.0)
             for i in range(n):
                 t = lo + i
-                _l2_normed(q[t, h // group], 1.0 / np.sqrt(dk), qn[i])
-                _l2_normed(k[t, h // group], 1.0, kn[i])
+                _l2_normed(q[t, kh], 1.0 / np.sqrt(dk), qn[i])
+                _l2_normed(k[t, kh], 1.0, kn[i])
                 total += g[t, h]
                 cum[i], bt[i] = total, beta[t, h]
                 for j in range(dv):

@@ -43,13 +43,13 @@ class DeltaNetLaunchers:
         self._elementwise("delta_gates", a.size, (a, b, ssm_a, dt_bias, g, beta, np.int64(a.size),
                                                   np.int32(a.shape[1])))
 
-    def delta_rule(self, q, k, v, g, beta, state, out):
+    def delta_rule(self, q, k, v, g, beta, state, out, tiled=False):
         """q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv] (updated) -> out [T, Hv, Dv]."""
         num_tokens, num_k_heads, dk = q.shape
         num_v_heads, dv = v.shape[1], v.shape[2]
         self._launch(self._dn("delta_rule"), (num_v_heads, -(-dv // DN_COLS)), DN_COLS,
                      (q, k, v, g, beta, state, out, np.int32(num_tokens), np.int32(num_k_heads),
-                      np.int32(num_v_heads), np.int32(dk), np.int32(dv)), shared_mem=4 * (2 * dk + DN_COLS))
+                      np.int32(num_v_heads), np.int32(dk), np.int32(dv), np.int32(bool(tiled))), shared_mem=4 * (2 * dk + DN_COLS))
 
     def rmsnorm_gated(self, x, z, weight, eps, out):
         """Per row of D: out = weight * x / rms(x) * silu(z); x, z, out [..., D]."""

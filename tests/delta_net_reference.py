@@ -31,18 +31,22 @@ def gates(a, b, ssm_a, dt_bias):
     return ssm_a * softplus(a + dt_bias), 1.0 / (1.0 + np.exp(-b))
 
 
-def _prepare(q, k, g, beta, num_v_heads):
-    """q, k L2-normed (q also by Dk^-0.5) and repeated to Hv heads, float64 [T, Hv, Dk]."""
+def _prepare(q, k, g, beta, num_v_heads, tiled=False):
+    """q, k L2-normed (q also by Dk^-0.5) and repeated to Hv heads (each key head's value heads together, or
+    `tiled`: key head h % Hk serves value head h), float64 [T, Hv, Dk]."""
     rep = num_v_heads // q.shape[1]
-    q, k = (np.repeat(x.astype(np.float64), rep, axis=1) for x in (q, k))
+    if tiled:
+        q, k = (np.tile(x.astype(np.float64), (1, rep, 1)) for x in (q, k))
+    else:
+        q, k = (np.repeat(x.astype(np.float64), rep, axis=1) for x in (q, k))
     q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(q.shape[-1])
     k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
     return q, k, g.astype(np.float64), beta.astype(np.float64)
 
 
-def delta_rule_recurrent(q, k, v, g, beta, state):
+def delta_rule_recurrent(q, k, v, g, beta, state, tiled=False):
     """q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv] -> (out [T, Hv, Dv], new state)."""
-    q, k, g, beta = _prepare(q, k, g, beta, v.shape[1])
+    q, k, g, beta = _prepare(q, k, g, beta, v.shape[1], tiled)
     s = state.astype(np.float64).copy()
     out = np.empty(v.shape, np.float64)
     for t in range(len(v)):

@@ -3,7 +3,7 @@
 // gated RMSNorm. cpu_kernels/delta_net.py holds the same ops for the CPU (and says what they compute).
 //
 // Shape legend: T tokens, C conv channels, W conv width, Hk key heads, Hv value heads (value head h reads key
-// head h / (Hv / Hk)), Dk / Dv key / value head dim, n values.
+// head h / (Hv / Hk), or h % Hk where tiled), Dk / Dv key / value head dim, n values.
 
 #define DN_MAX_WIDTH 8   // conv taps held in registers
 #define DN_MAX_DK 128    // key dims of a state column held in registers
@@ -59,10 +59,10 @@ extern "C" __global__ void delta_gates(const float* a, const float* b, const flo
 // grid (Hv, ceil(Dv / DN_COLS)), block DN_COLS; shared: 2 Dk + blockDim floats.
 extern "C" __global__ void delta_rule(const float* q, const float* k, const float* v, const float* g,
                                       const float* beta, float* state, float* out, int T, int Hk, int Hv, int Dk,
-                                      int Dv) {
+                                      int Dv, int tiled) {
     extern __shared__ float sh[];
     float *qn = sh, *kn = sh + Dk, *red = sh + 2 * Dk;
-    int h = blockIdx.x, kh = h / (Hv / Hk), j = blockIdx.y * DN_COLS + threadIdx.x;
+    int h = blockIdx.x, kh = tiled ? h % Hk : h / (Hv / Hk), j = blockIdx.y * DN_COLS + threadIdx.x;
     bool live = j < Dv;
     float* sh_state = state + (i64)h * Dk * Dv;
     float s[DN_MAX_DK];

@@ -78,16 +78,16 @@ def test_conv1d_silu(num_tokens):
         np.testing.assert_array_equal(s, expected_state.astype(np.float32))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 7, 150])
-def test_delta_rule_kernels(num_tokens):
+@pytest.mark.parametrize("num_tokens,tiled", [(1, False), (7, True), (150, False)])
+def test_delta_rule_kernels(num_tokens, tiled):
     q, k, v, g, beta, state = delta_inputs(num_tokens, seed=num_tokens)
-    expected, expected_state = ref.delta_rule_recurrent(q, k, v, g, beta, state)
+    expected, expected_state = ref.delta_rule_recurrent(q, k, v, g, beta, state, tiled)
     kernels = [delta_net.delta_rule_recurrent, delta_net.delta_rule_chunked]
     if num_tokens == 1:
         kernels.append(delta_net.delta_rule_recurrent_serial)
     for kernel in kernels:
         out, s = np.empty_like(v), state.copy()
-        kernel(q, k, v, g, beta, s, out)
+        kernel(q, k, v, g, beta, s, out, tiled)
         np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg=kernel.__name__)
         np.testing.assert_allclose(s, expected_state, rtol=1e-4, atol=1e-4, err_msg=kernel.__name__)
 

@@ -112,8 +112,8 @@ class ReferenceKernels:
     def delta_gates(self, a, b, ssm_a, dt_bias, g, beta):
         g[:], beta[:] = delta_net_reference.gates(a, b, ssm_a, dt_bias)
 
-    def delta_rule(self, q, k, v, g, beta, state, out):
-        out[:], state[:] = delta_net_reference.delta_rule_recurrent(q, k, v, g, beta, state)
+    def delta_rule(self, q, k, v, g, beta, state, out, tiled=False):
+        out[:], state[:] = delta_net_reference.delta_rule_recurrent(q, k, v, g, beta, state, tiled)
 
     def rmsnorm_gated(self, x, z, weight, eps, out):
         out[:] = delta_net_reference.rmsnorm_gated(x, z, weight, eps)

@@ -14,9 +14,10 @@ def randn(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 150])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_delta_rule(runtime, kernels, num_tokens, shape):
+def test_delta_rule(runtime, kernels, num_tokens, shape, tiled):
     hk, hv, dk, dv = shape
     rng = np.random.default_rng(num_tokens)
     q, k, v = randn(rng, num_tokens, hk, dk), randn(rng, num_tokens, hk, dk), randn(rng, num_tokens, hv, dv)
@@ -29,8 +30,9 @@ def test_delta_rule(runtime, kernels, num_tokens, shape):
     expected_g, expected_beta = ref.gates(a, b, ssm_a, dt_bias)
     np.testing.assert_allclose(runtime.to_host(g), expected_g, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(runtime.to_host(beta), expected_beta, rtol=1e-5, atol=1e-6)
-    kernels.delta_rule(dev["q"], dev["k"], dev["v"], g, beta, dev["state"], out)
-    expected, expected_state = ref.delta_rule_recurrent(q, k, v, runtime.to_host(g), runtime.to_host(beta), state)
+    kernels.delta_rule(dev["q"], dev["k"], dev["v"], g, beta, dev["state"], out, tiled)
+    expected, expected_state = ref.delta_rule_recurrent(q, k, v, runtime.to_host(g), runtime.to_host(beta), state,
+                                                        tiled)
     np.testing.assert_allclose(runtime.to_host(out), expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(runtime.to_host(dev["state"]), expected_state, rtol=1e-4, atol=1e-4)
 
