@@ -148,6 +148,14 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
     return AttentionPlan(kernel, rows, width, num_tiles, -(-num_keys // split_keys), split_keys, 4 * shared)
 
 
+def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_keys, warp_size, max_splits):
+    """(values, rows) of the split scratch paged_attention needs over num_keys keys (0, 0: no splits)."""
+    plan = attention_plan(num_tokens, num_q_heads // num_kv_heads, num_kv_heads, head_dim, num_keys, warp_size,
+                          max_splits)
+    rows = num_tokens * num_q_heads
+    return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)
+
+
 class Kernels(DeltaNetLaunchers):
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
@@ -211,13 +219,6 @@ class Kernels(DeltaNetLaunchers):
     def _address(start_at):
         """The device position array of a start_at, or a null pointer."""
         return np.uint64(0) if start_at is None else start_at[0]
-
-    def split_scratch_sizes(self, num_tokens, num_q_heads, num_kv_heads, head_dim, num_keys):
-        """(values, rows) of the split scratch paged_attention needs over num_keys keys (0, 0: no splits)."""
-        plan = attention_plan(num_tokens, num_q_heads // num_kv_heads, num_kv_heads, head_dim, num_keys, self.warp,
-                              self.max_splits)
-        rows = num_tokens * num_q_heads
-        return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)
 
     def _split_buffers(self, num_values, num_rows):
         """Device scratch for the splits' partial outputs [S, T, Hq, D] and lse [S, T, Hq], flat."""

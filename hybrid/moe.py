@@ -52,6 +52,7 @@ class ExpertSplit:
         self.trace = None
         self._deferred = []  # (layer index, queued routing copy) of fully resident decode layers, for finish_step
         self._deferred_host = []  # (layer index, routing ids [1, K] on the host) of decode layers, for finish_step
+        self._deferred_step = []  # (queued copy of ids [L, K], layer indices) of a step graph, for finish_step
         self._step = 0  # the step's number, posted on the relay's flags
         if sys.getswitchinterval() > GIL_SWITCH_S:
             sys.setswitchinterval(GIL_SWITCH_S)
@@ -159,7 +160,7 @@ class ExpertSplit:
     def begin_step(self):
         """Before a forward step's layers: drop routing copies a failed step left unrecorded and stop the relay
         jobs it left waiting; the step's number for the relay's flags."""
-        self._deferred, self._deferred_host = [], []
+        self._deferred, self._deferred_host, self._deferred_step = [], [], []
         self.relay.begin_step()
         self._step += 1
 
@@ -176,7 +177,15 @@ class ExpertSplit:
                 usage.record(layer_index, device.wait_rows(handle))
             for layer_index, ids in self._deferred_host:
                 usage.record(layer_index, ids)
-        self._deferred, self._deferred_host = [], []
+            for handle, layers in self._deferred_step:
+                rows = device.wait_rows(handle)  # [L, K]
+                for layer_index in layers:
+                    usage.record(layer_index, rows[layer_index:layer_index + 1])
+        self._deferred, self._deferred_host, self._deferred_step = [], [], []
+
+    def defer_step_routing(self, handle, layers):
+        """A step graph's routing ids [L, K] (a queued copy) of `layers`, recorded at finish_step."""
+        self._deferred_step.append((handle, layers))
 
 
 def expert_mixture(backend, layer, h, ids, weights, split=None, usage=None):

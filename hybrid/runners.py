@@ -4,7 +4,8 @@
 layers' recipes (one per layer: a family's layers may differ):
 - PlainRunner: the recipe's steps (hybrid/blocks.py) one by one, every op a backend call. It runs every
   batch; the others hand it the batches they do not take.
-- GraphRunner (a backend with layer graphs: the GPU): one sequence's one-token decode step, each layer's
+- GraphRunner (a backend with layer graphs: the GPU): one sequence's one-token decode step as one graph where
+  nothing in it needs the host (hybrid/step_graph.py), else each layer's
   runs of consecutive capturable steps captured once as a graph region and replayed after.
 - the backend's own (a backend with compiled layers: the CPU's hybrid/backends/cpu_layer.py), made
   by `backend.layer_runner(recipe, plain)`, which gives `plain` back for a recipe it cannot compile.
@@ -13,6 +14,7 @@ Shape legend: T tokens, H hidden.
 """
 from .arch.recipe import LayerRecipe
 from .blocks import layer_steps
+from .step_graph import queue_step, record_step_routing, step_graph_bound, step_graph_ready
 
 
 class PlainRunner:
@@ -78,7 +80,13 @@ class GraphRunner:
         self.graphs, self.plain = graphs, plain
         self.program = graph_regions(plain.steps)  # the first layer's
         self._programs = {id(steps): graph_regions(steps) for steps in plain._steps.values()}
+        self._step_ready = None  # whether a whole step may be one graph (known at the first step)
         self.last_path = None
+
+    def _step_graph_ready(self, model, be):
+        if self._step_ready is None:
+            self._step_ready = be.capabilities.step_graph and step_graph_ready(self.plain.steps_of, len(model.layers))
+        return self._step_ready
 
     def regions(self):
         """Each region's step names, in order (the first layer's)."""
@@ -90,6 +98,14 @@ class GraphRunner:
             return self.plain.run(model, x, batch)
         be = model.backend
         x = self.graphs.begin_step(be, x, batch.positions)  # [1, H], the fixed buffer the graphs read
+        bound = step_graph_bound(model, batch) if self._step_graph_ready(model, be) else None
+        if bound is not None:
+            key = ("step", id(batch.chunks[0].kv), bound)
+            outputs = self.graphs.run_step(be, key, lambda: queue_step(model, x, batch, self.plain.steps_of,
+                                                                       self.graphs.position, bound))
+            record_step_routing(model, outputs)
+            self.last_path = "step graph"
+            return x
         for i, layer in enumerate(model.layers):
             s = {"x": x, "batch": batch, "split": model.split, "usage": model.usage}
             for region, steps in self._programs[id(self.plain.steps_of(i))]:

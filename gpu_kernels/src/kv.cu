@@ -214,13 +214,16 @@ __device__ __forceinline__ void accumulate_tile(const float* ps, const float* cs
 // split blockIdx.z of the keys: [key_lo + z * split_keys, + split_keys). It writes out [T, Hq, D]
 // (0 when no key) and, when want_lse, lse [T, Hq] (max + log sum exp of the scaled scores, -inf when
 // no key), at split z's slice (out + z * T * Hq * D, lse + z * T * Hq; paged_attention_merge sums them).
+// start_at, when not null, holds start on the device (a captured decode step: its splits are planned for a
+// bound on the keys, those past the last key empty).
 // grid (ceil(T * G / R), Hkv, S), block PA_THREADS; NK keys a tile (a power of two, at most the wave
 // size, dividing PA_THREADS); shared: R * D + NK * (2 * D + 1) + R * NK + 3 * R floats.
 extern "C" __global__ void __launch_bounds__(PA_THREADS)
 paged_attention(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale, const float* v_scale,
                 const int* table, const kv_t* k_stage, const kv_t* v_stage, const float* k_stage_scale,
                 const float* v_stage_scale, float* out, float* lse, int want_lse, int T, int Hq, int Hkv, int D,
-                int BT, int start, int key_lo, float scale, int R, int NK, int split_keys) {
+                int BT, int start, int key_lo, float scale, int R, int NK, int split_keys, const i64* start_at) {
+    if (start_at) start = (int)start_at[0];
     extern __shared__ float sh[];
     float* qs = sh;                         // [R][D]
     float* ks = qs + R * D;                 // [NK][D + 1]
@@ -429,7 +432,9 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS)
 paged_attention_1(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale,
                   const float* v_scale, const int* table, const kv_t* k_stage, const kv_t* v_stage,
                   const float* k_stage_scale, const float* v_stage_scale, float* out, float* lse, int want_lse,
-                  int Hq, int Hkv, int D, int BT, int start, int key_lo, float scale, int R, int LG, int split_keys) {
+                  int Hq, int Hkv, int D, int BT, int start, int key_lo, float scale, int R, int LG, int split_keys,
+                  const i64* start_at) {
+    if (start_at) start = (int)start_at[0];
     PagedKV kv = {k_pool, v_pool, k_scale, v_scale, k_stage, v_stage, k_stage_scale, v_stage_scale, table,
                   BT, Hkv, D, (int)blockIdx.y};
     if (R == 1) attend_one<1>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys);
@@ -463,11 +468,13 @@ extern "C" __global__ void paged_attention_merge(const float* part, const float*
     if (want_lse && threadIdx.x == 0) lse[o] = total > 0.0f ? m + logf(total) : NEG_INF;
 }
 
-// Rows x [n, Hkv, D] f32 of positions start .. start + n - 1, encoded (as hybrid/kv_store.py's encode)
-// into pool [NB, BT, Hkv, D] through table (pool blocks only); int8 also writes scale [NB, BT, Hkv].
+// Rows x [n, Hkv, D] f32 of positions start .. start + n - 1 (start_at: start on the device, or null),
+// encoded (as hybrid/kv_store.py's encode) into pool [NB, BT, Hkv, D] through table (pool blocks only); int8
+// also writes scale [NB, BT, Hkv].
 // grid (n * Hkv); shared (int8): blockDim floats, blockDim a power of two.
 extern "C" __global__ void kv_write(const float* x, kv_t* pool, float* scale, const int* table, int start, int Hkv,
-                                    int D, int BT) {
+                                    int D, int BT, const i64* start_at) {
+    if (start_at) start = (int)start_at[0];
     int p = start + blockIdx.x / Hkv, b = p / BT;
     i64 row = ((i64)table[b] * BT + (p - b * BT)) * Hkv + blockIdx.x % Hkv;
     const float* xr = x + (i64)blockIdx.x * D;

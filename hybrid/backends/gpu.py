@@ -30,6 +30,7 @@ from .gpu_kv import KV_HOST_ATTENTION, DeviceSequenceKV, GpuKV
 from .gpu_layer_graphs import LayerGraphs
 from .gpu_relay import GpuRelay
 from .gpu_staging import Staging
+from .gpu_step import StepCapture
 
 __all__ = ["DEFAULT_RESERVE_MIB", "DeviceSequenceKV", "GpuBackend", "KV_HOST_ATTENTION"]
 
@@ -55,16 +56,18 @@ class GpuBackend:
     chunk), the rest in pinned RAM, attended by `kv_host_attention` (gpu_kv.py); prefill_borrow: let large
     chunks run non-resident experts here (copied in per chunk). decode_graphs: each layer's decode expert
     launches replayed as a graph; dense_graphs: a decode layer's dense launches replayed as two graphs
-    (gpu_layer_graphs.py: much faster decode, bench/results/gpu_model.md); else one by one. act_quant: how
+    (gpu_layer_graphs.py: much faster decode, bench/results/gpu_model.md); else one by one; step_graphs (with
+    dense_graphs): a decode step whose experts are all resident captured whole, one graph (gpu_step.py). act_quant: how
     one-token matmuls take x (gpu_kernels.kernels.gpu_act_quant)."""
 
     name = "gpu"
-    capabilities = Capabilities(graphed_decode=True, decode_experts=True, max_decode_pairs=MAX_DECODE_PAIRS,
-                                decode_relay_device=True, expert_cache=True)
+    capabilities = Capabilities(graphed_decode=True, step_graph=True, decode_experts=True,
+                                max_decode_pairs=MAX_DECODE_PAIRS, decode_relay_device=True, expert_cache=True)
 
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
                  max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
-                 kv_resident=None, kv_host_attention="gpu", decode_graphs=True, dense_graphs=True, act_quant="auto"):
+                 kv_resident=None, kv_host_attention="gpu", decode_graphs=True, dense_graphs=True, step_graphs=True,
+                 act_quant="auto"):
         self.kv = GpuKV(kv_dtype, max_context, chunk_tokens, kv_resident, kv_host_attention)
         self.rt = runtime
         self.stream = runtime.stream()  # made current at every embed: CuPy's own array operations run there too
@@ -87,6 +90,7 @@ class GpuBackend:
         self._positions = (None, None)  # (host positions, device copy) of the last batch
         self._inv_freq = {}  # (theta, D) -> RoPE frequencies f32 [D/2] on the device
         self.layer_graphs = LayerGraphs() if dense_graphs else None
+        self.step = StepCapture() if dense_graphs and step_graphs else None
 
     # -- placement -------------------------------------------------------------------------
 
@@ -251,6 +255,27 @@ class GpuBackend:
         """In place over x [T, nH, D]."""
         rows = x.reshape(-1, x.shape[-1])  # [T*nH, D]
         self.kernels.rmsnorm(rows, self._weight(weight), eps, rows)
+
+    # -- a decode step as one graph (gpu_step.py; hybrid/runners.py GraphRunner) ---------------------
+
+    def prepare_step_graph(self, kv, start, num_layers, top_k):
+        """The keys bound of a step graph at `start` over `kv`, or None where the step needs the host."""
+        return None if self.step is None else self.step.prepare(self, kv, start, num_layers, top_k)
+
+    def begin_step_graph(self, position, bound):
+        """Until end_step_graph, the KV writes and attention read the step's position from `position` (int64 [1]
+        on the device) and plan for `bound` keys, and the experts queue their launches into the step's graph."""
+        self.step.active = (position, bound)
+
+    def end_step_graph(self):
+        self.step.active = None
+
+    def keep_step_routing(self, layer_index, ids):
+        self.step.keep_routing(self, layer_index, ids)
+
+    def queue_step_routing(self):
+        """A queued host copy of the step graph's routing ids [L, K]; wait_rows(handle) returns it."""
+        return self.step.queue_routing(self)
 
     def use_device_positions(self, positions, on_device):
         """rope() of a batch with these host positions reads `on_device` (int64, already uploaded) instead."""

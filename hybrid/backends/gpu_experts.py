@@ -138,7 +138,8 @@ class GpuExperts:
             pending.start, pending.stop = self._timing_events(be, layer.index)
             pending.start.record(be.stream)
         key = (x.shape[0], layer.index)
-        graph = self._graphs.get(key, _UNCAPTURED) if self.decode_graphs else None
+        in_step_graph = be.step is not None and be.step.active is not None  # its launches go into the step's graph
+        graph = self._graphs.get(key, _UNCAPTURED) if self.decode_graphs and not in_step_graph else None
         if graph is _UNCAPTURED:
             graph = self._graphs[key] = self._capture(be, lambda: _queue_decode_experts(be, layer, s))
         if graph is None:

@@ -9,6 +9,8 @@ nS stage blocks.
 """
 import numpy as np
 
+from gpu_kernels.kernels import split_scratch_sizes
+
 from .. import kv_store
 from ..kv_cache import BLOCK_TOKENS, SequenceKV, blocks_for, vram_blocks
 
@@ -28,7 +30,8 @@ class DeviceSequenceKV(SequenceKV):
         self.resident_blocks = None if resident_tokens is None else blocks_for(resident_tokens, self.block_tokens)
         self.host = {}  # name -> pinned array [L, cap, BT, Hkv, D] (scales [L, cap, BT, Hkv])
         self._host_copied = None  # event after the last queued copy into `host`
-        self._table_dev = None
+        self._table_dev = None  # the used part of _table_buf
+        self._table_buf = None  # int32 [blocks of max_tokens] on the device, at one address (a step graph reads it)
 
     def table_changed(self):
         self._table_dev = None
@@ -37,15 +40,20 @@ class DeviceSequenceKV(SequenceKV):
         """The block table on the device (uploaded, through the stream, when it changed)."""
         if self._table_dev is None:
             used = max(1, self.host_blocks + len(self.blocks))
-            self._table_dev = self.backend.staging.upload("kv_table", self.table[:used], self.backend.stream)
+            if self._table_buf is None or len(self._table_buf) < used:
+                self._table_buf = self.backend.rt.empty((max(used, len(self.table)),), np.int32)
+            self._table_dev = self.backend.staging.upload("kv_table", self.table[:used], self.backend.stream,
+                                                          out=self._table_buf[:used])
         return self._table_dev
 
     def write(self, layer, start, k, v):
         """k, v: device float32 [n, Hkv, D] for positions [start, start + n) (all in pool blocks)."""
         kp, vp, ks, vs = self.pool.layer(layer)
         table = self.device_table()
-        self.backend.kernels.kv_write(self.dtype, k, kp, ks, table, start)
-        self.backend.kernels.kv_write(self.dtype, v, vp, vs, table, start)
+        step = self.backend.step.active if self.backend.step is not None else None
+        start_at = None if step is None else (step[0], None)
+        self.backend.kernels.kv_write(self.dtype, k, kp, ks, table, start, start_at=start_at)
+        self.backend.kernels.kv_write(self.dtype, v, vp, vs, table, start, start_at=start_at)
 
     def commit(self, length):
         self.length = length
@@ -175,13 +183,28 @@ class GpuKV:
         """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D]."""
         pool = kv.pool.layer(layer)  # (k, v, k_scale, v_scale)
         table, ram_keys = kv.device_table(), kv.host_blocks * kv.block_tokens
-        if ram_keys == 0:
+        step = be.step.active if be.step is not None else None
+        if step is not None:  # a step graph's: the position on the device, splits planned for its bound
+            self._step_attention(be, q, kv, pool, table, step, scale, out)
+        elif ram_keys == 0:
             be.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out)
         elif self.host_attention == "gpu":
             be.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out,
                                        stage=self._stage_ram_part(be, kv, layer))
         else:
             self._attention_split(be, q, kv, layer, pool, table, start, scale, out, ram_keys)
+
+    @staticmethod
+    def _step_attention(be, q, kv, pool, table, step, scale, out):
+        """One token's attention inside a step graph (step: (position on the device, keys bound)); its split scratch
+        comes through be.rt, so the capture keeps it."""
+        position, bound = step
+        num_tokens, num_q_heads, head_dim = q.shape
+        values, rows = split_scratch_sizes(num_tokens, num_q_heads, pool[0].shape[2], head_dim, bound, be.kernels.warp,
+                                           be.kernels.max_splits)
+        scratch = None if values == 0 else (be.rt.empty((values,), np.float32), be.rt.empty((rows,), np.float32))
+        be.kernels.paged_attention(kv.dtype, q, *pool, table, bound - num_tokens, 0, scale, out,
+                                   start_at=(position, scratch))
 
     def _stage_ram_part(self, be, kv, layer):
         """(k, v, k_scale, v_scale) stage arrays [nS, BT, Hkv, D] holding the sequence's RAM part of `layer`,

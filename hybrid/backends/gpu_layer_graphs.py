@@ -21,6 +21,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+STEP_GRAPHS_KEPT = 4  # whole-step graphs kept at once (sequences decoding in turn: one graph each)
+
 
 class KeptAllocations:
     """The runtime a region sees: every other call goes to the real runtime; `empty` keeps what it allocates on a
@@ -73,6 +75,21 @@ class LayerGraphs:
         be.staging.upload("graph_position", np.asarray(positions[:1], np.int64), be.stream, out=self._position)
         be.use_device_positions(positions, self._position)
         return self._residual
+
+    @property
+    def position(self):
+        """The step's position int64 [1] on the device (set by begin_step)."""
+        return self._position
+
+    def run_step(self, be, key, queue):
+        """run() for a whole step's graph (hybrid/step_graph.py): the newest STEP_GRAPHS_KEPT of them are kept."""
+        if key in self._regions:
+            self._regions[key] = self._regions.pop(key)  # the newest used last
+        else:
+            steps = [k for k in self._regions if k[0] == "step"]
+            for old in steps[:max(0, len(steps) - STEP_GRAPHS_KEPT + 1)]:
+                del self._regions[old]
+        return self.run(be, key, queue)
 
     def run(self, be, key, queue):
         """queue()'s outputs: run and kept the first time, captured and launched the second, launched after."""

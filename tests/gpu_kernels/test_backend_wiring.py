@@ -115,7 +115,8 @@ def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runti
                                                         target, fraction):
     """STRATA_DENSE_GRAPHS=1: two sequences decoding in turn give the logits of the same backend without the
     graphs, bit for bit; each layer's two regions run once as they are, are captured at the next decode step and
-    replayed at every one after, over that step's residual stream and position."""
+    replayed at every one after, over that step's residual stream and position; with every expert resident, the
+    whole step is one graph a sequence instead."""
     weights = load_model(gguf_models("kquant" if "_K" in target else "small", target)[0])
     c = weights.config
     resident = np.random.default_rng(3).random((c.num_layers, c.num_experts)) < fraction
@@ -138,6 +139,10 @@ def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runti
     np.testing.assert_array_equal(got, ref)
     assert plain.layer_graphs is None
     regions = graphed.layer_graphs._regions
+    if fraction == 1.0:  # every expert resident: each sequence's whole step is one graph
+        assert [key[0] for key in regions] == ["step", "step"]
+        assert all(graph is not None and graph.launches == 3 - 1 for _, _, graph in regions.values())
+        return
     assert sorted(regions) == sorted((r, i) for r in (0, 1) for i in range(c.num_layers))  # two regions a layer
     assert all(graph is not None and graph.launches == 2 * 3 - 1 for _, _, graph in regions.values())
 
@@ -408,6 +413,40 @@ def test_split_records_the_usage_of_the_plain_path(gguf_models, numpy_runtime, r
     assert got.tokens_decode == ref.tokens_decode == 1 and got.tokens_prefill == ref.tokens_prefill
     for name in ("prefill", "decode", "coactivation"):
         np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
+
+
+def test_a_fully_resident_step_is_one_graph_across_its_keys_bound(gguf_models, numpy_runtime, reference_kernels):
+    """Every expert resident: each decode step is one graph, captured at its second step and captured again once the
+    position passes the keys bound its attention was planned for (256); the logits are the layer-by-layer graphs'
+    bit for bit, and the routing reaches the ExpertUsage as theirs does."""
+    from hybrid.expert_usage import ExpertUsage
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    prompt = np.random.default_rng(1).integers(1, c.vocab_size, 250)
+
+    def decode(step_graphs, steps=10):
+        backend = GpuBackend(numpy_runtime, max_context=512, resident=np.ones((c.num_layers, c.num_experts), bool),
+                             step_graphs=step_graphs)
+        backend.kernels = reference_kernels
+        model = Model(weights, backend, host=CpuBackend())
+        model.usage = ExpertUsage.for_config(c)
+        kv = model.new_sequence(512)
+        out = [model.forward(Batch([SeqChunk(kv, 0, prompt, "last")]))]
+        captures = numpy_runtime.captures
+        for t in range(steps):
+            out.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([TOKENS[t]]))])))
+        return np.concatenate(out), model, numpy_runtime.captures - captures
+
+    ref, by_layer, _ = decode(False)
+    got, whole, captures = decode(True)
+    np.testing.assert_array_equal(got, ref)
+    assert whole.runner.last_path == "step graph" and by_layer.runner.last_path == "graphs"
+    graphs = [graph for key, (_, _, graph) in whole.backend.layer_graphs._regions.items() if key[0] == "step"]
+    assert captures == 2 and [g.launches for g in graphs] == [5, 3]  # positions 251-255, then 257-259
+    for name in ("prefill", "decode", "coactivation"):
+        np.testing.assert_array_equal(getattr(whole.usage, name), getattr(by_layer.usage, name), err_msg=name)
+    assert whole.usage.tokens_decode == 10
 
 
 def _long_score(model, tokens, chunk):
