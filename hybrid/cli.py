@@ -81,10 +81,12 @@ def build_parser():
     from server.serve import add_serve
 
     from .config_show import add_config_command
+    from .setup.cli import add_setup
 
     add_serve(sub)
     add_subcommands(sub, load_llm)  # profile, profile merge, profile show, plan
     add_config_command(sub)
+    add_setup(sub)
     return parser
 
 

@@ -1,0 +1,179 @@
+"""What `strata setup` chooses from the measured Machine (measure.py) and the model: device, threads,
+parallel, max_context, kv, kv_resident, the layer split and the placement (the planner, placement/), each a
+Choice with the reason written beside it in the config; and the predictions (decode tok/s per slot, VRAM and
+RAM use). Values the user fixed (`fixed`: their own keys in the config file) are taken as given."""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from placement.budget import MIB, BudgetError, ModelSizes
+from placement.planner import Budgets, Speeds, plan
+from placement.profile import ExpertProfile
+
+from ..config import DEFAULT_RESERVE_MIB, SETTINGS
+
+CONTEXT_STEP = 1024  # max_context is lowered in steps of this many tokens
+RAM_KV_SHARE = 0.25  # of the RAM left after the model: for KV on the CPU (the conversation cache takes its own)
+VRAM_KV_SHARE = 1 / 3  # of a GPU's room after dense weights and scratch: for KV, the rest for experts
+MIN_WINDOW = 4096  # the smallest --kv-resident window setup writes
+
+
+@dataclass(frozen=True)
+class Choice:
+    name: str
+    value: object
+    why: str
+
+
+@dataclass
+class Plan:
+    """Setup's choices and predictions."""
+
+    choices: list = field(default_factory=list)
+    decode_tok_s: float = 0.0  # per slot, every slot decoding
+    vram_mib: tuple = ()  # per GPU
+    ram_mib: float = 0.0
+    placement: object = None  # a Placement to save beside the config, or None
+
+    def value(self, name):
+        return next((c.value for c in self.choices if c.name == name), None)
+
+
+class Chooser:
+    """The choices of one model on one machine; `fixed` {name: value} are the user's and are not chosen."""
+
+    def __init__(self, machine, sizes, context_length, fixed=None, profile=None, model_bytes=None):
+        self.m, self.sizes, self.context_length = machine, sizes, context_length
+        self.fixed, self.profile = dict(fixed or {}), profile
+        self.model_bytes = model_bytes if model_bytes is not None else _model_bytes(sizes)
+        self.plan = Plan()
+
+    def pick(self, name, value, why):
+        """`value` for setting `name` unless the user fixed it; returns the value in force."""
+        if name in self.fixed:
+            return self.fixed[name]
+        self.plan.choices.append(Choice(name, value, why))
+        return value
+
+    def given(self, name):
+        return self.fixed.get(name, SETTINGS[name].default)
+
+    def choose(self):
+        m = self.m
+        device = self.pick("device", "gpu" if m.gpus else "cpu", f"{len(m.gpus)} GPU(s) measured: "
+                           + ", ".join(f"{g.name} {g.vram_mib:.0f} MiB" for g in m.gpus) if m.gpus else
+                           f"no GPU ({m.gpu_note})")
+        self.pick("cpu_gbps", m.cpu_gbps, "the best measured DRAM read bandwidth (threads: GB/s " + ", ".join(
+            f"{n}: {gbps:g}" for n, gbps in sorted(m.dram_gbps.items())) + "): what CPU experts stream at most")
+        if device == "gpu" and m.gpus:
+            self._choose_gpu()
+        else:
+            self._choose_cpu()
+        return self.plan
+
+    def _kv_bytes(self, kv, tokens, slots):
+        return slots * tokens * self.sizes.num_layers * self.sizes.kv_bytes_per_token(kv)
+
+    def _choose_cpu(self):
+        parallel = self.pick("parallel", 1, "CPU only: every slot shares the DRAM bandwidth, one slot decodes "
+                                            "fastest (set parallel yourself for several users; setup keeps it)")
+        room = max(self.m.free_ram_mib * MIB - self.model_bytes, 0) * RAM_KV_SHARE
+        kv, context, why = self._fit_kv(("f32", "f16", "int8"), parallel, room, "RAM")
+        kv = self.pick("kv", kv, why)
+        context = self.pick("max_context", context, why)
+        self.plan.decode_tok_s = self.m.cpu_gbps * 1e9 / self._step_bytes(kv, context, parallel)
+        self.plan.ram_mib = (self.model_bytes + self._kv_bytes(kv, context, parallel)) / MIB
+
+    def _fit_kv(self, kvs, parallel, room, where):
+        """(kv, max_context, why): the most exact kv whose KV of `parallel` slots at the model's context fits
+        `room` bytes, else the last of kvs at the longest context that fits."""
+        limit = self.fixed.get("max_context", self.context_length)
+        kvs = (self.fixed["kv"],) if "kv" in self.fixed else kvs
+        for kv in kvs:
+            need = self._kv_bytes(kv, limit, parallel)
+            if need <= room:
+                return kv, limit, (f"KV of {parallel} slot(s) x {limit} tokens in {kv}: {need / MIB:.0f} MiB of the "
+                                   f"{room / MIB:.0f} MiB {where} budget")
+        kv = kvs[-1]
+        per_slot_token = self._kv_bytes(kv, 1, parallel)
+        context = max(CONTEXT_STEP, int(room // per_slot_token) // CONTEXT_STEP * CONTEXT_STEP)
+        return kv, min(context, limit), (f"the model's {limit} tokens x {parallel} slot(s) do not fit the "
+                                         f"{room / MIB:.0f} MiB {where} budget even in {kv}: context lowered")
+
+    def _step_bytes(self, kv, context, parallel):
+        """Bytes a decode step of `parallel` slots reads: dense and head once, the distinct experts of its tokens
+        (expected, every expert equally likely), and each slot's KV at half the context."""
+        s = self.sizes
+        distinct = s.num_experts * (1 - (1 - s.num_experts_per_tok / s.num_experts) ** parallel)
+        return (sum(s.layer_dense_bytes) + s.head_bytes + distinct * sum(s.expert_bytes)
+                + self._kv_bytes(kv, context // 2, parallel))
+
+    def _choose_gpu(self):
+        m = self.m
+        parallel = self.pick("parallel", 4 if len(m.gpus) > 1 or m.gpus[0].vram_mib >= 40000 else 2,
+                             "a GPU batches slots nearly for free: the experts a step reads are shared")
+        reserve = self.given("vram_reserve_mib") or DEFAULT_RESERVE_MIB
+        room = sum(g.free_mib for g in m.gpus) * MIB - self.model_bytes_dense() - reserve * len(m.gpus) * MIB
+        kv, context, why = self._fit_kv(("f16", "int8"), parallel, max(room, 0) * VRAM_KV_SHARE, "VRAM KV")
+        kv = self.pick("kv", kv, why + " (f16 KV is ~1e-3 off f32)")
+        limit = self.fixed.get("max_context", self.context_length)
+        window = None
+        if context < limit:  # the whole context does not fit in VRAM: the older tokens go to pinned RAM
+            window = self.pick("kv_resident", max(MIN_WINDOW, context // CONTEXT_STEP * CONTEXT_STEP),
+                               f"{parallel} slot(s) x {limit} tokens of {kv} KV exceed the VRAM KV budget; the "
+                               f"newest {context} tokens stay in VRAM, the rest in pinned RAM")
+            context = limit
+        context = self.pick("max_context", context, f"the model's context ({self.context_length} tokens)")
+        self._place(parallel, context, kv, window, reserve)
+
+    def model_bytes_dense(self):
+        s = self.sizes
+        return sum(s.layer_dense_bytes) + s.embed_bytes + s.head_bytes
+
+    def _place(self, parallel, context, kv, window, reserve):
+        m, s = self.m, self.sizes
+        profile = self.profile or uniform_profile(s)
+        split = self.given("layer_split")
+        budgets = Budgets(tuple(g.free_mib for g in m.gpus), parallel, context, kv, reserve, split, window)
+        speeds = Speeds(m.cpu_gbps, min(g.vram_gbps for g in m.gpus) or Speeds().gpu_gbps)
+        try:
+            placement = plan(profile, s, budgets, speeds)
+        except BudgetError as exc:
+            raise ValueError(f"setup: the model does not fit these GPUs: {exc}") from None
+        if len(m.gpus) > 1:
+            firsts = ",".join(str(g.first_layer) for g in placement.gpus[1:])
+            self.pick("layer_split", firsts, "the planner's fastest split of the layers over the GPUs (written out "
+                                             "so that a re-run keeps the layout unless you change it)")
+        if self.profile is not None:
+            self.plan.placement = placement
+        self.pick("gpu_gbps", speeds.gpu_gbps, "the slowest GPU's measured on-device copy bandwidth")
+        self.plan.decode_tok_s = placement.predicted["decode_tok_s"]
+        self.plan.vram_mib = tuple(_used_mib(g.budget) for g in placement.gpus)
+        pinned = 0 if window is None else self._kv_bytes(kv, max(context - window, 0), parallel)
+        self.plan.ram_mib = (self.model_bytes + pinned) / MIB
+
+
+def _used_mib(budget):
+    """VRAM a GPU's plan uses: dense, KV, scratch, reserve and its expert slots."""
+    return sum(budget[k] for k in ("dense_mib", "kv_mib", "scratch_mib", "reserve_mib")) + (
+        budget["expert_slots"] * budget["slot_mib"])
+
+
+def uniform_profile(sizes):
+    """A profile where every expert is equally likely: the planner's predictions without a measured one."""
+    profile = ExpertProfile.empty("uniform", sizes.num_layers, sizes.num_experts, sizes.num_experts_per_tok)
+    profile.decode[:] = 1
+    profile.tokens_decode = max(1, sizes.num_experts // sizes.num_experts_per_tok)
+    return profile
+
+
+def _model_bytes(sizes):
+    return (sum(sizes.layer_dense_bytes) + sizes.num_experts * sum(sizes.expert_bytes) + sizes.embed_bytes
+            + sizes.head_bytes)
+
+
+def choose(machine, weights, fixed=None, profile=None):
+    """The Plan for `weights` (hybrid.formats) on `machine`, keeping the user's `fixed` values."""
+    sizes = ModelSizes.from_weights(weights)
+    model_bytes = int(sum(np.int64(t.raw.nbytes) for t in weights.tensors.values()))
+    return Chooser(machine, sizes, weights.config.context_length, fixed, profile, model_bytes).choose()

@@ -1,0 +1,181 @@
+"""What `strata setup` measures on this box: DRAM read bandwidth per thread count, the CPU's ISA and NUMA
+nodes, free RAM, the pinned-memory limit, and per GPU (through gpu_kernels' runtime; none without one) its
+VRAM, host-to-device and on-device copy bandwidth. Progress goes to the log, one line per measurement."""
+import logging
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+READ_MIB = 512  # the array the DRAM read is timed over: far beyond any last-level cache
+COPY_MIB = 256  # the GPU copies timed
+REPEATS = 3  # best of
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    vram_mib: float  # total
+    free_mib: float
+    h2d_gbps: float  # pinned host -> device
+    vram_gbps: float  # device -> device copy, bytes read + written
+
+
+@dataclass(frozen=True)
+class Machine:
+    cores: int
+    isa: str  # the widest of avx512 / avx2 / avx the CPU has ("native" compiles for it)
+    cpu_features: tuple  # the kernels' features (cpu_kernels.target.CHOSEN_FEATURES) it has
+    numa_nodes: int
+    ram_mib: float
+    free_ram_mib: float  # MemAvailable
+    pinned_limit_mib: float  # RLIMIT_MEMLOCK; None: unlimited
+    dram_gbps: dict = field(default_factory=dict)  # threads -> GB/s read
+    gpus: tuple = ()
+    gpu_note: str = ""  # why there is no GPU
+
+    @property
+    def cpu_gbps(self):
+        return max(self.dram_gbps.values())
+
+    def to_json(self):
+        return {**asdict(self), "dram_gbps": {str(k): v for k, v in self.dram_gbps.items()}}
+
+
+def _meminfo():
+    """{field: MiB} of /proc/meminfo ({} where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return {}
+    return {row[0].rstrip(":"): int(row[1]) / 1024 for row in rows if len(row) >= 2 and row[1].isdigit()}
+
+
+def numa_nodes():
+    try:
+        return max(1, sum(1 for n in os.listdir("/sys/devices/system/node") if n[4:].isdigit() and n[:4] == "node"))
+    except OSError:
+        return 1
+
+
+def pinned_limit_mib():
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft / MIB
+
+
+def cpu_isa():
+    """(widest ISA floor name, the kernels' features present) of this CPU, from Numba's host target."""
+    from cpu_kernels.target import CHOSEN_FEATURES, _target_features
+
+    features = _target_features()
+    present = tuple(f for f in CHOSEN_FEATURES if features.get(f))
+    isa = "avx512" if "avx512bw" in present else "avx2" if "avx2" in present else "avx"
+    return isa, present
+
+
+def thread_counts(cores):
+    """1, 2, 4, ... up to every core (and every core itself)."""
+    counts, n = [], 1
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    return counts + [cores]
+
+
+def _read_kernel():
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    def read_sum(x):  # x float32 [N]: every byte read once
+        rows = x.size // 4096
+        total = 0.0
+        for r in prange(rows):
+            s = np.float32(0.0)
+            for i in range(r * 4096, (r + 1) * 4096):
+                s += x[i]
+            total += s
+        return total
+
+    return read_sum
+
+
+def dram_bandwidth(counts, read_mib=READ_MIB):
+    """{threads: GB/s} of a parallel read of a `read_mib` array, best of REPEATS per count."""
+    import numba
+
+    read = _read_kernel()
+    x = np.random.default_rng(0).random(int(read_mib * MIB // 4), dtype=np.float32)
+    read(x[:4096 * 8])  # compile
+    before, result = numba.get_num_threads(), {}
+    try:
+        for n in counts:
+            numba.set_num_threads(n)
+            best = min(_timed(read, x) for _ in range(REPEATS))
+            result[n] = round(x.nbytes / best / 1e9, 1)
+            log.info("DRAM read with %d threads: %.1f GB/s", n, result[n])
+    finally:
+        numba.set_num_threads(before)
+    return result
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def measure_gpus(copy_mib=COPY_MIB):
+    """(tuple of Gpu, note): every GPU the runtime finds, or () and why there is none."""
+    from gpu_kernels.runtime import CupyRuntime, probe
+
+    found = probe()
+    if found.runtime is None:
+        log.info("no GPU: %s", found.reason)
+        return (), found.reason
+    count = found.runtime.cp.cuda.runtime.getDeviceCount()
+    gpus = tuple(_measure_gpu(found.runtime if i == 0 else CupyRuntime(i), i, copy_mib) for i in range(count))
+    found.runtime.device.use()
+    return gpus, ""
+
+
+def _measure_gpu(rt, index, copy_mib):
+    rt.device.use()
+    free, total = rt.memory_info()
+    host = rt.pinned_empty((int(copy_mib * MIB),), np.uint8)
+    dev, other = rt.empty(host.shape, np.uint8), rt.empty(host.shape, np.uint8)
+    stream = rt.stream()
+    h2d = min(_gpu_seconds(rt, stream, lambda: rt.copy_from_host_async(dev, host, stream)) for _ in range(REPEATS))
+    d2d = min(_gpu_seconds(rt, stream, lambda: rt.copy_on_device_async(other, dev, stream)) for _ in range(REPEATS))
+    gpu = Gpu(index, rt.device_name, round(total / MIB), round(free / MIB), round(host.nbytes / h2d / 1e9, 1),
+              round(2 * host.nbytes / d2d / 1e9, 1))
+    log.info("GPU %d (%s): %.0f of %.0f MiB free, host to device %.1f GB/s, on-device copy %.0f GB/s", index,
+             gpu.name, gpu.free_mib, gpu.vram_mib, gpu.h2d_gbps, gpu.vram_gbps)
+    return gpu
+
+
+def _gpu_seconds(rt, stream, queue):
+    start, stop = rt.event(timing=True), rt.event(timing=True)
+    start.record(stream)
+    queue()
+    stop.record(stream)
+    return rt.elapsed(start, stop)
+
+
+def measure(read_mib=READ_MIB, gpus=True):
+    """The Machine of this box (read_mib: the DRAM read's array; gpus False: skip the GPUs)."""
+    cores = os.cpu_count() or 1
+    isa, features = cpu_isa()
+    info = _meminfo()
+    log.info("CPU: %d cores, %s (%s), %d NUMA node(s); RAM %.0f MiB, %.0f MiB free", cores, isa,
+             ", ".join(features) or "no AVX2", numa_nodes(), info.get("MemTotal", 0), info.get("MemAvailable", 0))
+    dram = dram_bandwidth(thread_counts(cores), read_mib)
+    found, note = measure_gpus() if gpus else ((), "not measured")
+    return Machine(cores, isa, features, numa_nodes(), info.get("MemTotal", 0.0), info.get("MemAvailable", 0.0),
+                   pinned_limit_mib(), dram, found, note)

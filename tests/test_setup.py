@@ -1,0 +1,137 @@
+"""`strata setup` (hybrid/setup/) on the demo model with the measurement replaced by a small made-up machine:
+the config it writes is valid and starts the server, a re-run keeps the values the user set or edited (the
+seed report's `layer_split`) and updates its own, --dry-run prints the diff and writes nothing."""
+import pytest
+
+import hybrid.setup.cli as setup_cli
+from hybrid.cli import build_parser, main
+from hybrid.cli_options import config_and_sources
+from hybrid.setup.measure import Gpu, Machine
+from hybrid.setup.write import merge, scan
+
+CPU_BOX = Machine(cores=2, isa="avx2", cpu_features=("avx2", "f16c"), numa_nodes=1, ram_mib=32000.0,
+                  free_ram_mib=30000.0, pinned_limit_mib=None, dram_gbps={1: 12.0, 2: 20.0}, gpu_note="no GPU here")
+GPU_BOX = Machine(cores=16, isa="avx512", cpu_features=("avx512bw", "avx2"), numa_nodes=1, ram_mib=64000.0,
+                  free_ram_mib=60000.0, pinned_limit_mib=None, dram_gbps={8: 60.0, 16: 80.0},
+                  gpus=(Gpu(0, "card", 24000.0, 23000.0, 25.0, 900.0), Gpu(1, "card", 24000.0, 23000.0, 12.0, 900.0)))
+
+
+@pytest.fixture
+def box(monkeypatch, tmp_path):
+    """Replace the measurement by a made-up machine; HOME without a config file."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    chosen = {"machine": CPU_BOX}
+    monkeypatch.setattr(setup_cli, "measure_box", lambda read_mib: chosen["machine"])
+    return chosen
+
+
+def setup(model, path, *flags):
+    return main(["setup", "--model", model, "-o", str(path), *flags])
+
+
+def file_config(path):
+    return config_and_sources(build_parser().parse_args(["serve", "--config", str(path)]), {"HOME": "/nowhere"})
+
+
+def test_setup_writes_a_valid_config_with_a_reason_per_choice(box, demo_path, tmp_path, capsys):
+    path = tmp_path / "strata.toml"
+    assert setup(demo_path, path) == 0
+    out = capsys.readouterr().out
+    assert "predicted: decode" in out and "tok/s per slot" in out and f"{path} written" in out
+    config, sources = file_config(path)
+    assert (config.device, config.parallel, config.kv, config.cpu_gbps) == ("cpu", 1, "f32", 20.0)
+    assert config.max_context == 4096 and sources["kv"] == f"{path} line {scan(path.read_text().splitlines())['kv'].line + 1}"
+    entries = scan(path.read_text().splitlines())
+    assert all(e.owner == "setup" for e in entries.values())
+    assert "2: 20 GB/s" not in path.read_text() and "2: 20)" in path.read_text()  # the measurement it chose from
+
+
+def test_a_rerun_keeps_the_users_values_and_updates_its_own(box, demo_path, tmp_path, capsys):
+    """The seed report: re-running setup rewrote a layer_split the user had set. Two GPUs (made up): setup writes
+    an explicit split; the user edits it and adds a key of their own; the re-run keeps both and says so, and
+    updates a value of its own whose measurement changed."""
+    box["machine"] = GPU_BOX
+    path = tmp_path / "strata.toml"
+    assert setup(demo_path, path) == 0
+    first = file_config(path)[0]
+    assert first.device == "gpu" and first.layer_split != "auto" and first.parallel == 4
+    text = path.read_text().replace(f'\nlayer_split = "{first.layer_split[0]}"', '\nlayer_split = "1"')
+    path.write_text(text + "\n# mine\nconversation_cache_mib = 6144\n")
+    box["machine"] = Machine(**{**GPU_BOX.__dict__, "dram_gbps": {8: 50.0, 16: 70.0}})
+    capsys.readouterr()
+    assert setup(demo_path, path) == 0
+    out = capsys.readouterr().out
+    again = file_config(path)[0]
+    assert again.layer_split == (1,) and again.conversation_cache_mib == 6144 and again.cpu_gbps == 70.0
+    assert f'kept your layer_split = "1" (setup wrote "{first.layer_split[0]}")' in out
+    assert "kept your conversation_cache_mib = 6144" in out and "updated cpu_gbps: 80 -> 70" in out
+    assert "# mine" in path.read_text()
+
+
+def test_dry_run_prints_the_diff_and_writes_nothing(box, demo_path, tmp_path, capsys):
+    path = tmp_path / "strata.toml"
+    assert setup(demo_path, path) == 0
+    before = path.read_text()
+    box["machine"] = Machine(**{**CPU_BOX.__dict__, "dram_gbps": {1: 12.0, 2: 25.0}})
+    capsys.readouterr()
+    assert setup(demo_path, path, "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert "\n-cpu_gbps = 20\n" in out and "\n+cpu_gbps = 25\n" in out and f"--- {path}" in out
+    assert path.read_text() == before
+    assert setup(demo_path, tmp_path / "new.toml", "--dry-run") == 0
+    assert not (tmp_path / "new.toml").exists()
+
+
+def test_a_broken_config_is_refused_before_measuring(box, demo_path, tmp_path, capsys):
+    path = tmp_path / "strata.toml"
+    path.write_text('kv = "f16"\nthreadz = 2\n')
+    box["machine"] = None  # measuring would fail
+    assert setup(demo_path, path) == 2
+    assert capsys.readouterr().err.strip() == f"strata: error: {path} line 2: unknown setting 'threadz' (did you " \
+                                              f"mean threads?)"
+
+
+def test_merge_removes_its_own_value_it_no_longer_sets():
+    from hybrid.setup.choose import Choice
+
+    lines, _ = merge([], [Choice("kv_resident", 4096, "why"), Choice("kv", "f16", "why")])
+    lines, report = merge(lines, [Choice("kv", "int8", "smaller")])
+    assert "kv_resident = 4096" not in lines and 'kv = "int8"' in lines
+    assert report == ["removed kv_resident = 4096 (setup wrote it and no longer sets it)", 'updated kv: "f16" -> "int8"']
+
+
+@pytest.mark.slow  # the server's warm-up compiles the demo's kernels when they are not cached
+def test_the_config_setup_writes_starts_the_server(box, demo_path, tmp_path):
+    from hybrid.cli_options import config_of
+    from server.serve import build
+
+    path = tmp_path / "strata.toml"
+    assert setup(demo_path, path) == 0
+    config = config_of(build_parser().parse_args(["serve", "--config", str(path), "--max-context", "256"]),
+                       {"HOME": "/nowhere"})
+    _, engine = build(config)
+    try:
+        assert engine.model.kv_dtype == "f32"
+    finally:
+        engine.stop()
+
+
+@pytest.mark.slow
+def test_setup_measures_this_box_and_checks_its_prediction(demo_path, tmp_path, capsys, monkeypatch):
+    """The real measurement (no GPU on CI: skipped cleanly) and --check's short run."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "strata.toml"
+    assert setup(demo_path, path, "--read-mib", "64", "--check", "--check-tokens", "8") == 0
+    out = capsys.readouterr().out
+    assert "check: decode" in out and "predicted" in out
+    assert file_config(path)[0].cpu_gbps > 0
+
+
+def test_measurement_skips_the_gpus_cleanly_without_a_runtime():
+    from gpu_kernels.runtime import probe
+    from hybrid.setup.measure import measure_gpus, thread_counts
+
+    assert thread_counts(1) == [1] and thread_counts(6) == [1, 2, 4, 6] and thread_counts(8) == [1, 2, 4, 8]
+    if probe().runtime is None:
+        gpus, note = measure_gpus()
+        assert gpus == () and note == probe().reason
