@@ -200,10 +200,19 @@ class Engine:
             return [self._forward([c])[0] for c in chunks]  # find the failing request: one chunk at a time
 
     def _run(self, chunks):
-        """Per chunk: its logits row [V] ("last"), rows [n, V] ("all") or None."""
-        batch = Batch([SeqChunk(c.slot.kv, c.start, np.asarray(c.token_ids, dtype=np.int64), c.logits)
-                       for c in chunks])
-        logits, out, at = self.model.forward(batch), [], 0  # [T_out, V]
+        """Per chunk: its logits row [V] ("last"), rows [n, V] ("all") or None.
+
+        A decode chunk with drafts goes into the batch as one-token chunks of its sequence at consecutive
+        positions (each attends the rows the ones before it wrote): a batch of one-token chunks takes the
+        backends' decode paths (the CPU's compiled layers), where a short chunk would take the prompt path."""
+        seq_chunks = []
+        for c in chunks:
+            if c.logits == "all":
+                seq_chunks += [SeqChunk(c.slot.kv, c.start + i, np.asarray([t], dtype=np.int64))
+                               for i, t in enumerate(c.token_ids)]
+            else:
+                seq_chunks.append(SeqChunk(c.slot.kv, c.start, np.asarray(c.token_ids, dtype=np.int64), c.logits))
+        logits, out, at = self.model.forward(Batch(seq_chunks)), [], 0  # [T_out, V]
         for c in chunks:
             n = {"last": 1, "all": len(c.token_ids)}.get(c.logits, 0)
             out.append(logits[at] if c.logits == "last" else logits[at:at + n] if n else None)
