@@ -165,9 +165,9 @@ class EngineConfig:
                                           "survive a restart", "conversation", ("serve",))
     # placement planner (`strata plan`)
     gpu_mib: tuple = setting(None, gpu_mib, "memory per GPU in MiB, comma-separated: 24000 or 24000,24000", "plan",
-                             ("plan",))
+                             ("plan",), metavar="MIB[,MIB]")
     layer_split: object = setting("auto", layer_split, "auto, or the first layer of each GPU after the first (e.g. "
-                                  "24 for 2 GPUs)", "plan", ("plan",))
+                                  "24 for 2 GPUs)", "plan", ("plan",), metavar="auto|L[,L]")
     cpu_gbps: float = setting(DEFAULT_CPU_GBPS, number(0, low_open=True), "CPU expert bandwidth in GB/s (measured)",
                               "plan", ("plan",), metavar="GBPS")
     gpu_gbps: float = setting(DEFAULT_GPU_GBPS, number(0, low_open=True), "GPU memory bandwidth in GB/s", "plan",

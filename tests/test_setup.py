@@ -135,3 +135,57 @@ def test_measurement_skips_the_gpus_cleanly_without_a_runtime():
     if probe().runtime is None:
         gpus, note = measure_gpus()
         assert gpus == () and note == probe().reason
+
+
+def synthetic_sizes():
+    from placement.budget import ModelSizes
+
+    mib = 1 << 20
+    return ModelSizes(num_layers=4, num_experts=8, num_experts_per_tok=2, expert_bytes=(mib,) * 4,
+                      layer_dense_bytes=(mib,) * 4, embed_bytes=mib, head_bytes=mib, kv_heads=4, head_dim=128,
+                      hidden_size=256, moe_intermediate_size=128, vocab_size=1000)
+
+
+@pytest.mark.parametrize("context, kv, windowed", [(262144, "f16", False), (524288, "int8", False),
+                                                    (1 << 20, "int8", True)])
+def test_kv_and_the_resident_window_fit_the_vram(context, kv, windowed):
+    """One 24 GB GPU, 2 slots, 16 KiB of f16 KV per token: f16 while it fits a third of the VRAM left (~7.3 GB),
+    then int8, then a resident window with the older tokens in pinned RAM."""
+    from hybrid.setup.choose import Chooser
+
+    box = Machine(**{**GPU_BOX.__dict__, "gpus": GPU_BOX.gpus[:1]})
+    plan = Chooser(box, synthetic_sizes(), context).choose()
+    assert (plan.value("kv"), plan.value("max_context")) == (kv, context)
+    window = plan.value("kv_resident")
+    assert (window is not None) == windowed and (window is None or (window % 1024 == 0 and window < context))
+    if windowed:
+        assert 2 * window * 4 * 2 * 4 * 130 <= (23000 - 6 - 512) * (1 << 20) / 3  # int8: 130 bytes per head row
+    assert plan.value("parallel") == 2 and len(plan.vram_mib) == 1 and plan.vram_mib[0] <= 23000
+    assert plan.decode_tok_s > 0 and plan.value("layer_split") is None
+
+
+def test_the_users_values_are_planned_around():
+    from hybrid.setup.choose import Chooser
+
+    plan = Chooser(GPU_BOX, synthetic_sizes(), 65536, fixed={"parallel": 8, "kv": "int8", "layer_split": (1,)}).choose()
+    assert [c.name for c in plan.choices] == ["device", "cpu_gbps", "max_context", "gpu_gbps"]
+    assert plan.value("max_context") == 65536
+
+
+def test_setup_plans_the_placement_from_a_profile(box, demo_path, tmp_path, capsys):
+    from hybrid.formats import load_model
+    from placement.placement import Placement
+    from placement.profile import ExpertProfile, model_id
+
+    weights = load_model(demo_path)
+    c = weights.config
+    profile = ExpertProfile.empty(model_id(weights), c.num_layers, c.num_experts, c.num_experts_per_tok)
+    profile.decode[:, :4] = 3
+    profile.tokens_decode = 3
+    profile.save(tmp_path / "p.npz")
+    box["machine"] = GPU_BOX
+    path = tmp_path / "strata.toml"
+    assert setup(demo_path, path, "--profile", str(tmp_path / "p.npz")) == 0
+    config = file_config(path)[0]
+    assert config.placement == str(tmp_path / "strata.placement.json")
+    assert Placement.load(config.placement).resident_mask(c.num_layers, c.num_experts)[:, :4].all()

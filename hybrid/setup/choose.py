@@ -117,14 +117,22 @@ class Chooser:
         kv, context, why = self._fit_kv(("f16", "int8"), parallel, max(room, 0) * VRAM_KV_SHARE, "VRAM KV")
         kv = self.pick("kv", kv, why + " (f16 KV is ~1e-3 off f32)")
         limit = self.fixed.get("max_context", self.context_length)
-        window = None
-        if context < limit:  # the whole context does not fit in VRAM: the older tokens go to pinned RAM
-            window = self.pick("kv_resident", max(MIN_WINDOW, context // CONTEXT_STEP * CONTEXT_STEP),
-                               f"{parallel} slot(s) x {limit} tokens of {kv} KV exceed the VRAM KV budget; the "
-                               f"newest {context} tokens stay in VRAM, the rest in pinned RAM")
-            context = limit
+        window = self.fixed.get("kv_resident")
+        if context < limit and window is None:  # the whole context does not fit in VRAM: older tokens to RAM
+            window = max(MIN_WINDOW, context // CONTEXT_STEP * CONTEXT_STEP)
+            pinned = self._kv_bytes(kv, limit - window, parallel) / MIB
+            self.pick("kv_resident", window, f"{parallel} slot(s) x {limit} tokens of {kv} KV exceed the VRAM KV "
+                      f"budget; the newest {window} tokens stay in VRAM, the rest ({pinned:.0f} MiB) in pinned RAM"
+                      + self._pinned_note(pinned))
+        context = limit if window is not None else context
         context = self.pick("max_context", context, f"the model's context ({self.context_length} tokens)")
         self._place(parallel, context, kv, window, reserve)
+
+    def _pinned_note(self, mib):
+        limit = self.m.pinned_limit_mib
+        if limit is not None and mib > limit:
+            return f" (WARNING: above the {limit:.0f} MiB locked-memory limit, ulimit -l)"
+        return f" (of {self.m.free_ram_mib:.0f} MiB free RAM)"
 
     def model_bytes_dense(self):
         s = self.sizes
