@@ -114,6 +114,8 @@ class EngineConfig:
                                   "by one (0)", "gpu")
     dense_graphs: bool = setting(True, switch, "a decode layer's dense launches as two captured graphs (1) or one "
                                  "by one (0)", "gpu")
+    step_graphs: bool = setting(True, switch, "with dense graphs, a decode step whose experts are all resident as one "
+                                "captured graph (1) or layer by layer (0)", "gpu")
     # dynamic expert cache (--expert-cache dynamic; placement/dynamic.py SETTING_LIMITS)
     dynamic_decay: float = setting(None, number(0, 1, low_open=True), "per-step decay of an expert's usage score, "
                                    "in (0, 1] (default 0.98)", "dynamic", RUN, metavar="DECAY")
@@ -248,19 +250,36 @@ _applied_floor = None  # the ISA floor the kernels were imported for (apply_isa_
 
 
 def apply_isa_floor(environ=None):
-    """Tell Numba the compile target of STRATA_ISA_FLOOR; hybrid/__init__.py calls it before any kernel
-    module is imported, since they choose code by the target at import. Returns the floor."""
+    """Tell Numba the compile target of STRATA_ISA_FLOOR, else of isa_floor in the config file of
+    $STRATA_CONFIG or ~/.config/strata/strata.toml; hybrid/__init__.py calls it before any kernel module is
+    imported, since they choose code by the target at import. Returns the floor."""
     global _applied_floor
     from cpu_kernels.target import apply_isa_floor as apply
 
     environ = os.environ if environ is None else environ
     floor = environ.get("STRATA_ISA_FLOOR", "").strip()
-    _applied_floor = apply(_parsed(SETTINGS["isa_floor"], floor, "STRATA_ISA_FLOOR") if floor else "native")
+    if floor:
+        _applied_floor = apply(_parsed(SETTINGS["isa_floor"], floor, "STRATA_ISA_FLOOR"))
+    else:
+        _applied_floor = apply(_file_floor(environ))
     return _applied_floor
+
+
+def _file_floor(environ):
+    """isa_floor of the config file found without --config, or "native" (a broken file is reported by the
+    command that reads it, not here at import)."""
+    from .config_file import find_config, read_config
+
+    try:
+        path = find_config(None, environ)
+        value, where = read_config(path).get("isa_floor", ("native", None)) if path else ("native", None)
+        return _parsed(SETTINGS["isa_floor"], value, f"{where}: isa_floor")
+    except ValueError:
+        return "native"
 
 
 def check_isa_floor(config):
     """ValueError when `config` asks for another ISA floor than the one the kernels were imported for."""
     if _applied_floor is not None and config.isa_floor != _applied_floor:
         raise ValueError(f"isa_floor {config.isa_floor!r}: the kernels were imported for {_applied_floor!r}; "
-                         f"set STRATA_ISA_FLOOR before importing hybrid")
+                         f"set STRATA_ISA_FLOOR (or isa_floor in $STRATA_CONFIG's file) before importing hybrid")
