@@ -60,7 +60,8 @@ def config_and_sources(args, environ=None):
     the commands' defaults > the library's."""
     path = find_config(getattr(args, "config", None), environ)
     file = read_config(path) if path else None
-    config, sources = resolve_sources(settings_of(args), environ, file, command_defaults(getattr(args, "settings_command", None)), flags=True)
+    defaults = command_defaults(getattr(args, "settings_command", None))
+    config, sources = resolve_sources(settings_of(args), environ, file, defaults, flags=True)
     missing = [flag_of(n) for n in getattr(args, "required_settings", ()) if getattr(config, n) is None]
     if missing:
         raise ValueError(f"strata {args.settings_command} needs {', '.join(missing)} (a flag, its STRATA_* variable or "

@@ -249,9 +249,9 @@ def resolve_sources(given=None, environ=None, file=None, defaults=None, flags=Fa
 _applied_floor = None  # the ISA floor the kernels were imported for (apply_isa_floor)
 
 
-def apply_isa_floor(environ=None):
-    """Tell Numba the compile target of STRATA_ISA_FLOOR, else of isa_floor in the config file of
-    $STRATA_CONFIG or ~/.config/strata/strata.toml; hybrid/__init__.py calls it before any kernel module is
+def apply_isa_floor(file_floor=None, environ=None):
+    """Tell Numba the compile target of STRATA_ISA_FLOOR, else of `file_floor` (the config file's isa_floor:
+    hybrid.config_file.file_isa_floor), else native; hybrid/__init__.py calls it before any kernel module is
     imported, since they choose code by the target at import. Returns the floor."""
     global _applied_floor
     from cpu_kernels.target import apply_isa_floor as apply
@@ -261,21 +261,8 @@ def apply_isa_floor(environ=None):
     if floor:
         _applied_floor = apply(_parsed(SETTINGS["isa_floor"], floor, "STRATA_ISA_FLOOR"))
     else:
-        _applied_floor = apply(_file_floor(environ))
+        _applied_floor = apply(file_floor or "native")
     return _applied_floor
-
-
-def _file_floor(environ):
-    """isa_floor of the config file found without --config, or "native" (a broken file is reported by the
-    command that reads it, not here at import)."""
-    from .config_file import find_config, read_config
-
-    try:
-        path = find_config(None, environ)
-        value, where = read_config(path).get("isa_floor", ("native", None)) if path else ("native", None)
-        return _parsed(SETTINGS["isa_floor"], value, f"{where}: isa_floor")
-    except ValueError:
-        return "native"
 
 
 def check_isa_floor(config):

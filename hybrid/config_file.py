@@ -11,7 +11,7 @@ import os
 import re
 import tomllib
 
-from .config import SETTINGS, file_settings
+from .config import SETTINGS, _parsed, file_settings
 from .config_types import mib_or_auto
 
 CONFIG_VAR = "STRATA_CONFIG"
@@ -108,3 +108,14 @@ def _toml_error(path, exc):
         message = message[: found.start()]
         return f"{path} line {found.group(1)}: not valid TOML: {message[:1].lower()}{message[1:]}"
     return f"{path}: not valid TOML: {message[:1].lower()}{message[1:]}"
+
+
+def file_isa_floor(environ=None):
+    """isa_floor of the config file found without --config ($STRATA_CONFIG, ~/.config/strata/strata.toml), or
+    None. Read when hybrid is imported: a broken file is reported by the command that reads it, not here."""
+    try:
+        path = find_config(None, environ)
+        found = read_config(path).get("isa_floor") if path else None
+        return _parsed(SETTINGS["isa_floor"], found[0], f"{found[1]}: isa_floor") if found else None
+    except ValueError:
+        return None

@@ -40,7 +40,8 @@ def test_setup_writes_a_valid_config_with_a_reason_per_choice(box, demo_path, tm
     assert "predicted: decode" in out and "tok/s per slot" in out and f"{path} written" in out
     config, sources = file_config(path)
     assert (config.device, config.parallel, config.kv, config.cpu_gbps) == ("cpu", 1, "f32", 20.0)
-    assert config.max_context == 4096 and sources["kv"] == f"{path} line {scan(path.read_text().splitlines())['kv'].line + 1}"
+    kv_line = scan(path.read_text().splitlines())["kv"].line + 1
+    assert config.max_context == 4096 and sources["kv"] == f"{path} line {kv_line}"
     entries = scan(path.read_text().splitlines())
     assert all(e.owner == "setup" for e in entries.values())
     assert "2: 20 GB/s" not in path.read_text() and "2: 20)" in path.read_text()  # the measurement it chose from
@@ -97,7 +98,8 @@ def test_merge_removes_its_own_value_it_no_longer_sets():
     lines, _ = merge([], [Choice("kv_resident", 4096, "why"), Choice("kv", "f16", "why")])
     lines, report = merge(lines, [Choice("kv", "int8", "smaller")])
     assert "kv_resident = 4096" not in lines and 'kv = "int8"' in lines
-    assert report == ["removed kv_resident = 4096 (setup wrote it and no longer sets it)", 'updated kv: "f16" -> "int8"']
+    assert report == ["removed kv_resident = 4096 (setup wrote it and no longer sets it)",
+                      'updated kv: "f16" -> "int8"']
 
 
 @pytest.mark.slow  # the server's warm-up compiles the demo's kernels when they are not cached

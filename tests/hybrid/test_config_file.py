@@ -114,5 +114,22 @@ def test_config_show_prints_every_value_and_its_source(tmp_path, capsys, monkeyp
 def test_plan_takes_its_required_settings_from_the_file(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert main(["plan", "-o", str(tmp_path / "p.json")]) == 2
-    assert capsys.readouterr().err.strip() == ("strata: error: strata plan needs --model, --profile, --gpu-mib (a flag, "
-                                               "its STRATA_* variable or the config file)")
+    assert capsys.readouterr().err.strip() == ("strata: error: strata plan needs --model, --profile, --gpu-mib (a "
+                                               "flag, its STRATA_* variable or the config file)")
+
+
+def test_the_isa_floor_of_the_found_file_is_applied_at_import(tmp_path, monkeypatch):
+    from hybrid import config
+    from hybrid.config_file import file_isa_floor
+
+    applied = []
+    monkeypatch.setattr("cpu_kernels.target.apply_isa_floor", lambda floor: applied.append(floor) or floor)
+    monkeypatch.setattr(config, "_applied_floor", config._applied_floor)
+    path = tmp_path / "s.toml"
+    path.write_text('isa_floor = "AVX"\n')
+    environ = {"STRATA_CONFIG": str(path)}
+    assert file_isa_floor(environ) == "avx" and config.apply_isa_floor("avx", environ) == "avx"
+    assert config.apply_isa_floor("avx", {**environ, "STRATA_ISA_FLOOR": "avx2"}) == "avx2"
+    path.write_text("isa_floor = 3\n")  # reported by the command that reads the file, not at import
+    assert file_isa_floor(environ) is None and file_isa_floor({"HOME": str(tmp_path)}) is None
+    assert config.apply_isa_floor(None, {}) == "native" and applied == ["avx", "avx2", "native"]
