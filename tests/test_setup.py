@@ -191,3 +191,15 @@ def test_setup_plans_the_placement_from_a_profile(box, demo_path, tmp_path, caps
     config = file_config(path)[0]
     assert config.placement == str(tmp_path / "strata.placement.json")
     assert Placement.load(config.placement).resident_mask(c.num_layers, c.num_experts)[:, :4].all()
+
+
+def test_a_gpu_is_measured_through_the_runtime_interface(monkeypatch):
+    """The GPU measurement on the NumPy stand-in runtime (a copy 'takes' 10 ms): the calls and the arithmetic."""
+    from gpu_kernels.numpy_runtime import NumpyRuntime
+    from hybrid.setup.measure import _measure_gpu
+
+    rt = NumpyRuntime()
+    monkeypatch.setattr(rt, "elapsed", lambda start, stop: 0.01, raising=False)
+    gpu = _measure_gpu(rt, 0, copy_mib=4)
+    assert (gpu.name, gpu.vram_mib, gpu.free_mib) == ("numpy", 65536, 65536)
+    assert (gpu.h2d_gbps, gpu.vram_gbps) == (round(4 * 2**20 / 0.01 / 1e9, 1), round(8 * 2**20 / 0.01 / 1e9, 1))

@@ -146,7 +146,7 @@ def measure_gpus(copy_mib=COPY_MIB):
 
 
 def _measure_gpu(rt, index, copy_mib):
-    rt.device.use()
+    """The Gpu of runtime `rt` (its device current): free and total VRAM, copy bandwidths."""
     free, total = rt.memory_info()
     host = rt.pinned_empty((int(copy_mib * MIB),), np.uint8)
     dev, other = rt.empty(host.shape, np.uint8), rt.empty(host.shape, np.uint8)
