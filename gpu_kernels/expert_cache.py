@@ -96,6 +96,9 @@ class ExpertCache:
         self.slot_of = np.full(resident.shape, -1, dtype=np.int32)  # [L, E]
         self.layers = []
         for layer in layers:
+            if layer.gate_exps is None:  # a dense layer: nothing to cache
+                self.layers.append(None)
+                continue
             experts = np.flatnonzero(resident[layer.index])
             self.slot_of[layer.index, experts] = np.arange(len(experts), dtype=np.int32)
             self.layers.append(tuple(self._upload(runtime, t, experts)

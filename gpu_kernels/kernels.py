@@ -436,6 +436,22 @@ class Kernels(DeltaNetLaunchers):
         self._launch(self._ops("add_into"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
                      (out, src, np.int64(n)))
 
+    def route_sigmoid(self, logits, bias, k, num_groups, topk_groups, normalize, scale, ids, weights):
+        """logits [T, E], choice bias [E] -> ids int32 [T, K], weights f32 [T, K] (moe_parts.cu route_sigmoid)."""
+        num_tokens, num_experts = logits.shape
+        if num_groups > 64 or num_experts % num_groups:
+            raise ValueError(f"route_sigmoid: {num_experts} experts in {num_groups} groups (at most 64 equal ones)")
+        threads = self._threads(num_tokens, cap=128)
+        self._launch(self._ops("route_sigmoid"), ((num_tokens + threads - 1) // threads,), threads,
+                     (logits, bias, ids, weights, np.int32(num_tokens), np.int32(num_experts), np.int32(k),
+                      np.int32(num_groups), np.int32(topk_groups), np.int32(bool(normalize)), np.float32(scale)))
+
+    def add_bias(self, x, bias):
+        """x [T, R] += bias [R] in place (contiguous x)."""
+        n = x.size
+        self._launch(self._ops("add_bias"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
+                     (x, bias, np.int64(n), np.int32(bias.shape[0])))
+
     def combine_rows(self, expert_out, row_of_pair, weights, k, out):
         """out [T, H] = per token the weighted sum of its pair rows held in expert_out [N, H]."""
         self._launch(self._ops("combine_rows"), (out.shape[0],), self._threads(out.shape[1]),

@@ -41,7 +41,7 @@ FORMAT_TABLES = {
 
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",
                "combine_rows", "decode_tiles", "add_into", "pack_decode", "publish_decode",
-               "await_host_add")
+               "await_host_add", "route_sigmoid", "add_bias")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "dequant_rows")
 INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q")  # one token, x rounded to int16 (formats in INT_DECODE)
 # formats whose header defines INT_DECODE (slice_dot_q)
@@ -77,7 +77,7 @@ def module_source(name):
     """The full source of module `name` ("ops", "matmul_<type>" or "kv_<type>")."""
     prefix, tables = "", ""
     if name in ("ops", "delta_net"):
-        files = ("common.cuh", f"{name}.cu")
+        files = ("common.cuh", f"{name}.cu") + (("moe_parts.cu",) if name == "ops" else ())
     elif name.startswith("kv_"):
         prefix = f"#define {KV_DEFINES[name.removeprefix('kv_')]}\n"
         files = ("common.cuh", "kv.cu")

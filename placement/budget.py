@@ -25,7 +25,7 @@ class ModelSizes:
     num_experts: int
     num_experts_per_tok: int
     expert_bytes: tuple  # bytes of one expert (gate + up + down) per layer
-    layer_dense_bytes: tuple  # attention, norms and router per layer
+    layer_dense_bytes: tuple  # attention, norms, router, shared expert and dense FFN per layer (resident)
     embed_bytes: int
     head_bytes: int  # output norm + output projection (0 extra when tied: it reads the embedding)
     kv_heads: int
@@ -42,6 +42,8 @@ class ModelSizes:
             if not name.startswith("blk."):
                 continue
             index = int(name.split(".")[1])
+            if index >= c.num_layers:  # NextN (MTP) layers: kept, not run
+                continue
             if "_exps." in name:
                 expert[index] += tensor.nbytes // c.num_experts
             else:

@@ -101,21 +101,23 @@ class GpuBackend:
         c = model.config
         c = model.config
         dense = [model.token_embd, model.output, model.output_norm]
-        for layer in model.layers:
-            dense += [layer.attn_norm, layer.ffn_norm, layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output,
-                      layer.router] + [v for v in (layer.attn_q_norm, layer.attn_k_norm) if v is not None]
+        for layer in model.layers:  # resident: shared experts and dense FFNs run for every token
+            dense += layer.dense_weights()
         unique = {id(w): w for w in dense}
-        check_gpu_formats(list(unique.values()) + [w for layer in model.layers
+        moe_layers = [layer for layer in model.layers if layer.gate_exps is not None]
+        check_gpu_formats(list(unique.values()) + [w for layer in moe_layers
                                                    for w in (layer.gate_exps, layer.up_exps, layer.down_exps)])
         dense_bytes = sum(w.nbytes for w in unique.values())
         per_block = kv_store.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv.dtype) * BLOCK_TOKENS
         kv_blocks = self.kv_sequences * self.vram_blocks_per_sequence()
         kv = kv_blocks * per_block + self.kv.stage_bytes(c)
         scratch = self.chunk_tokens * 4 * (c.vocab_size + 8 * c.hidden_size + 2 * c.num_heads * c.head_dim
-                                           + c.num_experts_per_tok * (3 * c.moe_intermediate_size + 2 * c.hidden_size))
+                                           + c.num_experts_per_tok * (3 * c.moe_intermediate_size + 2 * c.hidden_size)
+                                           + 3 * max(c.dense_intermediate_size, c.shared_intermediate_size))
         free, total = self.rt.memory_info()
         self.budget, self.resident = plan(free, total, dense_bytes, kv, scratch, self.reserve,
-                                          [expert_bytes(layer) for layer in model.layers], c.num_experts,
+                                          [expert_bytes(layer) if layer.gate_exps is not None else 0
+                                           for layer in model.layers], c.num_experts,
                                           self.cache_bytes, self.requested_resident)
         projections = [(layer.attn_q, layer.attn_k, layer.attn_v) for layer in model.layers]
         self._projections = {layer.index: self._upload_projections(p) for layer, p in zip(model.layers, projections)}
@@ -126,8 +128,9 @@ class GpuBackend:
                                     w)
         self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.kv.dtype, num_blocks=kv_blocks,
                               max_blocks=kv_blocks, allocate=self.rt.empty, where="VRAM")
+        self.resident[[layer.index for layer in model.layers if layer.gate_exps is None]] = False  # dense layers
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
-        self.device_experts.width = max(layer.gate_exps.shape[1] for layer in model.layers)
+        self.device_experts.width = max(layer.gate_exps.shape[1] for layer in moe_layers)
         self.borrow_bytes_per_second = self._measure_upload()
         log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s; one-token matmuls take x as %s",
                  self.name, self.rt.device_name, self.rt.name, self.rt.warp_size,
@@ -299,6 +302,25 @@ class GpuBackend:
         weights = self.rt.empty((num_tokens, k), np.float32)  # [T, K]
         self.kernels.route_topk(router_logits, k, normalize, ids, weights)
         return ids, weights
+
+    def route_sigmoid(self, router_logits, bias, k, num_groups, topk_groups, normalize, scale):
+        """The SigmoidTopK router (moe_parts.cu): router_logits [T, E], bias [E] -> (ids int32 [T, K], weights [T, K])."""
+        num_tokens = router_logits.shape[0]
+        ids = self.rt.empty((num_tokens, k), np.int32)  # [T, K]
+        weights = self.rt.empty((num_tokens, k), np.float32)  # [T, K]
+        self.kernels.route_sigmoid(router_logits, self._weight(bias), k, num_groups, topk_groups, normalize, scale,
+                                   ids, weights)
+        return ids, weights
+
+    def add_bias(self, x, bias):
+        """x [T, R] += bias [R] in place."""
+        self.kernels.add_bias(x, self._weight(bias))
+
+    def silu_mul(self, gate, up):
+        """silu(gate) * up, a new [T, F]."""
+        out = self.rt.empty(gate.shape, np.float32)
+        self.kernels.swiglu(gate, up, out)
+        return out
 
     def take_rows(self, x, rows):
         return x[self.staging.upload("rows", np.ascontiguousarray(rows, dtype=np.int64), self.stream)]

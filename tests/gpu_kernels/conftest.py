@@ -189,6 +189,14 @@ class ReferenceKernels:
         w = np.take_along_axis(p, top, axis=1)
         weights[:] = w / w.sum(axis=1, keepdims=True) if normalize else w
 
+    def route_sigmoid(self, logits, bias, k, num_groups, topk_groups, normalize, scale, ids, weights):
+        from tests.cpu_kernels.test_routing_sigmoid import reference
+
+        ids[:], weights[:] = reference(logits, bias, k, num_groups, topk_groups, normalize, scale)
+
+    def add_bias(self, x, bias):
+        x += bias
+
     def gather_rows(self, x, order, k, out):
         out[:] = x[order // k]
 
