@@ -37,7 +37,7 @@ def test_setup_writes_a_valid_config_with_a_reason_per_choice(box, demo_path, tm
     path = tmp_path / "strata.toml"
     assert setup(demo_path, path) == 0
     out = capsys.readouterr().out
-    assert "predicted: decode" in out and "tok/s per slot" in out and f"{path} written" in out
+    assert "predicted: decode" in out and "tok/s alone" in out and f"{path} written" in out
     config, sources = file_config(path)
     assert (config.device, config.parallel, config.kv, config.cpu_gbps) == ("cpu", 1, "f32", 20.0)
     kv_line = scan(path.read_text().splitlines())["kv"].line + 1
@@ -163,7 +163,7 @@ def test_kv_and_the_resident_window_fit_the_vram(context, kv, windowed):
     if windowed:
         assert 2 * window * 4 * 2 * 4 * 130 <= (23000 - 6 - 512) * (1 << 20) / 3  # int8: 130 bytes per head row
     assert plan.value("parallel") == 2 and len(plan.vram_mib) == 1 and plan.vram_mib[0] <= 23000
-    assert plan.decode_tok_s > 0 and plan.value("layer_split") is None
+    assert 0 < plan.decode_tok_s < plan.alone_tok_s and plan.value("layer_split") is None
 
 
 def test_the_users_values_are_planned_around():
@@ -203,3 +203,12 @@ def test_a_gpu_is_measured_through_the_runtime_interface(monkeypatch):
     gpu = _measure_gpu(rt, 0, copy_mib=4)
     assert (gpu.name, gpu.vram_mib, gpu.free_mib) == ("numpy", 65536, 65536)
     assert (gpu.h2d_gbps, gpu.vram_gbps) == (round(4 * 2**20 / 0.01 / 1e9, 1), round(8 * 2**20 / 0.01 / 1e9, 1))
+
+
+def test_the_dram_read_kernel_sums_every_value():
+    import numpy as np
+
+    from hybrid.setup.measure import _read_kernel
+
+    x = np.random.default_rng(1).random(4096 * 24, dtype=np.float32)
+    assert np.isclose(_read_kernel()(x), x.sum(dtype=np.float64), rtol=1e-5)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from placement.budget import MIB, BudgetError, ModelSizes
-from placement.planner import Budgets, Speeds, plan
+from placement.planner import Budgets, CostModel, Speeds, plan
 from placement.profile import ExpertProfile
 
 from ..config import DEFAULT_RESERVE_MIB, SETTINGS
@@ -31,6 +31,8 @@ class Plan:
 
     choices: list = field(default_factory=list)
     decode_tok_s: float = 0.0  # per slot, every slot decoding
+    alone_tok_s: float = 0.0  # one slot decoding alone
+    parallel: int = 1  # the slots the predictions are for
     vram_mib: tuple = ()  # per GPU
     ram_mib: float = 0.0
     placement: object = None  # a Placement to save beside the config, or None
@@ -78,10 +80,12 @@ class Chooser:
         parallel = self.pick("parallel", 1, "CPU only: every slot shares the DRAM bandwidth, one slot decodes "
                                             "fastest (set parallel yourself for several users; setup keeps it)")
         room = max(self.m.free_ram_mib * MIB - self.model_bytes, 0) * RAM_KV_SHARE
+        self.plan.parallel = parallel
         kv, context, why = self._fit_kv(("f32", "f16", "int8"), parallel, room, "RAM")
         kv = self.pick("kv", kv, why)
         context = self.pick("max_context", context, why)
         self.plan.decode_tok_s = self.m.cpu_gbps * 1e9 / self._step_bytes(kv, context, parallel)
+        self.plan.alone_tok_s = self.m.cpu_gbps * 1e9 / self._step_bytes(kv, context, 1)
         self.plan.ram_mib = (self.model_bytes + self._kv_bytes(kv, context, parallel)) / MIB
 
     def _fit_kv(self, kvs, parallel, room, where):
@@ -112,6 +116,7 @@ class Chooser:
         m = self.m
         parallel = self.pick("parallel", 4 if len(m.gpus) > 1 or m.gpus[0].vram_mib >= 40000 else 2,
                              "a GPU batches slots nearly for free: the experts a step reads are shared")
+        self.plan.parallel = parallel
         reserve = self.given("vram_reserve_mib") or DEFAULT_RESERVE_MIB
         room = sum(g.free_mib for g in m.gpus) * MIB - self.model_bytes_dense() - reserve * len(m.gpus) * MIB
         kv, context, why = self._fit_kv(("f16", "int8"), parallel, max(room, 0) * VRAM_KV_SHARE, "VRAM KV")
@@ -155,7 +160,10 @@ class Chooser:
         if self.profile is not None:
             self.plan.placement = placement
         self.pick("gpu_gbps", speeds.gpu_gbps, "the slowest GPU's measured on-device copy bandwidth")
-        self.plan.decode_tok_s = placement.predicted["decode_tok_s"]
+        self.plan.decode_tok_s = placement.predicted["decode_tok_s"] / parallel  # the planner's: all slots
+        probs, _ = profile.decode_estimate()
+        alone = CostModel(probs, s, 1, speeds, context, kv)
+        self.plan.alone_tok_s = alone.decode_tok_s(placement.resident_mask(s.num_layers, s.num_experts))
         self.plan.vram_mib = tuple(_used_mib(g.budget) for g in placement.gpus)
         pinned = 0 if window is None else self._kv_bytes(kv, max(context - window, 0), parallel)
         self.plan.ram_mib = (self.model_bytes + pinned) / MIB

@@ -106,5 +106,7 @@ def _profile(path, weights):
 def _predictions(machine, plan):
     gpus = ", ".join(f"GPU {i}: {mib:.0f} of {g.vram_mib:.0f} MiB" for i, (mib, g) in
                      enumerate(zip(plan.vram_mib, machine.gpus))) or "no GPU"
-    return (f"predicted: decode {plan.decode_tok_s:.1f} tok/s per slot; VRAM {gpus}; RAM {plan.ram_mib:.0f} of "
+    slots = plan.parallel
+    busy = f", {plan.decode_tok_s:.1f} per slot with {slots} decoding" if slots > 1 else ""
+    return (f"predicted: decode {plan.alone_tok_s:.1f} tok/s alone{busy}; VRAM {gpus}; RAM {plan.ram_mib:.0f} of "
             f"{machine.free_ram_mib:.0f} MiB free")
