@@ -60,7 +60,7 @@ def test_a_rerun_keeps_the_users_values_and_updates_its_own(box, demo_path, tmp_
     path.write_text(text + "\n# mine\nconversation_cache_mib = 6144\n")
     box["machine"] = Machine(**{**GPU_BOX.__dict__, "dram_gbps": {8: 50.0, 16: 70.0}})
     capsys.readouterr()
-    assert setup(demo_path, path) == 0
+    assert main(["setup", "-o", str(path)]) == 0  # the model: the file's
     out = capsys.readouterr().out
     again = file_config(path)[0]
     assert again.layer_split == (1,) and again.conversation_cache_mib == 6144 and again.cpu_gbps == 70.0
@@ -212,3 +212,14 @@ def test_the_dram_read_kernel_sums_every_value():
 
     x = np.random.default_rng(1).random(4096 * 24, dtype=np.float32)
     assert np.isclose(_read_kernel()(x), x.sum(dtype=np.float64), rtol=1e-5)
+
+
+def test_a_model_of_the_users_own_is_not_replaced(box, demo_path, tmp_path, capsys):
+    path = tmp_path / "strata.toml"
+    path.write_text('model = "/models/theirs.gguf"\n')
+    assert setup(demo_path, path) == 2
+    assert capsys.readouterr().err.strip() == (f"strata: error: --model {demo_path}: {path} sets model = "
+                                               f"'/models/theirs.gguf' itself; set up for that one, or remove it "
+                                               f"from the file")
+    assert main(["setup", "-o", str(tmp_path / "none.toml")]) == 2
+    assert "strata setup needs --model" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`strata setup --model M [--profile P] [-o strata.toml] [--dry-run] [--check]`: measure, choose, write (or
+"""`strata setup [--model M] [--profile P] [-o strata.toml] [--dry-run] [--check]`: measure, choose, write (or
 with --dry-run only print the diff), print the predictions; --check runs a short generation with the result
 and compares its decode speed with the prediction."""
 import logging
@@ -15,7 +15,8 @@ def add_setup(sub):
     """The `setup` subcommand of the `strata` subparsers."""
     p = sub.add_parser("setup", help="measure this box, choose the settings for a model and write them to a "
                                      "config file (keeping the values you set)")
-    p.add_argument("--model", required=True, help="GGUF file or HF safetensors directory to set up for")
+    p.add_argument("--model", help="GGUF file or HF safetensors directory to set up for (default: the config "
+                                   "file's model)")
     p.add_argument("--profile", type=existing_file, default=None, metavar="P.npz",
                    help="expert profile (`strata profile`) of your prompts: the placement is planned from it "
                         "(written beside the config) and so are the predictions (default: every expert alike)")
@@ -38,37 +39,29 @@ def measure_box(read_mib):
 
 
 def run_setup(args):
-    from hybrid.config_file import read_config
     from hybrid.formats import load_model
 
     from .choose import Choice, choose
-    from .write import diff, merge, user_values
+    from .write import merge
 
     old = _read_lines(args.output)
-    fixed = _fixed(args.output, user_values(old)) if old else {}
+    fixed, model = _fixed_and_model(args, old)
     machine = measure_box(args.read_mib)
-    weights = load_model(args.model)
+    weights = load_model(model)
     profile = _profile(args.profile, weights)
     plan = choose(machine, weights, fixed, profile)
-    choices = [Choice("model", os.path.abspath(args.model), f"the model setup measured for ({weights.config.arch}, "
-                                                             f"{weights.config.num_layers} layers)")] + plan.choices
+    choices = [Choice("model", os.path.abspath(model), f"the model setup measured for ({weights.config.arch}, "
+                                                        f"{weights.config.num_layers} layers)")] + plan.choices
+    placement_path = os.path.splitext(args.output)[0] + ".placement.json"
     if plan.placement is not None:
-        placement_path = os.path.splitext(args.output)[0] + ".placement.json"
         choices.append(Choice("placement", os.path.abspath(placement_path), f"planned from {args.profile} for the "
                               f"measured GPUs: hit rate {plan.placement.predicted['hit_rate']:.0%}"))
     new, report = merge(old, [c for c in choices if c.name not in fixed])
     print(_predictions(machine, plan))
     print("\n".join(report))
-    changes = diff(old, new, args.output)
-    if args.dry_run:
-        print("\n".join(changes) if changes else f"{args.output}: no change")
-        return 0
-    if plan.placement is not None:
-        plan.placement.save(placement_path)
-    with open(args.output, "w") as f:
-        f.write("\n".join(new) + "\n")
-    read_config(args.output)
-    print(f"{args.output} written; start with: strata serve --config {args.output}")
+    if not args.dry_run:
+        _write(args.output, new, plan.placement, placement_path)
+    _print_changes(args, old, new)
     if args.check:
         from .check import check
 
@@ -76,21 +69,51 @@ def run_setup(args):
     return 0
 
 
+def _fixed_and_model(args, old):
+    """({key: value} of the user's keys in the config file, the model to set up for: --model, else the
+    file's). A broken file is one line naming its line, before minutes of measuring."""
+    from hybrid.config import resolve_sources
+    from hybrid.config_file import read_config
+
+    from .write import user_values
+
+    values = resolve_sources(environ={}, file=read_config(args.output))[0] if old else None
+    fixed = {k: getattr(values, k) for k in user_values(old)}
+    model = args.model or (values.model if values else None)
+    if model is None:
+        raise ValueError("strata setup needs --model (or a model in the config file -o names)")
+    if "model" in fixed and os.path.abspath(model) != os.path.abspath(fixed["model"]):
+        raise ValueError(f"--model {args.model}: {args.output} sets model = {fixed['model']!r} itself; set up "
+                         f"for that one, or remove it from the file")
+    return fixed, model
+
+
+def _write(path, lines, placement, placement_path):
+    """The config file (checked by reading it back) and the placement beside it."""
+    from hybrid.config_file import read_config
+
+    if placement is not None:
+        placement.save(placement_path)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    read_config(path)
+
+
+def _print_changes(args, old, new):
+    from .write import diff
+
+    if args.dry_run:
+        changes = diff(old, new, args.output)
+        print("\n".join(changes) if changes else f"{args.output}: no change")
+    else:
+        print(f"{args.output} written; start with: strata serve --config {args.output}")
+
+
 def _read_lines(path):
     if not os.path.isfile(path):
         return []
     with open(path) as f:
         return f.read().splitlines()
-
-
-def _fixed(path, users):
-    """{key: value} of the user's keys (`users`) in the config file at `path`, parsed as settings; a broken
-    file is one line naming its line, before minutes of measuring."""
-    from hybrid.config import resolve_sources
-    from hybrid.config_file import read_config
-
-    config, _ = resolve_sources(environ={}, file=read_config(path))
-    return {k: getattr(config, k) for k in users}
 
 
 def _profile(path, weights):
