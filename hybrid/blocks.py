@@ -13,7 +13,9 @@ from typing import Callable
 
 import numpy as np
 
-from .arch.recipe import DenseFFN, FullAttention, MoE, SharedExpert, SigmoidTopK, SoftmaxTopK, SwiGLU
+from .arch.recipe import (DenseFFN, FullAttention, GatedAttention, LinearAttention, MoE, SharedExpert, SigmoidTopK,
+                          SoftmaxTopK, SwiGLU)
+from .linear_attention import gated_attention_inputs, linear_attention
 from .moe import expert_mixture
 
 
@@ -98,6 +100,8 @@ def shared_expert_steps(part):
     device runs it while the host runs its experts); added to the mixture by moe_steps' last step."""
     def shared(be, layer, s):
         s["shared"] = swiglu_ffn(be, s["h"], layer.gate_shexp, layer.up_shexp, layer.down_shexp)
+        if part.gated:  # times sigmoid(h @ shexp_gate.T) per token
+            be.sigmoid_mul(s["shared"], be.linear(layer.shexp_gate, s["h"]))
 
     return (Step("shared_expert", shared, True),)
 
@@ -133,7 +137,31 @@ def moe_steps(part):
     return sum(parts, ()) + add
 
 
-PART_STEPS = {FullAttention: full_attention_steps, MoE: moe_steps, SoftmaxTopK: softmax_topk_steps,
+def gated_attention_steps(part):
+    """h -> y [T, H]: Qwen3-Next's full attention (hybrid/linear_attention.py): q, its gate, k, v; the attention over
+    the caches; the output gated, then projected."""
+    def project(be, layer, s):
+        q, k, v, gate = gated_attention_inputs(be, layer, s["h"], s["batch"].positions)
+        s.update(q=q, k=k, v=v, gate=gate, att=be.empty(q.shape))
+
+    def attention(be, layer, s):
+        attend(be, layer, s["q"], s["k"], s["v"], s["batch"], s["att"])
+
+    def output(be, layer, s):
+        att = s["att"].reshape(s["h"].shape[0], -1)
+        be.sigmoid_mul(att, s["gate"].reshape(att.shape))
+        s["y"] = be.linear(layer.attn_output, att)
+
+    return (Step("project", project, False), Step("attention", attention, False), Step("output", output, False))
+
+
+def linear_attention_steps(part):
+    """h -> y [T, H]: Gated DeltaNet over each sequence's recurrent state (hybrid/linear_attention.py)."""
+    return (Step("linear_attention", lambda be, layer, s: linear_attention(be, part, layer, s), False),)
+
+
+PART_STEPS = {GatedAttention: gated_attention_steps, LinearAttention: linear_attention_steps,
+              FullAttention: full_attention_steps, MoE: moe_steps, SoftmaxTopK: softmax_topk_steps,
               SigmoidTopK: sigmoid_topk_steps, SwiGLU: swiglu_steps, SharedExpert: shared_expert_steps,
               DenseFFN: dense_ffn_steps}
 

@@ -121,6 +121,8 @@ class ConversationCache:
 
     def restore(self, prompt_ids, seq_kv):
         """Copy the KV of the longest parked prefix of `prompt_ids` into `seq_kv`; returns the tokens restored."""
+        if seq_kv.recurrent is not None:  # its state is not in the parked KV
+            return 0
         entry, n = self.lookup(prompt_ids)
         evicted = self.evicted_heads.get(self._head(prompt_ids))
         if evicted is not None:
@@ -139,6 +141,8 @@ class ConversationCache:
         whole_blocks: keep only whole blocks, for a request that ended early (cancelled or failed): a
         restore never uses a partial block, and the conversation will not be extended from its end.
         """
+        if seq_kv.recurrent is not None:
+            return
         n = min(len(token_ids), seq_kv.length)
         ids = np.asarray(token_ids[: n // self.block_tokens * self.block_tokens if whole_blocks else n],
                          dtype=np.int64)

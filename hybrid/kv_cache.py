@@ -113,6 +113,7 @@ class SequenceKV:
     the pool when it is cut (`truncate`) or dropped."""
 
     supports_rollback = True  # `rollback` may drop a verification chunk's rejected positions (speculation)
+    recurrent = None  # the linear-attention layers' state (hybrid/recurrent_state.py), for models that have them
 
     def __init__(self, pool, max_tokens):
         self.pool, self.max_tokens = pool, max_tokens
@@ -148,6 +149,8 @@ class SequenceKV:
     def commit(self, length):
         """Positions [0, length) are written (after a forward step)."""
         self.length = length
+        if self.recurrent is not None:
+            self.recurrent.commit(length)
 
     def _slots(self, start, n):
         """(pool block, row) int arrays [n] of positions [start, start + n)."""
@@ -193,11 +196,17 @@ class SequenceKV:
 
     def rollback(self, length):
         """Drop the positions [length, self.length) of the last step's chunk (drafts the sampler rejected): the
-        sequence is then as if it had never seen them (positions past `length` are rewritten before read)."""
+        sequence is then as if it had never seen them (positions past `length` are rewritten before read).
+        Returns the length kept: a recurrent state may keep less (the start of the chunk), the caller reads the
+        positions from there to `length` again."""
         self.truncate(length)
+        return self.length
 
     def truncate(self, length):
-        """Keep positions [0, length); the blocks past them go back to the pool."""
+        """Keep positions [0, length); the blocks past them go back to the pool. A recurrent state may keep fewer
+        (hybrid/recurrent_state.py): the KV is cut to match."""
+        if self.recurrent is not None:
+            length = self.recurrent.truncate(length)
         self.length = min(self.length, length)
         keep = blocks_for(self.length, self.block_tokens)
         self.host_blocks = min(self.host_blocks, keep)

@@ -10,6 +10,7 @@ import numpy as np
 from .arch import ARCHS
 from .kv_store import KV_DTYPES
 from .moe import ExpertSplit
+from .recurrent_state import RecurrentShape, RecurrentState
 from .runners import choose_runner
 from .weight_formats import dequantize
 
@@ -52,6 +53,17 @@ class LayerWeights:
     ffn_gate: object = None  # a dense FFN [F, H], [F, H], [H, F]
     ffn_up: object = None
     ffn_down: object = None
+    shexp_gate: object = None  # the shared expert's gate [1, H] (SharedExpert(gated=True))
+    ssm_qkv: object = None  # linear attention (LinearAttention): q, k, v projection [2 Hk Dk + Hv Dv, H]
+    ssm_z: object = None  # its output gate's projection [Hv Dv, H]
+    ssm_ba: object = None  # beta's and the decay's inputs [2 Hv, H] (joint_ba), else ssm_beta, ssm_alpha [Hv, H]
+    ssm_beta: object = None
+    ssm_alpha: object = None
+    ssm_conv1d: object = None  # the conv's weights [C, W]
+    ssm_a: np.ndarray = None  # [Hv]: -exp(A_log)
+    ssm_dt_bias: np.ndarray = None  # [Hv]
+    ssm_norm: np.ndarray = None  # the gated RMSNorm's weight [Dv]
+    ssm_out: object = None  # output projection [H, Hv Dv]
 
     def dense_weights(self):
         """Every weight but the routed experts' (what a device holds for the layer)."""
@@ -107,6 +119,10 @@ class Model:
         self.spec = ARCHS[self.config.arch]
         self.backend = backend
         self.recipes = tuple(self.spec.layer_recipe(self.config, i) for i in range(self.config.num_layers))
+        self.recurrent_shape = RecurrentShape.of(self.recipes)  # linear-attention layers' state per sequence, or None
+        if self.recurrent_shape is not None:
+            log.info("recurrent state: %d linear-attention layers, %.1f MiB per sequence (float32, any context)",
+                     len(self.recurrent_shape.layers), self.recurrent_shape.nbytes / 2**20)
         self.layers = [_layer_weights(weights, i, self.spec) for i in range(self.config.num_layers)]
         self.nextn_layers, self.nextn_tensors = _nextn(weights, self.spec)
         self.token_embd = weights["token_embd.weight"]
@@ -134,7 +150,10 @@ class Model:
             self.split.close()
 
     def new_sequence(self, max_tokens=None):
-        return self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)
+        kv = self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)
+        if self.recurrent_shape is not None:
+            kv.recurrent = RecurrentState(self.recurrent_shape, self.backend.state_zeros)
+        return kv
 
     @property
     def compiled_decode(self):

@@ -94,7 +94,9 @@ def shared_expert_tensors(part, config):
             LayerTensor("ffn_up_shexp.weight", "up_shexp", "mlp.shared_experts.up_proj.weight",
                         lambda c: (c.shared_intermediate_size, c.hidden_size)),
             LayerTensor("ffn_down_shexp.weight", "down_shexp", "mlp.shared_experts.down_proj.weight",
-                        lambda c: (c.hidden_size, c.shared_intermediate_size))]
+                        lambda c: (c.hidden_size, c.shared_intermediate_size))] + \
+        ([LayerTensor("ffn_gate_inp_shexp.weight", "shexp_gate", "mlp.shared_expert_gate.weight",
+                      lambda c: (1, c.hidden_size))] if part.gated else [])
 
 
 def dense_ffn_tensors(part, config):

@@ -49,7 +49,37 @@ class SwiGLU:
 @dataclass(frozen=True)
 class SharedExpert:
     """A dense SwiGLU expert run for every token beside the routed ones (LayerWeights gate_shexp, up_shexp,
-    down_shexp), added to their mixture."""
+    down_shexp), added to their mixture; `gated` (Qwen3-Next): scaled per token by sigmoid(h @ shexp_gate.T)."""
+
+    gated: bool = False
+
+
+@dataclass(frozen=True)
+class GatedAttention:
+    """Qwen3-Next's full attention: FullAttention with per-head q/k RMSNorm and partial NeoX RoPE, its q projection
+    giving each head's query and then its output gate (attn_q [2 Hq D, H]); the attention's output times
+    sigmoid(gate) before the output projection (hybrid/linear_attention.py)."""
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): a causal depthwise conv of width `conv_width` over q, k, v, then the
+    gated delta rule over a fixed-size state per value head, a gated RMSNorm and the output projection
+    (hybrid/linear_attention.py). Heads: num_k_heads of key_dim for q and k, num_v_heads of value_dim for v;
+    `tiled`: value head h reads key head h % num_k_heads (llama.cpp's qwen35moe order), else h // (Hv / Hk);
+    `joint_ba`: beta's and the decay's inputs come from one projection (qwen3next's ssm_ba), else two."""
+
+    num_k_heads: int
+    num_v_heads: int
+    key_dim: int
+    value_dim: int
+    conv_width: int
+    tiled: bool = False
+    joint_ba: bool = True
+
+    @property
+    def conv_channels(self):
+        return 2 * self.num_k_heads * self.key_dim + self.num_v_heads * self.value_dim
 
 
 @dataclass(frozen=True)

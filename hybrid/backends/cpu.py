@@ -35,6 +35,7 @@ from ..host_memory import huge_page_copy
 from ..kv_cache import KVPool, SequenceKV, blocks_for
 from ..warm_up import compile_notice
 from .base import Capabilities, separate_projections
+from .cpu_delta import CpuDeltaOps
 from .cpu_layer import compiled_runner
 from .cpu_thresholds import (SERIAL_MAX_ATTENTION, SERIAL_MAX_ELEMENTS, SERIAL_MAX_WEIGHT_BYTES, TINY_MAX_ATTENTION,
                              TINY_MAX_ELEMENTS)
@@ -92,7 +93,7 @@ def expert_work_bytes(num_tokens, top_k, hidden, width):
     return 4 * num_tokens * top_k * (2 * hidden + 2 * width)
 
 
-class CpuBackend:
+class CpuBackend(CpuDeltaOps):
     """fused_decode: compiled decode layers as one parallel region each (cpu_decode_fused.py): True / False
     forces it on / off, None: from cpu_layer.FUSED_MIN_THREADS threads on. act_quant: how decode dots round
     the activations (cpu_kernels.act_quant's names; None: its default)."""

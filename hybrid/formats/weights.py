@@ -34,6 +34,12 @@ class ModelConfig:
     topk_expert_groups: int = 1  # of which a token's experts come from this many
     routed_scaling_factor: float = 1.0  # routed experts' weights times this
     num_nextn_layers: int = 0  # NextN / MTP layers after the num_layers decoder layers (loaded, not run)
+    full_attention_interval: int = 0  # linear-attention models: every this-many-th layer is full attention
+    linear_num_key_heads: int = 0  # their linear attention (Gated DeltaNet): q / k heads,
+    linear_num_value_heads: int = 0  # v heads,
+    linear_key_head_dim: int = 0  # q / k head dim,
+    linear_value_head_dim: int = 0  # v head dim,
+    linear_conv_kernel: int = 0  # causal conv width
 
 
 @dataclass

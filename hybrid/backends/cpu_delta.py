@@ -1,0 +1,68 @@
+"""The CPU backend's linear-attention ops (a mixin of CpuBackend): Gated DeltaNet through cpu_kernels/delta_net.py,
+the sigmoid gates and the splits hybrid/linear_attention.py needs. A prompt chunk runs the chunked delta rule,
+a few tokens the recurrent one.
+
+Shape legend: T tokens, C conv channels, W conv width, Hk / Hv key / value heads, Dk / Dv their head dims,
+G groups, n values.
+"""
+import numpy as np
+
+from cpu_kernels import delta_net
+
+from ..weight_formats import dequantize
+
+CHUNKED_MIN_TOKENS = 16  # fewer tokens run the recurrent form (a chunk's setup costs more than it saves)
+
+
+class CpuDeltaOps:
+    """Linear-attention ops over NumPy arrays."""
+
+    _float_weights = None  # id(tensor): (tensor, float32 copy)
+
+    def state_zeros(self, shape):
+        """A zeroed float32 recurrent-state array (hybrid/recurrent_state.py)."""
+        return np.zeros(shape, np.float32)
+
+    def float_weight(self, tensor):
+        """A small weight (the conv's [C, W]) as float32, dequantized once."""
+        if self._float_weights is None:
+            self._float_weights = {}
+        found = self._float_weights.get(id(tensor))
+        if found is None or found[0] is not tensor:
+            found = self._float_weights[id(tensor)] = (tensor, np.ascontiguousarray(dequantize(tensor), np.float32))
+        return found[1]
+
+    def split_pairs(self, x, groups, width):
+        """x [T, G * 2 * width] (per group: a run of width values, then another) -> the two runs, [T, G, width] each."""
+        pairs = x.reshape(x.shape[0], groups, 2, width)
+        return np.ascontiguousarray(pairs[:, :, 0]), np.ascontiguousarray(pairs[:, :, 1])
+
+    def delta_gates(self, a, b, ssm_a, dt_bias):
+        """(g, beta) [T, Hv]: the log decay ssm_a * softplus(a + dt_bias) and sigmoid(b)."""
+        g, beta = np.empty_like(a), np.empty_like(a)
+        delta_net.delta_gates(a, b, ssm_a, dt_bias, g, beta)
+        return g, beta
+
+    def delta_conv1d(self, x, weight, state, out):
+        """out [T, C] = silu(causal conv of x [T, C]); state [W-1, C] advanced."""
+        delta_net.conv1d_silu(x, weight, state, out)
+
+    def delta_rule(self, mixed, g, beta, state, out, part):
+        """The delta rule over the conv's output mixed [T, C] (q, k, v: the first Hk Dk, the next, the rest) -> out
+        [T, Hv, Dv]; state [Hv, Dk, Dv] advanced."""
+        num_tokens, qk = len(mixed), part.num_k_heads * part.key_dim
+        q, k, v = (np.ascontiguousarray(mixed[:, lo:hi]) for lo, hi in ((0, qk), (qk, 2 * qk), (2 * qk, None)))
+        kernel = delta_net.delta_rule_chunked if num_tokens >= CHUNKED_MIN_TOKENS else delta_net.delta_rule_recurrent
+        kernel(q.reshape(num_tokens, part.num_k_heads, part.key_dim), k.reshape(num_tokens, part.num_k_heads, part.key_dim),
+               v.reshape(num_tokens, part.num_v_heads, part.value_dim), np.ascontiguousarray(g),
+               np.ascontiguousarray(beta), state, out, part.tiled)
+
+    def rmsnorm_gated(self, x, z, weight, eps):
+        """weight * x / rms(x) * silu(z) per head: x, z [T, Hv, Dv] -> a new [T, Hv, Dv]."""
+        out = np.empty_like(x)
+        delta_net.rmsnorm_gated(x, np.ascontiguousarray(z), weight, eps, out)
+        return out
+
+    def sigmoid_mul(self, x, gate):
+        """x *= sigmoid(gate) in place: gate of x's shape, or [T, 1] per row of x [T, n]."""
+        x *= 1.0 / (1.0 + np.exp(-gate))

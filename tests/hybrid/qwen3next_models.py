@@ -1,0 +1,137 @@
+"""Tiny random Qwen3-Next models for the tests: made by transformers (float32), saved as HF directories, turned
+into GGUF tensors as llama.cpp's convert_hf_to_gguf.py turns them (Qwen3NextModel.modify_tensors: its names
+through gguf-py's tensor map, A_log -> -exp(A_log), conv weights squeezed to [C, W], RMSNorm weights + 1 but the
+gated norm's, in_proj_qkvz split into attn_qkv (q heads, k heads, v heads) and attn_gate, per-expert weights
+stacked), and back: the reference model runs on the weights the GGUF file holds, dequantized."""
+import json
+import os
+
+import numpy as np
+
+TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+            linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, intermediate_size=64, max_position_embeddings=2048,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1)
+
+
+def make_hf_model(vocab_size, seed=0, **overrides):
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(vocab_size=vocab_size, **{**TINY, **overrides})).float().eval()
+    with torch.no_grad():  # norms (1 + w) and gates away from their initial values, so they are exercised
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+    return model
+
+
+def save_hf_dir(model, directory, save_tokenizer_files, tokenizer):
+    model.save_pretrained(directory)
+    save_tokenizer_files(tokenizer, directory)
+    return directory
+
+
+def _hf_tensors(directory):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def gguf_float_tensors(directory):
+    """{GGUF name: float32 array} of an HF directory, as llama.cpp's converter makes them."""
+    import gguf
+
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, cfg["num_hidden_layers"])
+    out, experts = {}, {}
+    for name, data in _hf_tensors(directory).items():
+        data = data.astype(np.float32)
+        if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.proj.weight: stacked per layer and proj
+            layer, _, _, e, proj = name.split(".")[2:7]
+            experts.setdefault((int(layer), proj), {})[int(e)] = data
+            continue
+        if name.endswith(".A_log"):
+            data = -np.exp(data)
+        elif name.endswith(".dt_bias"):
+            name = name[: -len("dt_bias")] + "dt_proj.bias"
+        elif "conv1d" in name:
+            data = data.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            data = data + 1
+        if name.endswith("in_proj_qkvz.weight"):
+            block = data.reshape(hk, 2 * dk + 2 * hv // hk * dv, -1)  # per key head: q, k, its v heads, their z
+            q, k, v, z = np.split(block, np.cumsum([dk, dk, hv // hk * dv])[:3], axis=1)
+            prefix = f"blk.{name.split('.')[2]}"
+            out[f"{prefix}.attn_qkv.weight"] = np.concatenate([x.reshape(-1, data.shape[1]) for x in (q, k, v)])
+            out[f"{prefix}.attn_gate.weight"] = z.reshape(-1, data.shape[1])
+            continue
+        base, suffix = (name.rsplit(".", 1) if name.endswith((".weight", ".bias")) else (name, None))
+        gguf_name = names.get_name(base)
+        out[gguf_name + (f".{suffix}" if suffix else "")] = np.ascontiguousarray(data)
+    for (layer, proj), by_expert in experts.items():
+        kind = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}[proj]
+        out[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def hf_state_dict(canonical, config):
+    """The transformers (in-memory) state dict of GGUF-named float tensors: the converter's changes undone."""
+    import torch
+
+    c = config
+    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    state = {"model.embed_tokens.weight": canonical["token_embd.weight"],
+             "model.norm.weight": canonical["output_norm.weight"] - 1, "lm_head.weight": canonical["output.weight"]}
+    for i in range(c.num_layers):
+        def t(suffix):
+            return canonical[f"blk.{i}.{suffix}"]
+
+        p = f"model.layers.{i}."
+        state.update({p + "input_layernorm.weight": t("attn_norm.weight") - 1,
+                      p + "post_attention_layernorm.weight": t("post_attention_norm.weight") - 1,
+                      p + "mlp.gate.weight": t("ffn_gate_inp.weight"),
+                      p + "mlp.experts.gate_up_proj": np.concatenate([t("ffn_gate_exps.weight"),
+                                                                     t("ffn_up_exps.weight")], axis=1),
+                      p + "mlp.experts.down_proj": t("ffn_down_exps.weight"),
+                      p + "mlp.shared_expert.gate_proj.weight": t("ffn_gate_shexp.weight"),
+                      p + "mlp.shared_expert.up_proj.weight": t("ffn_up_shexp.weight"),
+                      p + "mlp.shared_expert.down_proj.weight": t("ffn_down_shexp.weight"),
+                      p + "mlp.shared_expert_gate.weight": t("ffn_gate_inp_shexp.weight").reshape(1, -1)})
+        if (i + 1) % c.full_attention_interval == 0:
+            state.update({p + "self_attn.q_proj.weight": t("attn_q.weight"), p + "self_attn.k_proj.weight": t("attn_k.weight"),
+                          p + "self_attn.v_proj.weight": t("attn_v.weight"),
+                          p + "self_attn.o_proj.weight": t("attn_output.weight"),
+                          p + "self_attn.q_norm.weight": t("attn_q_norm.weight") - 1,
+                          p + "self_attn.k_norm.weight": t("attn_k_norm.weight") - 1})
+            continue
+        qkv, z = t("attn_qkv.weight"), t("attn_gate.weight")
+        q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
+        per_head = [x.reshape(hk, -1, qkv.shape[1]) for x in (q, k, v, z)]
+        state.update({p + "linear_attn.in_proj_qkvz.weight": np.concatenate(per_head, axis=1).reshape(-1, qkv.shape[1]),
+                      p + "linear_attn.in_proj_ba.weight": t("ssm_ba.weight"),
+                      p + "linear_attn.conv1d.weight": t("ssm_conv1d.weight")[:, None, :],
+                      p + "linear_attn.A_log": np.log(-t("ssm_a")), p + "linear_attn.dt_bias": t("ssm_dt.bias"),
+                      p + "linear_attn.norm.weight": t("ssm_norm.weight"),
+                      p + "linear_attn.out_proj.weight": t("ssm_out.weight")})
+    return {name: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) for name, x in state.items()}
+
+
+def reference_model(hf_dir, canonical, config):
+    """Qwen3NextForCausalLM (float32) with the weights of `canonical` (GGUF-named float tensors of the file)."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    model = Qwen3NextForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.load_state_dict(hf_state_dict(canonical, config), strict=True)
+    return model

@@ -1,0 +1,119 @@
+"""Qwen3-Next end to end: tiny random models (transformers, float32) as GGUF files written as llama.cpp's converter
+writes them, read by Strata's CPU backend in chunks of several sizes, against transformers on the file's weights."""
+import numpy as np
+import pytest
+
+import hybrid
+from hybrid.batch import Batch, SeqChunk
+from hybrid.errors import ModelError
+
+from tests.hybrid.qwen3next_models import gguf_float_tensors, make_hf_model, reference_model, save_hf_dir
+
+PROMPT_40 = [int(t) for t in np.random.default_rng(4).integers(3, 250, 40)]
+PROMPT_150 = [int(t) for t in np.random.default_rng(5).integers(3, 250, 150)]  # over two 64-token chunks
+
+
+def rel_err(ours, ref):
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def qwen3next_files(tmp_path_factory, demo_tokenizer):
+    """target type -> (GGUF path, reference transformers model on the file's weights), made on first use."""
+    from tests.conftest import save_tokenizer_files
+
+    from hybrid.arch.qwen3next import hf_config
+    from hybrid.formats.gguf_writer import write_gguf
+    from hybrid.formats.synthetic import encode_model
+    from hybrid.weight_formats import dequantize
+
+    directory = tmp_path_factory.mktemp("qwen3next")
+    hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size), str(directory / "hf"), save_tokenizer_files,
+                         demo_tokenizer)
+    import json
+
+    with open(f"{hf_dir}/config.json") as f:
+        config = hf_config(json.load(f), hf_dir)
+    floats = gguf_float_tensors(hf_dir)
+    cache = {}
+
+    def get(target):
+        if target not in cache:
+            tensors = encode_model(floats, target, np.random.default_rng(1))
+            path = str(directory / f"tiny-qwen3next-{target}.gguf")
+            write_gguf(path, config, tensors.values(), demo_tokenizer, name=f"tiny-qwen3next-{target}")
+            canonical = {name: dequantize(t) for name, t in tensors.items()}
+            cache[target] = (path, reference_model(hf_dir, canonical, config))
+        return cache[target]
+
+    return get
+
+
+def hf_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def score_in_chunks(llm, ids, chunk):
+    """Logits at every position, the prompt read `chunk` tokens a forward step."""
+    kv = llm.model.new_sequence(llm.max_context)
+    rows = []
+    for lo in range(0, len(ids), chunk):
+        part = np.asarray(ids[lo:lo + chunk], dtype=np.int64)
+        rows.append(llm.model.forward(Batch([SeqChunk(kv, kv.length, part, "all")])))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("target,tol", [("F32", 1e-4), ("Q8_0", 2e-3)])
+def test_logits_match_transformers(qwen3next_files, target, tol):
+    path, ref_model = qwen3next_files(target)
+    llm = hybrid.LLM(path, device="cpu")
+    assert llm.config.arch == "qwen3next" and llm.model.recurrent_shape.layers == (0, 1, 2)
+    assert rel_err(llm.score(PROMPT_40), hf_logits(ref_model, PROMPT_40)) <= tol
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 512])
+def test_prompt_in_chunks_matches_transformers(qwen3next_files, chunk):
+    path, ref_model = qwen3next_files("F32")
+    llm = hybrid.LLM(path, device="cpu")
+    ids = PROMPT_40 if chunk == 1 else PROMPT_150
+    assert rel_err(score_in_chunks(llm, ids, chunk), hf_logits(ref_model, ids)) <= 1e-4
+
+
+def test_greedy_tokens_match_transformers(qwen3next_files):
+    import torch
+
+    path, ref_model = qwen3next_files("F32")
+    llm = hybrid.LLM(path, device="cpu")
+    out = llm.generate(PROMPT_40[:9], max_tokens=32, temperature=0.0, ignore_eos=True)
+    with torch.no_grad():
+        ref = ref_model.generate(torch.tensor([PROMPT_40[:9]]), do_sample=False, max_new_tokens=32,
+                                 min_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    assert out.token_ids == ref[0, 9:].tolist()
+
+
+def test_recurrent_state_goes_back_to_a_chunk_start_only(qwen3next_files):
+    """A sequence cut inside its last multi-token chunk keeps the chunk's start (its snapshot); older cuts start it
+    over; reading on from the kept position gives the logits of the whole."""
+    path, _ = qwen3next_files("F32")
+    llm = hybrid.LLM(path, device="cpu")
+    whole = llm.score(PROMPT_40)
+    kv = llm.model.new_sequence(llm.max_context)
+    llm.model.forward(Batch([SeqChunk(kv, 0, np.asarray(PROMPT_40[:20]), "none")]))
+    llm.model.forward(Batch([SeqChunk(kv, 20, np.asarray(PROMPT_40[20:30]), "none")]))
+    assert kv.rollback(25) == 20 and kv.length == kv.recurrent.length == 20
+    rows = llm.model.forward(Batch([SeqChunk(kv, 20, np.asarray(PROMPT_40[20:40]), "all")]))
+    assert rel_err(rows, whole[20:40]) <= 1e-5
+    kv.truncate(10)  # before the snapshot: nothing kept
+    assert kv.length == kv.recurrent.length == 0
+
+
+def test_hf_directory_is_refused_with_a_hint(tmp_path, demo_tokenizer):
+    from tests.conftest import save_tokenizer_files
+
+    hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size, num_hidden_layers=4), str(tmp_path / "hf"),
+                         save_tokenizer_files, demo_tokenizer)
+    with pytest.raises(ModelError, match="convert_hf_to_gguf"):
+        hybrid.LLM(hf_dir, device="cpu")
