@@ -4,7 +4,8 @@ bias `e_score_correction_bias`, group-limited top-k, routed scaling) and a share
 after the decoder layers, loaded and kept (hybrid/model.py Model.nextn_layers), not run.
 
 GGUF names and keys are those llama.cpp's converter writes (gguf-py's MODEL_TENSORS[GLM4_MOE], Keys.LLM): its
-block_count counts the NextN layers too, the FFN norm is `post_attention_norm`.
+block_count counts the NextN layers too (also in a file whose checkpoint had no NextN weights: then it has
+no NextN layer), the FFN norm is `post_attention_norm`.
 """
 from gguf import ExpertGatingFuncType, Keys
 
@@ -47,10 +48,13 @@ def config_from_gguf(fields, source, vocab_size, tie_word_embeddings, tensor_nam
     hidden, num_heads = int(key(Keys.LLM.EMBEDDING_LENGTH)), int(key(Keys.Attention.HEAD_COUNT))
     head_dim = int(key(Keys.Attention.KEY_LENGTH, hidden // num_heads))
     nextn = int(key(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
+    num_layers = int(key(Keys.LLM.BLOCK_COUNT)) - nextn
+    # a file converted from a checkpoint without its MTP weights counts the NextN layers but has none of them
+    kept = nextn if any(name.startswith(f"blk.{num_layers}.") for name in tensor_names) else 0
     width = int(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH))
     return ModelConfig(
         arch=NAME, vocab_size=vocab_size, hidden_size=hidden,
-        num_layers=int(key(Keys.LLM.BLOCK_COUNT)) - nextn,
+        num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=int(key(Keys.Attention.HEAD_COUNT_KV, num_heads)), head_dim=head_dim,
         num_experts=int(key(Keys.LLM.EXPERT_COUNT)), num_experts_per_tok=int(key(Keys.LLM.EXPERT_USED_COUNT)),
         moe_intermediate_size=width,
@@ -68,7 +72,7 @@ def config_from_gguf(fields, source, vocab_size, tie_word_embeddings, tensor_nam
         num_expert_groups=int(key(Keys.LLM.EXPERT_GROUP_COUNT, 1)),
         topk_expert_groups=int(key(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1)),
         routed_scaling_factor=float(key(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)),
-        num_nextn_layers=nextn,
+        num_nextn_layers=kept,
     )
 
 

@@ -116,3 +116,27 @@ def test_missing_glm_key_or_tensor_is_one_line_error(glm_hf_dir, tmp_path, monke
     with pytest.raises(ModelError) as err:
         hybrid.LLM(path, device="cpu")
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outtype,tol", [("f32", 1e-4), ("bf16", 2e-3)])
+def test_llama_cpp_converter_file_matches_transformers(glm_hf_dir, tmp_path, outtype, tol):
+    """A file made by llama.cpp's own convert_hf_to_gguf.py (STRATA_LLAMA_CPP_DIR: a llama.cpp source tree, e.g.
+    the llama-cpp-python sdist's vendor/llama.cpp): its names, keys and layouts are what we read; the reference runs
+    on the file's weights as gguf-py dequantizes them."""
+    import os
+    import subprocess
+    import sys
+
+    llama_cpp = os.environ.get("STRATA_LLAMA_CPP_DIR")
+    if not llama_cpp or not os.path.isfile(os.path.join(llama_cpp, "convert_hf_to_gguf.py")):
+        pytest.skip("set STRATA_LLAMA_CPP_DIR to a llama.cpp source tree to run its converter")
+    out = str(tmp_path / f"glm-{outtype}.gguf")
+    script = os.path.join(os.path.dirname(__file__), "llama_convert.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, script, llama_cpp, glm_hf_dir, out, outtype], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": root})
+    llm = hybrid.LLM(out, device="cpu")
+    assert llm.weights["blk.1.ffn_gate_exps.weight"].qtype.name == outtype.upper()
+    ref_dir = reference_dir(out, glm_hf_dir, str(tmp_path))
+    assert rel_err(llm.score(PROMPT_IDS), glm_logits(ref_dir, PROMPT_IDS)) <= tol
