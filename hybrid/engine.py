@@ -219,10 +219,10 @@ class Engine:
             at += n
         return out
 
-    def _draft(self, slot, limit):
+    def _draft(self, slot, limit, num_slots, step_times):
         """Scheduler callback: the slot's draft tokens for this step (none when its request does not draft)."""
         live = self._live.get(slot.request.request_id)
-        return live.spec.draft(limit) if live is not None and live.spec is not None else []
+        return live.spec.draft(limit, num_slots, step_times) if live is not None and live.spec is not None else []
 
     def _start_masks(self, chunks):
         """The next-token masks of the constrained slots sampled this step, as a `_StepMasks` being filled."""

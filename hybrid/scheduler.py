@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .request import end_reason
+from .speculative.policy import StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,8 @@ class Scheduler:
         """restore_prefix(prompt_ids, kv) -> tokens restored: fills a new slot's KV from parked conversations.
 
         park(token_ids, kv, finish_reason): keeps the KV of an ending request's computed positions (token_ids).
-        draft(slot, limit) -> at most `limit` draft tokens to score after the slot's last token (speculation).
+        draft(slot, limit, num_slots, step_times) -> at most `limit` draft tokens to score after the slot's last
+        token (speculation), for a step of num_slots decoding slots; step_times: the decode steps' times by size.
         """
         if num_slots < 1:
             raise ValueError(f"the number of slots must be >= 1, got {num_slots}")
@@ -224,6 +226,7 @@ class Scheduler:
         self.sizer = ChunkSizer(decode_share, max_step_tokens)
         self.clock = clock
         self.restore_prefix, self.park, self.draft = restore_prefix, park, draft
+        self.step_times = StepTimes()
 
     def add(self, request):
         if len(self.queue) >= self.max_queue:
@@ -236,7 +239,8 @@ class Scheduler:
     def schedule(self):
         cancelled = self._drop_cancelled()
         self._admit()
-        chunks = [self._decode_chunk(s) for s in self.slots if s.state is SlotState.DECODE]
+        decoding = [s for s in self.slots if s.state is SlotState.DECODE]
+        chunks = [self._decode_chunk(s, len(decoding)) for s in decoding]
         step = Step(chunks, cancelled, num_decode=len(chunks), num_draft=sum(len(c.slot.drafts) for c in chunks))
         reading = [s for s in self.slots if s.state is SlotState.PREFILL]
         if reading:
@@ -249,12 +253,12 @@ class Scheduler:
                 chunks.append(ScheduledChunk(slot, ids, slot.num_cached, "last" if last else "none"))
         return step
 
-    def _decode_chunk(self, slot):
+    def _decode_chunk(self, slot, num_slots):
         """The slot's last token, then the drafts that fit its max_tokens and the context."""
         slot.drafts = []
         if self.draft is not None:
             limit = min(slot.request.params.max_tokens - len(slot.output_ids), self.max_context - slot.num_cached) - 1
-            slot.drafts = list(self.draft(slot, limit)) if limit > 0 else []
+            slot.drafts = list(self.draft(slot, limit, num_slots, self.step_times)) if limit > 0 else []
         return ScheduledChunk(slot, [slot.output_ids[-1]] + slot.drafts, slot.num_cached,
                               "all" if slot.drafts else "last")
 
@@ -277,8 +281,10 @@ class Scheduler:
                     slot.num_cached = slot.cache_n = self.restore_prefix(slot.request.prompt_ids, slot.kv)
 
     def record(self, step, elapsed_s):
-        """Feed the measured time of `step` to the chunk sizer."""
+        """Feed the measured time of `step` to the chunk sizer (and of a decode-only step to the step times)."""
         self.sizer.record(step.num_decode, step.num_prompt, step.prompt_waiting, elapsed_s)
+        if step.num_decode and not step.num_prompt:
+            self.step_times.add(step.num_decode + step.num_draft, elapsed_s)
 
     def advance(self, chunk):
         """After the forward pass of `chunk`: its tokens are cached; a finished prompt turns to DECODE."""

@@ -1,22 +1,37 @@
-"""One request's speculation: its n-gram drafter, its adaptive number of drafts and its counters."""
+"""One request's speculation: its n-gram drafter, its draft acceptance estimate and its draft counters."""
 from .ngram import NgramDrafter
+from .policy import best_k
+
+DECAY = 0.8  # weight of the older verification steps in the acceptance estimate
+PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) the estimate starts from: p = 0.5
+DRIFT = 0.05  # share of the way back to the prior per step that drafts nothing
 
 
 class SlotSpeculation:
-    """Drafts for one request. The number of drafts adapts to the request's own acceptance: after a step
-    that kept every draft it grows by 2 (up to settings.k), after one that rejected a draft it shrinks by 1
-    (down to 1), so text that copies its prompt drafts long runs and free text wastes little."""
+    """Drafts for one request. `p`, the chance that a draft is accepted given the ones before it were, is
+    estimated from the request's own verification steps (recent ones weigh most); the number of drafts is the
+    one of the most expected tokens per second at that p (`policy.best_k`). While the slot drafts nothing the
+    estimate drifts back to the prior, so a request whose text turns repetitive later drafts again."""
 
     def __init__(self, settings, prompt_ids):
         self.settings = settings
         self.drafter = NgramDrafter(settings.ngram)
         self.drafter.extend(prompt_ids)
-        self.k = settings.k
+        self.accepted, self.rejected = PRIOR
         self.draft_n = self.draft_n_accepted = 0
 
-    def draft(self, limit):
-        """Up to min(k, limit) draft tokens to follow the text so far."""
-        return self.drafter.draft(min(self.k, limit), self.settings.min_p) if limit > 0 else []
+    @property
+    def p(self):
+        return self.accepted / (self.accepted + self.rejected)
+
+    def draft(self, limit, num_slots=1, times=None):
+        """Up to `limit` draft tokens to follow the text so far (times: the step times, policy.StepTimes)."""
+        k = best_k(self.p, min(self.settings.k, limit), num_slots, times) if limit > 0 else 0
+        if k == 0:
+            self.accepted += DRIFT * (PRIOR[0] - self.accepted)
+            self.rejected += DRIFT * (PRIOR[1] - self.rejected)
+            return []
+        return self.drafter.draft(k, self.settings.min_p)
 
     def extend(self, token_ids):
         self.drafter.extend(token_ids)
@@ -25,7 +40,5 @@ class SlotSpeculation:
         """A verification step kept num_accepted of num_drafted drafts."""
         self.draft_n += num_drafted
         self.draft_n_accepted += num_accepted
-        if num_accepted == num_drafted:
-            self.k = min(self.settings.k, self.k + 2)
-        else:
-            self.k = max(1, self.k - 1)
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.rejected = DECAY * self.rejected + (num_accepted < num_drafted)

@@ -4,6 +4,7 @@ The engine's sampling test runs a fake trigram model (logits from a table, no ke
 seeded requests cost a second; the greedy and rollback tests run the demo model (random weights: greedy
 decoding of it soon repeats itself, so n-gram drafts are both accepted and rejected).
 """
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,10 +17,18 @@ from hybrid.sampling import Sampler, SamplingParams
 from hybrid.speculative import SpecSettings
 from hybrid.speculative.acceptance import verify
 from hybrid.speculative.ngram import NgramDrafter
+from hybrid.speculative.policy import StepTimes, best_k
 from hybrid.speculative.slot import SlotSpeculation
 
 CHI2_999 = {7: 24.32}  # chi-square quantile 0.999 by degrees of freedom
 ALWAYS = SpecSettings(k=4, ngram=3, min_p=0.0)
+
+
+def tick_clock():
+    """A clock that advances 1 ms a reading: every step seems to take the same time whatever its drafts, so
+    the draft policy drafts all it may (the tests see many drafts, accepted and rejected)."""
+    ticks = itertools.count()
+    return lambda: next(ticks) * 1e-3
 
 
 def test_ngram_drafts_what_followed_the_latest_match():
@@ -44,13 +53,31 @@ def test_ngram_confidence_stops_the_draft():
     assert d.draft(1, min_p=0.3) == [4]
 
 
-def test_adaptive_k_follows_acceptance():
-    spec = SlotSpeculation(SpecSettings(k=4), [1, 2, 3])
-    spec.record(4, 1)
-    spec.record(3, 0)
-    assert spec.k == 2
-    spec.record(2, 2)
-    assert spec.k == 4 and (spec.draft_n, spec.draft_n_accepted) == (9, 3)
+def test_policy_drafts_where_tokens_per_second_gain():
+    cheap, proportional = StepTimes(), StepTimes()
+    for t in range(1, 6):
+        cheap.add(t, 0.010 + 0.001 * t)
+        proportional.add(t, 0.010 * t)
+    assert best_k(0.3, 4, 1, None) == 4  # nothing measured: draft, to measure
+    assert best_k(0.9, 4, 1, cheap) == 4 and best_k(0.05, 4, 1, cheap) == 0
+    assert best_k(0.99, 4, 1, proportional) == 0  # an extra token costs a whole step: drafts never pay
+    assert best_k(0.5, 4, 1, cheap) == best_k(0.5, 4, 4, cheap) + 1  # 4 slots: a slot's gain is less of the step
+
+
+def test_slot_acceptance_estimate_turns_drafting_off_and_on_again():
+    times = StepTimes()
+    for t in range(1, 6):
+        times.add(t, 0.010 + 0.002 * t)
+    spec = SlotSpeculation(SpecSettings(k=4, min_p=0.0), [1, 2, 3, 1, 2])
+    assert spec.draft(8) == [3, 1, 2, 3] and spec.draft(8, 1, times) == [3, 1]  # p = 0.5: two pay here
+    for _ in range(6):
+        spec.record(4, 0)
+    assert spec.p < 0.1 and spec.draft(8, 1, times) == []
+    assert spec.draft_n == 24 and spec.draft_n_accepted == 0
+    steps = 1
+    while not spec.draft(8, 1, times):  # drafting nothing, the estimate drifts back to the prior
+        steps += 1
+    assert 5 < steps < 100
 
 
 def test_greedy_verify_keeps_the_argmax_prefix():
@@ -137,7 +164,7 @@ def test_sampling_with_drafts_keeps_each_positions_distribution(demo_tokenizer):
     model = TrigramModel(demo_tokenizer.vocab_size)
     llm = SimpleNamespace(model=model, tokenizer=demo_tokenizer, max_context=64)
     prompt, num, positions = [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 5, 6, 3, 1, 2], 800, 4
-    engine = Engine(llm, num_slots=4, max_queue=num, speculation=ALWAYS).start()
+    engine = Engine(llm, num_slots=4, max_queue=num, speculation=ALWAYS, clock=tick_clock()).start()
     try:
         params = dict(max_tokens=positions, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
         handles = [engine.submit(Request(prompt, SamplingParams(**params, seed=s))) for s in range(num)]
@@ -155,7 +182,7 @@ GREEDY_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "Hello
 
 
 def _serve(llm, prompts, num_slots, speculation, **params):
-    engine = Engine(llm, num_slots=num_slots, speculation=speculation).start()
+    engine = Engine(llm, num_slots=num_slots, speculation=speculation, clock=tick_clock()).start()
     try:
         handles = [engine.submit(Request(list(p), SamplingParams(**params))) for p in prompts]
         return [h.result() for h in handles], engine.stats
@@ -196,7 +223,7 @@ def test_logprobs_and_stops_with_drafts(demo_llm, greedy_reference):
     plain, _ = _serve(demo_llm, prompts[:2], 2, None, max_tokens=16, temperature=0)
     reqs = [Request(list(p), SamplingParams(max_tokens=16, temperature=0), logprobs=True, top_logprobs=2)
             for p in prompts[:2]]
-    engine = Engine(demo_llm, num_slots=2, speculation=ALWAYS).start()
+    engine = Engine(demo_llm, num_slots=2, speculation=ALWAYS, clock=tick_clock()).start()
     try:
         results = [engine.submit(r).result() for r in reqs]
     finally:
