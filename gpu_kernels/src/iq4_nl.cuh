@@ -6,15 +6,7 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     float d = load_half(b);
     u32 q[4];
     load_words_a2(b + 2, q, 4);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        u32 lo = levels4(q[i] & 0x0F0F0F0Fu), hi = levels4((q[i] >> 4) & 0x0F0F0F0Fu);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            w[4 * i + c] = __fmul_rn(d, SBYTE_FLOAT(lo, c));
-            w[16 + 4 * i + c] = __fmul_rn(d, SBYTE_FLOAT(hi, c));
-        }
-    }
+    levels_values(q, d, w);
 }
 
 struct Slice {
@@ -31,15 +23,7 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
 }
 
 __device__ __forceinline__ void slice_values(const Slice& sl, float* q, float* scale, float* offset) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        u32 lo = levels4(sl.q[i] & 0x0F0F0F0Fu), hi = levels4((sl.q[i] >> 4) & 0x0F0F0F0Fu);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            q[4 * i + c] = SBYTE_FLOAT(lo, c);
-            q[16 + 4 * i + c] = SBYTE_FLOAT(hi, c);
-        }
-    }
+    levels_values(sl.q, 1.0f, q);
     *scale = half_to_float(sl.d);
     *offset = 0.0f;
 }

@@ -14,16 +14,9 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     int j = (int)(u & 7);
     u32 head = *(const u32*)b, scales_l = *(const u32*)(b + 4);  // super-blocks are 8-byte multiples: aligned
     float dl = __fmul_rn(half_to_float(head & 0xffffu), (float)iq4xs_scale(head, scales_l, j));
-    const u32* q = (const u32*)(b + 8 + 16 * j);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        u32 lo = levels4(q[i] & 0x0F0F0F0Fu), hi = levels4((q[i] >> 4) & 0x0F0F0F0Fu);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            w[4 * i + c] = __fmul_rn(dl, SBYTE_FLOAT(lo, c));
-            w[16 + 4 * i + c] = __fmul_rn(dl, SBYTE_FLOAT(hi, c));
-        }
-    }
+    const u32* w32 = (const u32*)(b + 8 + 16 * j);
+    u32 q[4] = {w32[0], w32[1], w32[2], w32[3]};
+    levels_values(q, dl, w);
 }
 
 // A slice: sub-block s % 8 of super-block s / 8, its 16 quant bytes and the block's d and scales.
@@ -47,44 +40,14 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
 template <int RPT, int TT>
 __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
                                           float (&acc)[RPT][TT]) {
-    const float* xs = x + 32 * s;
-    float dl[RPT], dot[RPT][TT];
+    u32 q[RPT][4];
+    float dl[RPT];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
+        q[r][0] = sl[r].q[0].x, q[r][1] = sl[r].q[0].y, q[r][2] = sl[r].q[1].x, q[r][3] = sl[r].q[1].y;
         dl[r] = half_to_float(sl[r].head & 0xffffu) * (float)iq4xs_scale(sl[r].head, sl[r].scales_l, s & 7);
-#pragma unroll
-        for (int t = 0; t < TT; ++t) dot[r][t] = 0.0f;
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // word i: weights 4i .. 4i + 3 (low nibbles) and 16 + 4i .. (high)
-        float w[RPT][8];
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-            u32 v = i == 0 ? sl[r].q[0].x : i == 1 ? sl[r].q[0].y : i == 2 ? sl[r].q[1].x : sl[r].q[1].y;
-            u32 lo = levels4(v & 0x0F0F0F0Fu), hi = levels4((v >> 4) & 0x0F0F0F0Fu);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                w[r][c] = SBYTE_FLOAT(lo, c);
-                w[r][4 + c] = SBYTE_FLOAT(hi, c);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < TT; ++t) {
-            if (t < n) {
-                float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * i), x1 = *(const float4*)(xs + (i64)t * C + 16 + 4 * i);
-#pragma unroll
-                for (int r = 0; r < RPT; ++r) {
-                    DOT4(dot[r][t], w[r], 0, x0);
-                    DOT4(dot[r][t], w[r], 4, x1);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r)
-#pragma unroll
-        for (int t = 0; t < TT; ++t)
-            if (t < n) acc[r][t] = fmaf(dl[r], dot[r][t], acc[r][t]);
+    levels_slice_dot<RPT, TT>(q, dl, x + 32 * s, C, n, acc);
 }
 
 // The same slice dotted with int16 activations (XQ, the `_1q` kernels): levels.cuh's levels_dot_q.

@@ -31,6 +31,60 @@ __device__ __forceinline__ void load_words_a1(const u8* p, u32* out, int num_wor
     }
 }
 
+// The 32 weights of a slice whose levels are the 4 words q (low nibbles weights 0..15, high ones 16..31), each
+// times d as the dequantization rounds it (d = 1: the levels themselves).
+__device__ __forceinline__ void levels_values(const u32 (&q)[4], float d, float* w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 lo = levels4(q[i] & 0x0F0F0F0Fu), hi = levels4((q[i] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            w[4 * i + c] = __fmul_rn(d, SBYTE_FLOAT(lo, c));
+            w[16 + 4 * i + c] = __fmul_rn(d, SBYTE_FLOAT(hi, c));
+        }
+    }
+}
+
+// acc[r][t] += scale[r] * (the dot of slice r's 32 levels, words q[r] as above, with x row t: xs + t * C), t < n.
+template <int RPT, int TT>
+__device__ __forceinline__ void levels_slice_dot(const u32 (&q)[RPT][4], const float (&scale)[RPT], const float* xs,
+                                                 int C, int n, float (&acc)[RPT][TT]) {
+    float dot[RPT][TT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t) dot[r][t] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // word i: weights 4i .. 4i + 3 (low nibbles) and 16 + 4i .. (high)
+        float w[RPT][8];
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            u32 lo = levels4(q[r][i] & 0x0F0F0F0Fu), hi = levels4((q[r][i] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                w[r][c] = SBYTE_FLOAT(lo, c);
+                w[r][4 + c] = SBYTE_FLOAT(hi, c);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            if (t < n) {
+                float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * i), x1 = *(const float4*)(xs + (i64)t * C + 16 + 4 * i);
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    DOT4(dot[r][t], w[r], 0, x0);
+                    DOT4(dot[r][t], w[r], 4, x1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPT; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+            if (t < n) acc[r][t] = fmaf(scale[r], dot[r][t], acc[r][t]);
+}
+
 // The int16-x dot of 32 weights whose levels are the 4 words q (low nibbles weights 0..15, high ones 16..31)
 // with XQ block `blk` (the `_1q` kernels): the exact integer sum of level * x through dp4a, times dx.
 __device__ __forceinline__ float levels_dot_q(const u32 (&q)[4], const XQ& xq, int blk) {

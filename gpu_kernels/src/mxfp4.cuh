@@ -12,15 +12,7 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     float d = e8m0_half(b[0]);
     u32 q[4];
     load_words_a1(b + 1, q, 4);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        u32 lo = levels4(q[i] & 0x0F0F0F0Fu), hi = levels4((q[i] >> 4) & 0x0F0F0F0Fu);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            w[4 * i + c] = __fmul_rn(d, SBYTE_FLOAT(lo, c));
-            w[16 + 4 * i + c] = __fmul_rn(d, SBYTE_FLOAT(hi, c));
-        }
-    }
+    levels_values(q, d, w);
 }
 
 // Blocks are byte-aligned: the quant words come from the aligned words that hold them.
@@ -40,41 +32,15 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
 template <int RPT, int TT>
 __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
                                           float (&acc)[RPT][TT]) {
-    const float* xs = x + 32 * s;
-    float dot[RPT][TT];
+    u32 q[RPT][4];
+    float d[RPT];
 #pragma unroll
-    for (int r = 0; r < RPT; ++r)
+    for (int r = 0; r < RPT; ++r) {
 #pragma unroll
-        for (int t = 0; t < TT; ++t) dot[r][t] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // word i: weights 4i .. 4i + 3 (low nibbles) and 16 + 4i .. (high)
-        float w[RPT][8];
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-            u32 lo = levels4(sl[r].q[i] & 0x0F0F0F0Fu), hi = levels4((sl[r].q[i] >> 4) & 0x0F0F0F0Fu);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                w[r][c] = SBYTE_FLOAT(lo, c);
-                w[r][4 + c] = SBYTE_FLOAT(hi, c);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < TT; ++t) {
-            if (t < n) {
-                float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * i), x1 = *(const float4*)(xs + (i64)t * C + 16 + 4 * i);
-#pragma unroll
-                for (int r = 0; r < RPT; ++r) {
-                    DOT4(dot[r][t], w[r], 0, x0);
-                    DOT4(dot[r][t], w[r], 4, x1);
-                }
-            }
-        }
+        for (int i = 0; i < 4; ++i) q[r][i] = sl[r].q[i];
+        d[r] = e8m0_half(sl[r].e);
     }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r)
-#pragma unroll
-        for (int t = 0; t < TT; ++t)
-            if (t < n) acc[r][t] = fmaf(e8m0_half(sl[r].e), dot[r][t], acc[r][t]);
+    levels_slice_dot<RPT, TT>(q, d, x + 32 * s, C, n, acc);
 }
 
 // The same slice dotted with int16 activations (XQ, the `_1q` kernels): levels.cuh's levels_dot_q.
