@@ -25,6 +25,7 @@ from ..formats.weights import QuantTensor
 from .. import kv_store
 from ..kv_cache import BLOCK_TOKENS, KVPool
 from .base import Capabilities, separate_projections
+from .gpu_delta import GpuDeltaOps
 from .gpu_experts import MAX_DECODE_PAIRS, GpuExperts
 from .gpu_kv import KV_HOST_ATTENTION, DeviceSequenceKV, GpuKV
 from .gpu_layer_graphs import LayerGraphs
@@ -49,7 +50,7 @@ def check_gpu_formats(weights):
                              f"runs {kinds}); run it with --device cpu")
 
 
-class GpuBackend:
+class GpuBackend(GpuDeltaOps):
     """expert_cache_mib: None = all VRAM left ("auto"); resident: a placement's bool mask [L, E]
     (default: fill the cache layer by layer); the KV pool in VRAM holds kv_sequences sequences of
     max_context positions in kv_dtype, or with kv_resident only their newest kv_resident positions (and a
@@ -111,6 +112,8 @@ class GpuBackend:
         per_block = kv_store.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv.dtype) * BLOCK_TOKENS
         kv_blocks = self.kv_sequences * self.vram_blocks_per_sequence()
         kv = kv_blocks * per_block + self.kv.stage_bytes(c)
+        if model.recurrent_shape is not None:  # the linear-attention layers' state of each sequence
+            kv += self.kv_sequences * model.recurrent_shape.nbytes
         scratch = self.chunk_tokens * 4 * (c.vocab_size + 8 * c.hidden_size + 2 * c.num_heads * c.head_dim
                                            + c.num_experts_per_tok * (3 * c.moe_intermediate_size + 2 * c.hidden_size)
                                            + 3 * max(c.dense_intermediate_size, c.shared_intermediate_size))
@@ -119,8 +122,9 @@ class GpuBackend:
                                           [expert_bytes(layer) if layer.gate_exps is not None else 0
                                            for layer in model.layers], c.num_experts,
                                           self.cache_bytes, self.requested_resident)
-        projections = [(layer.attn_q, layer.attn_k, layer.attn_v) for layer in model.layers]
-        self._projections = {layer.index: self._upload_projections(p) for layer, p in zip(model.layers, projections)}
+        attention = [layer for layer in model.layers if layer.attn_q is not None]  # not linear-attention layers
+        projections = [(layer.attn_q, layer.attn_k, layer.attn_v) for layer in attention]
+        self._projections = {layer.index: self._upload_projections(p) for layer, p in zip(attention, projections)}
         uploaded = {id(w) for p in projections for w in p}
         for w in unique.values():
             if id(w) not in uploaded:

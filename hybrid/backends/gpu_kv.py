@@ -56,7 +56,7 @@ class DeviceSequenceKV(SequenceKV):
         self.backend.kernels.kv_write(self.dtype, v, vp, vs, table, start, start_at=start_at)
 
     def commit(self, length):
-        self.length = length
+        super().commit(length)
         if self.resident_blocks is not None and len(self.blocks) > self.resident_blocks:
             self._evict(len(self.blocks) - self.resident_blocks)
 

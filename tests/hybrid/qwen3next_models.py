@@ -135,3 +135,18 @@ def reference_model(hf_dir, canonical, config):
     model = Qwen3NextForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     model.load_state_dict(hf_state_dict(canonical, config), strict=True)
     return model
+
+
+def write_qwen3next_gguf(hf_dir, path, target, tokenizer):
+    """A GGUF file of `target` type from an HF directory, as llama.cpp's converter writes it (then quantized as
+    hybrid.formats.synthetic does); returns ({GGUF name: float32 weights the file holds}, ModelConfig)."""
+    from hybrid.arch.qwen3next import hf_config
+    from hybrid.formats.gguf_writer import write_gguf
+    from hybrid.formats.synthetic import encode_model
+    from hybrid.weight_formats import dequantize
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = hf_config(json.load(f), hf_dir)
+    tensors = encode_model(gguf_float_tensors(hf_dir), target, np.random.default_rng(1))
+    write_gguf(path, config, tensors.values(), tokenizer, name=f"tiny-qwen3next-{target}")
+    return {name: dequantize(t) for name, t in tensors.items()}, config

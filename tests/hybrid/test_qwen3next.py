@@ -7,7 +7,7 @@ import hybrid
 from hybrid.batch import Batch, SeqChunk
 from hybrid.errors import ModelError
 
-from tests.hybrid.qwen3next_models import gguf_float_tensors, make_hf_model, reference_model, save_hf_dir
+from tests.hybrid.qwen3next_models import make_hf_model, reference_model, save_hf_dir, write_qwen3next_gguf
 
 PROMPT_40 = [int(t) for t in np.random.default_rng(4).integers(3, 250, 40)]
 PROMPT_150 = [int(t) for t in np.random.default_rng(5).integers(3, 250, 150)]  # over two 64-token chunks
@@ -22,27 +22,15 @@ def qwen3next_files(tmp_path_factory, demo_tokenizer):
     """target type -> (GGUF path, reference transformers model on the file's weights), made on first use."""
     from tests.conftest import save_tokenizer_files
 
-    from hybrid.arch.qwen3next import hf_config
-    from hybrid.formats.gguf_writer import write_gguf
-    from hybrid.formats.synthetic import encode_model
-    from hybrid.weight_formats import dequantize
-
     directory = tmp_path_factory.mktemp("qwen3next")
     hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size), str(directory / "hf"), save_tokenizer_files,
                          demo_tokenizer)
-    import json
-
-    with open(f"{hf_dir}/config.json") as f:
-        config = hf_config(json.load(f), hf_dir)
-    floats = gguf_float_tensors(hf_dir)
     cache = {}
 
     def get(target):
         if target not in cache:
-            tensors = encode_model(floats, target, np.random.default_rng(1))
             path = str(directory / f"tiny-qwen3next-{target}.gguf")
-            write_gguf(path, config, tensors.values(), demo_tokenizer, name=f"tiny-qwen3next-{target}")
-            canonical = {name: dequantize(t) for name, t in tensors.items()}
+            canonical, config = write_qwen3next_gguf(hf_dir, path, target, demo_tokenizer)
             cache[target] = (path, reference_model(hf_dir, canonical, config))
         return cache[target]
 
