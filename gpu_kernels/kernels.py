@@ -312,14 +312,24 @@ class Kernels(DeltaNetLaunchers):
         self._launch(self._ops("rmsnorm"), (num_rows,), threads, (x, weight, out, np.int32(hidden), np.float32(eps)),
                      shared_mem=threads * 4)
 
-    def rope_neox(self, x, positions, inv_freq):
-        """In place over x [T, nH, D]; positions int64 [T], inv_freq f32 [D/2] on the device."""
+    def rope_neox(self, x, positions, inv_freq, scale=1.0):
+        """In place over x [T, nH, D]: the first R = 2 * len(inv_freq) dims rotated, cos and sin times scale;
+        positions int64 [T], inv_freq f32 [R/2] on the device."""
         num_tokens, num_heads, head_dim = x.shape
-        self._launch(self._ops("rope_neox"), (num_tokens,), self._threads(num_heads * head_dim // 2),
-                     (x, positions, inv_freq, np.int32(num_heads), np.int32(head_dim)))
+        half = inv_freq.shape[0]
+        self._launch(self._ops("rope_neox"), (num_tokens,), self._threads(num_heads * half),
+                     (x, positions, inv_freq, np.int32(num_heads), np.int32(head_dim), np.int32(half),
+                      np.float32(scale)))
+
+    def attn_sinks(self, out, lse, sinks):
+        """Each head's sink logit joins the softmax's denominator: out [T, Hq, D] *= 1 / (1 + exp(sinks - lse)),
+        lse [T, Hq] becomes log(exp(lse) + exp(sinks)) (cpu_kernels.attention.apply_sinks)."""
+        num_tokens, num_q_heads, head_dim = out.shape
+        self._launch(self._ops("attn_sinks"), (num_tokens * num_q_heads,), self._threads(head_dim),
+                     (out, lse, sinks, np.int32(num_q_heads), np.int32(head_dim)))
 
     def paged_attention(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out,
-                        lse=None, stage=None, start_at=None):
+                        lse=None, stage=None, start_at=None, window=0):
         """out [T, Hq, D] = causal GQA attention of q [T, Hq, D] (query t at position start + t) over keys
         [key_lo, start + t + 1) of the paged cache k_pool / v_pool [NB, BT, Hkv, D] (k_scale / v_scale
         [NB, BT, Hkv] for int8, else None) through table int32 [nb]; logical blocks with table < 0 come
@@ -328,7 +338,8 @@ class Kernels(DeltaNetLaunchers):
         attn_merge. Arrays contiguous, each starting 16-byte aligned.
         start_at = (positions int64 [1] on the device, split scratch (out, lse) or None): the kernels read
         start there (a captured decode step replays with the step's position); `start` is then a bound on
-        it that plans the key splits, and the splits write into the given scratch, which the capture keeps."""
+        it that plans the key splits, and the splits write into the given scratch, which the capture keeps.
+        window > 0: query t attends only keys from start + t + 1 - window on (a sliding-window layer)."""
         num_tokens, num_q_heads, head_dim = q.shape
         _, block_tokens, num_kv_heads, _ = k_pool.shape
         if head_dim > PA_MAX_HEAD_DIM or num_q_heads % num_kv_heads:
@@ -337,8 +348,10 @@ class Kernels(DeltaNetLaunchers):
         if num_tokens == 0:
             return
         group = num_q_heads // num_kv_heads
-        plan = attention_plan(num_tokens, group, num_kv_heads, head_dim, start + num_tokens - key_lo, self.warp,
-                              self.max_splits)
+        num_keys = start + num_tokens - key_lo
+        if window > 0:
+            num_keys = min(num_keys, window + num_tokens - 1)
+        plan = attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, self.warp, self.max_splits)
         num_rows = num_tokens * num_q_heads
         if plan.splits == 1:
             target, target_lse, want_lse = out, self._or_dummy(lse), int(lse is not None)
@@ -354,7 +367,7 @@ class Kernels(DeltaNetLaunchers):
                 *map(self._or_dummy, (k_stage, v_stage, k_stage_scale, v_stage_scale)), target, target_lse,
                 np.int32(want_lse), *tokens, np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim),
                 np.int32(block_tokens), np.int32(start), np.int32(key_lo), np.float32(scale), np.int32(plan.rows),
-                np.int32(plan.width), np.int32(plan.split_keys), self._address(start_at))
+                np.int32(plan.width), np.int32(plan.split_keys), self._address(start_at), np.int32(window))
         self._launch(self._kv(kv_dtype, plan.kernel), (plan.num_tiles, num_kv_heads, plan.splits), PA_THREADS, args,
                      shared_mem=plan.shared_mem)
         if plan.splits > 1:
@@ -395,6 +408,30 @@ class Kernels(DeltaNetLaunchers):
         self._launch(self._ops("route_topk"), ((num_tokens + threads - 1) // threads,), threads,
                      (logits, ids, weights, np.int32(num_tokens), np.int32(num_experts), np.int32(k),
                       np.int32(bool(normalize))))
+
+    def route_topk_softmax(self, logits, k, ids, weights):
+        """logits [T, E] -> the K largest (ids int32 [T, K]) and the softmax over those K (weights f32 [T, K])."""
+        num_tokens, num_experts = logits.shape
+        threads = self._threads(num_tokens, cap=128)
+        self._launch(self._ops("route_topk_softmax"), ((num_tokens + threads - 1) // threads,), threads,
+                     (logits, ids, weights, np.int32(num_tokens), np.int32(num_experts), np.int32(k)))
+
+    def clamped_swiglu(self, gate, up, order, ids, gate_bias, up_bias, alpha, limit, out):
+        """gpt-oss's experts' activation over pair rows gate, up [N, F]: with e = ids.flat[order[n]] the pair's
+        expert, g = min(gate + gate_bias[e], limit), u = clip(up + up_bias[e], -limit, limit), out = (u + 1) * g *
+        sigmoid(alpha * g); out may alias gate or up."""
+        n = gate.size
+        threads = MAX_THREADS
+        self._launch(self._ops("clamped_swiglu"), ((n + threads - 1) // threads,), threads,
+                     (gate, up, order, ids, gate_bias, up_bias, out, np.int64(n), np.int32(gate.shape[1]),
+                      np.float32(alpha), np.float32(limit)))
+
+    def add_pair_bias(self, rows, order, ids, bias):
+        """rows [N, H] += bias[e] (bias [E, H]) with e = ids.flat[order[n]], each pair row's expert."""
+        n = rows.size
+        threads = MAX_THREADS
+        self._launch(self._ops("add_pair_bias"), ((n + threads - 1) // threads,), threads,
+                     (rows, order, ids, bias, np.int64(n), np.int32(rows.shape[1])))
 
     def gather_rows(self, x, order, k, out):
         """out [N, H]: out[i] = x[order[i] // k]; order int32 [N]."""

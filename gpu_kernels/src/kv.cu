@@ -162,7 +162,8 @@ __device__ __forceinline__ float group_sum(float v, int width) {
 // ks [NK][D + 1]), keeps each row's running max m and sum l, and leaves the tile's probabilities in
 // ps [R][NK] and each row's rescale of its earlier sums in cs [R]. Every thread takes part (shuffles).
 __device__ __forceinline__ void softmax_tile(const float* qs, const float* ks, int R, int D, int NK, int k0,
-                                             const int* kend, float scale, float* m, float* l, float* ps,
+                                             const int* kbeg, const int* kend, float scale, float* m, float* l,
+                                             float* ps,
                                              float* cs) {
     int j = threadIdx.x % NK, rg = threadIdx.x / NK, num_groups = blockDim.x / NK;
     float s[PA_ROWS_PER_THREAD];
@@ -178,7 +179,7 @@ __device__ __forceinline__ void softmax_tile(const float* qs, const float* ks, i
 #pragma unroll
     for (int i = 0; i < PA_ROWS_PER_THREAD; ++i) {
         int r = rg + i * num_groups;
-        float si = k0 + j < kend[i] ? s[i] * scale : NEG_INF;
+        float si = k0 + j >= kbeg[i] && k0 + j < kend[i] ? s[i] * scale : NEG_INF;
         float new_m = fmaxf(m[i], group_max(si, NK));
         float p = new_m == NEG_INF ? 0.0f : expf(si - new_m);
         float corr = m[i] == NEG_INF ? 0.0f : expf(m[i] - new_m);
@@ -209,21 +210,24 @@ __device__ __forceinline__ void accumulate_tile(const float* ps, const float* cs
 }
 
 // Paged causal GQA attention. q [T, Hq, D] f32, query t at position start + t, attends keys
-// [key_lo, start + t + 1). A block takes R consecutive rows (token, head) of one kv head's T * G
-// rows (row t * G + i is query head kv_head * G + i of token t), so they share each K/V tile, and
-// split blockIdx.z of the keys: [key_lo + z * split_keys, + split_keys). It writes out [T, Hq, D]
-// (0 when no key) and, when want_lse, lse [T, Hq] (max + log sum exp of the scaled scores, -inf when
-// no key), at split z's slice (out + z * T * Hq * D, lse + z * T * Hq; paged_attention_merge sums them).
-// start_at, when not null, holds start on the device (a captured decode step: its splits are planned for a
-// bound on the keys, those past the last key empty).
+// [key_lo, start + t + 1), with window > 0 only those from start + t + 1 - window on (a sliding-window
+// layer: the splits then start at the first query's window). A block takes R consecutive rows (token,
+// head) of one kv head's T * G rows (row t * G + i is query head kv_head * G + i of token t), so they
+// share each K/V tile, and split blockIdx.z of the keys: [key_lo + z * split_keys, + split_keys). It
+// writes out [T, Hq, D] (0 when no key) and, when want_lse, lse [T, Hq] (max + log sum exp of the scaled
+// scores, -inf when no key), at split z's slice (out + z * T * Hq * D, lse + z * T * Hq;
+// paged_attention_merge sums them). start_at, when not null, holds start on the device (a captured decode
+// step: its splits are planned for a bound on the keys, those past the last key empty).
 // grid (ceil(T * G / R), Hkv, S), block PA_THREADS; NK keys a tile (a power of two, at most the wave
 // size, dividing PA_THREADS); shared: R * D + NK * (2 * D + 1) + R * NK + 3 * R floats.
 extern "C" __global__ void __launch_bounds__(PA_THREADS)
 paged_attention(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale, const float* v_scale,
                 const int* table, const kv_t* k_stage, const kv_t* v_stage, const float* k_stage_scale,
                 const float* v_stage_scale, float* out, float* lse, int want_lse, int T, int Hq, int Hkv, int D,
-                int BT, int start, int key_lo, float scale, int R, int NK, int split_keys, const i64* start_at) {
+                int BT, int start, int key_lo, float scale, int R, int NK, int split_keys, const i64* start_at,
+                int window) {
     if (start_at) start = (int)start_at[0];
+    if (window > 0) key_lo = max(key_lo, start + 1 - window);  // the first row's window: the splits' base
     extern __shared__ float sh[];
     float* qs = sh;                         // [R][D]
     float* ks = qs + R * D;                 // [NK][D + 1]
@@ -243,23 +247,25 @@ paged_attention(const float* q, const kv_t* k_pool, const kv_t* v_pool, const fl
     }
     int rg = threadIdx.x / NK, num_groups = blockDim.x / NK;
     float m[PA_ROWS_PER_THREAD], l[PA_ROWS_PER_THREAD];
-    int kend[PA_ROWS_PER_THREAD];  // each row's end in this split (0: no such row)
+    int kbeg[PA_ROWS_PER_THREAD], kend[PA_ROWS_PER_THREAD];  // each row's keys in this split (kend 0: no such row)
 #pragma unroll
     for (int i = 0; i < PA_ROWS_PER_THREAD; ++i) {
         int row = row0 + rg + i * num_groups;
         m[i] = NEG_INF;
         l[i] = 0.0f;
         kend[i] = rg + i * num_groups < R && row < num_rows ? min(start + row / G + 1, ke) : 0;
+        kbeg[i] = window > 0 ? max(kb, start + row / G + 1 - window) : kb;
     }
     float acc[PA_OUTS];
 #pragma unroll
     for (int c = 0; c < PA_OUTS; ++c) acc[c] = 0.0f;
     bool vec = D % 4 == 0;
-    for (int k0 = kb; k0 < ke; k0 += NK) {
+    int k_first = window > 0 ? max(kb, start + row0 / G + 1 - window) : kb;  // the block's first row's window
+    for (int k0 = k_first; k0 < ke; k0 += NK) {
         __syncthreads();  // the last tile's ps, cs and vs are read
         load_kv_tile(kv, k0, ke, NK, vec, ks, vs);
         __syncthreads();
-        softmax_tile(qs, ks, R, D, NK, k0, kend, scale, m, l, ps, cs);
+        softmax_tile(qs, ks, R, D, NK, k0, kbeg, kend, scale, m, l, ps, cs);
         __syncthreads();
         accumulate_tile(ps, cs, vs, R, D, NK, acc);
     }
@@ -425,16 +431,17 @@ __device__ void attend_one(const float* q, const PagedKV& kv, float* out, float*
     if (want_lse && r < R && h0 + r < G) lse[o + r] = fin[R + r] > 0.0f ? fin[r] + logf(fin[R + r]) : NEG_INF;
 }
 
-// paged_attention of one token (T = 1), its G heads a kv head sharing every K/V load: R (1, 2, 4 or 8,
-// at most LG) heads a block. grid (ceil(G / R), Hkv, S), block PA_THREADS; LG as above; shared:
+// paged_attention of one token (T = 1; window as there), its G heads a kv head sharing every K/V load:
+// R (1, 2, 4 or 8, at most LG) heads a block. grid (ceil(G / R), Hkv, S), block PA_THREADS; LG as above; shared:
 // R * PD_KEYS + 5 * R + (PA_THREADS / LG) * R * D floats.
 extern "C" __global__ void __launch_bounds__(PA_THREADS)
 paged_attention_1(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale,
                   const float* v_scale, const int* table, const kv_t* k_stage, const kv_t* v_stage,
                   const float* k_stage_scale, const float* v_stage_scale, float* out, float* lse, int want_lse,
                   int Hq, int Hkv, int D, int BT, int start, int key_lo, float scale, int R, int LG, int split_keys,
-                  const i64* start_at) {
+                  const i64* start_at, int window) {
     if (start_at) start = (int)start_at[0];
+    if (window > 0) key_lo = max(key_lo, start + 1 - window);
     PagedKV kv = {k_pool, v_pool, k_scale, v_scale, k_stage, v_stage, k_stage_scale, v_stage_scale, table,
                   BT, Hkv, D, (int)blockIdx.y};
     if (R == 1) attend_one<1>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys);

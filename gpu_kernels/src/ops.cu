@@ -17,18 +17,21 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, i
     for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv_rms);
 }
 
-// In place over x [T, nH, D]: NeoX rotation of the halves (i, i + D/2) by the float32 angle
-// pos * inv_freq[i] (inv_freq [D/2] from the host, rounded as HF's). sincosf reduces the full range (no fast
-// math here), within 2 ulp of the float64 cos and sin rounded, and keeps FP64 (1/64 rate on consumer cards)
-// out of a kernel that prefill runs on every row. grid (T).
-extern "C" __global__ void rope_neox(float* x, const i64* positions, const float* inv_freq, int nH, int D) {
-    int half = D / 2;
+// In place over x [T, nH, D]: NeoX rotation of the pairs (i, i + half) of the first R = 2 * half dims
+// (R = D but for partial rotary; the rest stay) by the float32 angle pos * inv_freq[i] (inv_freq [half]
+// from the host, rounded as HF's), cos and sin times scale (YaRN's attention factor, else 1). sincosf
+// reduces the full range (no fast math here), within 2 ulp of the float64 cos and sin rounded, and keeps
+// FP64 (1/64 rate on consumer cards) out of a kernel that prefill runs on every row. grid (T).
+extern "C" __global__ void rope_neox(float* x, const i64* positions, const float* inv_freq, int nH, int D, int half,
+                                     float scale) {
     float pos = (float)positions[blockIdx.x];
     float* xt = x + (i64)blockIdx.x * nH * D;
     for (int idx = threadIdx.x; idx < nH * half; idx += blockDim.x) {
         int h = idx / half, i = idx % half;
         float s, c;
         sincosf(pos * inv_freq[i], &s, &c);
+        s *= scale;
+        c *= scale;
         float x1 = xt[h * D + i], x2 = xt[h * D + i + half];
         xt[h * D + i] = x1 * c - x2 * s;
         xt[h * D + i + half] = x2 * c + x1 * s;
@@ -47,6 +50,17 @@ extern "C" __global__ void attn_merge(const float* out_a, const float* lse_a, co
         float a = wa > 0.0f ? wa * out_a[i] : 0.0f, b = wb > 0.0f ? wb * out_b[i] : 0.0f;
         out[i] = wa + wb > 0.0f ? (a + b) / (wa + wb) : 0.0f;
     }
+}
+
+// Attention sinks: out [T, Hq, D] *= 1 / (1 + exp(sink - lse)) and lse [T, Hq] = log(exp(lse) + exp(sink)),
+// sink = sinks[head] (a key of value 0 with that logit; lse -inf keeps out 0). grid (T * Hq).
+extern "C" __global__ void attn_sinks(float* out, float* lse, const float* sinks, int Hq, int D) {
+    float before = lse[blockIdx.x], sink = sinks[blockIdx.x % Hq];
+    float keep = before == NEG_INF ? 0.0f : 1.0f / (1.0f + expf(sink - before));
+    for (int d = threadIdx.x; d < D; d += blockDim.x) out[(i64)blockIdx.x * D + d] *= keep;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        lse[blockIdx.x] = before == NEG_INF ? sink : fmaxf(before, sink) + log1pf(expf(-fabsf(before - sink)));
 }
 
 // out [n] = silu(gate) * up; out may alias gate or up.
@@ -92,6 +106,59 @@ extern "C" __global__ void route_topk(const float* logits, int* ids, float* weig
         for (int j = 0; j < K; ++j) sum += wt[j];
         for (int j = 0; j < K; ++j) wt[j] /= sum;
     }
+}
+
+// gpt-oss's experts: over pair rows gate, up [N, F] (n = N * F values), e = ids[order[row]] the row's expert:
+// g = min(gate + gate_bias[e], limit), u = clamp(up + up_bias[e], -limit, limit), out = (u + 1) * g *
+// sigmoid(alpha * g); out may alias gate or up.
+extern "C" __global__ void clamped_swiglu(const float* gate, const float* up, const int* order, const int* ids,
+                                          const float* gate_bias, const float* up_bias, float* out, i64 n, int F,
+                                          float alpha, float limit) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    i64 row = i / F, f = i - row * F, e = ids[order[row]];
+    float g = fminf(gate[i] + gate_bias[e * F + f], limit);
+    float u = fminf(fmaxf(up[i] + up_bias[e * F + f], -limit), limit);
+    out[i] = (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+}
+
+// rows [N, H] += bias [E, H] of each row's expert e = ids[order[row]] (n = N * H values).
+extern "C" __global__ void add_pair_bias(float* rows, const int* order, const int* ids, const float* bias, i64 n,
+                                         int H) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    i64 row = i / H;
+    rows[i] += bias[(i64)ids[order[row]] * H + (i - row * H)];
+}
+
+// Router (gpt-oss): the K largest of logits [T, E] (ties to the lower id, highest first) -> ids [T, K] int32,
+// then the softmax over those K -> weights [T, K]. One thread a token.
+extern "C" __global__ void route_topk_softmax(const float* logits, int* ids, float* weights, int T, int E, int K) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const float* lt = logits + (i64)t * E;
+    int* it = ids + (i64)t * K;
+    float* wt = weights + (i64)t * K;
+    int kept = 0;
+    for (int e = 0; e < E; ++e) {
+        float v = lt[e];
+        if (kept == K && v <= wt[K - 1]) continue;
+        int slot = min(kept, K - 1);
+        while (slot > 0 && wt[slot - 1] < v) {
+            wt[slot] = wt[slot - 1];
+            it[slot] = it[slot - 1];
+            --slot;
+        }
+        wt[slot] = v;
+        it[slot] = e;
+        kept = min(kept + 1, K);
+    }
+    float best = wt[0], total = 0.0f;
+    for (int j = 0; j < K; ++j) {
+        wt[j] = expf(wt[j] - best);
+        total += wt[j];
+    }
+    for (int j = 0; j < K; ++j) wt[j] /= total;
 }
 
 // out [N, H]: out[i] = x[order[i] / K] (x [T, H], order int32 [N]). grid (N).

@@ -124,15 +124,36 @@ class ReferenceKernels:
         gate = gate.reshape(-1, *[1] * (x.ndim - 1)) if gate.size != x.size else gate
         x[:] = x / (1.0 + np.exp(-gate.astype(np.float64)))
 
-    def rope_neox(self, x, positions, inv_freq):
-        angle = (positions[:, None].astype(np.float32) * inv_freq).astype(np.float64)  # [T, D/2], float32 as HF
-        half = x.shape[2] // 2
-        c, s = np.cos(angle)[:, None], np.sin(angle)[:, None]
-        x1, x2 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
-        x[..., :half], x[..., half:] = x1 * c - x2 * s, x2 * c + x1 * s
+    def rope_neox(self, x, positions, inv_freq, scale=1.0):
+        angle = (positions[:, None].astype(np.float32) * inv_freq).astype(np.float64)  # [T, R/2], float32 as HF
+        half = len(inv_freq)
+        c, s = np.cos(angle)[:, None] * scale, np.sin(angle)[:, None] * scale
+        x1, x2 = x[..., :half].astype(np.float64), x[..., half:2 * half].astype(np.float64)
+        x[..., :half], x[..., half:2 * half] = x1 * c - x2 * s, x2 * c + x1 * s
+
+    def attn_sinks(self, out, lse, sinks):
+        with np.errstate(over="ignore"):
+            out *= (1.0 / (1.0 + np.exp(sinks[None, :].astype(np.float64) - lse)))[..., None]
+        lse[:] = np.logaddexp(lse.astype(np.float64), sinks[None, :])
+
+    def route_topk_softmax(self, logits, k, ids, weights):
+        top = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # [T, K], ties to the lower id
+        ids[:] = top
+        chosen = np.take_along_axis(logits.astype(np.float64), top, axis=1)
+        p = np.exp(chosen - chosen.max(axis=1, keepdims=True))
+        weights[:] = p / p.sum(axis=1, keepdims=True)
+
+    def clamped_swiglu(self, gate, up, order, ids, gate_bias, up_bias, alpha, limit, out):
+        experts = ids.reshape(-1)[order]  # [N]
+        g = np.minimum(gate + gate_bias[experts].astype(np.float64), limit)
+        u = np.clip(up + up_bias[experts].astype(np.float64), -limit, limit)
+        out[:] = (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+
+    def add_pair_bias(self, rows, order, ids, bias):
+        rows += bias[ids.reshape(-1)[order]]
 
     def paged_attention(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out,
-                        lse=None, stage=None, start_at=None):
+                        lse=None, stage=None, start_at=None, window=0):
         if start_at is not None:  # read when the call runs, as the kernel reads it
             bound, start = start, int(start_at[0][0])
             assert start <= bound, f"position {start} past the bound {bound} the capture planned for"
@@ -146,6 +167,8 @@ class ReferenceKernels:
         qh = q.astype(np.float64).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
         s = qh.reshape(num_kv_heads, num_tokens * group, head_dim) @ k.transpose(1, 2, 0) * scale  # [Hkv, T*G, n]
         causal = positions[None, :] <= start + np.arange(num_tokens)[:, None]  # [T, n]
+        if window > 0:
+            causal &= positions[None, :] > start + np.arange(num_tokens)[:, None] - window
         s = np.where(np.repeat(causal, group, axis=0), s, -np.inf)
         m = s.max(axis=-1, keepdims=True, initial=-np.inf)
         m = np.where(np.isfinite(m), m, 0.0)  # rows without a key: p = 0, total = 0

@@ -239,9 +239,9 @@ class ProjectionCounter:
         self.matmul_rows.append((x.shape[0], raw.shape[0], qtype))
         self.kernels.matmul(raw, qtype, x, out)
 
-    def rope_neox(self, x, positions, inv_freq):
+    def rope_neox(self, x, positions, inv_freq, scale=1.0):
         self.rope_heads.append(x.shape[:2])
-        self.kernels.rope_neox(x, positions, inv_freq)
+        self.kernels.rope_neox(x, positions, inv_freq, scale)
 
 
 @pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
