@@ -149,22 +149,25 @@ class EngineConfig:
     spec_min_p: float = setting(0.5, number(0, 1), "stop drafting where the drafter's confidence falls below P",
                                 "server", ("serve",), metavar="P")
     max_body_mib: float = setting(DEFAULT_MAX_BODY_MIB, number(0, low_open=True), "largest request body in MiB; a "
-                                  "larger one is refused with 413 before it is read", "server", ("serve",))
+                                  "larger one is refused with 413 before it is read", "server", ("serve",),
+                                  metavar="MIB")
     max_connections: int = setting(None, integer(1), f"client connections open at once; more wait in the OS's "
                                    f"accept queue (default {DEFAULT_MAX_CONNECTIONS}, or --parallel + --max-queue "
-                                   f"when that is more: every admitted request holds one)", "server", ("serve",))
+                                   f"when that is more: every admitted request holds one)", "server", ("serve",),
+                                   metavar="N")
     profile_out: str = setting(None, output_file, "on shutdown, save the expert usage seen while serving as an "
-                               "ExpertProfile (.npz; merged into the file if it exists)", "server", ("serve",))
+                               "ExpertProfile (.npz; merged into the file if it exists)", "server", ("serve",),
+                               metavar="P.npz")
     # conversation cache
     conversation_cache_mib: int = setting(2048, integer(0), "RAM for parked conversations in MiB, 0 turns the "
-                                          "cache off", "conversation", ("serve",))
+                                          "cache off", "conversation", ("serve",), metavar="MIB")
     conversation_cache_slots: int = setting(None, integer(1), "most conversations kept (default: no limit, only "
-                                            "the MiB budget evicts)", "conversation", ("serve",))
+                                            "the MiB budget evicts)", "conversation", ("serve",), metavar="N")
     conversation_cache_kv: str = setting("f32", choice(*PARKED_KV), "how parked KV is stored: f32 as read "
                                          "(exact), f16 (half the bytes, ~1e-3 off), int8 (a quarter, ~1e-2 off)",
                                          "conversation", ("serve",))
     conversation_cache_dir: str = setting(None, text, "also keep parked conversations in this folder so that they "
-                                          "survive a restart", "conversation", ("serve",))
+                                          "survive a restart", "conversation", ("serve",), metavar="DIR")
     # placement planner (`strata plan`)
     gpu_mib: tuple = setting(None, gpu_mib, "memory per GPU in MiB, comma-separated: 24000 or 24000,24000", "plan",
                              ("plan",), metavar="MIB[,MIB]")

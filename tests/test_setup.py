@@ -127,6 +127,9 @@ def test_setup_measures_this_box_and_checks_its_prediction(demo_path, tmp_path, 
     out = capsys.readouterr().out
     assert "check: decode" in out and "predicted" in out
     assert file_config(path)[0].cpu_gbps > 0
+    other = tmp_path / "other.toml"
+    assert setup(demo_path, other, "--read-mib", "16", "--check", "--check-tokens", "4", "--dry-run") == 0
+    assert "check: decode" in capsys.readouterr().out and not other.exists()
 
 
 def test_measurement_skips_the_gpus_cleanly_without_a_runtime():

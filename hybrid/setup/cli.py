@@ -63,10 +63,23 @@ def run_setup(args):
         _write(args.output, new, plan.placement, placement_path)
     _print_changes(args, old, new)
     if args.check:
-        from .check import check
-
-        print(check(args.output, plan, args.check_tokens))
+        print(_check(args, new, plan))
     return 0
+
+
+def _check(args, lines, plan):
+    """--check's line, run on the written file, or with --dry-run on the proposed one (in a temporary file)."""
+    import tempfile
+
+    from .check import check
+
+    if not args.dry_run:
+        return check(args.output, plan, args.check_tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "strata.toml")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return check(path, plan, args.check_tokens)
 
 
 def _fixed_and_model(args, old):
