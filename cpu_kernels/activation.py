@@ -56,3 +56,37 @@ def swiglu(gate, up, out):
 
 
 swiglu_serial = serial_twin(swiglu)
+
+
+@njit(parallel=True, fastmath=EXACT_DIVISION, nogil=True, cache=True, error_model="numpy")
+def clamped_swiglu(gate, up, pair_expert, gate_bias, up_bias, alpha, limit, out):
+    """gpt-oss's expert activation (HF GptOssExperts._apply_gate) over pair rows gate, up [N, F] with the biases
+    gate_bias, up_bias [E, F] of each row's expert pair_expert int64 [N]: g = min(gate + b, limit), u = clip(up + b,
+    -limit, limit), out = (u + 1) * g * sigmoid(alpha * g) -> out [N, F]; out may be gate or up."""
+    num_rows, width = gate.shape
+    alpha32, limit32 = np.float32(alpha), np.float32(limit)
+    for n in prange(num_rows):
+        e = pair_expert[n]
+        for i in range(width):
+            g = min(gate[n, i] + gate_bias[e, i], limit32)
+            u = min(max(up[n, i] + up_bias[e, i], -limit32), limit32)
+            z = alpha32 * g
+            t = exp_nonpositive(-abs(z))
+            sig = (np.float32(1.0) if z >= 0 else t) / (np.float32(1.0) + t)
+            out[n, i] = (u + np.float32(1.0)) * (g * sig)  # [N, F]
+
+
+clamped_swiglu_serial = serial_twin(clamped_swiglu)
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def add_pair_bias(rows, pair_expert, bias):
+    """rows [N, H] += bias [E, H] of each row's expert pair_expert int64 [N] (gpt-oss's down projection bias)."""
+    num_rows, width = rows.shape
+    for n in prange(num_rows):
+        e = pair_expert[n]
+        for i in range(width):
+            rows[n, i] += bias[e, i]
+
+
+add_pair_bias_serial = serial_twin(add_pair_bias)

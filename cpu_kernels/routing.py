@@ -143,3 +143,34 @@ def group_by_expert(ids, num_experts):
 
 route_softmax_topk_serial = serial_twin(route_softmax_topk)
 route_sigmoid_topk_serial = serial_twin(route_sigmoid_topk)
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def route_topk_softmax(logits, k, ids_out, weights_out):
+    """gpt-oss's router (HF GptOssTopKRouter): logits [T, E] -> the K largest, ids_out int64 [T, K] (highest first,
+    ties to the lower id), and weights_out f32 [T, K] the softmax over those K logits."""
+    num_tokens, num_experts = logits.shape
+    for t in prange(num_tokens):
+        num_kept = 0
+        for e in range(num_experts):
+            v = logits[t, e]
+            if num_kept == k and v <= weights_out[t, k - 1]:
+                continue
+            slot = min(num_kept, k - 1)
+            while slot > 0 and weights_out[t, slot - 1] < v:  # strict: equal values keep the lower id first
+                weights_out[t, slot] = weights_out[t, slot - 1]
+                ids_out[t, slot] = ids_out[t, slot - 1]
+                slot -= 1
+            weights_out[t, slot] = v  # [T, K]
+            ids_out[t, slot] = e
+            num_kept = min(num_kept + 1, k)
+        best = weights_out[t, 0]
+        total = 0.0  # float64 accumulator
+        for j in range(k):
+            weights_out[t, j] = np.exp(weights_out[t, j] - best)
+            total += weights_out[t, j]
+        for j in range(k):
+            weights_out[t, j] = np.float32(weights_out[t, j] / total)
+
+
+route_topk_softmax_serial = serial_twin(route_topk_softmax)

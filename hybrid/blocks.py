@@ -13,8 +13,8 @@ from typing import Callable
 
 import numpy as np
 
-from .arch.recipe import (DenseFFN, FullAttention, GatedAttention, LinearAttention, MoE, SharedExpert, SigmoidTopK,
-                          SoftmaxTopK, SwiGLU)
+from .arch.recipe import (ClampedSwiGLU, DenseFFN, FullAttention, GatedAttention, LinearAttention, MoE, SharedExpert,
+                          SigmoidTopK, SoftmaxTopK, SwiGLU, TopKSoftmax)
 from .linear_attention import gated_attention_inputs, linear_attention
 from .moe import expert_mixture
 
@@ -38,23 +38,23 @@ def attention_inputs(backend, part, layer, h, positions):
         backend.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
         backend.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)
     for x in (q, k) if qk is None else (qk,):
-        backend.rope(x if layer.rotary_dim == layer.head_dim else x[..., :layer.rotary_dim], positions,
-                     layer.rope_theta)
+        backend.rope(x, positions, layer.rope_freqs, layer.rope_scale)  # the first 2 * len(rope_freqs) dims
     return q, k, v
 
 
-def attend(backend, layer, q, k, v, batch, out):
-    """Appends k, v to each chunk's cache and writes q's attention over it into out [T, Hq, D]."""
+def attend(backend, layer, q, k, v, batch, out, window=0, sinks=None):
+    """Appends k, v to each chunk's cache and writes q's attention over it into out [T, Hq, D] (the last `window`
+    positions only where it is > 0; with the heads' sink logits sinks [Hq] where given)."""
     scale = 1.0 / np.sqrt(layer.head_dim)
     for chunk, (lo, hi) in zip(batch.chunks, batch.row_ranges):
         chunk.kv.write(layer.index, chunk.start, k[lo:hi], v[lo:hi])
-        backend.attention(q[lo:hi], chunk.kv, layer.index, chunk.start, scale, out[lo:hi])
+        backend.attention(q[lo:hi], chunk.kv, layer.index, chunk.start, scale, out[lo:hi], window, sinks)
 
 
 def full_attention_steps(part):
     """h -> y [T, H]: q, k, v (and the attention's output array), then the attention over the caches (it
     takes each chunk's start as a number), then the output projection."""
-    if part.rope != "neox":
+    if part.rope not in ("neox", "yarn"):
         return None
 
     def project(be, layer, s):
@@ -62,10 +62,13 @@ def full_attention_steps(part):
         s.update(q=q, k=k, v=v, att=be.empty(q.shape))  # att [T, Hq, D]: the attention's output
 
     def attention(be, layer, s):
-        attend(be, layer, s["q"], s["k"], s["v"], s["batch"], s["att"])
+        attend(be, layer, s["q"], s["k"], s["v"], s["batch"], s["att"], part.window,
+               layer.attn_sinks if part.sinks else None)
 
     def output(be, layer, s):
         s["y"] = be.linear(layer.attn_output, s["att"].reshape(s["h"].shape[0], -1))
+        if part.o_bias:
+            be.add_bias(s["y"], layer.attn_output_bias)
 
     return (Step("project", project, True), Step("attention", attention, False, step_graph=True),
             Step("output", output, True))
@@ -86,6 +89,16 @@ def sigmoid_topk_steps(part):
         router_logits = be.linear(layer.router, s["h"])  # [T, E]
         s["ids"], s["weights"] = be.route_sigmoid(router_logits, layer.router_choice_bias, layer.num_experts_per_tok,
                                                   part.num_groups, part.topk_groups, layer.norm_topk_prob, part.scale)
+
+    return (Step("route", route, True),)
+
+
+def topk_softmax_steps(part):
+    """h -> ids, weights [T, K]: the biased logits' top k, softmax over those k."""
+    def route(be, layer, s):
+        router_logits = be.linear(layer.router, s["h"])  # [T, E]
+        be.add_bias(router_logits, layer.router_bias)
+        s["ids"], s["weights"] = be.route_topk_softmax(router_logits, layer.num_experts_per_tok)
 
     return (Step("route", route, True),)
 
@@ -120,7 +133,8 @@ def dense_ffn_steps(part):
 
 def swiglu_steps(part):
     """(h, ids, weights) -> y [T, H]: through the expert split where there is one (it waits for the routing
-    or hands it over, so never captured)."""
+    or hands it over, so never captured). SwiGLU and ClampedSwiGLU alike: a layer's expert_glu (its clamp and
+    biases, or None) says which activation the backends run."""
     def experts(be, layer, s):
         s["y"] = expert_mixture(be, layer, s["h"], s["ids"], s["weights"], s["split"], s["usage"])
 
@@ -163,7 +177,7 @@ def linear_attention_steps(part):
 PART_STEPS = {GatedAttention: gated_attention_steps, LinearAttention: linear_attention_steps,
               FullAttention: full_attention_steps, MoE: moe_steps, SoftmaxTopK: softmax_topk_steps,
               SigmoidTopK: sigmoid_topk_steps, SwiGLU: swiglu_steps, SharedExpert: shared_expert_steps,
-              DenseFFN: dense_ffn_steps}
+              DenseFFN: dense_ffn_steps, TopKSoftmax: topk_softmax_steps, ClampedSwiGLU: swiglu_steps}
 
 
 def _steps_of(part):

@@ -51,5 +51,5 @@ def gated_attention_inputs(be, layer, h, positions):
     be.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
     be.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)
     for x in (q, k):
-        be.rope(x if layer.rotary_dim == d else x[..., :layer.rotary_dim], positions, layer.rope_theta)
+        be.rope(x, positions, layer.rope_freqs, layer.rope_scale)  # the first 2 * len(rope_freqs) dims
     return q, k, v, gate

@@ -2,14 +2,18 @@
 
 Only calls kernels through a backend. Shape legend: T tokens, H hidden, V vocab.
 """
+import functools
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from .arch import ARCHS
+from .arch.recipe import ClampedSwiGLU, MoE
+from .backends.base import ExpertGLU
 from .kv_store import KV_DTYPES
 from .moe import ExpertSplit
+from .rope_freqs import rope_freqs
 from .recurrent_state import RecurrentShape, RecurrentState
 from .runners import choose_runner
 from .weight_formats import dequantize
@@ -64,6 +68,15 @@ class LayerWeights:
     ssm_dt_bias: np.ndarray = None  # [Hv]
     ssm_norm: np.ndarray = None  # the gated RMSNorm's weight [Dv]
     ssm_out: object = None  # output projection [H, Hv Dv]
+    rope_freqs: np.ndarray = None  # RoPE inverse frequencies [R/2] of the rotated dims R (hybrid/rope_freqs.py)
+    rope_scale: float = 1.0  # cos / sin times this (YaRN's attention factor)
+    attn_output_bias: np.ndarray = None  # [H] (FullAttention(o_bias=True))
+    attn_sinks: np.ndarray = None  # [Hq] each head's sink logit (FullAttention(sinks=True))
+    router_bias: np.ndarray = None  # [E] added to the router's logits (TopKSoftmax)
+    gate_exps_bias: np.ndarray = None  # [E, F] the experts' biases (ClampedSwiGLU)
+    up_exps_bias: np.ndarray = None  # [E, F]
+    down_exps_bias: np.ndarray = None  # [E, H]
+    expert_glu: object = None  # the experts' ExpertGLU (hybrid/backends/base.py) for ClampedSwiGLU, else None
 
     def dense_weights(self):
         """Every weight but the routed experts' (what a device holds for the layer)."""
@@ -73,7 +86,8 @@ class LayerWeights:
 
 
 LAYER_NUMBERS = frozenset(("index", "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta",
-                           "num_experts_per_tok", "norm_topk_prob", "rotary_dim"))
+                           "num_experts_per_tok", "norm_topk_prob", "rotary_dim", "rope_scale",
+                           "expert_glu"))
 
 
 def _layer_weights(weights, index, spec):
@@ -83,13 +97,24 @@ def _layer_weights(weights, index, spec):
     fields = {}
     for t in spec.layer_tensors(c, index):
         tensor = weights.get(f"blk.{index}.{t.gguf}")
-        if tensor is not None and len(tensor.shape) == 1:
+        if tensor is not None and (len(tensor.shape) == 1 or t.gguf.endswith(".bias")):
             tensor = np.ascontiguousarray(dequantize(tensor))
         fields[t.field] = tensor
+    ffn = spec.layer_recipe(c, index).ffn.part
+    if isinstance(ffn, MoE) and isinstance(ffn.experts, ClampedSwiGLU):
+        fields["expert_glu"] = ExpertGLU(ffn.experts.alpha, ffn.experts.limit, fields["gate_exps_bias"],
+                                         fields["up_exps_bias"], fields["down_exps_bias"])
     return LayerWeights(
         index=index, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         eps=c.rms_norm_eps, rope_theta=c.rope_theta, num_experts_per_tok=c.num_experts_per_tok,
-        norm_topk_prob=c.norm_topk_prob, rotary_dim=c.rotary_dim or c.head_dim, **fields)
+        norm_topk_prob=c.norm_topk_prob, rotary_dim=c.rotary_dim or c.head_dim,
+        rope_freqs=rope_table(c)[0], rope_scale=rope_table(c)[1], **fields)
+
+
+@functools.lru_cache(maxsize=8)
+def rope_table(config):
+    """(inv_freq float32 [R/2], scale) of a model's RoPE, one array for all its layers."""
+    return rope_freqs(config.rope_theta, config.head_dim, config.rotary_dim or None, config.rope_scaling)
 
 
 def _nextn(weights, spec):

@@ -71,7 +71,7 @@ class ExpertSplit:
     def run(self, device, layer, h, ids, weights, usage=None):
         """The layer's expert mixture [T, H]; `usage` (an ExpertUsage) records the routing."""
         num_tokens, resident = len(h), self.resident[layer.index]
-        relayed = self.relay.takes(device, num_tokens, ids.shape[1])
+        relayed = self.relay.takes(device, num_tokens, ids.shape[1]) and layer.expert_glu is None  # plain SwiGLU
         if relayed and not resident.all():
             out = self.relay.run(device, layer, h, ids, weights, self.resident, self._step)
             if out is not None:
@@ -194,4 +194,4 @@ def expert_mixture(backend, layer, h, ids, weights, split=None, usage=None):
         return split.run(backend, layer, h, ids, weights, usage)  # the split records from its host copy of ids
     if usage is not None:
         usage.record(layer.index, backend.to_host(ids))
-    return backend.experts(h, ids, weights, layer.gate_exps, layer.up_exps, layer.down_exps)  # [T, H]
+    return backend.experts(h, ids, weights, layer.gate_exps, layer.up_exps, layer.down_exps, layer.expert_glu)

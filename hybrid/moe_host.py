@@ -56,7 +56,7 @@ class HostSide:
 
     def _run_decode(self, layer, x, ids, weights, _):
         resident = self.resident[layer.index]  # [E]
-        if self.compiled_host_decode:
+        if self.compiled_host_decode and layer.expert_glu is None:  # the compiled call runs plain SwiGLU only
             t0 = time.perf_counter()
             out, num_pairs = self.host.host_decode_experts(layer, x, ids, weights, resident)
             if num_pairs == 0:
@@ -73,7 +73,8 @@ class HostSide:
     def _run(self, layer, x, ids, weights, groups):
         """(out [T, H], seconds): the host's pairs of `groups` (Numba releases the GIL in a worker)."""
         t0 = time.perf_counter()
-        out = self.host.grouped_experts(x, weights, groups, layer.gate_exps, layer.up_exps, layer.down_exps)
+        out = self.host.grouped_experts(x, weights, groups, layer.gate_exps, layer.up_exps, layer.down_exps,
+                                        layer.expert_glu)
         seconds = time.perf_counter() - t0
         self.borrow.measure(layer, len(groups.order), seconds)
         return out, seconds

@@ -1,8 +1,8 @@
 """Architecture families, looked up by GGUF `general.architecture` or HF `model_type`."""
 from ..errors import ModelError
-from . import glm4moe, qwen3moe, qwen3next
+from . import glm4moe, gpt_oss, qwen3moe, qwen3next
 
-ARCHS = {spec.name: spec for spec in (qwen3moe.SPEC, glm4moe.SPEC, *qwen3next.SPECS)}
+ARCHS = {spec.name: spec for spec in (qwen3moe.SPEC, glm4moe.SPEC, gpt_oss.SPEC, *qwen3next.SPECS)}
 
 
 def arch_for_gguf(name, source):

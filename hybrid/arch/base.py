@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import ModelError
-from .recipe import DenseFFN, FullAttention, LayerRecipe, MoE, SharedExpert, SigmoidTopK, SoftmaxTopK, SwiGLU
+from .recipe import (ClampedSwiGLU, DenseFFN, FullAttention, LayerRecipe, MoE, SharedExpert, SigmoidTopK, SoftmaxTopK,
+                     SwiGLU, TopKSoftmax)
 
 GLOBAL_TENSORS_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,6 +61,11 @@ def attention_tensors(part, config):
         tensors += [LayerTensor("attn_q.bias", "attn_q_bias", "self_attn.q_proj.bias", lambda c: (_q_dim(c),)),
                     LayerTensor("attn_k.bias", "attn_k_bias", "self_attn.k_proj.bias", lambda c: (_kv_dim(c),)),
                     LayerTensor("attn_v.bias", "attn_v_bias", "self_attn.v_proj.bias", lambda c: (_kv_dim(c),))]
+    if part.o_bias:
+        tensors.append(LayerTensor("attn_output.bias", "attn_output_bias", "self_attn.o_proj.bias",
+                                   lambda c: (c.hidden_size,)))
+    if part.sinks:
+        tensors.append(LayerTensor("attn_sinks.weight", "attn_sinks", "self_attn.sinks", lambda c: (c.num_heads,)))
     return tensors
 
 
@@ -81,6 +87,25 @@ def swiglu_tensors(part, config):
             LayerTensor("ffn_up_exps.weight", "up_exps", "mlp.experts.{e}.up_proj.weight", width),
             LayerTensor("ffn_down_exps.weight", "down_exps", "mlp.experts.{e}.down_proj.weight",
                         lambda c: (c.num_experts, c.hidden_size, c.moe_intermediate_size))]
+
+
+def topk_softmax_router_tensors(part, config):
+    return [LayerTensor("ffn_gate_inp.bias", "router_bias", "mlp.router.bias", lambda c: (c.num_experts,))]
+
+
+def clamped_swiglu_tensors(part, config):
+    """SwiGLU's stacked experts and their biases (GGUF names as llama.cpp's converter writes gpt-oss's; its HF
+    checkpoints hold the experts fused, which the HF directory reader does not split)."""
+    def bias(width):
+        return lambda c: (c.num_experts, width(c))
+
+    return swiglu_tensors(part, config) + [
+        LayerTensor("ffn_gate_exps.bias", "gate_exps_bias", "mlp.experts.{e}.gate_proj.bias",
+                    bias(lambda c: c.moe_intermediate_size)),
+        LayerTensor("ffn_up_exps.bias", "up_exps_bias", "mlp.experts.{e}.up_proj.bias",
+                    bias(lambda c: c.moe_intermediate_size)),
+        LayerTensor("ffn_down_exps.bias", "down_exps_bias", "mlp.experts.{e}.down_proj.bias",
+                    bias(lambda c: c.hidden_size))]
 
 
 def sigmoid_router_tensors(part, config):
@@ -111,7 +136,8 @@ def dense_ffn_tensors(part, config):
 # part type -> (part, config) -> [LayerTensor]: the tensors a part reads (a new part type adds its entry).
 PART_TENSORS = {FullAttention: attention_tensors, MoE: moe_tensors, SoftmaxTopK: lambda part, config: [],
                 SigmoidTopK: sigmoid_router_tensors, SwiGLU: swiglu_tensors, SharedExpert: shared_expert_tensors,
-                DenseFFN: dense_ffn_tensors}
+                DenseFFN: dense_ffn_tensors, TopKSoftmax: topk_softmax_router_tensors,
+                ClampedSwiGLU: clamped_swiglu_tensors}
 
 # A block's norm (its LayerWeights field) -> (GGUF suffix, HF suffix), unless the family names it otherwise.
 NORM_TENSORS = {"attn_norm": ("attn_norm.weight", "input_layernorm.weight"),

@@ -16,11 +16,17 @@ from typing import Optional
 class FullAttention:
     """Causal attention over every earlier position: GQA, per-head q/k RMSNorm (qk_norm), biases on the q, k
     and v projections (qkv_bias), RoPE (rope: "neox" rotates the two halves of the rotated dims: the first
-    config.rotary_dim of each head, the rest pass through)."""
+    config.rotary_dim of each head, the rest pass through; "yarn": the same with YaRN-scaled frequencies and
+    cos/sin scaled, hybrid/rope_freqs.py). gpt-oss: `window` > 0 attends only the last `window` positions (a
+    sliding-window layer), `sinks` adds each head's learned logit (LayerWeights.attn_sinks) to the softmax's
+    denominator, `o_bias` a bias on the output projection."""
 
     qk_norm: bool = False
     rope: str = "neox"
     qkv_bias: bool = False
+    window: int = 0
+    sinks: bool = False
+    o_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,20 @@ class SigmoidTopK:
     num_groups: int = 1
     topk_groups: int = 1
     scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class TopKSoftmax:
+    """Router (gpt-oss): logits plus the layer's router_bias [E], the top k of them, the softmax over those k."""
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """Experts (gpt-oss): with per-expert biases on gate, up and down (LayerWeights gate_exps_bias, up_exps_bias,
+    down_exps_bias), g = min(gate, limit), u = clip(up, -limit, limit), down((u + 1) * g * sigmoid(alpha * g))."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclass(frozen=True)

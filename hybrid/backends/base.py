@@ -49,6 +49,19 @@ class Capabilities:
     parallel_min_tokens: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class ExpertGLU:
+    """gpt-oss's expert activation (ClampedSwiGLU) with a layer's per-expert biases, as the expert ops take it:
+    g = min(gate + gate_bias[e], limit), u = clip(up + up_bias[e], -limit, limit), act = (u + 1) * g * sigmoid(alpha
+    * g), then down + down_bias[e]. gate_bias, up_bias float32 [E, F], down_bias [E, H] (host arrays)."""
+
+    alpha: float
+    limit: float
+    gate_bias: Any
+    up_bias: Any
+    down_bias: Any
+
+
 @runtime_checkable
 class Backend(Protocol):
     """The ops of the forward pass (hybrid/model.py, hybrid/blocks.py, hybrid/moe.py)."""
@@ -85,11 +98,16 @@ class Backend(Protocol):
     def project_qkv(self, layer, h) -> tuple:
         """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], qk: q and k as one view, or None)."""
 
-    def rope(self, x, positions, theta) -> None:
-        """RoPE in place over x [T, nH, D]; positions int64 [T] on the host."""
+    def rope(self, x, positions, freqs, scale=1.0) -> None:
+        """NeoX RoPE in place over x [T, nH, D]: its first R = 2 * len(freqs) dims rotated by positions (int64 [T] on
+        the host) times freqs (float32 [R/2] on the host: hybrid/rope_freqs.py), cos and sin times scale."""
 
-    def attention(self, q, kv, layer, start, scale, out) -> None:
-        """q [T, Hq, D] at positions [start, start + T) against kv's layer `layer` -> out [T, Hq, D]."""
+    def attention(self, q, kv, layer, start, scale, out, window=0, sinks=None) -> None:
+        """q [T, Hq, D] at positions [start, start + T) against kv's layer `layer` -> out [T, Hq, D]; window > 0: each
+        query's last `window` positions only; sinks [Hq] (host float32): each head's sink logit in the softmax."""
+
+    def route_topk_softmax(self, router_logits, k) -> tuple:
+        """router_logits [T, E] -> (ids [T, K], weights [T, K]): the top k, softmax over those k (TopKSoftmax)."""
 
     def route(self, router_logits, k, normalize) -> tuple:
         """router_logits [T, E] -> (ids [T, K], weights [T, K])."""
@@ -104,8 +122,9 @@ class Backend(Protocol):
     def silu_mul(self, gate, up) -> Any:
         """silu(gate) * up, a new [T, F] (a dense SwiGLU's middle)."""
 
-    def experts(self, x, ids, weights, gate_exps, up_exps, down_exps) -> Any:
-        """Every (token, expert) pair's SwiGLU expert, combined per token: x [T, H] -> [T, H]. A device backend,
+    def experts(self, x, ids, weights, gate_exps, up_exps, down_exps, glu=None) -> Any:
+        """Every (token, expert) pair's SwiGLU expert (glu: an ExpertGLU, or None), combined per token: x [T, H] ->
+        [T, H]. A device backend,
         which holds only some experts, runs them through the split instead (it is given a host backend)."""
 
     def add_into(self, x, y) -> None:
@@ -202,8 +221,8 @@ class HostExperts(Protocol):
     def group_pairs(self, ids, num_experts) -> tuple:
         """ids int64 [T, K] -> (order [N], expert_ids [G], row_starts [G+1]): pairs sorted by expert."""
 
-    def grouped_experts(self, x, weights, groups, gate_exps, up_exps, down_exps) -> Any:
-        """The pairs of `groups` combined per token with weights [T, K]: x [T, H] -> [T, H]."""
+    def grouped_experts(self, x, weights, groups, gate_exps, up_exps, down_exps, glu=None) -> Any:
+        """The pairs of `groups` combined per token with weights [T, K]: x [T, H] -> [T, H] (glu: an ExpertGLU)."""
 
     def host_decode_experts(self, layer, x, ids, weights, resident) -> tuple:
         """(out [n, H], pairs run): a decode step's non-resident pairs (capabilities.host_decode_experts)."""

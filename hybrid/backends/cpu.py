@@ -230,14 +230,27 @@ class CpuBackend(CpuDeltaOps):
         """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], None)."""
         return separate_projections(self, layer, h)
 
-    def rope(self, x, positions, theta):
-        """In place over x [T, nH, D]."""
-        _small_or_parallel(x.size, rope.rope_neox_serial, rope.rope_neox)(x, positions, theta, x)
+    def rope(self, x, positions, freqs, scale=1.0):
+        """In place over x [T, nH, D]: its first R = 2 * len(freqs) dims rotated, cos and sin times scale."""
+        _small_or_parallel(x.size, rope.rope_neox_freqs_serial, rope.rope_neox_freqs)(x, positions, freqs, scale, x)
 
-    def attention(self, q, kv, layer, start, scale, out):
-        """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D]."""
+    def attention(self, q, kv, layer, start, scale, out, window=0, sinks=None):
+        """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D];
+        window > 0: the last `window` positions only; sinks [Hq]: each head's sink logit in the softmax."""
         k, v, k_scale, v_scale = kv.pool.layer(layer)
-        paged_attention(q, k, v, k_scale, v_scale, kv.table, start, 0, start + q.shape[0], scale, out)
+        lse = None if sinks is None else np.empty(q.shape[:2], dtype=np.float32)  # [T, Hq]
+        paged_attention(q, k, v, k_scale, v_scale, kv.table, start, 0, start + q.shape[0], scale, out, lse, window)
+        if sinks is not None:
+            attention.apply_sinks(out, lse, sinks)
+
+    def route_topk_softmax(self, router_logits, k):
+        """router_logits [T, E] -> (ids [T, K], weights [T, K]): the top k, softmax over those k (gpt-oss)."""
+        num_tokens = router_logits.shape[0]
+        ids = np.empty((num_tokens, k), dtype=np.int64)  # [T, K]
+        weights = np.empty((num_tokens, k), dtype=np.float32)  # [T, K]
+        kernel = _small_or_parallel(router_logits.size, routing.route_topk_softmax_serial, routing.route_topk_softmax)
+        kernel(router_logits, k, ids, weights)
+        return ids, weights
 
     def route(self, router_logits, k, normalize):
         num_tokens = router_logits.shape[0]
@@ -267,10 +280,11 @@ class CpuBackend(CpuDeltaOps):
          else activation.swiglu)(gate, up, out)
         return out
 
-    def experts(self, x, ids, weights, gate_exps, up_exps, down_exps):
-        """SwiGLU experts for every (token, expert) pair, combined per token: x [T, H] -> [T, H]."""
+    def experts(self, x, ids, weights, gate_exps, up_exps, down_exps, glu=None):
+        """SwiGLU experts (glu: an ExpertGLU's clamp and biases, or None) for every (token, expert) pair, combined
+        per token: x [T, H] -> [T, H]."""
         groups = self.group_pairs(ids, gate_exps.shape[0])
-        return self.grouped_experts(x, weights, groups, gate_exps, up_exps, down_exps)
+        return self.grouped_experts(x, weights, groups, gate_exps, up_exps, down_exps, glu)
 
     def group_pairs(self, ids, num_experts):
         """ids int64 [T, K] -> (order [N], expert_ids [G], row_starts [G+1]): pairs sorted by expert."""
@@ -302,13 +316,15 @@ class CpuBackend(CpuDeltaOps):
             plan = self._host_plans[layer.index] = HostExpertsPlan(self, layer)  # (sets act_quant)
         return plan
 
-    def paged_attention(self, q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None):
+    def paged_attention(self, q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None,
+                        window=0):
         """paged_attention below, for a device backend that has this backend attend its KV's RAM part."""
-        paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse)
+        paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse, window)
 
-    def grouped_experts(self, x, weights, groups, gate_exps, up_exps, down_exps):
+    def grouped_experts(self, x, weights, groups, gate_exps, up_exps, down_exps, glu=None):
         """The pairs of `groups` (order, expert_ids, row_starts; a subset of the [T, K] pairs), combined
-        per token with weights [T, K]: x [T, H] -> [T, H] (zero for tokens with no pair here)."""
+        per token with weights [T, K]: x [T, H] -> [T, H] (zero for tokens with no pair here). glu: an
+        ExpertGLU (gpt-oss: biases and the clamped activation) or None (plain SwiGLU)."""
         order, expert_ids, row_starts = groups
         num_tokens, k = weights.shape
         num_pairs, hidden, width = len(order), x.shape[1], gate_exps.shape[1]
@@ -329,25 +345,33 @@ class CpuBackend(CpuDeltaOps):
         else:
             gate_k.parallel(gate_k.raws, xs, expert_ids, row_starts, (gate,), self.act_quant)
             up_k.parallel(up_k.raws, xs, expert_ids, row_starts, (up,), self.act_quant)
-        (activation.swiglu_serial if small else activation.swiglu)(gate, up, gate)
+        if glu is None:
+            (activation.swiglu_serial if small else activation.swiglu)(gate, up, gate)
+        else:
+            pair_expert = np.repeat(np.asarray(expert_ids, dtype=np.int64), np.diff(row_starts))  # [N]
+            (activation.clamped_swiglu_serial if small else activation.clamped_swiglu)(
+                gate, up, pair_expert, glu.gate_bias, glu.up_bias, glu.alpha, glu.limit, gate)
         down = scratch.get("down", (num_pairs, hidden))  # [N, H]
         down_k.parallel(down_k.raws, gate, expert_ids, row_starts, (down,), self.act_quant)
+        if glu is not None:
+            (activation.add_pair_bias_serial if small else activation.add_pair_bias)(down, pair_expert, glu.down_bias)
         out = np.zeros((num_tokens, hidden), dtype=np.float32)
         scatter = moe_combine.scatter_add_weighted_serial if small else moe_combine.scatter_add_weighted
         scatter(down, order, np.ascontiguousarray(weights).reshape(-1), k, out)
         return out
 
 
-def paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None):
+def paged_attention(q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None, window=0):
     """cpu_kernels.attention over pool arrays k, v [NB, BT, Hkv, D] (scales [NB, BT, Hkv] or None), keys
-    [key_lo, key_hi) of the causal range; serial when the work is small."""
+    [key_lo, key_hi) of the causal range (each query's last `window` only, where > 0); serial when the work is
+    small."""
     num_tokens, num_heads, head_dim = q.shape
     work = num_tokens * max(min(start + num_tokens, key_hi) - key_lo, 0) * num_heads * head_dim
     kernel = attention.attention_serial if _small(work, TINY_MAX_ATTENTION, SERIAL_MAX_ATTENTION) else attention.attention
     if k_scale is None:
         k_scale = v_scale = attention.NO_SCALES
     lse = attention.NO_LSE if lse is None else lse
-    kernel(q, k, v, table, start, key_lo, key_hi, scale, out, lse, k_scale, v_scale)
+    kernel(q, k, v, table, start, key_lo, key_hi, scale, out, lse, k_scale, v_scale, window)
 
 
 def _small_or_parallel(num_elements, serial, parallel):

@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 
-from cpu_kernels.rope import inv_freq_f32
 from gpu_kernels.expert_cache import MIB, ExpertCache, expert_bytes, plan
 from gpu_kernels.kernels import Kernels, describe_act_quant
 from gpu_kernels.sources import FORMAT_HEADERS
@@ -89,7 +88,6 @@ class GpuBackend(GpuDeltaOps):
         self.cache = None  # the ExpertCache, made by place()
         self._dev = {}  # id(host weight) -> (device copy, host weight)
         self._positions = (None, None)  # (host positions, device copy) of the last batch
-        self._inv_freq = {}  # (theta, D) -> RoPE frequencies f32 [D/2] on the device
         self.layer_graphs = LayerGraphs() if dense_graphs else None
         self.step = StepCapture() if dense_graphs and step_graphs else None
 
@@ -175,9 +173,11 @@ class GpuBackend(GpuDeltaOps):
     def describe_kv(self, pool, max_tokens):
         return self.kv.describe(pool, max_tokens)
 
-    def attention(self, q, kv, layer, start, scale, out):
-        """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D]."""
-        self.kv.attention(self, q, kv, layer, start, scale, out)
+    def attention(self, q, kv, layer, start, scale, out, window=0, sinks=None):
+        """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D];
+        window > 0: each query's last `window` positions; sinks: a layer's attn_sinks [Hq] (uploaded at place)."""
+        sinks_dev = None if sinks is None else self._weight(sinks)  # [Hq]
+        self.kv.attention(self, q, kv, layer, start, scale, out, window, sinks_dev)
 
 
     def _weight(self, host):
@@ -288,15 +288,21 @@ class GpuBackend(GpuDeltaOps):
         """rope() of a batch with these host positions reads `on_device` (int64, already uploaded) instead."""
         self._positions = (positions, on_device)
 
-    def rope(self, x, positions, theta):
-        """In place over x [T, nH, D]; positions int64 [T] on the host."""
+    def rope(self, x, positions, freqs, scale=1.0):
+        """In place over x [T, nH, D]: its first 2 * len(freqs) dims rotated (freqs: a layer's rope_freqs, uploaded
+        at place), cos and sin times scale; positions int64 [T] on the host."""
         if self._positions[0] is not positions:
             self._positions = (positions, self.staging.upload("positions", np.ascontiguousarray(positions),
                                                               self.stream))
-        key = (theta, x.shape[-1])
-        if key not in self._inv_freq:
-            self._inv_freq[key] = self.rt.to_device(inv_freq_f32(theta, x.shape[-1]))  # [D/2]
-        self.kernels.rope_neox(x, self._positions[1], self._inv_freq[key])
+        self.kernels.rope_neox(x, self._positions[1], self._weight(freqs), scale)
+
+    def route_topk_softmax(self, router_logits, k):
+        """router_logits [T, E] -> (ids [T, K], weights [T, K]): the top k, softmax over those k (gpt-oss)."""
+        num_tokens = router_logits.shape[0]
+        ids = self.rt.empty((num_tokens, k), np.int32)  # [T, K]
+        weights = self.rt.empty((num_tokens, k), np.float32)  # [T, K]
+        self.kernels.route_topk_softmax(router_logits, k, ids, weights)
+        return ids, weights
 
 
 

@@ -98,9 +98,10 @@ class GpuExperts:
         for (slabs, _, _), args in zip(parts, tile_args):
             be.kernels.moe_matmul(slabs[0], layer.gate_exps.qtype, xs, gate, *args, tile_tokens)
             be.kernels.moe_matmul(slabs[1], layer.up_exps.qtype, xs, up, *args, tile_tokens)
-        be.kernels.swiglu(gate, up, gate)
+        activate(be, layer, gate, up, order, ids)
         for (slabs, _, _), args in zip(parts, tile_args):
             be.kernels.moe_matmul(slabs[2], layer.down_exps.qtype, gate, down, *args, tile_tokens)
+        add_down_bias(be, layer, down, order, ids)
         pending.out = be.rt.empty(x.shape, np.float32)  # [T, H]
         be.kernels.combine_rows(down, pair_rows, weights, k, pending.out)
         if be.time_experts:
@@ -210,9 +211,27 @@ def _queue_decode_experts(be, layer, s):
     slabs = be.cache.layers[layer.index]
     kn.moe_matmul(slabs[0], layer.gate_exps.qtype, s["xs"], s["gate"], tiles[0], tiles[1], tiles[2], 1)
     kn.moe_matmul(slabs[1], layer.up_exps.qtype, s["xs"], s["up"], tiles[0], tiles[1], tiles[2], 1)
-    kn.swiglu(s["gate"], s["up"], s["gate"])
+    activate(be, layer, s["gate"], s["up"], s["order"], s["ids_flat"])
     kn.moe_matmul(slabs[2], layer.down_exps.qtype, s["gate"], s["down"], tiles[0], tiles[1], tiles[2], 1)
+    add_down_bias(be, layer, s["down"], s["order"], s["ids_flat"])
     kn.combine_rows(s["down"], tiles[3], s["weights"], k, s["out"][layer.index])
+
+
+def activate(be, layer, gate, up, order, ids):
+    """gate [N, F] = the experts' activation of pair rows gate, up: SwiGLU, or with the layer's ExpertGLU its biases
+    (each row's expert: ids.flat[order[row]]) and clamp (gpt-oss)."""
+    glu = layer.expert_glu
+    if glu is None:
+        be.kernels.swiglu(gate, up, gate)
+    else:
+        be.kernels.clamped_swiglu(gate, up, order, ids, be._weight(glu.gate_bias), be._weight(glu.up_bias), glu.alpha,
+                                  glu.limit, gate)
+
+
+def add_down_bias(be, layer, down, order, ids):
+    """down [N, H] += the down projection's bias of each pair row's expert, where the layer has an ExpertGLU."""
+    if layer.expert_glu is not None:
+        be.kernels.add_pair_bias(down, order, ids, be._weight(layer.expert_glu.down_bias))
 
 
 def _pair_layout(be, parts, num_pair_slots, tile_tokens):

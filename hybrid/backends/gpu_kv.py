@@ -179,23 +179,29 @@ class GpuKV:
                      f"per slot at {max_tokens} tokens, attended on the {self.host_attention}")
         return text
 
-    def attention(self, be, q, kv, layer, start, scale, out):
-        """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D]."""
+    def attention(self, be, q, kv, layer, start, scale, out, window=0, sinks=None):
+        """q [T, Hq, D] at positions [start, start + T) against the sequence's KV (layer `layer`) -> out [T, Hq, D];
+        window > 0: each query's last `window` positions; sinks: each head's sink logit [Hq] on the device, joined
+        to the softmax once the key ranges are merged (kernels.attn_sinks)."""
         pool = kv.pool.layer(layer)  # (k, v, k_scale, v_scale)
         table, ram_keys = kv.device_table(), kv.host_blocks * kv.block_tokens
         step = be.step.active if be.step is not None else None
+        lse = None if sinks is None else be.rt.empty(q.shape[:2], np.float32)  # [T, Hq]
         if step is not None:  # a step graph's: the position on the device, splits planned for its bound
-            self._step_attention(be, q, kv, pool, table, step, scale, out)
+            self._step_attention(be, q, kv, pool, table, step, scale, out, window, lse)
         elif ram_keys == 0:
-            be.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out)
+            be.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out, lse=lse, window=window)
         elif self.host_attention == "gpu":
-            be.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out,
-                                       stage=self._stage_ram_part(be, kv, layer))
+            be.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out, lse=lse,
+                                       stage=self._stage_ram_part(be, kv, layer), window=window)
         else:
-            self._attention_split(be, q, kv, layer, pool, table, start, scale, out, ram_keys)
+            self._attention_split(be, q, kv, layer, pool, table, start, scale, out, ram_keys, window, sinks)
+            return
+        if sinks is not None:
+            be.kernels.attn_sinks(out, lse, sinks)
 
     @staticmethod
-    def _step_attention(be, q, kv, pool, table, step, scale, out):
+    def _step_attention(be, q, kv, pool, table, step, scale, out, window=0, lse=None):
         """One token's attention inside a step graph (step: (position on the device, keys bound)); its split scratch
         comes through be.rt, so the capture keeps it."""
         position, bound = step
@@ -203,8 +209,8 @@ class GpuKV:
         values, rows = split_scratch_sizes(num_tokens, num_q_heads, pool[0].shape[2], head_dim, bound, be.kernels.warp,
                                            be.kernels.max_splits)
         scratch = None if values == 0 else (be.rt.empty((values,), np.float32), be.rt.empty((rows,), np.float32))
-        be.kernels.paged_attention(kv.dtype, q, *pool, table, bound - num_tokens, 0, scale, out,
-                                   start_at=(position, scratch))
+        be.kernels.paged_attention(kv.dtype, q, *pool, table, bound - num_tokens, 0, scale, out, lse=lse,
+                                   start_at=(position, scratch), window=window)
 
     def _stage_ram_part(self, be, kv, layer):
         """(k, v, k_scale, v_scale) stage arrays [nS, BT, Hkv, D] holding the sequence's RAM part of `layer`,
@@ -223,10 +229,10 @@ class GpuKV:
             stage.append(buf)
         return tuple(stage)
 
-    def _attention_split(self, be, q, kv, layer, pool, table, start, scale, out, ram_keys):
+    def _attention_split(self, be, q, kv, layer, pool, table, start, scale, out, ram_keys, window=0, sinks=None):
         """The GPU attends the VRAM part (pool: the layer's (k, v, k_scale, v_scale), through the device
         table) while the host attends the RAM part of q's keys; the two partial results are merged on the
-        GPU by their log-sum-exp."""
+        GPU by their log-sum-exp (the sinks, when given, join the VRAM part's before the merge)."""
         if self.host is None:
             raise ValueError("kv_host_attention 'cpu': the GPU backend was placed without a host backend to attend "
                              "the KV's RAM part")
@@ -234,13 +240,16 @@ class GpuKV:
         q_host, q_copied = be.staging.download("attn_q", q, be.stream)
         out_dev = be.rt.empty(q.shape, np.float32)  # [T, Hq, D]
         lse_dev = be.rt.empty((num_tokens, num_heads), np.float32)  # [T, Hq]
-        be.kernels.paged_attention(kv.dtype, q, *pool, table, start, ram_keys, scale, out_dev, lse=lse_dev)
+        be.kernels.paged_attention(kv.dtype, q, *pool, table, start, ram_keys, scale, out_dev, lse=lse_dev,
+                                   window=window)
+        if sinks is not None:
+            be.kernels.attn_sinks(out_dev, lse_dev, sinks)
         q_copied.synchronize()  # after the RAM part's copies too: they were queued before
         if len(self._identity) < kv.host_blocks:
             self._identity = np.arange(max(kv.host_blocks, 2 * len(self._identity)), dtype=np.int32)
         out_host = np.empty(q.shape, np.float32)
         lse_host = np.empty((num_tokens, num_heads), np.float32)
         self.host.paged_attention(q_host, *kv.host_layer(layer), self._identity, start, 0, ram_keys, scale, out_host,
-                                  lse_host)
+                                  lse_host, window)
         be.kernels.attn_merge(out_dev, lse_dev, be.staging.upload("attn_out_host", out_host, be.stream),
                               be.staging.upload("attn_lse_host", lse_host, be.stream), out)

@@ -14,7 +14,7 @@ from .weights import QuantTensor
 GGUF_QUANTIZERS = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4)
 
 # Tensor name suffixes that stay F32 whatever the target type (as llama.cpp does).
-KEEP_F32 = ("_norm.weight", "ffn_gate_inp.weight")
+KEEP_F32 = ("_norm.weight", "ffn_gate_inp.weight", ".bias", "attn_sinks.weight")
 
 # Mixes of several types, as llama.cpp's and Unsloth's files have: name -> (the matrices' main type,
 # {tensor name suffix: its type}). Any other target is one type name for every matrix.

@@ -40,6 +40,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0  # q / k head dim,
     linear_value_head_dim: int = 0  # v head dim,
     linear_conv_kernel: int = 0  # causal conv width
+    sliding_window: int = 0  # positions a sliding-window layer attends (gpt-oss: its even layers); 0: none
+    rope_scaling: object = None  # hybrid.rope_freqs.YarnScaling, or None: plain RoPE
+    layer_types: tuple = ()  # per layer "sliding_attention" / "full_attention" where a file says (HF layer_types)
 
 
 @dataclass
