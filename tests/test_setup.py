@@ -226,3 +226,18 @@ def test_a_model_of_the_users_own_is_not_replaced(box, demo_path, tmp_path, caps
                                                f"from the file")
     assert main(["setup", "-o", str(tmp_path / "none.toml")]) == 2
     assert "strata setup needs --model" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # strata profile's warm-up and generation
+def test_setup_profiles_the_users_prompts_first(box, demo_path, tmp_path, capsys):
+    """--prompts without --profile: `strata profile` records them beside the config and the placement is planned
+    from that profile."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWrite a poem\n")
+    box["machine"] = GPU_BOX
+    path = tmp_path / "strata.toml"
+    assert setup(demo_path, path, "--prompts", str(prompts)) == 0
+    assert (tmp_path / "strata.profile.npz").exists()
+    config = file_config(path)[0]
+    assert config.placement == str(tmp_path / "strata.placement.json")
+    assert f"planned from {tmp_path / 'strata.profile.npz'}" in path.read_text()

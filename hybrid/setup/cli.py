@@ -1,6 +1,6 @@
-"""`strata setup [--model M] [--profile P] [-o strata.toml] [--dry-run] [--check]`: measure, choose, write (or
-with --dry-run only print the diff), print the predictions; --check runs a short generation with the result
-and compares its decode speed with the prediction."""
+"""`strata setup [--model M] [--profile P | --prompts FILE] [-o strata.toml] [--dry-run] [--check]`: measure,
+(profile the prompts,) choose, write (or with --dry-run only print the diff), print the predictions; --check
+runs a short generation with the result and compares its decode speed with the prediction."""
 import logging
 import os
 
@@ -20,6 +20,9 @@ def add_setup(sub):
     p.add_argument("--profile", type=existing_file, default=None, metavar="P.npz",
                    help="expert profile (`strata profile`) of your prompts: the placement is planned from it "
                         "(written beside the config) and so are the predictions (default: every expert alike)")
+    p.add_argument("--prompts", type=existing_file, default=None, metavar="FILE",
+                   help="prompts of your workload (JSONL of chat messages, or one prompt a line): without --profile, "
+                        "`strata profile` records their expert usage first (written beside the config)")
     p.add_argument("-o", "--output", type=output_file, default=DEFAULT_OUTPUT,
                    help=f"config file to write or update (default {DEFAULT_OUTPUT})")
     p.add_argument("--dry-run", action="store_true", help="print the diff setup would make; write nothing")
@@ -47,14 +50,15 @@ def run_setup(args):
     old = _read_lines(args.output)
     fixed, model = _fixed_and_model(args, old)
     machine = measure_box(args.read_mib)
+    profile_path = args.profile or (_record_profile(args, model) if args.prompts else None)
     weights = load_model(model)
-    profile = _profile(args.profile, weights)
+    profile = _profile(profile_path, weights)
     plan = choose(machine, weights, fixed, profile)
     choices = [Choice("model", os.path.abspath(model), f"the model setup measured for ({weights.config.arch}, "
                                                         f"{weights.config.num_layers} layers)")] + plan.choices
     placement_path = os.path.splitext(args.output)[0] + ".placement.json"
     if plan.placement is not None:
-        choices.append(Choice("placement", os.path.abspath(placement_path), f"planned from {args.profile} for the "
+        choices.append(Choice("placement", os.path.abspath(placement_path), f"planned from {profile_path} for the "
                               f"measured GPUs: hit rate {plan.placement.predicted['hit_rate']:.0%}"))
     new, report = merge(old, [c for c in choices if c.name not in fixed])
     print(_predictions(machine, plan))
@@ -127,6 +131,17 @@ def _read_lines(path):
         return []
     with open(path) as f:
         return f.read().splitlines()
+
+
+def _record_profile(args, model, max_tokens=64):
+    """`strata profile` of --prompts (with the config file's settings when it exists): the profile's path."""
+    from hybrid.cli import build_parser
+
+    path = os.path.splitext(args.output)[0] + ".profile.npz"
+    argv = ["profile", "--model", model, "--prompts", args.prompts, "-o", path, "--max-tokens", str(max_tokens)]
+    profile_args = build_parser().parse_args(argv + (["--config", args.output] if os.path.isfile(args.output) else []))
+    profile_args.func(profile_args)
+    return path
 
 
 def _profile(path, weights):
