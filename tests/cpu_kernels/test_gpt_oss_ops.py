@@ -7,7 +7,7 @@ import torch
 from transformers import GptOssConfig
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
-from cpu_kernels import attention
+from cpu_kernels import activation, attention, routing
 from cpu_kernels.rope import rope_neox_freqs, rope_neox_freqs_serial
 from hybrid.rope_freqs import YarnScaling, rope_freqs
 
@@ -133,3 +133,42 @@ def test_partial_rotation_leaves_the_rest():
     c, s = np.cos(angles.astype(np.float64))[:, None], np.sin(angles.astype(np.float64))[:, None]
     x1, x2 = x[..., :16], x[..., 16:32]
     np.testing.assert_allclose(out[..., :32], np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize("serial", [False, True])
+def test_topk_softmax_router_matches_hf(num_tokens, serial):
+    """HF GptOssTopKRouter: topk of the (biased) logits, softmax over the k."""
+    rng = np.random.default_rng(num_tokens)
+    logits = rng.standard_normal((num_tokens, 32)).astype(np.float32)
+    logits[0, 5] = logits[0, 9]  # a tie goes to the lower id
+    k = 4
+    ids, weights = np.empty((num_tokens, k), np.int64), np.empty((num_tokens, k), np.float32)
+    (routing.route_topk_softmax_serial if serial else routing.route_topk_softmax)(logits, k, ids, weights)
+    top, top_ids = torch.topk(torch.from_numpy(logits), k, dim=-1)
+    np.testing.assert_array_equal(ids, top_ids.numpy())
+    np.testing.assert_allclose(weights, torch.softmax(top, dim=1).numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("num_pairs", [3, 150])
+@pytest.mark.parametrize("serial", [False, True])
+def test_clamped_swiglu_and_pair_bias_match_hf(num_pairs, serial):
+    """HF GptOssExperts._apply_gate on gate/up rows plus each pair's expert biases, then the down bias per row."""
+    rng = np.random.default_rng(num_pairs)
+    width, hidden, num_experts = 40, 24, 8
+    gate, up = (rng.standard_normal((num_pairs, width)).astype(np.float32) * 6 for _ in range(2))  # past the clamp
+    gate_bias, up_bias = (rng.standard_normal((num_experts, width)).astype(np.float32) for _ in range(2))
+    down_bias = rng.standard_normal((num_experts, hidden)).astype(np.float32)
+    pair_expert = rng.integers(0, num_experts, num_pairs).astype(np.int64)
+    glu = activation.clamped_swiglu_serial if serial else activation.clamped_swiglu
+    out = np.empty_like(gate)
+    glu(gate, up, pair_expert, gate_bias, up_bias, 1.702, 7.0, out)
+    experts = hf.GptOssExperts(GptOssConfig(hidden_size=hidden, intermediate_size=width))
+    gate_up = torch.empty(num_pairs, 2 * width)
+    gate_up[:, ::2] = torch.from_numpy(gate + gate_bias[pair_expert])
+    gate_up[:, 1::2] = torch.from_numpy(up + up_bias[pair_expert])
+    np.testing.assert_allclose(out, experts._apply_gate(gate_up).numpy(), rtol=2e-6, atol=2e-6)
+    rows = rng.standard_normal((num_pairs, hidden)).astype(np.float32)
+    expected = rows + down_bias[pair_expert]
+    (activation.add_pair_bias_serial if serial else activation.add_pair_bias)(rows, pair_expert, down_bias)
+    np.testing.assert_allclose(rows, expected, rtol=0, atol=1e-6)
