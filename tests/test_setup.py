@@ -44,7 +44,9 @@ def test_setup_writes_a_valid_config_with_a_reason_per_choice(box, demo_path, tm
     assert config.max_context == 4096 and sources["kv"] == f"{path} line {kv_line}"
     entries = scan(path.read_text().splitlines())
     assert all(e.owner == "setup" for e in entries.values())
-    assert "2: 20 GB/s" not in path.read_text() and "2: 20)" in path.read_text()  # the measurement it chose from
+    assert "(threads: GB/s 1: 12, 2: 20)" in path.read_text()  # the measurement it chose from
+    assert "# measured: DRAM read GB/s by threads: 1: 12, 2: 20" in path.read_text().splitlines()
+    assert "# measured: no GPU (no GPU here)" in path.read_text().splitlines()
 
 
 def test_a_rerun_keeps_the_users_values_and_updates_its_own(box, demo_path, tmp_path, capsys):
@@ -78,6 +80,8 @@ def test_dry_run_prints_the_diff_and_writes_nothing(box, demo_path, tmp_path, ca
     assert setup(demo_path, path, "--dry-run") == 0
     out = capsys.readouterr().out
     assert "\n-cpu_gbps = 20\n" in out and "\n+cpu_gbps = 25\n" in out and f"--- {path}" in out
+    assert "\n-# measured: DRAM read GB/s by threads: 1: 12, 2: 20\n+# measured: DRAM read GB/s by threads: 1: 12, " \
+           "2: 25\n" in out
     assert path.read_text() == before
     assert setup(demo_path, tmp_path / "new.toml", "--dry-run") == 0
     assert not (tmp_path / "new.toml").exists()

@@ -60,7 +60,7 @@ def run_setup(args):
     if plan.placement is not None:
         choices.append(Choice("placement", os.path.abspath(placement_path), f"planned from {profile_path} for the "
                               f"measured GPUs: hit rate {plan.placement.predicted['hit_rate']:.0%}"))
-    new, report = merge(old, [c for c in choices if c.name not in fixed])
+    new, report = merge(old, [c for c in choices if c.name not in fixed], machine.describe())
     print(_predictions(machine, plan))
     print("\n".join(report))
     if not args.dry_run:

@@ -5,7 +5,7 @@ import logging
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,8 +44,16 @@ class Machine:
     def cpu_gbps(self):
         return max(self.dram_gbps.values())
 
-    def to_json(self):
-        return {**asdict(self), "dram_gbps": {str(k): v for k, v in self.dram_gbps.items()}}
+    def describe(self):
+        """What was measured, a line per part."""
+        pinned = "unlimited" if self.pinned_limit_mib is None else f"{self.pinned_limit_mib:.0f} MiB"
+        lines = [f"CPU {self.cores} cores, {self.isa} ({', '.join(self.cpu_features) or 'no AVX2'}), "
+                 f"{self.numa_nodes} NUMA node(s); RAM {self.ram_mib:.0f} MiB, {self.free_ram_mib:.0f} free, "
+                 f"locked-memory limit {pinned}",
+                 "DRAM read GB/s by threads: " + ", ".join(f"{n}: {v:g}" for n, v in sorted(self.dram_gbps.items()))]
+        lines += [f"GPU {g.index} {g.name}: {g.vram_mib:.0f} MiB, {g.free_mib:.0f} free, host to device "
+                  f"{g.h2d_gbps:g} GB/s, on-device copy {g.vram_gbps:g} GB/s" for g in self.gpus]
+        return lines if self.gpus else lines + [f"no GPU ({self.gpu_note})"]
 
 
 def _meminfo():

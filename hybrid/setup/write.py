@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..config_show import format_value
 
 TAG = "# setup: "
+MEASURED = "# measured: "  # setup's lines saying what it measured: replaced on every run
 HEADER = [
     "# Strata settings (`strata config show` lists every key; README \"Settings\"), written by `strata setup`.",
     "# A value under a \"# setup:\" line is setup's: a re-run updates it while it is the value that line names.",
@@ -74,10 +75,10 @@ def choice_lines(choice):
     return [f"{TAG}{choice.name} = {value} | {choice.why}", f"{choice.name} = {value}"]
 
 
-def merge(old_lines, choices):
+def merge(old_lines, choices, measured=()):
     """(new lines, report lines): `choices` (choose.Choice) merged into a config file's `old_lines` (empty:
-    a new file) as the module docstring says."""
-    lines = list(old_lines) if old_lines else list(HEADER)
+    a new file) as the module docstring says; `measured`: the "# measured:" lines, in place of the old ones."""
+    lines = _with_measured(list(old_lines) if old_lines else list(HEADER), measured)
     entries, chosen = scan(lines), {c.name: c for c in choices}
     report, replaced = [], {}
     for key, entry in entries.items():
@@ -102,6 +103,15 @@ def merge(old_lines, choices):
             out += ([""] if out and out[-1].strip() else []) + choice_lines(c)
             report.append(f"added {c.name} = {format_value(c.value)}")
     return out, report
+
+
+def _with_measured(lines, measured):
+    """`lines` with their "# measured:" lines replaced by `measured` (where the first one was, else after the
+    leading comments)."""
+    old = [i for i, line in enumerate(lines) if line.startswith(MEASURED)]
+    at = old[0] if old else next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    kept = [line for line in lines if not line.startswith(MEASURED)]
+    return kept[:at] + [MEASURED + m for m in measured] + kept[at:]
 
 
 def diff(old_lines, new_lines, path):
