@@ -47,6 +47,7 @@ def test_gguf_logits_match_transformers(gpt_oss_files, target, tol):
     assert rel_err(llm.score(PROMPT_IDS), hf_logits(reference, PROMPT_IDS)) <= tol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["F32", "MXFP4_MOE"])
 def test_greedy_generation_matches_transformers(gpt_oss_files, target):
     """Prefill then decode steps one token at a time, each past the window."""

@@ -40,20 +40,26 @@ def masks(num_layers, num_experts):
             "50%": rng.random((num_layers, num_experts)) < 0.5, "100%": np.ones((num_layers, num_experts), bool)}
 
 
-def test_gpu_backend_wiring_matches_cpu(gpt_oss_mxfp4):
-    """The stand-in multiplies in float, and so does the CPU engine here (act_quant="float")."""
+@pytest.fixture(scope="module")
+def cpu_scores(gpt_oss_mxfp4):
+    """The CPU engine's scores; it multiplies in float as the stand-in does (act_quant="float")."""
+    return score(Model(load_model(gpt_oss_mxfp4[0]), CpuBackend(act_quant="float")))
+
+
+@pytest.mark.parametrize("resident", [pytest.param("0%", marks=pytest.mark.slow), "50%",
+                                      pytest.param("100%", marks=pytest.mark.slow)])
+def test_gpu_backend_wiring_matches_cpu(gpt_oss_mxfp4, cpu_scores, resident):
     from gpu_kernels.numpy_runtime import NumpyRuntime
     from tests.gpu_kernels.conftest import ReferenceKernels
 
     weights = load_model(gpt_oss_mxfp4[0])
     c = weights.config
-    ref = score(Model(weights, CpuBackend(act_quant="float")))
-    for name, mask in masks(c.num_layers, c.num_experts).items():
-        backend = GpuBackend(NumpyRuntime(), max_context=256, kv_sequences=2, resident=mask)
-        backend.kernels = ReferenceKernels()
-        model = Model(weights, backend, host=CpuBackend(act_quant="float"))
-        np.testing.assert_allclose(score(model), ref, rtol=0, atol=2e-4 * np.abs(ref).max(), err_msg=name)
-        model.close()
+    backend = GpuBackend(NumpyRuntime(), max_context=256, kv_sequences=2,
+                         resident=masks(c.num_layers, c.num_experts)[resident])
+    backend.kernels = ReferenceKernels()
+    model = Model(weights, backend, host=CpuBackend(act_quant="float"))
+    np.testing.assert_allclose(score(model), cpu_scores, rtol=0, atol=2e-4 * np.abs(cpu_scores).max())
+    model.close()
 
 
 @pytest.mark.gpu
