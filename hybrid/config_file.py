@@ -11,7 +11,7 @@ import os
 import re
 import tomllib
 
-from .config import SETTINGS, _parsed, file_settings
+from .config import SETTINGS, _parsed, file_settings, resolve_sources
 from .config_types import mib_or_auto
 
 CONFIG_VAR = "STRATA_CONFIG"
@@ -47,6 +47,14 @@ def find_config(given=None, environ=None):
         return named
     path = default_path(environ)
     return path if path and os.path.isfile(path) else None
+
+
+def load_config(path=None, environ=None, **given):
+    """The EngineConfig of `given` keywords > the STRATA_* environment > the config file at `path` (None:
+    $STRATA_CONFIG, else ~/.config/strata/strata.toml when it exists) > the defaults: for Python what
+    `strata serve --config` does (`hybrid.LLM(config=load_config("strata.toml"))`)."""
+    path = find_config(path, environ)
+    return resolve_sources(given, environ, read_config(path) if path else None)[0]
 
 
 def key_line(lines, key):

@@ -133,3 +133,13 @@ def test_the_isa_floor_of_the_found_file_is_applied_at_import(tmp_path, monkeypa
     path.write_text("isa_floor = 3\n")  # reported by the command that reads the file, not at import
     assert file_isa_floor(environ) is None and file_isa_floor({"HOME": str(tmp_path)}) is None
     assert config.apply_isa_floor(None, {}) == "native" and applied == ["avx", "avx2", "native"]
+
+
+def test_load_config_for_python(tmp_path):
+    from hybrid.config_file import load_config
+
+    path = tmp_path / "s.toml"
+    path.write_text('kv = "f16"\nthreads = 3\n')
+    config = load_config(str(path), {"STRATA_THREADS": "4"}, parallel=2)
+    assert (config.kv, config.threads, config.parallel, config.device) == ("f16", 4, 2, "cpu")
+    assert load_config(None, {"HOME": str(tmp_path)}).kv == "f32"
