@@ -136,7 +136,7 @@ class Chooser:
     def _pinned_note(self, mib):
         limit = self.m.pinned_limit_mib
         if limit is not None and mib > limit:
-            return f" (WARNING: above the {limit:.0f} MiB locked-memory limit, ulimit -l)"
+            return f" (above the {limit:.0f} MiB locked-memory limit, ulimit -l: raise it if pinning fails)"
         return f" (of {self.m.free_ram_mib:.0f} MiB free RAM)"
 
     def model_bytes_dense(self):

@@ -147,6 +147,9 @@ def measure_gpus(copy_mib=COPY_MIB):
     count = found.runtime.cp.cuda.runtime.getDeviceCount()
     gpus = tuple(_measure_gpu(found.runtime if i == 0 else CupyRuntime(i), i, copy_mib) for i in range(count))
     found.runtime.device.use()
+    cp = found.runtime.cp  # the copies' buffers back to the driver: --check's engine budgets the VRAM free
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
     return gpus, ""
 
 
