@@ -50,6 +50,12 @@ _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k's (tiktoken o200k_base, gpt-oss's tokenizer.json, llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O)
+_O200K_UPPER, _O200K_LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_O200K_SUFFIX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K_LETTERS = (rf"[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}*{_O200K_LOWER}+{_O200K_SUFFIX}"
+                  rf"|[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}+{_O200K_LOWER}*{_O200K_SUFFIX}")
+_O200K_REGEX = _O200K_LETTERS + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 # Keyed by the value of `tokenizer.ggml.pre`.
 PRE_TOKENIZERS = {
@@ -57,6 +63,7 @@ PRE_TOKENIZERS = {
     "default": PreTokenizer(_GPT2_REGEX),
     "qwen2": PreTokenizer(_QWEN2_REGEX, nfc=True),
     "llama-bpe": PreTokenizer(_LLAMA3_REGEX, ignore_merges=True),
+    "gpt-4o": PreTokenizer(_O200K_REGEX),  # o200k (gpt-oss); llama.cpp keeps its merges' ranks (no ignore_merges)
 }
 
 
