@@ -16,6 +16,9 @@ CONTEXT_STEP = 1024  # max_context is lowered in steps of this many tokens
 RAM_KV_SHARE = 0.25  # of the RAM left after the model: for KV on the CPU (the conversation cache takes its own)
 VRAM_KV_SHARE = 1 / 3  # of a GPU's room after dense weights and scratch: for KV, the rest for experts
 MIN_WINDOW = 4096  # the smallest --kv-resident window setup writes
+# Host and launch time of a GPU decode layer beyond the bytes it reads, which the planner's cost model leaves out:
+# 178.6 tok/s over 52 layers of an 8.5 GB model, every expert resident, H100 (bench/results/gpu_model.md).
+GPU_LAYER_S = 100e-6
 
 
 @dataclass(frozen=True)
@@ -160,10 +163,13 @@ class Chooser:
         if self.profile is not None:
             self.plan.placement = placement
         self.pick("gpu_gbps", speeds.gpu_gbps, "the slowest GPU's measured on-device copy bandwidth")
-        self.plan.decode_tok_s = placement.predicted["decode_tok_s"] / parallel  # the planner's: all slots
+        overhead = s.num_layers * GPU_LAYER_S
+        step = parallel / placement.predicted["decode_tok_s"]  # the planner's rate is every slot's together
+        self.plan.decode_tok_s = 1 / (step + overhead)
         probs, _ = profile.decode_estimate()
         alone = CostModel(probs, s, 1, speeds, context, kv)
-        self.plan.alone_tok_s = alone.decode_tok_s(placement.resident_mask(s.num_layers, s.num_experts))
+        mask = placement.resident_mask(s.num_layers, s.num_experts)
+        self.plan.alone_tok_s = 1 / (alone.step_seconds(mask) + overhead)
         self.plan.vram_mib = tuple(_used_mib(g.budget) for g in placement.gpus)
         pinned = 0 if window is None else self._kv_bytes(kv, max(context - window, 0), parallel)
         self.plan.ram_mib = (self.model_bytes + pinned) / MIB
