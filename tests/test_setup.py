@@ -176,8 +176,9 @@ def test_kv_and_the_resident_window_fit_the_vram(context, kv, windowed):
 def test_the_users_values_are_planned_around():
     from hybrid.setup.choose import Chooser
 
-    plan = Chooser(GPU_BOX, synthetic_sizes(), 65536, fixed={"parallel": 8, "kv": "int8", "layer_split": (1,)}).choose()
-    assert [c.name for c in plan.choices] == ["device", "cpu_gbps", "max_context", "gpu_gbps"]
+    fixed = {"parallel": 8, "kv": "int8", "layer_split": (1,)}
+    plan = Chooser(GPU_BOX, synthetic_sizes(), 65536, fixed=fixed).choose()
+    assert [c.name for c in plan.choices] == ["cpu_gbps", "device", "max_context", "gpu_gbps"]
     assert plan.value("max_context") == 65536
 
 
@@ -245,3 +246,15 @@ def test_setup_profiles_the_users_prompts_first(box, demo_path, tmp_path, capsys
     config = file_config(path)[0]
     assert config.placement == str(tmp_path / "strata.placement.json")
     assert f"planned from {tmp_path / 'strata.profile.npz'}" in path.read_text()
+
+
+def test_a_gpu_too_small_for_the_dense_part_leaves_the_model_on_the_cpu():
+    from hybrid.setup.choose import Chooser
+
+    tiny = Machine(**{**GPU_BOX.__dict__, "gpus": (Gpu(0, "card", 600.0, 560.0, 25.0, 900.0),)})
+    plan = Chooser(tiny, synthetic_sizes(), 65536).choose()
+    assert plan.value("device") == "cpu" and plan.value("parallel") == 1 and plan.vram_mib == ()
+    assert "the GPUs cannot hold the model's dense part: GPU 0" in next(c.why for c in plan.choices
+                                                                        if c.name == "device")
+    with pytest.raises(ValueError, match="^setup: the model does not fit these GPUs: GPU 0"):
+        Chooser(tiny, synthetic_sizes(), 65536, fixed={"device": "gpu"}).choose()

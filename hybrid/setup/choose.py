@@ -65,15 +65,22 @@ class Chooser:
 
     def choose(self):
         m = self.m
-        device = self.pick("device", "gpu" if m.gpus else "cpu", f"{len(m.gpus)} GPU(s) measured: "
-                           + ", ".join(f"{g.name} {g.vram_mib:.0f} MiB" for g in m.gpus) if m.gpus else
-                           f"no GPU ({m.gpu_note})")
+        why = (f"{len(m.gpus)} GPU(s) measured: " + ", ".join(f"{g.name} {g.vram_mib:.0f} MiB" for g in m.gpus)
+               if m.gpus else f"no GPU ({m.gpu_note})")
         self.pick("cpu_gbps", m.cpu_gbps, "the best measured DRAM read bandwidth (threads: GB/s " + ", ".join(
             f"{n}: {gbps:g}" for n, gbps in sorted(m.dram_gbps.items())) + "): what CPU experts stream at most")
-        if device == "gpu" and m.gpus:
-            self._choose_gpu()
-        else:
-            self._choose_cpu()
+        if self.fixed.get("device", "gpu") != "cpu" and m.gpus:
+            try:
+                self.pick("device", "gpu", why)
+                self._choose_gpu()
+                return self.plan
+            except BudgetError as exc:
+                if self.fixed.get("device") == "gpu":
+                    raise ValueError(f"setup: the model does not fit these GPUs: {exc}") from None
+                self.plan = Plan(choices=[c for c in self.plan.choices if c.name == "cpu_gbps"])
+                why = f"the GPUs cannot hold the model's dense part: {exc}"
+        self.pick("device", "cpu", why)
+        self._choose_cpu()
         return self.plan
 
     def _kv_bytes(self, kv, tokens, slots):
@@ -152,10 +159,7 @@ class Chooser:
         split = self.given("layer_split")
         budgets = Budgets(tuple(g.free_mib for g in m.gpus), parallel, context, kv, reserve, split, window)
         speeds = Speeds(m.cpu_gbps, min(g.vram_gbps for g in m.gpus) or Speeds().gpu_gbps)
-        try:
-            placement = plan(profile, s, budgets, speeds)
-        except BudgetError as exc:
-            raise ValueError(f"setup: the model does not fit these GPUs: {exc}") from None
+        placement = plan(profile, s, budgets, speeds)
         if len(m.gpus) > 1:
             firsts = ",".join(str(g.first_layer) for g in placement.gpus[1:])
             self.pick("layer_split", firsts, "the planner's fastest split of the layers over the GPUs (written out "
