@@ -17,8 +17,8 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields, replace
 
-from .config_types import (choice, existing_file, gpu_mib, integer, layer_split, mib_or_auto, number,  # noqa: F401
-                           output_file, switch, text)
+from .config_types import (checkpoint_interval, choice, existing_file, gpu_mib, integer, layer_split,  # noqa: F401
+                           mib_or_auto, number, output_file, switch, text)
 
 ISA_FLOORS = ("avx", "avx2", "avx512", "native")  # cpu_kernels/target.py ISA_FLOORS
 ACT_QUANTS = ("int16", "float", "int8")  # cpu_kernels/act_quant.py ACT_QUANTS
@@ -168,6 +168,11 @@ class EngineConfig:
                                          "conversation", ("serve",))
     conversation_cache_dir: str = setting(None, text, "also keep parked conversations in this folder so that they "
                                           "survive a restart", "conversation", ("serve",), metavar="DIR")
+    conversation_checkpoint_tokens: int = setting(1024, checkpoint_interval, "linear-attention models (Qwen3-Next): "
+                                                  "their recurrent state is also kept every this many tokens (a "
+                                                  "multiple of 64), so that a conversation whose history differs "
+                                                  "from a parked one restores up to the last checkpoint before the "
+                                                  "difference", "conversation", ("serve",), metavar="N")
     # placement planner (`strata plan`)
     gpu_mib: tuple = setting(None, gpu_mib, "memory per GPU in MiB, comma-separated: 24000 or 24000,24000", "plan",
                              ("plan",), metavar="MIB[,MIB]")

@@ -29,6 +29,14 @@ def integer(low, high=None):
     return parse
 
 
+def checkpoint_interval(value):
+    """A positive multiple of 64 (the KV block's positions): a recurrent-state checkpoint interval in tokens."""
+    value = integer(64)(value)
+    if value % 64:
+        _fail(f"must be a multiple of 64, got {value}")
+    return value
+
+
 def number(low, high=None, low_open=False):
     """A finite float in [low, high] or (low, high] with low_open; high None: no upper bound."""
     opening = "(" if low_open else "["

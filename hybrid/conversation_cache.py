@@ -14,6 +14,12 @@ again from the current L, so recency counts; among entries of equal age the
 long conversations, the ones that hurt most to read again, stay longest.
 Equal priorities go least recently used first.
 
+Models with linear-attention layers (Qwen3-Next) keep a recurrent state that cannot be cut at any prefix: their
+sequences take state checkpoints every `checkpoint_tokens` tokens as they read (hybrid/recurrent_state.py; the
+cache sets the interval on each sequence it sees), a parked conversation keeps its checkpoints plus one at its
+end and the KV up to the last one, and a returning conversation restores the longest prefix that ends at a
+checkpoint.
+
 With `spill_dir`, every parked entry is also written to disk and loaded back
 at start-up, so parked conversations survive a restart; a spill file of
 another model is skipped with a warning, one that does not read back whole is
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import kv_store
+from .recurrent_state import MAX_CHECKPOINTS, Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class Parked:
     priority: float = 0.0
     last_used: int = 0  # the cache's access count when it was last parked or restored
     path: str = None  # spill file, when spilled
+    checkpoints: list = field(default_factory=list)  # recurrent-state Checkpoints (linear-attention models)
 
     @property
     def num_tokens(self):
@@ -79,9 +87,13 @@ def common_prefix(a, b):
 
 class ConversationCache:
     def __init__(self, budget_bytes, model_fingerprint, max_entries=None, block_tokens=64, store="f32",
-                 spill_dir=None):
+                 spill_dir=None, checkpoint_tokens=1024):
         if store not in kv_store.STORES:
             raise ValueError(f"conversation cache KV store must be one of {', '.join(kv_store.STORES)}")
+        if checkpoint_tokens <= 0 or checkpoint_tokens % block_tokens:
+            raise ValueError(f"state checkpoint interval must be a positive multiple of {block_tokens} tokens, "
+                             f"got {checkpoint_tokens}")
+        self.checkpoint_tokens = checkpoint_tokens
         self.budget_bytes, self.max_entries, self.block_tokens = budget_bytes, max_entries, block_tokens
         self.store, self.fingerprint, self.spill_dir = store, model_fingerprint, spill_dir
         self.entries = []
@@ -97,23 +109,32 @@ class ConversationCache:
     def bytes_used(self):
         return sum(e.nbytes for e in self.entries)
 
+    @property
+    def state_bytes(self):
+        """Bytes of the parked recurrent-state checkpoints (part of bytes_used)."""
+        return sum(c.nbytes for e in self.entries for c in e.checkpoints)
+
     def _touch(self, entry):
         self.accesses += 1
         entry.priority = self.inflation + 1.0 + entry.num_tokens / ATTENTION_TOKENS
         entry.last_used = self.accesses
 
-    def lookup(self, prompt_ids):
-        """(entry, tokens to restore) for the longest block-aligned common prefix; (None, 0) on a miss.
+    def lookup(self, prompt_ids, recurrent=False):
+        """(entry, tokens to restore) for the longest block-aligned common prefix (recurrent: the longest that ends
+        at one of the entry's state checkpoints); (None, 0) on a miss.
 
         At least the last prompt token is left to read, so its logits get computed.
         """
         prompt = np.asarray(prompt_ids, dtype=np.int64)
-        best, best_n = None, 0
+        best, usable = None, 0
         for entry in self.entries:
-            n = common_prefix(entry.token_ids, prompt)
-            if n > best_n:
-                best, best_n = entry, n
-        usable = min(best_n, len(prompt) - 1) // self.block_tokens * self.block_tokens
+            n = min(common_prefix(entry.token_ids, prompt), len(prompt) - 1)
+            if recurrent:
+                n = max((c.position for c in entry.checkpoints if c.position <= n), default=0)
+            else:
+                n = n // self.block_tokens * self.block_tokens
+            if n > usable:
+                best, usable = entry, n
         if usable == 0:
             self.stats.misses += 1
             return None, 0
@@ -121,15 +142,24 @@ class ConversationCache:
 
     def restore(self, prompt_ids, seq_kv):
         """Copy the KV of the longest parked prefix of `prompt_ids` into `seq_kv`; returns the tokens restored."""
-        if seq_kv.recurrent is not None:  # its state is not in the parked KV
-            return 0
-        entry, n = self.lookup(prompt_ids)
+        recurrent = seq_kv.recurrent is not None
+        if recurrent:
+            seq_kv.recurrent.checkpoint_tokens = self.checkpoint_tokens
+        entry, n = self.lookup(prompt_ids, recurrent)
         evicted = self.evicted_heads.get(self._head(prompt_ids))
         if evicted is not None:
             self.stats.reread_tokens += max(min(evicted, len(prompt_ids) - 1) - n, 0)
         if entry is None:
             return 0
         seq_kv.load(*kv_store.unpack(entry.arrays, n))
+        if recurrent:
+            try:
+                seq_kv.recurrent.load_checkpoint(next(c for c in entry.checkpoints if c.position == n))
+            except ValueError as exc:  # another model's state: never used
+                log.warning("conversation cache: skipping a state checkpoint: %s", exc)
+                seq_kv.truncate(0)
+                self._evict(entry, "superseded")
+                return 0
         self._touch(entry)
         self.stats.hits += 1
         self.stats.restored_tokens += n
@@ -141,9 +171,14 @@ class ConversationCache:
         whole_blocks: keep only whole blocks, for a request that ended early (cancelled or failed): a
         restore never uses a partial block, and the conversation will not be extended from its end.
         """
-        if seq_kv.recurrent is not None:
-            return
         n = min(len(token_ids), seq_kv.length)
+        checkpoints = []
+        if seq_kv.recurrent is not None:  # only up to the last checkpoint can be restored: one at the end too
+            state = seq_kv.recurrent
+            checkpoints = [c for c in state.checkpoints if c.position <= n]
+            if not whole_blocks and state.length == n and not (checkpoints and checkpoints[-1].position == n):
+                checkpoints = (checkpoints + [state.checkpoint_now()])[-MAX_CHECKPOINTS:]
+            n = checkpoints[-1].position if checkpoints else 0
         ids = np.asarray(token_ids[: n // self.block_tokens * self.block_tokens if whole_blocks else n],
                          dtype=np.int64)
         if len(ids) < self.block_tokens:
@@ -153,7 +188,8 @@ class ConversationCache:
                 self._touch(entry)  # already parked
                 return
         arrays = kv_store.pack(*seq_kv.export(len(ids)), self.store)
-        entry = Parked(ids, arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes)
+        entry = Parked(ids, arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes + sum(c.nbytes for c in checkpoints),
+                       checkpoints=checkpoints)
         if entry.nbytes > self.budget_bytes:
             log.info("conversation of %d tokens (%.1f MiB) exceeds the cache budget; not parked",
                      len(ids), entry.nbytes / 2**20)
@@ -197,7 +233,7 @@ class ConversationCache:
         path = os.path.join(self.spill_dir, f"{digest[:24]}.npz")
         tmp = f"{path}.tmp.npz"
         header_bytes = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-        np.savez(tmp, header=header_bytes, token_ids=entry.token_ids, **entry.arrays)
+        np.savez(tmp, header=header_bytes, token_ids=entry.token_ids, **entry.arrays, **_state_arrays(entry.checkpoints))
         os.replace(tmp, path)
         entry.path = path
 
@@ -217,6 +253,7 @@ class ConversationCache:
             with np.load(path, allow_pickle=False) as data:
                 header = json.loads(data["header"].tobytes().decode())
                 arrays = {name: data[name] for name in data.files if name not in ("header", "token_ids")}
+                state = {name: arrays.pop(name) for name in STATE_ARRAYS if name in arrays}
                 ids = data["token_ids"]
         except Exception as exc:  # any unreadable file is skipped, never loaded
             _move_aside(path, f"unreadable ({exc})")
@@ -225,11 +262,13 @@ class ConversationCache:
         if problem:
             log.warning("skipping conversation spill file %s: %s", path, problem)
             return None
-        damage = self._spill_damage(header, ids, arrays)
+        damage = self._spill_damage(header, ids, arrays) or _state_damage(state, len(ids))
         if damage:
             _move_aside(path, damage)
             return None
-        return Parked(ids.astype(np.int64), arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes, path=path)
+        checkpoints = [Checkpoint(int(p), c, d) for p, c, d in zip(*(state.get(n, ()) for n in STATE_ARRAYS))]
+        return Parked(ids.astype(np.int64), arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes
+                      + sum(c.nbytes for c in checkpoints), path=path, checkpoints=checkpoints)
 
     def _spill_problem(self, header):
         """Why a whole spill file is not for this cache (left in place: another model or setting may use it)."""
@@ -249,6 +288,30 @@ class ConversationCache:
                 any(a.ndim < 2 or a.shape[1] != len(ids) for a in arrays.values()):
             return "KV arrays do not match the token count or the store"
         return None
+
+
+STATE_ARRAYS = ("state_positions", "state_conv", "state_delta")  # a spill file's recurrent-state checkpoints
+
+
+def _state_arrays(checkpoints):
+    """A parked entry's checkpoints as spill-file arrays (none without checkpoints)."""
+    if not checkpoints:
+        return {}
+    return dict(zip(STATE_ARRAYS, (np.array([c.position for c in checkpoints], np.int64),
+                                   np.stack([c.conv for c in checkpoints]), np.stack([c.delta for c in checkpoints]))))
+
+
+def _state_damage(state, num_tokens):
+    """What is wrong with a spill file's checkpoint arrays, or None (their shapes are checked at restore)."""
+    if not state:
+        return None
+    if set(state) != set(STATE_ARRAYS):
+        return "recurrent-state checkpoints incomplete"
+    positions, conv, delta = (state[name] for name in STATE_ARRAYS)
+    if positions.ndim != 1 or not len(positions) == len(conv) == len(delta) or \
+            positions.min(initial=1) <= 0 or positions.max(initial=0) != num_tokens:
+        return "recurrent-state checkpoints do not match the token count"
+    return None
 
 
 def _move_aside(path, damage):

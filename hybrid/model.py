@@ -177,7 +177,7 @@ class Model:
     def new_sequence(self, max_tokens=None):
         kv = self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)
         if self.recurrent_shape is not None:
-            kv.recurrent = RecurrentState(self.recurrent_shape, self.backend.state_zeros)
+            kv.recurrent = RecurrentState(self.recurrent_shape, self.backend)
             kv.supports_rollback = False  # rollback may keep less than asked: the engine does not read the rest again yet
         return kv
 

@@ -5,10 +5,17 @@ Per linear layer: the conv state (the last W-1 conv inputs) and the delta state 
 head), float32, in the backend's memory. Its size does not grow with the context. The state cannot be cut back
 to an arbitrary position: `truncate(n)` works for 0 (a fresh sequence), for the current length, and for the
 start of the last chunk of several tokens (a snapshot is taken there: the speculation's rollback contract,
-/tmp notes: `rollback(length)` gives back the position it could keep, the caller reads the rest again).
+hybrid/kv_cache.py SequenceKV.rollback gives back the position it could keep, the caller reads the rest again).
+
+Checkpoints (the conversation cache's, hybrid/conversation_cache.py): with `checkpoint_tokens` N set, the state at
+every multiple of N is copied to host memory as the layers reach it (a chunk's rows are split there), the last
+MAX_CHECKPOINTS kept, and a parked conversation adds one at its end; a returning conversation restores the KV
+and the state of the last checkpoint before it differs from a parked one, and reads the rest.
 Shape legend: NL linear layers, W conv width, C conv channels, Hv value heads, Dk / Dv key / value head dim.
 """
 from dataclasses import dataclass
+
+import numpy as np
 
 from .arch.recipe import LinearAttention
 
@@ -53,17 +60,35 @@ def _size(shape):
     return n
 
 
+MAX_CHECKPOINTS = 4  # checkpoints a sequence keeps (the newest): a returning conversation may differ near its end
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The state after `position` tokens, in host memory: conv [NL, W-1, C], delta [NL, Hv, Dk, Dv]."""
+
+    position: int
+    conv: np.ndarray
+    delta: np.ndarray
+
+    @property
+    def nbytes(self):
+        return self.conv.nbytes + self.delta.nbytes
+
+
 class RecurrentState:
-    """One sequence's conv and delta states, arrays from `zeros(shape)` (the backend's: float32, zeroed)."""
+    """One sequence's conv and delta states in `backend`'s memory (its state_zeros, state_to_host,
+    state_from_host)."""
 
-    supports_rollback = True
-
-    def __init__(self, shape, zeros):
-        self.shape = shape
-        self.conv_all, self.delta_all = zeros(shape.conv_shape), zeros(shape.delta_shape)
+    def __init__(self, shape, backend):
+        self.shape, self.backend = shape, backend
+        self.conv_all, self.delta_all = backend.state_zeros(shape.conv_shape), backend.state_zeros(shape.delta_shape)
         self._slot = {layer: i for i, layer in enumerate(shape.layers)}
         self.length = 0  # positions the state has read
         self._snapshot = None  # (position, conv copy, delta copy): the state before the last multi-token chunk
+        self.checkpoint_tokens = 0  # N: checkpoints at multiples of N (0: none)
+        self.checkpoints = []  # [Checkpoint], oldest first
+        self._pending = None  # the checkpoint the layers are filling: (position, conv, delta)
 
     @property
     def nbytes(self):
@@ -87,6 +112,47 @@ class RecurrentState:
     def commit(self, length):
         self.length = length
 
+    def spans(self, start, num_tokens):
+        """[(lo, hi)] row ranges of a chunk at positions [start, start + num_tokens), cut at checkpoint positions."""
+        n = self.checkpoint_tokens
+        cuts = range((start // n + 1) * n, start + num_tokens, n) if n else ()
+        bounds = [0, *(p - start for p in cuts), num_tokens]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def reached(self, layer, position):
+        """Called by each linear layer after reading up to `position`: at a checkpoint position, its state is copied
+        into the checkpoint; the last layer's completes it."""
+        n = self.checkpoint_tokens
+        if not n or position % n or position == 0:
+            return
+        slot = self._slot[layer]
+        if slot == 0:
+            self._pending = (position, np.empty(self.shape.conv_shape, np.float32),
+                             np.empty(self.shape.delta_shape, np.float32))
+        if self._pending is None or self._pending[0] != position:
+            return
+        _, conv, delta = self._pending
+        conv[slot] = self.backend.state_to_host(self.conv_all[slot])
+        delta[slot] = self.backend.state_to_host(self.delta_all[slot])
+        if slot == len(self.shape.layers) - 1:
+            self.checkpoints = self.checkpoints[-(MAX_CHECKPOINTS - 1):] + [Checkpoint(*self._pending)]
+            self._pending = None
+
+    def checkpoint_now(self):
+        """A Checkpoint of the state as it is (at self.length), in host memory."""
+        return Checkpoint(self.length, self.backend.state_to_host(self.conv_all),
+                          self.backend.state_to_host(self.delta_all))
+
+    def load_checkpoint(self, checkpoint):
+        """The state becomes `checkpoint`'s (a restored conversation's), kept as this sequence's checkpoint too."""
+        if checkpoint.conv.shape != self.shape.conv_shape or checkpoint.delta.shape != self.shape.delta_shape:
+            raise ValueError(f"state checkpoint of shapes {checkpoint.conv.shape}, {checkpoint.delta.shape}: this model's "
+                             f"are {self.shape.conv_shape}, {self.shape.delta_shape}")
+        self.backend.state_from_host(self.conv_all, checkpoint.conv)
+        self.backend.state_from_host(self.delta_all, checkpoint.delta)
+        self.length, self._snapshot, self._pending = checkpoint.position, None, None
+        self.checkpoints = [checkpoint]
+
     def keepable(self, length):
         """The position at or before `length` the state can go back to."""
         if length >= self.length:
@@ -107,5 +173,6 @@ class RecurrentState:
             _, conv, delta = self._snapshot
             self.conv_all[...] = conv
             self.delta_all[...] = delta
-        self.length, self._snapshot = keep, None
+        self.length, self._snapshot, self._pending = keep, None, None
+        self.checkpoints = [c for c in self.checkpoints if c.position <= keep]
         return keep

@@ -59,6 +59,9 @@ class EngineCollector:
                                   value=s.reread_tokens)
         yield GaugeMetricFamily("strata_conversation_cache_bytes", "Bytes of parked conversations",
                                 value=cache.bytes_used)
+        yield GaugeMetricFamily("strata_conversation_cache_state_bytes", "Bytes of parked recurrent-state checkpoints "
+                                "(linear-attention models), part of strata_conversation_cache_bytes",
+                                value=cache.state_bytes)
         yield GaugeMetricFamily("strata_conversation_cache_entries", "Parked conversations", value=len(cache.entries))
         evictions = CounterMetricFamily("strata_conversation_cache_evictions", "Evictions by cause", labels=["cause"])
         for cause, count in sorted(s.evictions.items()):

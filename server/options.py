@@ -11,4 +11,5 @@ def add_serve_options(p):
 def conversation_options(config):
     """The conversation cache options of an EngineConfig (server.serve.conversation_cache)."""
     return {"mib": config.conversation_cache_mib, "max_entries": config.conversation_cache_slots,
-            "store": config.conversation_cache_kv, "spill_dir": config.conversation_cache_dir}
+            "store": config.conversation_cache_kv, "spill_dir": config.conversation_cache_dir,
+            "checkpoint_tokens": config.conversation_checkpoint_tokens}

@@ -48,7 +48,8 @@ def conversation_cache(llm, options):
     c = llm.config
     per_token = bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, options["store"])
     cache = ConversationCache(options["mib"] * MIB, model_fingerprint(llm.weights), max_entries=options["max_entries"],
-                              store=options["store"], spill_dir=options["spill_dir"])
+                              store=options["store"], spill_dir=options["spill_dir"],
+                              checkpoint_tokens=options.get("checkpoint_tokens", 1024))
     limit = options["max_entries"]
     log.info("conversation cache: %d MiB of %s KV (%.1f KiB per token: %d tokens), %s, %s", options["mib"],
              options["store"], per_token / 1024, options["mib"] * MIB // per_token,

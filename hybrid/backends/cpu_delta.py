@@ -23,6 +23,14 @@ class CpuDeltaOps:
         """A zeroed float32 recurrent-state array (hybrid/recurrent_state.py)."""
         return np.zeros(shape, np.float32)
 
+    def state_to_host(self, x):
+        """A host copy of a state array."""
+        return np.array(x)
+
+    def state_from_host(self, dst, host):
+        """dst (a state array) = host."""
+        np.copyto(dst, host)
+
     def float_weight(self, tensor):
         """A small weight (the conv's [C, W]) as float32, dequantized once."""
         if self._float_weights is None:

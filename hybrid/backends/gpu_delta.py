@@ -20,6 +20,14 @@ class GpuDeltaOps:
         """A zeroed float32 recurrent-state array in VRAM (hybrid/recurrent_state.py)."""
         return self.rt.zeros(shape, np.float32)
 
+    def state_to_host(self, x):
+        """A host copy of a state array (waits for the queued work)."""
+        return self.rt.to_host(x)
+
+    def state_from_host(self, dst, host):
+        """dst (a state array in VRAM) = host."""
+        self.rt.copy_from_host(dst, np.ascontiguousarray(host))
+
     def float_weight(self, tensor):
         """A small weight (the conv's [C, W]) as float32 on the device, dequantized and uploaded once."""
         if self._float_weights is None:

@@ -33,6 +33,7 @@ def test_returning_conversation_is_restored_and_counted(llm, tmp_path):
         assert metric(text, "strata_conversation_cache_restored_tokens_total") == 80
         assert metric(text, "strata_conversation_cache_entries") == 2  # the follow-up diverged at token 80
         assert metric(text, "strata_conversation_cache_bytes") == cache.bytes_used > 0
+        assert metric(text, "strata_conversation_cache_state_bytes") == cache.state_bytes == 0  # no linear attention
         assert metric(text, 'strata_expert_routings_total{phase="prefill"}') > 0
         assert metric(text, 'strata_expert_routings_total{phase="decode"}') > 0
         path = str(tmp_path / "served.npz")
