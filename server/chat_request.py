@@ -113,6 +113,7 @@ def messages(body):
     each tool result answering a call made before it."""
     checked, call_ids = [], set()
     for i, message in enumerate(chat_messages(body)):
+        message = _template_fields(message)
         role = message["role"]
         if role == "assistant" and message.get("tool_calls") is not None:
             message = {**message, "tool_calls": _calls(message["tool_calls"], i)}
@@ -124,6 +125,18 @@ def messages(body):
                            "of an earlier assistant message", "messages")
         checked.append(message)
     return checked
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first non-null one is the reasoning
+
+
+def _template_fields(message):
+    """As transformers hands a message to a template: keys whose value is null dropped (OpenAI clients send
+    `content: null` beside tool calls, which templates test with `in`), the reasoning under both
+    `reasoning_content` and `thinking` (gpt-oss's template reads that)."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _calls(calls, i):
