@@ -1,8 +1,9 @@
-"""Tiny random Qwen3-Next models for the tests: made by transformers (float32), saved as HF directories, turned
-into GGUF tensors as llama.cpp's convert_hf_to_gguf.py turns them (Qwen3NextModel.modify_tensors: its names
-through gguf-py's tensor map, A_log -> -exp(A_log), conv weights squeezed to [C, W], RMSNorm weights + 1 but the
-gated norm's, in_proj_qkvz split into attn_qkv (q heads, k heads, v heads) and attn_gate, per-expert weights
-stacked), and back: the reference model runs on the weights the GGUF file holds, dequantized."""
+"""Tiny random Qwen3-Next and Qwen3.5-MoE models for the tests: made by transformers (float32), saved as HF
+directories, turned into GGUF tensors as llama.cpp's convert_hf_to_gguf.py turns them (Qwen3NextModel.modify_tensors:
+its names through gguf-py's tensor map, A_log -> -exp(A_log), conv weights squeezed to [C, W], RMSNorm weights + 1
+but the gated norm's, in_proj_qkvz split into attn_qkv (q heads, k heads, v heads) and attn_gate, per-expert
+weights stacked; Qwen3.5's value heads reordered from grouped by key head to tiled,
+_LinearAttentionVReorderBase), and back: the reference model runs on the weights the GGUF file holds, dequantized."""
 import json
 import os
 
@@ -15,12 +16,20 @@ TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_
             rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1)
 
 
-def make_hf_model(vocab_size, seed=0, **overrides):
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def _classes(qwen35):
+    import transformers
 
+    if qwen35:
+        return transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM
+    return transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM
+
+
+def make_hf_model(vocab_size, seed=0, qwen35=False, **overrides):
+    import torch
+
+    config_class, model_class = _classes(qwen35)
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(vocab_size=vocab_size, **{**TINY, **overrides})).float().eval()
+    model = model_class(config_class(vocab_size=vocab_size, **{**TINY, **overrides})).float().eval()
     with torch.no_grad():  # norms (1 + w) and gates away from their initial values, so they are exercised
         for name, p in model.named_parameters():
             if name.endswith("linear_attn.norm.weight"):
@@ -44,6 +53,30 @@ def _hf_tensors(directory):
     return load_file(os.path.join(directory, "model.safetensors"))
 
 
+def reorder_v_heads(x, axis, num_k_heads, num_v_per_k, head_dim, to_tiled=True):
+    """The converter's _reorder_v_heads: value heads along `axis` from grouped by key head to tiled (or back)."""
+    shape = list(x.shape)
+    groups = (num_k_heads, num_v_per_k) if to_tiled else (num_v_per_k, num_k_heads)
+    x = x.reshape(shape[:axis] + [*groups, head_dim] + shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(x, axis, axis + 1)).reshape(shape)
+
+
+def _tiled(name, data, hk, hv, dk, dv):
+    """Qwen3.5's linear-attention tensors with their value heads tiled (_LinearAttentionVReorderBase)."""
+    rep, qk = hv // hk, 2 * hk * dk
+    if ".in_proj_qkv." in name:
+        return np.concatenate([data[:qk], reorder_v_heads(data[qk:], 0, hk, rep, dv)])
+    if ".in_proj_z." in name:
+        return reorder_v_heads(data, 0, hk, rep, dv)
+    if ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+        return reorder_v_heads(data, 0, hk, rep, 1)
+    if ".conv1d." in name:
+        return np.concatenate([data[:qk], reorder_v_heads(data[qk:], 0, hk, rep, dv)])
+    if ".out_proj." in name:
+        return reorder_v_heads(data, 1, hk, rep, dv)
+    return data
+
+
 def gguf_float_tensors(directory):
     """{GGUF name: float32 array} of an HF directory, as llama.cpp's converter makes them."""
     import gguf
@@ -52,10 +85,14 @@ def gguf_float_tensors(directory):
         cfg = json.load(f)
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, cfg["num_hidden_layers"])
+    qwen35 = cfg["model_type"].startswith("qwen3_5")
+    arch = gguf.MODEL_ARCH.QWEN35MOE if qwen35 else gguf.MODEL_ARCH.QWEN3NEXT
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     out, experts = {}, {}
     for name, data in _hf_tensors(directory).items():
         data = data.astype(np.float32)
+        if qwen35 and hk != hv and "linear_attn." in name:
+            data = _tiled(name, data, hk, hv, dk, dv)
         if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.proj.weight: stacked per layer and proj
             layer, _, _, e, proj = name.split(".")[2:7]
             experts.setdefault((int(layer), proj), {})[int(e)] = data
@@ -115,6 +152,9 @@ def hf_state_dict(canonical, config):
                           p + "self_attn.q_norm.weight": t("attn_q_norm.weight") - 1,
                           p + "self_attn.k_norm.weight": t("attn_k_norm.weight") - 1})
             continue
+        if c.arch == "qwen35moe":
+            state.update(_qwen35_linear(p, t, hk, hv, dk, dv))
+            continue
         qkv, z = t("attn_qkv.weight"), t("attn_gate.weight")
         q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
         per_head = [x.reshape(hk, -1, qkv.shape[1]) for x in (q, k, v, z)]
@@ -127,12 +167,29 @@ def hf_state_dict(canonical, config):
     return {name: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) for name, x in state.items()}
 
 
-def reference_model(hf_dir, canonical, config):
-    """Qwen3NextForCausalLM (float32) with the weights of `canonical` (GGUF-named float tensors of the file)."""
-    import torch
-    from transformers import Qwen3NextForCausalLM
+def _qwen35_linear(prefix, t, hk, hv, dk, dv):
+    """A Qwen3.5 linear-attention layer's HF tensors from its GGUF ones (value heads back to grouped order)."""
+    rep, qk = hv // hk, 2 * hk * dk
 
-    model = Qwen3NextForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    def grouped(x, axis, head_dim):
+        return reorder_v_heads(x, axis, hk, rep, head_dim, to_tiled=False) if hk != hv else x
+
+    qkv, conv = t("attn_qkv.weight"), t("ssm_conv1d.weight")
+    p = prefix + "linear_attn."
+    return {p + "in_proj_qkv.weight": np.concatenate([qkv[:qk], grouped(qkv[qk:], 0, dv)]),
+            p + "in_proj_z.weight": grouped(t("attn_gate.weight"), 0, dv),
+            p + "in_proj_b.weight": grouped(t("ssm_beta.weight"), 0, 1),
+            p + "in_proj_a.weight": grouped(t("ssm_alpha.weight"), 0, 1),
+            p + "conv1d.weight": np.concatenate([conv[:qk], grouped(conv[qk:], 0, dv)])[:, None, :],
+            p + "A_log": np.log(-grouped(t("ssm_a"), 0, 1)), p + "dt_bias": grouped(t("ssm_dt.bias"), 0, 1),
+            p + "norm.weight": t("ssm_norm.weight"), p + "out_proj.weight": grouped(t("ssm_out.weight"), 1, dv)}
+
+
+def reference_model(hf_dir, canonical, config):
+    """The transformers model (float32) with the weights of `canonical` (GGUF-named float tensors of the file)."""
+    import torch
+
+    model = _classes(config.arch == "qwen35moe")[1].from_pretrained(hf_dir, dtype=torch.float32).eval()
     model.load_state_dict(hf_state_dict(canonical, config), strict=True)
     return model
 

@@ -105,3 +105,19 @@ def test_hf_directory_is_refused_with_a_hint(tmp_path, demo_tokenizer):
                          save_tokenizer_files, demo_tokenizer)
     with pytest.raises(ModelError, match="convert_hf_to_gguf"):
         hybrid.LLM(hf_dir, device="cpu")
+
+
+@pytest.mark.parametrize("target,tol", [("F32", 1e-4), ("Q8_0", 2e-3)])
+def test_qwen35moe_matches_transformers(tmp_path_factory, demo_tokenizer, target, tol):
+    """Qwen3.5-MoE: separate beta / alpha projections, value heads tiled in the file; chunks of 1 and 64."""
+    from tests.conftest import save_tokenizer_files
+
+    directory = tmp_path_factory.mktemp("qwen35moe")
+    hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size, qwen35=True), str(directory / "hf"),
+                         save_tokenizer_files, demo_tokenizer)
+    path = str(directory / f"qwen35moe-{target}.gguf")
+    ref_model = reference_model(hf_dir, *write_qwen3next_gguf(hf_dir, path, target, demo_tokenizer))
+    llm = hybrid.LLM(path, device="cpu", act_quant="float")  # the integer dots' rounding builds up in the state
+    assert llm.config.arch == "qwen35moe" and llm.model.recipes[0].mixer.part.tiled
+    for ids, chunk in ((PROMPT_40, 1), (PROMPT_150, 64)):
+        assert rel_err(score_in_chunks(llm, ids, chunk), hf_logits(ref_model, ids)) <= tol
