@@ -21,7 +21,7 @@ def box(monkeypatch, tmp_path):
     """Replace the measurement by a made-up machine; HOME without a config file."""
     monkeypatch.setenv("HOME", str(tmp_path))
     chosen = {"machine": CPU_BOX}
-    monkeypatch.setattr(setup_cli, "measure_box", lambda read_mib: chosen["machine"])
+    monkeypatch.setattr(setup_cli, "measure_box", lambda read_mib, weights: chosen["machine"])
     return chosen
 
 
@@ -131,6 +131,7 @@ def test_setup_measures_this_box_and_checks_its_prediction(demo_path, tmp_path, 
     out = capsys.readouterr().out
     assert "check: decode" in out and "predicted" in out
     assert file_config(path)[0].cpu_gbps > 0
+    assert "# measured: expert decode kernels GB/s by threads: 1: " in path.read_text()
     other = tmp_path / "other.toml"
     assert setup(demo_path, other, "--read-mib", "16", "--check", "--check-tokens", "4", "--dry-run") == 0
     assert "check: decode" in capsys.readouterr().out and not other.exists()

@@ -19,6 +19,9 @@ MIN_WINDOW = 4096  # the smallest --kv-resident window setup writes
 # Host and launch time of a GPU decode layer beyond the bytes it reads, which the planner's cost model leaves out:
 # 178.6 tok/s over 52 layers of an 8.5 GB model, every expert resident, H100 (bench/results/gpu_model.md).
 GPU_LAYER_S = 100e-6
+# The same on the CPU (attention, norms, router, the step's Python): ~0.5 ms a layer on the 2-core VM both for the
+# 14 MB demo (394 tok/s, 4 layers) and the 16-layer Q4_K_M model of bench/results/cpu_decode.md (20.7 tok/s).
+CPU_LAYER_S = 500e-6
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,10 @@ class Chooser:
         m = self.m
         why = (f"{len(m.gpus)} GPU(s) measured: " + ", ".join(f"{g.name} {g.vram_mib:.0f} MiB" for g in m.gpus)
                if m.gpus else f"no GPU ({m.gpu_note})")
-        self.pick("cpu_gbps", m.cpu_gbps, "the best measured DRAM read bandwidth (threads: GB/s " + ", ".join(
-            f"{n}: {gbps:g}" for n, gbps in sorted(m.dram_gbps.items())) + "): what CPU experts stream at most")
+        what, rates = (("the CPU decode kernels over this model's experts", m.expert_gbps) if m.expert_gbps else
+                       ("DRAM read (the expert kernels were not timed)", m.dram_gbps))
+        self.pick("cpu_gbps", m.cpu_gbps, f"the best measured rate of {what} (threads: GB/s " + ", ".join(
+            f"{n}: {gbps:g}" for n, gbps in sorted(rates.items())) + "): what CPU experts stream at")
         if self.fixed.get("device", "gpu") != "cpu" and m.gpus:
             try:
                 self.pick("device", "gpu", why)
@@ -94,8 +99,9 @@ class Chooser:
         kv, context, why = self._fit_kv(("f32", "f16", "int8"), parallel, room, "RAM")
         kv = self.pick("kv", kv, why)
         context = self.pick("max_context", context, why)
-        self.plan.decode_tok_s = self.m.cpu_gbps * 1e9 / self._step_bytes(kv, context, parallel)
-        self.plan.alone_tok_s = self.m.cpu_gbps * 1e9 / self._step_bytes(kv, context, 1)
+        overhead = self.sizes.num_layers * CPU_LAYER_S
+        self.plan.decode_tok_s = 1 / (self._step_bytes(kv, context, parallel) / (self.m.cpu_gbps * 1e9) + overhead)
+        self.plan.alone_tok_s = 1 / (self._step_bytes(kv, context, 1) / (self.m.cpu_gbps * 1e9) + overhead)
         self.plan.ram_mib = (self.model_bytes + self._kv_bytes(kv, context, parallel)) / MIB
 
     def _fit_kv(self, kvs, parallel, room, where):

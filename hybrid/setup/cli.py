@@ -34,11 +34,12 @@ def add_setup(sub):
     p.set_defaults(func=run_setup)
 
 
-def measure_box(read_mib):
-    """The Machine of this box (measure.measure; tests replace this)."""
+def measure_box(read_mib, weights):
+    """The Machine of this box, with the expert kernels timed over `weights` (measure.measure; tests replace
+    this)."""
     from .measure import measure
 
-    return measure(read_mib)
+    return measure(read_mib, weights)
 
 
 def run_setup(args):
@@ -49,9 +50,9 @@ def run_setup(args):
 
     old = _read_lines(args.output)
     fixed, model = _fixed_and_model(args, old)
-    machine = measure_box(args.read_mib)
-    profile_path = args.profile or (_record_profile(args, model) if args.prompts else None)
     weights = load_model(model)
+    machine = measure_box(args.read_mib, weights)
+    profile_path = args.profile or (_record_profile(args, model) if args.prompts else None)
     profile = _profile(profile_path, weights)
     plan = choose(machine, weights, fixed, profile)
     choices = [Choice("model", os.path.abspath(model), f"the model setup measured for ({weights.config.arch}, "

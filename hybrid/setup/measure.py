@@ -15,6 +15,7 @@ MIB = 1 << 20
 READ_MIB = 512  # the array the DRAM read is timed over: far beyond any last-level cache
 COPY_MIB = 256  # the GPU copies timed
 REPEATS = 3  # best of
+EXPERT_SAMPLE_MIB = 256  # the model's expert weights the decode kernels are timed over
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,14 @@ class Machine:
     free_ram_mib: float  # MemAvailable
     pinned_limit_mib: float  # RLIMIT_MEMLOCK; None: unlimited
     dram_gbps: dict = field(default_factory=dict)  # threads -> GB/s read
+    expert_gbps: dict = field(default_factory=dict)  # threads -> GB/s of the decode kernels over the model's experts
     gpus: tuple = ()
     gpu_note: str = ""  # why there is no GPU
 
     @property
     def cpu_gbps(self):
-        return max(self.dram_gbps.values())
+        """What CPU experts stream at: the decode kernels' rate over the model's experts, else the DRAM read."""
+        return max((self.expert_gbps or self.dram_gbps).values())
 
     def describe(self):
         """What was measured, a line per part."""
@@ -51,6 +54,9 @@ class Machine:
                  f"{self.numa_nodes} NUMA node(s); RAM {self.ram_mib:.0f} MiB, {self.free_ram_mib:.0f} free, "
                  f"locked-memory limit {pinned}",
                  "DRAM read GB/s by threads: " + ", ".join(f"{n}: {v:g}" for n, v in sorted(self.dram_gbps.items()))]
+        if self.expert_gbps:
+            lines.append("expert decode kernels GB/s by threads: " + ", ".join(
+                f"{n}: {v:g}" for n, v in sorted(self.expert_gbps.items())))
         lines += [f"GPU {g.index} {g.name}: {g.vram_mib:.0f} MiB, {g.free_mib:.0f} free, host to device "
                   f"{g.h2d_gbps:g} GB/s, on-device copy {g.vram_gbps:g} GB/s" for g in self.gpus]
         return lines if self.gpus else lines + [f"no GPU ({self.gpu_note})"]
@@ -136,6 +142,56 @@ def _timed(fn, *args):
     return time.perf_counter() - start
 
 
+def expert_bandwidth(weights, counts, sample_mib=EXPERT_SAMPLE_MIB):
+    """{threads: GB/s} of the CPU decode kernels (one token per expert) over a sample of the model's own expert
+    weights, copied into RAM as the CPU backend copies them; best of REPEATS per count; {} without experts the
+    CPU kernels take."""
+    import numba
+
+    from cpu_kernels.act_quant import act_quant_code
+    from cpu_kernels.formats import is_supported
+
+    tensors = [t for name, t in weights.tensors.items() if name.endswith("_exps.weight") and is_supported(t.qtype)]
+    calls, total = [], 0
+    for tensor in tensors:
+        if total >= sample_mib * MIB:
+            break
+        calls.append(_expert_call(tensor))
+        total += calls[-1][1][0].nbytes
+    if not calls:
+        return {}
+    act_quant = act_quant_code(None)
+
+    def read():
+        for kernel, raws, x, expert_ids, row_starts, outs in calls:
+            kernel(raws, x, expert_ids, row_starts, outs, act_quant)
+
+    read()  # compile or load the kernels
+    before, result = numba.get_num_threads(), {}
+    try:
+        for n in counts:
+            numba.set_num_threads(n)
+            result[n] = round(total / min(_timed(read) for _ in range(REPEATS)) / 1e9, 1)
+            log.info("expert decode kernels with %d threads: %.1f GB/s over %.0f MiB", n, result[n], total / MIB)
+    finally:
+        numba.set_num_threads(before)
+    return result
+
+
+def _expert_call(tensor):
+    """(kernel, (raw,), x, expert_ids, row_starts, (out,)) of a decode step over every expert of `tensor`."""
+    from cpu_kernels.formats import format_for
+    from cpu_kernels.tiles import kernels_of
+    from hybrid.host_memory import huge_page_copy
+
+    raw = huge_page_copy(tensor.raw if tensor.raw.ndim == 3 else tensor.raw.reshape(1, *tensor.raw.shape))
+    kernel, _, cols = kernels_of(format_for(tensor.qtype), raw)  # raw [E, R, B]
+    num_experts, num_rows = raw.shape[:2]
+    x = np.random.default_rng(0).standard_normal((num_experts, cols)).astype(np.float32)  # [E, C]
+    ids, starts = np.arange(num_experts, dtype=np.int64), np.arange(num_experts + 1, dtype=np.int64)
+    return kernel, (raw,), x, ids, starts, (np.empty((num_experts, num_rows), np.float32),)
+
+
 def measure_gpus(copy_mib=COPY_MIB):
     """(tuple of Gpu, note): every GPU the runtime finds, or () and why there is none."""
     from gpu_kernels.runtime import CupyRuntime, probe
@@ -176,14 +232,17 @@ def _gpu_seconds(rt, stream, queue):
     return rt.elapsed(start, stop)
 
 
-def measure(read_mib=READ_MIB, gpus=True):
-    """The Machine of this box (read_mib: the DRAM read's array; gpus False: skip the GPUs)."""
+def measure(read_mib=READ_MIB, weights=None, gpus=True):
+    """The Machine of this box (read_mib: the DRAM read's array; weights: a model whose expert kernels are
+    timed too; gpus False: skip the GPUs)."""
     cores = os.cpu_count() or 1
     isa, features = cpu_isa()
     info = _meminfo()
     log.info("CPU: %d cores, %s (%s), %d NUMA node(s); RAM %.0f MiB, %.0f MiB free", cores, isa,
              ", ".join(features) or "no AVX2", numa_nodes(), info.get("MemTotal", 0), info.get("MemAvailable", 0))
-    dram = dram_bandwidth(thread_counts(cores), read_mib)
+    counts = thread_counts(cores)
+    dram = dram_bandwidth(counts, read_mib)
+    experts = expert_bandwidth(weights, counts) if weights is not None else {}
     found, note = measure_gpus() if gpus else ((), "not measured")
     return Machine(cores, isa, features, numa_nodes(), info.get("MemTotal", 0.0), info.get("MemAvailable", 0.0),
-                   pinned_limit_mib(), dram, found, note)
+                   pinned_limit_mib(), dram, experts, found, note)
