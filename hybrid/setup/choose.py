@@ -10,7 +10,7 @@ from placement.budget import MIB, BudgetError, ModelSizes
 from placement.planner import Budgets, CostModel, Speeds, plan
 from placement.profile import ExpertProfile
 
-from ..config import DEFAULT_RESERVE_MIB, SETTINGS
+from ..config import SETTINGS
 
 CONTEXT_STEP = 1024  # max_context is lowered in steps of this many tokens
 RAM_KV_SHARE = 0.25  # of the RAM left after the model: for KV on the CPU (the conversation cache takes its own)
@@ -133,7 +133,7 @@ class Chooser:
         parallel = self.pick("parallel", 4 if len(m.gpus) > 1 or m.gpus[0].vram_mib >= 40000 else 2,
                              "a GPU batches slots nearly for free: the experts a step reads are shared")
         self.plan.parallel = parallel
-        reserve = self.given("vram_reserve_mib") or DEFAULT_RESERVE_MIB
+        reserve = self.given("vram_reserve_mib")
         room = sum(g.free_mib for g in m.gpus) * MIB - self.model_bytes_dense() - reserve * len(m.gpus) * MIB
         kv, context, why = self._fit_kv(("f16", "int8"), parallel, max(room, 0) * VRAM_KV_SHARE, "VRAM KV")
         kv = self.pick("kv", kv, why + " (f16 KV is ~1e-3 off f32)")
