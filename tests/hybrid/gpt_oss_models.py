@@ -86,15 +86,25 @@ def load_dequantized(model, tensors):
     sd = model.state_dict()
     sd["model.embed_tokens.weight"] = values["token_embd.weight"]
     sd["lm_head.weight"] = values["output.weight"]
+    sd["model.norm.weight"] = values["output_norm.weight"]
     for i in range(model.config.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         for x in "qkv":
-            sd[p + f"self_attn.{x}_proj.weight"] = values[b + f"attn_{x}.weight"]
-        sd[p + "self_attn.o_proj.weight"] = values[b + "attn_output.weight"]
-        gate_up = np.empty_like(sd[p + "mlp.experts.gate_up_proj"].numpy())  # [E, H, 2F]
-        gate_up[..., ::2] = values[b + "ffn_gate_exps.weight"].transpose(0, 2, 1)
-        gate_up[..., 1::2] = values[b + "ffn_up_exps.weight"].transpose(0, 2, 1)
-        sd[p + "mlp.experts.gate_up_proj"] = gate_up
+            for kind in ("weight", "bias"):
+                sd[p + f"self_attn.{x}_proj.{kind}"] = values[b + f"attn_{x}.{kind}"]
+        for hf_name, name in (("self_attn.o_proj.weight", "attn_output.weight"), ("self_attn.o_proj.bias",
+                              "attn_output.bias"), ("self_attn.sinks", "attn_sinks.weight"),
+                              ("mlp.router.weight", "ffn_gate_inp.weight"), ("mlp.router.bias", "ffn_gate_inp.bias"),
+                              ("input_layernorm.weight", "attn_norm.weight"),
+                              ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+                              ("mlp.experts.down_proj_bias", "ffn_down_exps.bias")):
+            sd[p + hf_name] = values[b + name]
+        for hf_name, gate, up in (("mlp.experts.gate_up_proj", "ffn_gate_exps.weight", "ffn_up_exps.weight"),
+                                  ("mlp.experts.gate_up_proj_bias", "ffn_gate_exps.bias", "ffn_up_exps.bias")):
+            both = np.empty(sd[p + hf_name].shape, np.float32)  # [E, H, 2F] / [E, 2F], gate and up interleaved
+            both[..., ::2], both[..., 1::2] = (np.swapaxes(values[b + n], -1, -2) if values[b + n].ndim == 3
+                                               else values[b + n] for n in (gate, up))
+            sd[p + hf_name] = both
         sd[p + "mlp.experts.down_proj"] = values[b + "ffn_down_exps.weight"].transpose(0, 2, 1)
     model.load_state_dict({k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in sd.items()})
     return model

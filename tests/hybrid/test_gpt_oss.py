@@ -97,3 +97,30 @@ def test_missing_sinks_named(tmp_path, hf_model, demo_tokenizer):
     write_gguf(path, config_from_hf(hf_model.config.to_dict(), "x"), tensors.values(), demo_tokenizer)
     with pytest.raises(ModelError, match="missing tensor 'blk.2.attn_sinks.weight'"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("outtype,tol", [("f32", 1e-4), ("bf16", 2e-3)])
+def test_llama_cpp_converter_file_matches_transformers(hf_model, demo_tokenizer, tmp_path, outtype, tol):
+    """A file made by llama.cpp's own convert_hf_to_gguf.py (STRATA_LLAMA_CPP_DIR: a llama.cpp source tree, e.g.
+    the llama-cpp-python sdist's vendor/llama.cpp) from the HF directory: its names, keys and layouts (the gate/up
+    split, the sinks) are what we read; the reference runs on the file's weights as gguf-py dequantizes them."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import save_tokenizer_files
+
+    llama_cpp = os.environ.get("STRATA_LLAMA_CPP_DIR")
+    if not llama_cpp or not os.path.isfile(os.path.join(llama_cpp, "convert_hf_to_gguf.py")):
+        pytest.skip("set STRATA_LLAMA_CPP_DIR to a llama.cpp source tree to run its converter")
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / f"gpt-oss-{outtype}.gguf")
+    hf_model.save_pretrained(hf_dir)
+    save_tokenizer_files(demo_tokenizer, hf_dir)
+    script = os.path.join(os.path.dirname(__file__), "llama_convert.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, script, llama_cpp, hf_dir, out, outtype], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": root})
+    llm = hybrid.LLM(out, device="cpu")
+    assert llm.weights["blk.1.ffn_gate_exps.weight"].qtype.name == outtype.upper()
+    reference = load_dequantized(copy.deepcopy(hf_model), llm.weights.tensors)
+    assert rel_err(llm.score(PROMPT_IDS), hf_logits(reference, PROMPT_IDS)) <= tol
