@@ -143,7 +143,6 @@ class Model:
         self.config = weights.config
         self.spec = ARCHS[self.config.arch]
         self.backend = backend
-        self.recipes = tuple(self.spec.layer_recipe(self.config, i) for i in range(self.config.num_layers))
         self.recurrent_shape = RecurrentShape.of(self.recipes)  # linear-attention layers' state per sequence, or None
         if self.recurrent_shape is not None:
             log.info("recurrent state: %d linear-attention layers, %.1f MiB per sequence (float32, any context)",
@@ -180,6 +179,11 @@ class Model:
             kv.recurrent = RecurrentState(self.recurrent_shape, self.backend)
             kv.supports_rollback = False  # rollback may keep less than asked: the engine does not read the rest again yet
         return kv
+
+    @property
+    def recipes(self):
+        """Each layer's LayerRecipe (the family's, read again where a test swaps the spec)."""
+        return tuple(self.spec.layer_recipe(self.config, i) for i in range(self.config.num_layers))
 
     @property
     def compiled_decode(self):

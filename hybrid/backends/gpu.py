@@ -107,6 +107,12 @@ class GpuBackend(GpuDeltaOps):
         check_gpu_formats(list(unique.values()) + [w for layer in moe_layers
                                                    for w in (layer.gate_exps, layer.up_exps, layer.down_exps)])
         dense_bytes = sum(w.nbytes for w in unique.values())
+        every_token = sum(w.nbytes for layer in model.layers for w in (layer.gate_shexp, layer.up_shexp, layer.down_shexp,
+                                                                      layer.ffn_gate, layer.ffn_up, layer.ffn_down)
+                          if w is not None)
+        if every_token:
+            log.info("dense weights %.0f MiB, of which shared experts and dense FFN layers %.0f MiB (resident: every "
+                     "token runs them)", dense_bytes / MIB, every_token / MIB)
         per_block = kv_store.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv.dtype) * BLOCK_TOKENS
         kv_blocks = self.kv_sequences * self.vram_blocks_per_sequence()
         kv = kv_blocks * per_block + self.kv.stage_bytes(c)

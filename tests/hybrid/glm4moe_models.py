@@ -12,6 +12,8 @@ GLM_TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, 
                 norm_topk_prob=True, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
                 max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5, initializer_range=0.1,
                 tie_word_embeddings=False)
+# K-quants need rows of whole 256-weight super-blocks
+GLM_KQUANT = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64, num_hidden_layers=2)
 
 
 def make_glm_hf_model(vocab_size, seed=0, **overrides):

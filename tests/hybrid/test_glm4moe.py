@@ -7,7 +7,8 @@ import pytest
 
 import hybrid
 from hybrid.errors import ModelError
-from tests.hybrid.glm4moe_models import glm_greedy, glm_logits, reference_dir, save_glm_hf_dir, write_glm_gguf
+from tests.hybrid.glm4moe_models import (GLM_KQUANT, glm_greedy, glm_logits, reference_dir, save_glm_hf_dir,
+                                         write_glm_gguf)
 
 PROMPT_IDS = [5, 17, 300, 42, 7, 99, 123, 64, 8, 250, 11, 3, 77, 500, 21, 9, 300, 42, 1, 2,
               60, 61, 62, 400, 33, 34, 35, 36, 37]  # 29 tokens: prefill size
@@ -23,23 +24,28 @@ def glm_hf_dir(tmp_path_factory, demo_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def glm_files(tmp_path_factory, glm_hf_dir):
-    """target -> (GGUF path, reference HF directory on its dequantized weights); built on first use."""
+def glm_files(tmp_path_factory, glm_hf_dir, demo_tokenizer):
+    """(target, K-quant sizes?) -> (GGUF path, reference HF directory on its dequantized weights); built on first
+    use."""
     cache = {}
 
-    def get(target):
-        if target not in cache:
+    def get(target, kquant=False):
+        if (target, kquant) not in cache:
             directory = tmp_path_factory.mktemp(f"glm-{target}")
-            path = write_glm_gguf(glm_hf_dir, str(directory / f"glm-{target}.gguf"), target)
-            cache[target] = (path, reference_dir(path, glm_hf_dir, str(directory)))
-        return cache[target]
+            hf_dir = save_glm_hf_dir(str(directory / "hf"), demo_tokenizer, **GLM_KQUANT) if kquant else glm_hf_dir
+            path = write_glm_gguf(hf_dir, str(directory / f"glm-{target}.gguf"), target)
+            cache[target, kquant] = (path, reference_dir(path, hf_dir, str(directory)))
+        return cache[target, kquant]
 
     return get
 
 
-@pytest.mark.parametrize("target,tol", [("F32", 1e-4), ("Q8_0", 2e-3)])
-def test_gguf_logits_match_transformers(glm_files, target, tol):
-    path, ref_dir = glm_files(target)
+@pytest.mark.parametrize("target,tol,kquant", [
+    ("F32", 1e-4, False), ("Q8_0", 2e-3, False),
+    pytest.param("Q4_K_M", 2e-3, True, marks=pytest.mark.slow), pytest.param("Q4_0", 2e-3, False, marks=pytest.mark.slow),
+])
+def test_gguf_logits_match_transformers(glm_files, target, tol, kquant):
+    path, ref_dir = glm_files(target, kquant)
     llm = hybrid.LLM(path, device="cpu")
     ours = llm.score(PROMPT_IDS)
     assert rel_err(ours, glm_logits(ref_dir, PROMPT_IDS)) <= tol
