@@ -47,8 +47,8 @@ def attend(backend, layer, q, k, v, batch, out, window=0, sinks=None):
     positions only where it is > 0; with the heads' sink logits sinks [Hq] where given)."""
     scale = 1.0 / np.sqrt(layer.head_dim)
     for chunk, (lo, hi) in zip(batch.chunks, batch.row_ranges):
-        chunk.kv.write(layer.index, chunk.start, k[lo:hi], v[lo:hi])
-        backend.attention(q[lo:hi], chunk.kv, layer.index, chunk.start, scale, out[lo:hi], window, sinks)
+        chunk.kv.write(layer.kv_index, chunk.start, k[lo:hi], v[lo:hi])
+        backend.attention(q[lo:hi], chunk.kv, layer.kv_index, chunk.start, scale, out[lo:hi], window, sinks)
 
 
 def full_attention_steps(part):

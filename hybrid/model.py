@@ -68,6 +68,7 @@ class LayerWeights:
     ssm_dt_bias: np.ndarray = None  # [Hv]
     ssm_norm: np.ndarray = None  # the gated RMSNorm's weight [Dv]
     ssm_out: object = None  # output projection [H, Hv Dv]
+    kv_index: int = None  # the layer's layer in the KV pool (layers with a recurrent state have none), set by Model
     rope_freqs: np.ndarray = None  # RoPE inverse frequencies [R/2] of the rotated dims R (hybrid/rope_freqs.py)
     rope_scale: float = 1.0  # cos / sin times this (YaRN's attention factor)
     attn_output_bias: np.ndarray = None  # [H] (FullAttention(o_bias=True))
@@ -87,7 +88,7 @@ class LayerWeights:
 
 LAYER_NUMBERS = frozenset(("index", "num_heads", "num_kv_heads", "head_dim", "eps", "rope_theta",
                            "num_experts_per_tok", "norm_topk_prob", "rotary_dim", "rope_scale",
-                           "expert_glu"))
+                           "expert_glu", "kv_index"))
 
 
 def _layer_weights(weights, index, spec):
@@ -148,6 +149,11 @@ class Model:
             log.info("recurrent state: %d linear-attention layers, %.1f MiB per sequence (float32, any context)",
                      len(self.recurrent_shape.layers), self.recurrent_shape.nbytes / 2**20)
         self.layers = [_layer_weights(weights, i, self.spec) for i in range(self.config.num_layers)]
+        kv_layers = [i for i in range(self.config.num_layers) if self.recurrent_shape is None
+                     or i not in self.recurrent_shape.layers]
+        for kv_index, i in enumerate(kv_layers):  # the KV pool holds only the layers that attend
+            self.layers[i].kv_index = kv_index
+        self.num_kv_layers = len(kv_layers)
         self.nextn_layers, self.nextn_tensors = _nextn(weights, self.spec)
         self.token_embd = weights["token_embd.weight"]
         self.output_norm = np.ascontiguousarray(dequantize(weights["output_norm.weight"]))
@@ -162,7 +168,7 @@ class Model:
                      self.split.resident.sum(), self.split.resident.size,
                      "handed over through mapped memory" if self.split.decode_relay else "run by the serving thread")
         c = self.config
-        self.kv_pool = backend.new_kv_pool(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype,
+        self.kv_pool = backend.new_kv_pool(self.num_kv_layers, c.num_kv_heads, c.head_dim, kv_dtype,
                                            kv_tokens or c.context_length)
         self.usage = None  # an ExpertUsage (hybrid/expert_usage.py) to record each layer's routing
         self.residency = None  # a dynamic expert cache (placement/dynamic.py), told after each step's layers

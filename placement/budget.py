@@ -33,6 +33,16 @@ class ModelSizes:
     hidden_size: int
     moe_intermediate_size: int
     vocab_size: int
+    layer_kv: tuple = ()  # per layer: whether it keeps KV (linear-attention layers keep a fixed state); (): all
+    layer_state_bytes: tuple = ()  # per layer: one sequence's recurrent state (linear-attention layers), else 0
+
+    def kv_layers(self, layers):
+        """How many of `layers` (indices) keep KV."""
+        return sum(self.layer_kv[i] for i in layers) if self.layer_kv else len(layers)
+
+    def state_bytes(self, layers):
+        """One sequence's recurrent state in `layers` (indices)."""
+        return sum(self.layer_state_bytes[i] for i in layers) if self.layer_state_bytes else 0
 
     @classmethod
     def from_weights(cls, weights):
@@ -53,7 +63,8 @@ class ModelSizes:
             head += weights["output.weight"].nbytes
         return cls(c.num_layers, c.num_experts, c.num_experts_per_tok, tuple(int(b) for b in expert),
                    tuple(int(b) for b in dense), int(weights["token_embd.weight"].nbytes), int(head),
-                   c.num_kv_heads, c.head_dim, c.hidden_size, c.moe_intermediate_size, c.vocab_size)
+                   c.num_kv_heads, c.head_dim, c.hidden_size, c.moe_intermediate_size, c.vocab_size,
+                   *_layer_memory(c))
 
     def kv_bytes_per_token(self, kv_dtype):
         """K and V of one token in one layer."""
@@ -105,6 +116,20 @@ class GpuBudget:
                 "slot_mib": self.slot_bytes / MIB}
 
 
+def _layer_memory(config):
+    """(layer_kv, layer_state_bytes) of a model's layers: linear-attention layers keep a recurrent state, no KV."""
+    from hybrid.arch import ARCHS
+    from hybrid.recurrent_state import RecurrentShape
+
+    recipes = [ARCHS[config.arch].layer_recipe(config, i) for i in range(config.num_layers)]
+    shape = RecurrentShape.of(recipes)
+    if shape is None:
+        return (), ()
+    per_layer = shape.nbytes // len(shape.layers)
+    return (tuple(i not in shape.layers for i in range(config.num_layers)),
+            tuple(per_layer if i in shape.layers else 0 for i in range(config.num_layers)))
+
+
 def gpu_budget(sizes, gpu, num_gpus, total_bytes, layers, num_slots, max_context, kv_dtype, reserve_bytes,
                kv_resident=None):
     """The budget of GPU `gpu` of `num_gpus` holding `layers` (a range); with kv_resident, each slot keeps
@@ -115,7 +140,8 @@ def gpu_budget(sizes, gpu, num_gpus, total_bytes, layers, num_slots, max_context
     dense += sizes.embed_bytes if gpu == 0 else 0
     dense += sizes.head_bytes if gpu == num_gpus - 1 else 0
     kv_tokens = max_context if kv_resident is None else vram_blocks(max_context, kv_resident) * BLOCK_TOKENS
-    kv = num_slots * kv_tokens * len(layers) * sizes.kv_bytes_per_token(kv_dtype)
+    kv = num_slots * (kv_tokens * sizes.kv_layers(layers) * sizes.kv_bytes_per_token(kv_dtype)
+                      + sizes.state_bytes(layers))
     slot = max((sizes.expert_bytes[i] for i in layers), default=0)
     return GpuBudget(gpu, int(total_bytes), int(reserve_bytes), int(dense), int(kv), sizes.scratch_bytes(num_slots),
                      layers.start, layers.stop, int(slot))

@@ -71,7 +71,8 @@ class CostModel:
         expert = np.asarray(sizes.expert_bytes, dtype=np.float64)  # [L]
         self.gpu_s = expert / (speeds.gpu_gbps * 1e9)  # [L] seconds per expert read on the GPU
         self.cpu_s = expert / (speeds.cpu_gbps * 1e9)  # [L]
-        kv_read = batch * (max_context / 2) * sizes.kv_bytes_per_token(kv_dtype) * sizes.num_layers
+        kv_read = batch * ((max_context / 2) * sizes.kv_bytes_per_token(kv_dtype) * sizes.kv_layers(range(sizes.num_layers))
+                           + sizes.state_bytes(range(sizes.num_layers)))  # linear-attention layers read their state
         self.fixed_s = (sum(sizes.layer_dense_bytes) + sizes.head_bytes + kv_read) / (speeds.gpu_gbps * 1e9)
         self._curves = [self._curve(layer) for layer in range(len(expert))]
 

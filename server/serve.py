@@ -46,7 +46,7 @@ def conversation_cache(llm, options):
     if not options or options["mib"] <= 0:
         return None
     c = llm.config
-    per_token = bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, options["store"])
+    per_token = bytes_per_token(llm.model.num_kv_layers, c.num_kv_heads, c.head_dim, options["store"])
     cache = ConversationCache(options["mib"] * MIB, model_fingerprint(llm.weights), max_entries=options["max_entries"],
                               store=options["store"], spill_dir=options["spill_dir"],
                               checkpoint_tokens=options.get("checkpoint_tokens", 1024))

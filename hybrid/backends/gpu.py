@@ -113,7 +113,7 @@ class GpuBackend(GpuDeltaOps):
         if every_token:
             log.info("dense weights %.0f MiB, of which shared experts and dense FFN layers %.0f MiB (resident: every "
                      "token runs them)", dense_bytes / MIB, every_token / MIB)
-        per_block = kv_store.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv.dtype) * BLOCK_TOKENS
+        per_block = kv_store.bytes_per_token(model.num_kv_layers, c.num_kv_heads, c.head_dim, self.kv.dtype) * BLOCK_TOKENS
         kv_blocks = self.kv_sequences * self.vram_blocks_per_sequence()
         kv = kv_blocks * per_block + self.kv.stage_bytes(c)
         if model.recurrent_shape is not None:  # the linear-attention layers' state of each sequence
@@ -134,7 +134,7 @@ class GpuBackend(GpuDeltaOps):
             if id(w) not in uploaded:
                 self._dev[id(w)] = (self.rt.to_device(np.ascontiguousarray(w.raw if isinstance(w, QuantTensor) else w)),
                                     w)
-        self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.kv.dtype, num_blocks=kv_blocks,
+        self.kv_pool = KVPool(model.num_kv_layers, c.num_kv_heads, c.head_dim, self.kv.dtype, num_blocks=kv_blocks,
                               max_blocks=kv_blocks, allocate=self.rt.empty, where="VRAM")
         self.resident[[layer.index for layer in model.layers if layer.gate_exps is None]] = False  # dense layers
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)

@@ -121,3 +121,19 @@ def test_qwen35moe_matches_transformers(tmp_path_factory, demo_tokenizer, target
     assert llm.config.arch == "qwen35moe" and llm.model.recipes[0].mixer.part.tiled
     for ids, chunk in ((PROMPT_40, 1), (PROMPT_150, 64)):
         assert rel_err(score_in_chunks(llm, ids, chunk), hf_logits(ref_model, ids)) <= tol
+
+
+def test_kv_and_budgets_hold_attention_layers_and_the_state(qwen3next_files):
+    """The KV pool holds the full-attention layer only; the planner counts its KV and the linear layers' state."""
+    from hybrid.formats import load_model
+    from placement.budget import ModelSizes, gpu_budget
+
+    path, _ = qwen3next_files("F32")
+    llm = hybrid.LLM(path, device="cpu")
+    assert llm.model.kv_pool.num_layers == llm.model.num_kv_layers == 1
+    assert [layer.kv_index for layer in llm.model.layers] == [None, None, None, 0]
+    sizes = ModelSizes.from_weights(load_model(path))
+    layers = range(4)
+    assert sizes.kv_layers(layers) == 1 and sizes.state_bytes(layers) == llm.model.recurrent_shape.nbytes
+    budget = gpu_budget(sizes, 0, 1, 1 << 34, layers, 2, 256, "f32", 0)
+    assert budget.kv == 2 * (256 * sizes.kv_bytes_per_token("f32") + llm.model.recurrent_shape.nbytes)
