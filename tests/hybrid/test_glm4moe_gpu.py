@@ -72,3 +72,46 @@ def test_gpu_matches_transformers(glm_q8):
         err = np.abs(gpu.score(TOKENS) - ref).max() / np.abs(ref).max()
         assert err <= 2e-3, f"{name}: rel err {err:.2e}"
         assert gpu.generate(TOKENS, max_tokens=8, temperature=0, ignore_eos=True).token_ids == cpu_tokens, name
+
+
+@pytest.fixture(scope="module")
+def gpu_kernels():
+    """(runtime, Kernels) on a GPU, else skipped."""
+    from gpu_kernels.kernels import Kernels
+    from gpu_kernels.runtime import probe
+
+    found = probe()
+    if found.runtime is None:
+        pytest.skip(f"no GPU: {found.reason}")
+    return found.runtime, Kernels(found.runtime)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,num_experts,k,num_groups,topk_groups,normalize,scale", [
+    (1, 128, 8, 1, 1, True, 2.5), (1, 16, 4, 4, 2, True, 2.5), (37, 24, 3, 8, 3, False, 1.5),
+    (37, 160, 8, 8, 4, True, 2.5)])
+def test_route_sigmoid_kernel(gpu_kernels, num_tokens, num_experts, k, num_groups, topk_groups, normalize, scale):
+    from tests.cpu_kernels.test_routing_sigmoid import reference
+
+    rt, kn = gpu_kernels
+    rng = np.random.default_rng(num_tokens + num_experts)
+    logits = (2.0 * rng.standard_normal((num_tokens, num_experts))).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(num_experts)).astype(np.float32)
+    ids, weights = rt.empty((num_tokens, k), np.int32), rt.empty((num_tokens, k), np.float32)
+    kn.route_sigmoid(rt.to_device(logits), rt.to_device(bias), k, num_groups, topk_groups, normalize, scale, ids,
+                     weights)
+    want_ids, want_weights = reference(logits, bias, k, num_groups, topk_groups, normalize, scale)
+    np.testing.assert_array_equal(rt.to_host(ids), want_ids)
+    np.testing.assert_allclose(rt.to_host(weights), want_weights, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,width", [(1, 96), (29, 1040)])
+def test_add_bias_kernel(gpu_kernels, num_tokens, width):
+    rt, kn = gpu_kernels
+    rng = np.random.default_rng(width)
+    x = rng.standard_normal((num_tokens, width)).astype(np.float32)
+    bias = rng.standard_normal(width).astype(np.float32)
+    dev = rt.to_device(x)
+    kn.add_bias(dev, rt.to_device(bias))
+    np.testing.assert_array_equal(rt.to_host(dev), x + bias)
