@@ -52,7 +52,7 @@ def config_from_gguf(fields, source, vocab_size, tie_word_embeddings, tensor_nam
     # a file converted from a checkpoint without its MTP weights counts the NextN layers but has none of them
     kept = nextn if any(name.startswith(f"blk.{num_layers}.") for name in tensor_names) else 0
     width = int(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH))
-    return ModelConfig(
+    return _checked(ModelConfig(
         arch=NAME, vocab_size=vocab_size, hidden_size=hidden,
         num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=int(key(Keys.Attention.HEAD_COUNT_KV, num_heads)), head_dim=head_dim,
@@ -73,7 +73,22 @@ def config_from_gguf(fields, source, vocab_size, tie_word_embeddings, tensor_nam
         topk_expert_groups=int(key(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1)),
         routed_scaling_factor=float(key(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)),
         num_nextn_layers=kept,
-    )
+    ), source)
+
+
+def _checked(config, source):
+    """config, or a ModelError on routing or RoPE settings the parts cannot run."""
+    c = config
+    groups, used = c.num_expert_groups, c.topk_expert_groups
+    if groups < 1 or groups > 64 or c.num_experts % groups or not 1 <= used <= groups:
+        raise ModelError(f"{source}: {c.num_experts} experts in {groups} groups, {used} of them used: the groups must "
+                         f"split the experts evenly (at most 64) and 1 <= groups used <= groups")
+    if c.num_experts_per_tok > used * (c.num_experts // groups):
+        raise ModelError(f"{source}: {c.num_experts_per_tok} experts per token, more than the {used} groups used hold")
+    if c.rotary_dim % 2 or not 0 < c.rotary_dim <= c.head_dim:
+        raise ModelError(f"{source}: RoPE over {c.rotary_dim} dims of a {c.head_dim}-dim head (an even number, at "
+                         f"most the head's, is needed)")
+    return config
 
 
 def _rope_from_hf(cfg, source):
@@ -92,7 +107,7 @@ def config_from_hf(cfg, source):
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     theta, partial = _rope_from_hf(cfg, source)
     width = int(require(cfg, "moe_intermediate_size", source))
-    return ModelConfig(
+    return _checked(ModelConfig(
         arch=NAME, vocab_size=int(require(cfg, "vocab_size", source)), hidden_size=hidden,
         num_layers=int(require(cfg, "num_hidden_layers", source)),
         num_heads=num_heads, num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads), head_dim=head_dim,
@@ -109,7 +124,7 @@ def config_from_hf(cfg, source):
         shared_intermediate_size=width * int(cfg.get("n_shared_experts", 0)),
         num_expert_groups=int(cfg.get("n_group") or 1), topk_expert_groups=int(cfg.get("topk_group") or 1),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-    )
+    ), source)
 
 
 def recipe_for(config, layer):

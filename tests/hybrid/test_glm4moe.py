@@ -146,3 +146,25 @@ def test_llama_cpp_converter_file_matches_transformers(glm_hf_dir, tmp_path, out
     assert llm.weights["blk.1.ffn_gate_exps.weight"].qtype.name == outtype.upper()
     ref_dir = reference_dir(out, glm_hf_dir, str(tmp_path))
     assert rel_err(llm.score(PROMPT_IDS), glm_logits(ref_dir, PROMPT_IDS)) <= tol
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(n_group=3), "8 experts in 3 groups"), (dict(topk_group=1, num_experts_per_tok=3), "3 experts per token"),
+    (dict(partial_rotary_factor=0.3125), "RoPE over 5 dims"), (dict(n_routed_experts=None), "missing field 'n_routed_experts'"),
+])
+def test_bad_hf_config_is_one_line_error(glm_hf_dir, tmp_path, change, message):
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(glm_hf_dir, bad)
+    with open(bad / "config.json") as f:
+        cfg = json.load(f)
+    cfg.update(change)
+    if "partial_rotary_factor" in change:
+        cfg["rope_parameters"]["partial_rotary_factor"] = change["partial_rotary_factor"]
+    with open(bad / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ModelError) as err:
+        hybrid.LLM(str(bad), device="cpu")
+    assert message in str(err.value) and "\n" not in str(err.value)
