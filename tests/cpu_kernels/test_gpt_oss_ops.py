@@ -13,6 +13,9 @@ from hybrid.rope_freqs import YarnScaling, rope_freqs
 
 from tests.cpu_kernels.test_attention_kv import paged, random_case
 
+# the parallel forms of the small ops compile in the slow set only: the tiny models' ops take their serial twins
+PARALLEL = pytest.mark.slow
+
 
 def dense_sink_attention(q, k, v, start, window, sinks, scale=0.125):
     """float64 attention of q [T, Hq, D] over k, v [S, Hkv, D], keys (start + t - window, start + t] (window 0:
@@ -101,7 +104,7 @@ def test_yarn_frequencies_match_hf(head_dim, truncate):
 
 
 @pytest.mark.parametrize("num_tokens,start", [(1, 40000), (37, 0), (37, 3000)])
-@pytest.mark.parametrize("kernel", [rope_neox_freqs, rope_neox_freqs_serial])
+@pytest.mark.parametrize("kernel", [pytest.param(rope_neox_freqs, marks=PARALLEL), rope_neox_freqs_serial])
 def test_yarn_rope_matches_hf(num_tokens, start, kernel):
     """The rotation with HF's own YaRN frequencies (ours are within 2 ulp of them, above: at position 40000 that
     ulp alone moves an angle by ~1e-3) and attention factor."""
@@ -127,7 +130,7 @@ def test_partial_rotation_leaves_the_rest():
     positions = np.arange(5, dtype=np.int64) + 11
     inv_freq, _ = rope_freqs(10000.0, 64, rotary_dim=32)
     out = np.empty_like(x)
-    rope_neox_freqs(x, positions, inv_freq, 1.0, out)
+    rope_neox_freqs_serial(x, positions, inv_freq, 1.0, out)
     np.testing.assert_array_equal(out[..., 32:], x[..., 32:])
     angles = positions[:, None].astype(np.float32) * inv_freq  # [T, 16]
     c, s = np.cos(angles.astype(np.float64))[:, None], np.sin(angles.astype(np.float64))[:, None]
@@ -136,7 +139,7 @@ def test_partial_rotation_leaves_the_rest():
 
 
 @pytest.mark.parametrize("num_tokens", [1, 37])
-@pytest.mark.parametrize("serial", [False, True])
+@pytest.mark.parametrize("serial", [pytest.param(False, marks=PARALLEL), True])
 def test_topk_softmax_router_matches_hf(num_tokens, serial):
     """HF GptOssTopKRouter: topk of the (biased) logits, softmax over the k."""
     rng = np.random.default_rng(num_tokens)
@@ -151,7 +154,7 @@ def test_topk_softmax_router_matches_hf(num_tokens, serial):
 
 
 @pytest.mark.parametrize("num_pairs", [3, 150])
-@pytest.mark.parametrize("serial", [False, True])
+@pytest.mark.parametrize("serial", [pytest.param(False, marks=PARALLEL), True])
 def test_clamped_swiglu_and_pair_bias_match_hf(num_pairs, serial):
     """HF GptOssExperts._apply_gate on gate/up rows plus each pair's expert biases, then the down bias per row."""
     rng = np.random.default_rng(num_pairs)
