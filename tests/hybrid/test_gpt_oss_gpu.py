@@ -62,6 +62,22 @@ def test_gpu_backend_wiring_matches_cpu(gpt_oss_mxfp4, cpu_scores, resident):
     model.close()
 
 
+@pytest.mark.parametrize("host_attention", ["gpu", "cpu"])
+def test_kv_ram_part_with_window_and_sinks(gpt_oss_mxfp4, cpu_scores, host_attention):
+    """Only the newest 16 positions in VRAM (BT = 16: the older blocks in pinned RAM, attended through a stage in
+    VRAM, or by the host and merged by log-sum-exp before the sinks join): the same scores."""
+    from gpu_kernels.numpy_runtime import NumpyRuntime
+    from tests.gpu_kernels.conftest import ReferenceKernels
+
+    weights = load_model(gpt_oss_mxfp4[0])
+    backend = GpuBackend(NumpyRuntime(), max_context=256, kv_sequences=2, resident=None, kv_resident=16,
+                         kv_host_attention=host_attention)
+    backend.kernels = ReferenceKernels()
+    model = Model(weights, backend, host=CpuBackend(act_quant="float"))
+    np.testing.assert_allclose(score(model), cpu_scores, rtol=0, atol=2e-4 * np.abs(cpu_scores).max())
+    model.close()
+
+
 @pytest.mark.gpu
 def test_gpu_matches_transformers(gpt_oss_mxfp4):
     """On a GPU: logits within 2e-3 of transformers on the dequantized weights at 0, 50 and 100 % resident."""
