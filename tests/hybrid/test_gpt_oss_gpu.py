@@ -62,7 +62,7 @@ def test_gpu_backend_wiring_matches_cpu(gpt_oss_mxfp4, cpu_scores, resident):
     model.close()
 
 
-@pytest.mark.parametrize("host_attention", ["gpu", "cpu"])
+@pytest.mark.parametrize("host_attention", [pytest.param("gpu", marks=pytest.mark.slow), "cpu"])
 def test_kv_ram_part_with_window_and_sinks(gpt_oss_mxfp4, cpu_scores, host_attention):
     """Only the newest 16 positions in VRAM (BT = 16: the older blocks in pinned RAM, attended through a stage in
     VRAM, or by the host and merged by log-sum-exp before the sinks join): the same scores."""
