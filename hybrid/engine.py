@@ -204,10 +204,11 @@ class Engine:
 
         A decode chunk with drafts goes into the batch as one-token chunks of its sequence at consecutive
         positions (each attends the rows the ones before it wrote): a batch of one-token chunks takes the
-        backends' decode paths (the CPU's compiled layers), where a short chunk would take the prompt path."""
+        backends' decode paths (the CPU's compiled layers), where a short chunk would take the prompt path. A
+        sequence with a recurrent state reads it as one chunk (its state keeps a snapshot at a chunk's start)."""
         seq_chunks = []
         for c in chunks:
-            if c.logits == "all":
+            if c.logits == "all" and c.slot.kv.recurrent is None:
                 seq_chunks += [SeqChunk(c.slot.kv, c.start + i, np.asarray([t], dtype=np.int64))
                                for i, t in enumerate(c.token_ids)]
             else:
@@ -271,26 +272,27 @@ class Engine:
     def _verify(self, slot, chunk, rows):
         """Keep the slot's accepted drafts and one more token from its verification rows [1 + k, V], roll the
         KV back past them, emit them; returns the number of drafts kept."""
-        request = slot.request
+        request, drafts = slot.request, slot.drafts
         live = self._live[request.request_id]
-        tokens, adjusted = verify(live.sampler, rows, chunk.token_ids[1:])
+        tokens, adjusted = verify(live.sampler, rows[len(rows) - len(drafts) - 1:], drafts)
         num_accepted = len(tokens) - 1
-        live.spec.record(len(chunk.token_ids) - 1, num_accepted)
-        self.scheduler.rollback(slot, chunk.start + len(tokens))
+        live.spec.record(len(drafts), num_accepted)
+        last = chunk.start + len(chunk.token_ids) - len(drafts) - 1  # the position of the slot's last token
+        self.scheduler.rollback(slot, last + len(tokens))
         for i, (token_id, row) in enumerate(zip(tokens, adjusted)):
-            slot.num_cached = chunk.start + i + 1  # as plain decoding has it when this token is sampled
             logprob = token_logprob(row, token_id, request.top_logprobs) if live.logprobs is not None else None
-            if self._emit(slot, token_id, logprob):
+            if self._emit(slot, token_id, logprob, position=last + i + 1):
                 break
         return num_accepted
 
-    def _emit(self, slot, token_id, logprob=None, grammar_done=False):
+    def _emit(self, slot, token_id, logprob=None, grammar_done=False, position=None):
         """Append a sampled token and push its text; a complete grammar ends the request as an end token does.
-        Returns True when the token ended the request."""
+        position: where the token goes (a verification step's tokens: after the ones before it). Returns True
+        when the token ended the request."""
         live = self._live[slot.request.request_id]
         if live.spec is not None:
             live.spec.extend([token_id])
-        reason = self.scheduler.append_token(slot, token_id)
+        reason = self.scheduler.append_token(slot, token_id, position)
         self.stats.generated_tokens += 1
         is_eos = reason == "stop"
         if grammar_done and reason is None:

@@ -254,13 +254,14 @@ class Scheduler:
         return step
 
     def _decode_chunk(self, slot, num_slots):
-        """The slot's last token, then the drafts that fit its max_tokens and the context."""
+        """The slot's output tokens not yet cached (its last one; more after a rollback that kept less than asked,
+        a recurrent state's), then, when that is one token, the drafts that fit its max_tokens and the context."""
+        unread = slot.output_ids[slot.num_cached - len(slot.request.prompt_ids):]
         slot.drafts = []
-        if self.draft is not None:
+        if self.draft is not None and len(unread) == 1:
             limit = min(slot.request.params.max_tokens - len(slot.output_ids), self.max_context - slot.num_cached) - 1
             slot.drafts = list(self.draft(slot, limit, num_slots, self.step_times)) if limit > 0 else []
-        return ScheduledChunk(slot, [slot.output_ids[-1]] + slot.drafts, slot.num_cached,
-                              "all" if slot.drafts else "last")
+        return ScheduledChunk(slot, unread + slot.drafts, slot.num_cached, "all" if slot.drafts else "last")
 
     def _drop_cancelled(self):
         dropped = [r for r in self.queue if r.cancelled]
@@ -294,15 +295,17 @@ class Scheduler:
             slot.state, slot.prompt_finished = SlotState.DECODE, self.clock()
 
     def rollback(self, slot, num_cached):
-        """After a verification step: keep the slot's first num_cached positions (the rejected drafts' go)."""
-        slot.num_cached = num_cached
-        slot.kv.rollback(num_cached)
+        """After a verification step: keep the slot's first num_cached positions (the rejected drafts' go); a
+        recurrent state may keep fewer (the next decode chunk reads the rest again). Returns the number kept."""
+        slot.num_cached = slot.kv.rollback(num_cached)
+        return slot.num_cached
 
-    def append_token(self, slot, token_id):
-        """Append a sampled token; returns the finish reason when it ends the request, else None."""
+    def append_token(self, slot, token_id, position=None):
+        """Append a sampled token; returns the finish reason when it ends the request, else None. position: where
+        the token goes (default: the slot's cached positions), as plain decoding has it."""
         slot.output_ids.append(token_id)
-        return end_reason(token_id, len(slot.output_ids), slot.num_cached, slot.request.params, self.eos_ids,
-                          self.max_context)
+        return end_reason(token_id, len(slot.output_ids), slot.num_cached if position is None else position,
+                          slot.request.params, self.eos_ids, self.max_context)
 
     def finish(self, slot, reason):
         slot.state, slot.finish_reason = SlotState.DONE, reason

@@ -3,11 +3,11 @@
 A step of T tokens takes `StepTimes.estimate(T)` seconds (measured decode-only steps, by T). A slot whose
 drafts are each accepted with probability p (given the ones before were) emits 1 + p + ... + p^k tokens
 from k drafts; with n decoding slots the step emits n - 1 + that. `best_k` takes the k of the most tokens
-per second. Where a step size was never measured its time is extrapolated from the largest one below at half
-a token's average time per extra token (optimistic, so that drafting gets tried and measured).
+per second. Where a step size was never measured its time is extrapolated from the largest one below at a
+quarter of a token's average time per extra token (optimistic, so that drafting gets tried and measured).
 """
 DECAY = 0.8  # weight of the older measurements of one step size
-EXTRA_TOKEN_SHARE = 0.5  # an unmeasured extra token's time, in average token times of the size below
+EXTRA_TOKEN_SHARE = 0.25  # an unmeasured extra token's time, in average token times of the size below
 
 
 class StepTimes:
