@@ -230,9 +230,11 @@ class HostExperts(Protocol):
     def relay_decode_experts(self, layer, mailbox, seq, resident, limit_ticks, num_tokens=1) -> tuple:
         """The relay's host side for one layer of step seq (capabilities.decode_relay_host)."""
 
-    def paged_attention(self, q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None) -> None:
-        """Attention of q [T, Hq, D] over host pool arrays k, v [NB, BT, Hkv, D], keys [key_lo, key_hi); with lse
-        [T, Hq] also each row's log-sum-exp (a device backend merges it with its own part)."""
+    def paged_attention(self, q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None,
+                        window=0) -> None:
+        """Attention of q [T, Hq, D] over host pool arrays k, v [NB, BT, Hkv, D], keys [key_lo, key_hi) (each query's
+        last `window` only, where > 0); with lse [T, Hq] also each row's log-sum-exp (a device backend merges it with
+        its own part)."""
 
 
 def separate_projections(backend, layer, h):
