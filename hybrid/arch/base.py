@@ -151,6 +151,9 @@ def part_tensors(part, config):
     return make(part, config)
 
 
+SPECS = {}  # name -> ArchSpec, as each is made (hybrid/arch/__init__.py's ARCHS: the families Strata serves)
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """name: general.architecture in GGUF; hf_model_types: config.json model_type values; recipe: every layer's
@@ -170,6 +173,9 @@ class ArchSpec:
     norm_names: tuple = ()
     extra_tensors: Optional[Callable] = None
     write_gguf_hparams: Optional[Callable] = None
+
+    def __post_init__(self):
+        SPECS[self.name] = self
 
     def layer_recipe(self, config, layer):
         """The recipe of layer `layer` (0-based)."""
@@ -235,9 +241,7 @@ def hf_tensor_sources(spec, config):
 
 def expected_shape(name, config):
     """The logical shape [..., R, C] a canonical tensor must have, or None for names we do not check."""
-    from . import ARCHS  # the families import this module
-
-    return ARCHS[config.arch].tensor_shapes(config).get(name)
+    return SPECS[config.arch].tensor_shapes(config).get(name)
 
 
 def validate_tensors(spec, config, tensors, source):
