@@ -139,6 +139,8 @@ class TrigramModel:
     """Next-token logits from the last two tokens read (a random table over the first `used` ids): the engine
     path of real models without kernels. Asserts that every chunk starts where the sequence ends."""
 
+    backend = None  # read by /metrics: no device, no expert cache
+
     def __init__(self, vocab_size, used=8, seed=0, sequence=TokenSequence):
         rng = np.random.default_rng(seed)
         self.used, self.sequence = used, sequence
@@ -195,6 +197,26 @@ def test_sampling_with_drafts_keeps_each_positions_distribution(demo_tokenizer, 
     for i, p in enumerate(model.exact(prompt, positions)):
         counts = np.bincount(outputs[:, i], minlength=model.used)
         assert ((counts - num * p) ** 2 / (num * p)).sum() < CHI2_999[model.used - 1], f"position {i}"
+
+
+def test_draft_counters_in_timings_and_metrics(demo_tokenizer):
+    from prometheus_client import generate_latest
+
+    from server.metrics import registry_for
+
+    llm = SimpleNamespace(model=TrigramModel(demo_tokenizer.vocab_size), tokenizer=demo_tokenizer, max_context=64)
+    engine = Engine(llm, num_slots=2, speculation=ALWAYS, clock=tick_clock()).start()
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        results = [engine.submit(Request([1, 2, 3, 1, 2, 3, 1], params)).result() for _ in range(2)]
+    finally:
+        engine.stop()
+    stats = engine.stats
+    assert stats.draft_n == sum(r.timings["draft_n"] for r in results) > 0
+    assert stats.draft_n_accepted == sum(r.timings["draft_n_accepted"] for r in results)
+    metrics = generate_latest(registry_for(engine)).decode()
+    assert f"strata_draft_n_total {float(stats.draft_n)}" in metrics
+    assert f"strata_draft_n_accepted_total {float(stats.draft_n_accepted)}" in metrics
 
 
 GREEDY_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "Hello there, hello there, hello",
