@@ -65,6 +65,7 @@ def test_conv_and_gated_norm_references_match_transformers():
     np.testing.assert_allclose(ref.rmsnorm_gated(hv, z, w, 1e-6), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_tokens", [1, 3, 150])
 def test_conv1d_silu(num_tokens):
     rng = np.random.default_rng(2)
@@ -78,6 +79,7 @@ def test_conv1d_silu(num_tokens):
         np.testing.assert_array_equal(s, expected_state.astype(np.float32))
 
 
+@pytest.mark.slow  # by default the model tests run them (tests/hybrid/test_qwen3next*.py), compiled once
 @pytest.mark.parametrize("num_tokens,tiled", [(1, False), (7, True), (150, False)])
 def test_delta_rule_kernels(num_tokens, tiled):
     q, k, v, g, beta, state = delta_inputs(num_tokens, seed=num_tokens)
@@ -92,6 +94,7 @@ def test_delta_rule_kernels(num_tokens, tiled):
         np.testing.assert_allclose(s, expected_state, rtol=1e-4, atol=1e-4, err_msg=kernel.__name__)
 
 
+@pytest.mark.slow
 def test_prompt_then_decode_continues_the_state():
     """A prompt by chunks then tokens one by one equals the whole sequence at once."""
     q, k, v, g, beta, state = delta_inputs(70, seed=5)
@@ -103,6 +106,7 @@ def test_prompt_then_decode_continues_the_state():
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_tokens", [1, 37])
 def test_gates_and_gated_norm(num_tokens):
     rng = np.random.default_rng(3)

@@ -54,7 +54,7 @@ def score_in_chunks(llm, ids, chunk):
     return np.concatenate(rows)
 
 
-@pytest.mark.parametrize("target,tol", [("F32", 1e-4), ("Q8_0", 2e-3)])
+@pytest.mark.parametrize("target,tol", [("F32", 1e-4), pytest.param("Q8_0", 2e-3, marks=pytest.mark.slow)])
 def test_logits_match_transformers(qwen3next_files, target, tol):
     path, ref_model = qwen3next_files(target)
     llm = hybrid.LLM(path, device="cpu")
@@ -62,6 +62,7 @@ def test_logits_match_transformers(qwen3next_files, target, tol):
     assert rel_err(llm.score(PROMPT_40), hf_logits(ref_model, PROMPT_40)) <= tol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 7, 64, 512])
 def test_prompt_in_chunks_matches_transformers(qwen3next_files, chunk):
     path, ref_model = qwen3next_files("F32")
@@ -70,6 +71,7 @@ def test_prompt_in_chunks_matches_transformers(qwen3next_files, chunk):
     assert rel_err(score_in_chunks(llm, ids, chunk), hf_logits(ref_model, ids)) <= 1e-4
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers(qwen3next_files):
     import torch
 
@@ -82,6 +84,7 @@ def test_greedy_tokens_match_transformers(qwen3next_files):
     assert out.token_ids == ref[0, 9:].tolist()
 
 
+@pytest.mark.slow
 def test_recurrent_state_goes_back_to_a_chunk_start_only(qwen3next_files):
     """A sequence cut inside its last multi-token chunk keeps the chunk's start (its snapshot); older cuts start it
     over; reading on from the kept position gives the logits of the whole."""
@@ -98,6 +101,7 @@ def test_recurrent_state_goes_back_to_a_chunk_start_only(qwen3next_files):
     assert kv.length == kv.recurrent.length == 0
 
 
+@pytest.mark.slow
 def test_hf_directory_is_refused_with_a_hint(tmp_path, demo_tokenizer):
     from tests.conftest import save_tokenizer_files
 
@@ -107,6 +111,7 @@ def test_hf_directory_is_refused_with_a_hint(tmp_path, demo_tokenizer):
         hybrid.LLM(hf_dir, device="cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target,tol", [("F32", 1e-4), ("Q8_0", 2e-3)])
 def test_qwen35moe_matches_transformers(tmp_path_factory, demo_tokenizer, target, tol):
     """Qwen3.5-MoE: separate beta / alpha projections, value heads tiled in the file; chunks of 1 and 64."""
@@ -123,6 +128,7 @@ def test_qwen35moe_matches_transformers(tmp_path_factory, demo_tokenizer, target
         assert rel_err(score_in_chunks(llm, ids, chunk), hf_logits(ref_model, ids)) <= tol
 
 
+@pytest.mark.slow
 def test_kv_and_budgets_hold_attention_layers_and_the_state(qwen3next_files):
     """The KV pool holds the full-attention layer only; the planner counts its KV and the linear layers' state."""
     from hybrid.formats import load_model

@@ -50,7 +50,8 @@ def parked_cache(llm, **settings):
     return cache
 
 
-@pytest.mark.parametrize("prompt,restored", [(RETURNING, 150), (EDITED, 64)], ids=["returning", "edited"])
+@pytest.mark.parametrize("prompt,restored", [(RETURNING, 150), pytest.param(EDITED, 64, marks=pytest.mark.slow)],
+                         ids=["returning", "edited"])
 def test_restored_conversation_gives_the_logits_of_reading_it_whole(llm, prompt, restored):
     whole = llm.score(prompt)
     cache = parked_cache(llm)
@@ -62,6 +63,7 @@ def test_restored_conversation_gives_the_logits_of_reading_it_whole(llm, prompt,
     assert cache.state_bytes == sum(c.nbytes for c in cache.entries[0].checkpoints) > 0
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_shape_is_skipped_with_a_warning(llm, caplog):
     cache = parked_cache(llm)
     entry = cache.entries[0]
@@ -75,6 +77,7 @@ def test_a_checkpoint_of_another_shape_is_skipped_with_a_warning(llm, caplog):
     assert np.abs(read(llm, kv, RETURNING) - whole).max() <= 1e-4 * np.abs(whole).max()
 
 
+@pytest.mark.slow
 def test_checkpoints_survive_a_spill(llm, tmp_path):
     parked_cache(llm, spill_dir=str(tmp_path))
     reloaded = ConversationCache(1 << 30, "model", checkpoint_tokens=64, spill_dir=str(tmp_path))

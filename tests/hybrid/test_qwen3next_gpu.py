@@ -37,6 +37,7 @@ def score(model):
     return np.concatenate(rows)
 
 
+@pytest.mark.slow
 def test_gpu_backend_wiring_matches_cpu(qwen3next_q8):
     from gpu_kernels.numpy_runtime import NumpyRuntime
     from tests.gpu_kernels.conftest import ReferenceKernels
