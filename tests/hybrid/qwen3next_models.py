@@ -194,9 +194,24 @@ def reference_model(hf_dir, canonical, config):
     return model
 
 
-def write_qwen3next_gguf(hf_dir, path, target, tokenizer):
+def mtp_tensors(floats, config, rng):
+    """An MTP layer after the decoder layers as Qwen3.5's converter names it (_Qwen35MtpMixin): a gated-attention MoE
+    decoder layer (here the last one's weights) and its nextn.eh_proj [H, 2H], enorm, hnorm, shared_head_norm [H]."""
+    last, mtp, h = config.num_layers - 1, config.num_layers, config.hidden_size
+    out = {name.replace(f"blk.{last}.", f"blk.{mtp}.", 1): x for name, x in floats.items()
+           if name.startswith(f"blk.{last}.")}
+    out[f"blk.{mtp}.nextn.eh_proj.weight"] = (0.1 * rng.standard_normal((h, 2 * h))).astype(np.float32)
+    for name in ("enorm", "hnorm", "shared_head_norm"):
+        out[f"blk.{mtp}.nextn.{name}.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    return out
+
+
+def write_qwen3next_gguf(hf_dir, path, target, tokenizer, mtp=False):
     """A GGUF file of `target` type from an HF directory, as llama.cpp's converter writes it (then quantized as
-    hybrid.formats.synthetic does); returns ({GGUF name: float32 weights the file holds}, ModelConfig)."""
+    hybrid.formats.synthetic does), with an MTP layer where `mtp`; returns ({GGUF name: float32 weights the file
+    holds}, ModelConfig)."""
+    from dataclasses import replace
+
     from hybrid.arch.qwen3next import hf_config
     from hybrid.formats.gguf_writer import write_gguf
     from hybrid.formats.synthetic import encode_model
@@ -204,6 +219,10 @@ def write_qwen3next_gguf(hf_dir, path, target, tokenizer):
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = hf_config(json.load(f), hf_dir)
-    tensors = encode_model(gguf_float_tensors(hf_dir), target, np.random.default_rng(1))
+    floats = gguf_float_tensors(hf_dir)
+    if mtp:
+        floats.update(mtp_tensors(floats, config, np.random.default_rng(2)))
+        config = replace(config, num_nextn_layers=1)
+    tensors = encode_model(floats, target, np.random.default_rng(1))
     write_gguf(path, config, tensors.values(), tokenizer, name=f"tiny-qwen3next-{target}")
     return {name: dequantize(t) for name, t in tensors.items()}, config

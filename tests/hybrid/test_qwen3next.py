@@ -143,3 +143,23 @@ def test_kv_and_budgets_hold_attention_layers_and_the_state(qwen3next_files):
     assert sizes.kv_layers(layers) == 1 and sizes.state_bytes(layers) == llm.model.recurrent_shape.nbytes
     budget = gpu_budget(sizes, 0, 1, 1 << 34, layers, 2, 256, "f32", 0)
     assert budget.kv == 2 * (256 * sizes.kv_bytes_per_token("f32") + llm.model.recurrent_shape.nbytes)
+
+
+@pytest.mark.slow
+def test_mtp_layer_is_loaded_and_kept(tmp_path, demo_tokenizer):
+    """A qwen35moe file with an MTP layer (block_count counts it, nextn_predict_layers = 1): the decoder layers run as
+    without it, the MTP layer's weights and nextn tensors are kept for a drafter."""
+    from tests.conftest import save_tokenizer_files
+
+    hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size, qwen35=True), str(tmp_path / "hf"),
+                         save_tokenizer_files, demo_tokenizer)
+    plain, with_mtp = str(tmp_path / "plain.gguf"), str(tmp_path / "mtp.gguf")
+    write_qwen3next_gguf(hf_dir, plain, "F32", demo_tokenizer)
+    write_qwen3next_gguf(hf_dir, with_mtp, "F32", demo_tokenizer, mtp=True)
+    llm = hybrid.LLM(with_mtp, device="cpu")
+    assert llm.config.num_layers == 4 and llm.config.num_nextn_layers == 1
+    (layer,), (own,) = llm.model.nextn_layers, llm.model.nextn_tensors
+    assert layer.attn_q.shape == (2 * llm.config.num_heads * llm.config.head_dim, llm.config.hidden_size)
+    assert layer.shexp_gate is not None and set(own) == {"eh_proj.weight", "enorm.weight", "hnorm.weight",
+                                                        "shared_head_norm.weight"}
+    np.testing.assert_array_equal(llm.score(PROMPT_40), hybrid.LLM(plain, device="cpu").score(PROMPT_40))
