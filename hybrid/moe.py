@@ -30,6 +30,9 @@ __all__ = ["ExpertSplit", "PairGroups", "SplitSettings", "expert_mixture"]
 # a moment between its compiled calls while the calling thread queues the device part in Python;
 # at the default 5 ms each such hand-over could wait for the whole queuing, serialising the two.
 GIL_SWITCH_S = 5e-5
+# The most tokens of a fully resident layer's step that run as a decode step (each pair its own expert rows) rather
+# than as grouped pairs (each expert's rows once for all its tokens, after a host wait for the routing).
+DEVICE_DECODE_TOKENS = 16
 
 
 class ExpertSplit:
@@ -78,9 +81,18 @@ class ExpertSplit:
                 return out
         if self.trace is not None:
             device.synchronize()  # time this layer's expert work alone
-        if device.capabilities.decode_experts and (num_tokens == 1 or relayed and resident.all()):
+        if device.capabilities.decode_experts and (num_tokens == 1 or resident.all() and (
+                relayed or self._device_decode_fits(device, num_tokens, ids.shape[1]))):
             return self._run_decode(device, layer, h, ids, weights, usage)
         return self._run_chunk(device, layer, h, ids, weights, usage)
+
+    @staticmethod
+    def _device_decode_fits(device, num_tokens, top_k):
+        """Whether a fully resident layer's step of num_tokens tokens (several users' decode tokens, a verification
+        chunk) runs as a decode step: the device finds its pairs, no routing is read back (faster than grouping the
+        pairs on the host while the step is this small)."""
+        limit = device.capabilities.max_decode_pairs or num_tokens * top_k
+        return num_tokens <= DEVICE_DECODE_TOKENS and num_tokens * top_k <= limit
 
     def _run_chunk(self, device, layer, h, ids, weights, usage):
         """A prompt chunk (or a step of many tokens): fetch the routing, split the pairs, borrow, run both parts."""
@@ -118,7 +130,7 @@ class ExpertSplit:
         return out
 
     def _run_decode(self, device, layer, h, ids, weights, usage):
-        """One token (or a relayed step's tokens, in a fully resident layer): the device resolves which of its pairs
+        """One token (or a small step's tokens in a fully resident layer): the device resolves which of its pairs
         are resident from the routing it holds, so the calling thread only queues; the host part fetches the
         routing and runs the rest."""
         t0, resident = time.perf_counter(), self.resident[layer.index]

@@ -193,11 +193,13 @@ def test_dense_graphs_fall_back_where_capture_fails(gguf_models, numpy_runtime, 
     assert sum("decode layers run op by op" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("relay_tokens", [3, 1])
 def test_a_decode_step_of_several_users_runs_its_resident_pairs_from_the_device_routing(gguf_models, numpy_runtime,
-                                                                                         reference_kernels):
-    """With relay_tokens >= the users, a fully resident layer's decode step of three sequences' tokens packs their
-    routing and rows into the three-token scratch and runs its pairs from there (one graph a layer for that
-    count, replayed at the next step), without reading the routing back; the logits stay the CPU engine's."""
+                                                                                         reference_kernels,
+                                                                                         relay_tokens):
+    """A fully resident layer's decode step of three sequences' tokens (relay_tokens or not) packs their routing and
+    rows into the three-token scratch and runs its pairs from there (one graph a layer for that count, replayed at
+    the next step), without reading the routing back; the logits stay the CPU engine's."""
     from hybrid.batch import Batch, SeqChunk
 
     weights = load_model(gguf_models("small", "Q8_0")[0])
@@ -215,14 +217,15 @@ def test_a_decode_step_of_several_users_runs_its_resident_pairs_from_the_device_
                          resident=np.ones((c.num_layers, c.num_experts), bool))
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
-    model.split.relay.tokens = 3
+    model.split.relay.tokens = relay_tokens
     fetched = []
     backend.fetch_routing = lambda ids, weights: fetched.append(ids) or (ids, weights)
     got = steps(model)
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
-    assert fetched and all(len(ids) == 5 for ids in fetched)  # the prompts' routing only: never a decode step's
-    assert sorted(backend.device_experts._graphs) == [(3, i) for i in range(c.num_layers)]
-    assert all(g.launches == 2 for g in backend.device_experts._graphs.values())  # one replay a step, the first after its capture
+    assert not fetched  # the 5-token prompts' routing neither: a step this small runs as a decode step too
+    graphs = {key: g for key, g in backend.device_experts._graphs.items() if key[0] == 3}
+    assert sorted(graphs) == [(3, i) for i in range(c.num_layers)]
+    assert all(g.launches == 2 for g in graphs.values())  # one replay a step, the first after its capture
     assert backend.device_experts._decode[3][1]["out"].shape == (c.num_layers, 3, c.hidden_size)
 
 

@@ -335,7 +335,8 @@ def test_a_decode_step_of_several_users_through_the_relay_is_bit_identical(gguf_
         hybrid_layers = int((~mask).any(axis=1).sum())
         assert devices[1].published == 0 and devices[3].published == 2 * hybrid_layers, name  # a post a layer
         assert len(traces[3]) == 2 * c.num_layers and len(traces[1]) == 2 * c.num_layers, name
-        assert devices[3].decode_submitted > devices[1].decode_submitted or not mask.any(), name
+        # fully resident layers take a several-token step as a decode step with the relay or without
+        assert devices[3].decode_submitted > devices[1].decode_submitted or mask.all() or not mask.any(), name
 
 
 @pytest.mark.parametrize("field, value, message", [("relay_tokens", 0, "a token count >= 1"),
