@@ -1,0 +1,127 @@
+"""Where a GPU decode step's time goes: each kernel's GPU time, summed by kernel over a few one-token steps.
+
+The step's launches are queued one by one (dense, expert and step graphs off) behind a spin kernel that keeps
+the stream busy until every launch is queued, so the timing events around each launch measure the kernels
+back to back as the GPU runs them, not the host's launch gaps. The graphs replay the same kernels, so this is
+what a graphed step's GPU time is made of (the graphed step's own time is printed beside it).
+
+    python bench/gpu_decode_profile.py --model /tmp/q30b.gguf --steps 8 [--users 4] [--output FILE]
+"""
+import argparse
+import logging
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+log = logging.getLogger("bench.gpu_decode_profile")
+
+SPIN = r'''extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}'''
+
+
+def kernel_names(kernels):
+    """id(compiled function) -> kernel name, from the Kernels' compiled functions."""
+    return {id(fn): key[-1] for key, fn in kernels._functions.items()}
+
+
+def profile(llm, steps, users, spin_cycles):
+    """({kernel: [GPU seconds of each launch]}, launches per step) over `steps` decode steps of `users` sequences."""
+    import cupy
+
+    from hybrid.batch import Batch, SeqChunk
+
+    model, be = llm.model, llm.model.backend
+    spin = cupy.RawKernel(SPIN, "spin")
+    rng = np.random.default_rng(0)
+    kvs = [model.new_sequence(64 + steps) for _ in range(users)]
+    for kv in kvs:
+        model.forward(Batch([SeqChunk(kv, 0, rng.integers(10, 1000, 32), "last")]))
+    times, launched = defaultdict(list), []
+    real_launch = be.kernels._launch
+
+    def timed_launch(fn, grid, block, args, shared_mem=0):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(be.stream)
+        real_launch(fn, grid, block, args, shared_mem)
+        stop.record(be.stream)
+        launched.append((fn, start, stop))
+
+    be.kernels._launch = timed_launch
+    try:
+        for step in range(steps):
+            with be.stream:
+                spin((1,), (1,), (np.int64(spin_cycles),))
+            model.forward(Batch([SeqChunk(kv, kv.length, rng.integers(10, 1000, 1)) for kv in kvs]))
+            be.stream.synchronize()
+    finally:
+        be.kernels._launch = real_launch
+    names = kernel_names(be.kernels)
+    for fn, start, stop in launched:
+        times[names.get(id(fn), "?")].append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return times, len(launched) / steps
+
+
+def step_seconds(llm, users, steps=16):
+    """Median seconds of a decode step of `users` sequences the default way (graphs on)."""
+    from hybrid.batch import Batch, SeqChunk
+
+    model, rng = llm.model, np.random.default_rng(1)
+    kvs = [model.new_sequence(64 + steps) for _ in range(users)]
+    for kv in kvs:
+        model.forward(Batch([SeqChunk(kv, 0, rng.integers(10, 1000, 32), "last")]))
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        model.forward(Batch([SeqChunk(kv, kv.length, rng.integers(10, 1000, 1)) for kv in kvs]))
+        out.append(time.perf_counter() - t0)
+    return float(np.median(out[2:]))
+
+
+def markdown(args, times, per_step, graphed_s, gpu_name):
+    total = sum(sum(v) for v in times.values()) / args.steps
+    lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s), every expert resident; "
+             f"{args.steps} decode steps, {per_step:.0f} launches a step. GPU time of the launches back to back: "
+             f"{total * 1e3:.2f} ms a step; the default (graphed) step took {graphed_s * 1e3:.2f} ms of wall time.", "",
+             "| kernel | launches a step | us a launch (median) | us a step | share |", "|---|---|---|---|---|"]
+    for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        per = sum(v) / args.steps
+        lines.append(f"| {name} | {len(v) / args.steps:.0f} | {np.median(v) * 1e6:.1f} | {per * 1e6:.0f} "
+                     f"| {per / total:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--users", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--spin-ms", type=float, default=200.0, help="how long the stream waits while a step is queued")
+    p.add_argument("--output")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from hybrid import LLM
+
+    graphed = LLM(args.model, device="gpu", threads=args.threads, max_context=512, kv_sequences=args.users)
+    graphed_s = step_seconds(graphed, args.users)
+    gpu_name = graphed.model.backend.rt.device_name
+    graphed.close()
+    del graphed
+    llm = LLM(args.model, device="gpu", threads=args.threads, max_context=512, kv_sequences=args.users,
+              dense_graphs=False, decode_graphs=False, step_graphs=False)
+    times, per_step = profile(llm, args.steps, args.users, int(args.spin_ms * 2e6))
+    text = markdown(args, times, per_step, graphed_s, gpu_name)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
