@@ -86,7 +86,7 @@ def build_parser():
     add_serve(sub)
     add_subcommands(sub, load_llm)  # profile, profile merge, profile show, plan
     add_config_command(sub)
-    add_setup(sub)
+    add_setup(sub, build_parser)
     return parser
 
 

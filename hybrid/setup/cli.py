@@ -11,8 +11,9 @@ log = logging.getLogger(__name__)
 DEFAULT_OUTPUT = "strata.toml"
 
 
-def add_setup(sub):
-    """The `setup` subcommand of the `strata` subparsers."""
+def add_setup(sub, build_parser):
+    """The `setup` subcommand of the `strata` subparsers; build_parser() makes the whole `strata` parser (setup's
+    --prompts runs `strata profile` through it)."""
     p = sub.add_parser("setup", help="measure this box, choose the settings for a model and write them to a "
                                      "config file (keeping the values you set)")
     p.add_argument("--model", help="GGUF file or HF safetensors directory to set up for (default: the config "
@@ -31,7 +32,7 @@ def add_setup(sub):
     p.add_argument("--check-tokens", type=int_at_least(2), default=32, help="tokens --check generates (default 32)")
     p.add_argument("--read-mib", type=int_at_least(8), default=512,
                    help="MiB the DRAM bandwidth is timed over (default 512: beyond any cache)")
-    p.set_defaults(func=run_setup)
+    p.set_defaults(func=run_setup, build_parser=build_parser)
 
 
 def measure_box(read_mib, weights):
@@ -136,11 +137,9 @@ def _read_lines(path):
 
 def _record_profile(args, model, max_tokens=64):
     """`strata profile` of --prompts (with the config file's settings when it exists): the profile's path."""
-    from hybrid.cli import build_parser
-
     path = os.path.splitext(args.output)[0] + ".profile.npz"
     argv = ["profile", "--model", model, "--prompts", args.prompts, "-o", path, "--max-tokens", str(max_tokens)]
-    profile_args = build_parser().parse_args(argv + (["--config", args.output] if os.path.isfile(args.output) else []))
+    profile_args = args.build_parser().parse_args(argv + (["--config", args.output] if os.path.isfile(args.output) else []))
     profile_args.func(profile_args)
     return path
 
