@@ -36,9 +36,8 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 DECODE_MIN_BLOCKS = {}
 ACT_QUANTS = ("int16", "float", "int8")  # the act_quant setting's values (cpu_kernels.act_quant)
 # Formats whose one-token matmuls take x as int16 with act_quant unset ("auto"): where that measured faster than
-# float x (bench/results/gpu_kernels.md). IQ4_XS, IQ4_NL, MXFP4 and IQ3_S have an integer dot too, not yet timed
-# against their float one: they take int16 x where act_quant says int16.
-GPU_INT16_FORMATS = INT_DECODE - {Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.IQ3_S}
+# float x (bench/results/gpu_kernels.md, bench/results/formats_h200_host.md): every format with an integer dot.
+GPU_INT16_FORMATS = INT_DECODE
 # AMD chips that do a 4-byte integer dot in one instruction besides RDNA3 and 4 (gfx11*, gfx12*): common.cuh's
 # AMD_DOT4. The others take four products a dot, and there "auto" gives float x (tests/gpu_kernels/test_compile_hip.py
 # holds this list to the kernels' machine code).
