@@ -97,9 +97,26 @@ print(json.dumps({"prompt_tps": prompt_tokens / prompt_s, "decode_tps": decode_t
 """
 
 
+def llama_bench(model, threads, args, env):
+    """llama.cpp's own llama-bench on the CPU (no GPU visible to it, no layers offloaded): one fresh process."""
+    cmd = [args.llama_bench, "-m", model, "-t", str(threads), "-p", str(args.prompt_tokens), "-n",
+           str(args.decode_tokens), "-ngl", "0", "-r", "1", "-o", "json"]
+    proc = subprocess.run(cmd, env={**env, "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench on {model} failed:\n{proc.stderr[-3000:]}")
+    result = {"features": "llama-bench"}
+    for test in json.loads(proc.stdout):
+        result["decode_tps" if test["n_gen"] else "prompt_tps"] = float(test["avg_ts"])
+        result["features"] = test.get("cpu_info", result["features"])
+    return result
+
+
 def run_engine(engine, model, threads, args):
     """One fresh process of `engine`; returns {"prompt_tps", "decode_tps"}."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "STRATA_THREADS": str(threads)}
+    if engine == "llama.cpp" and args.llama_bench:
+        return llama_bench(model, threads, args, env)
     if engine == "llama.cpp":
         cmd = [args.llama_python, "-c", LLAMA_WORKER, model, str(threads), str(args.prompt_tokens),
                str(args.decode_tokens), str(SHORT_PROMPT)]
@@ -179,8 +196,11 @@ def markdown(rows, args):
     lines = [
         "# Strata vs llama.cpp, CPU",
         "",
-        f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_name()}); llama.cpp = llama-cpp-python built from its PyPI "
-        f"sdist, CPU only, {args.llama_build}, no BLAS; its CPU features: `{args.llama_features}`. "
+        f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_name()}); llama.cpp = "
+        + (f"`{args.llama_bench}` on the CPU (-ngl 0, no GPU visible), {args.llama_build}; "
+           if args.llama_bench else "llama-cpp-python built from its PyPI sdist, CPU only, "
+           f"{args.llama_build}, no BLAS; ")
+        + f"its CPU features: `{args.llama_features}`. "
         "Same GGUF and thread count for both, alternating fresh processes; medians of "
         f"{args.runs} runs. Prompt read: {args.prompt_tokens} tokens in one batch. Decode: {args.decode_tokens} tokens "
         f"one at a time after a {SHORT_PROMPT}-token prompt. Effective bandwidth = weight bytes read per decode token "
@@ -220,6 +240,8 @@ def parse_args(argv=None):
     p.add_argument("--llama-build", default="GGML_NATIVE=ON without AMX (-mno-amx-tile -mno-amx-int8 -mno-amx-bf16; "
                                             "its AMX path crashed on our VM)",
                    help="how that llama-cpp-python was built, for the table's header")
+    p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary, run instead of llama-cpp-python (CPU only: "
+                                        "no GPU visible to it, -ngl 0); its decode starts from an empty context")
     p.add_argument("--output", help="also write the table here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
