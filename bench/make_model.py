@@ -1,4 +1,4 @@
-"""Write a synthetic qwen3moe GGUF of a chosen size for benchmarks: random weights, skewed routers.
+"""Write a synthetic qwen3moe or glm4moe GGUF of a chosen size for benchmarks: random weights, skewed routers.
 
 Weights are random valid blocks written directly in the file's types (one type,
 or a mix of hybrid/formats/synthetic.py's MIXES: Q4_K_M, Q3_K_M, MXFP4_MOE,
@@ -21,6 +21,9 @@ random blocks would lose the shared direction the router bias reads).
     python bench/make_model.py --type Q8_0 --layers 52 -o /tmp/bench-8g.gguf    # 8.5 GB (bench/gpu_model.py)
     python bench/make_model.py --type Q8_0 --layers 100 -o /tmp/bench-16g.gguf  # ~16 GB
     python bench/make_model.py --type IQ3_S --files 3 -o /tmp/bench-iq3s.gguf   # bench-iq3s-00001-of-00003.gguf ...
+    # GLM-4.5-Air's shapes (hidden, heads, experts, top-k, widths, shared expert, a leading dense layer), 4 layers
+    python bench/make_model.py --arch glm4moe --type Q4_K_M --layers 4 --hidden 4096 --heads 96 --kv-heads 8 \
+        --head-dim 128 --experts 128 --top-k 8 --moe-ff 1408 --dense-ff 10944 -o /tmp/bench-glm-air.gguf
 """
 import argparse
 import logging
@@ -33,8 +36,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hybrid.arch import ARCHS  # noqa: E402
 from hybrid.arch.base import expected_shape  # noqa: E402
-from hybrid.arch.qwen3moe import SPEC  # noqa: E402
 from hybrid.demo_tokenizer import build_demo_tokenizer  # noqa: E402
 from hybrid.formats.gguf_writer import write_gguf  # noqa: E402
 from hybrid.formats.synthetic import GGUF_QUANTIZERS, MIXES, type_for  # noqa: E402
@@ -47,11 +50,14 @@ SHARED_COS = SHARED_DIRECTION_WEIGHT / np.hypot(SHARED_DIRECTION_WEIGHT, 1 - SHA
 
 
 def model_config(args, vocab_size):
+    glm = {} if args.arch == "qwen3moe" else dict(  # GLM-4.5's choices: q/k/v biases, half the head rotated
+        attention_bias=True, rotary_dim=args.head_dim // 2, first_dense_layers=args.dense_layers,
+        dense_intermediate_size=args.dense_ff, shared_intermediate_size=args.shared_experts * args.moe_ff)
     return ModelConfig(
-        arch="qwen3moe", vocab_size=vocab_size, hidden_size=args.hidden, num_layers=args.layers,
+        arch=args.arch, vocab_size=vocab_size, hidden_size=args.hidden, num_layers=args.layers,
         num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, num_experts=args.experts,
         num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_ff, rope_theta=1e6, rms_norm_eps=1e-6,
-        context_length=args.context, norm_topk_prob=True, tie_word_embeddings=False,
+        context_length=args.context, norm_topk_prob=True, tie_word_embeddings=False, **glm,
     )
 
 
@@ -66,7 +72,7 @@ class TensorMaker:
         self.skews = layer_skews(router_skew, config.num_layers, rng, skew_spread)  # [L]
 
     def tensors(self):
-        for index, name in enumerate(SPEC.required_tensor_names(self.config)):
+        for index, name in enumerate(ARCHS[self.config.arch].required_tensor_names(self.config)):
             shape = expected_shape(name, self.config)
             qtype = type_for(name, shape, self.target)
             if name == "token_embd.weight" and qtype not in GGUF_QUANTIZERS:
@@ -77,8 +83,8 @@ class TensorMaker:
         from cpu_kernels.formats import format_for
 
         rng = np.random.default_rng((self.seed, index))
-        if len(shape) == 1:
-            values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if len(shape) == 1:  # norms near 1, biases (q/k/v, the router's choice bias) near 0
+            values = ((0.0 if name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             return values.view(np.uint8)
         if name.endswith("ffn_gate_inp.weight"):
             layer = int(name.split(".")[1])  # blk.{layer}.ffn_gate_inp.weight
@@ -129,6 +135,10 @@ def router_skew_range(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-o", "--output", required=True, help="GGUF file to write")
+    p.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "glm4moe"], help="the family (default qwen3moe)")
+    p.add_argument("--dense-layers", type=int, default=1, help="glm4moe: leading dense layers (default 1)")
+    p.add_argument("--dense-ff", type=int, default=4096, help="glm4moe: their FFN width (default 4096)")
+    p.add_argument("--shared-experts", type=int, default=1, help="glm4moe: shared experts' width in --moe-ff units")
     p.add_argument("--type", default="Q4_K_M", choices=TYPES, help="weight type, or a mix of types (default Q4_K_M)")
     p.add_argument("--files", type=int, default=1, help="a split model in this many files (llama.cpp's names)")
     p.add_argument("--layers", type=int, default=16)
@@ -167,7 +177,7 @@ def main(argv=None):
         return run
 
     tensors = [(n, q, s, counted(m)) for n, q, s, m in tensors]
-    name = f"strata-bench-qwen3moe-{args.type}-RANDOM-WEIGHTS"
+    name = f"strata-bench-{args.arch}-{args.type}-RANDOM-WEIGHTS"
     if args.files > 1:
         paths = write_gguf(args.output, config, tensors, tokenizer, name=name, num_files=args.files)
     else:
