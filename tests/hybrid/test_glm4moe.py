@@ -168,3 +168,12 @@ def test_bad_hf_config_is_one_line_error(glm_hf_dir, tmp_path, change, message):
     with pytest.raises(ModelError) as err:
         hybrid.LLM(str(bad), device="cpu")
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_long_prompt_scores_match_transformers(glm_files):
+    """300 positions: the partial RoPE far from the start, prompt chunks and decode steps alike."""
+    path, ref_dir = glm_files("F32")
+    ids = [int(t) for t in np.random.default_rng(5).integers(3, 1000, 300)]
+    llm = hybrid.LLM(path, device="cpu", max_context=512)
+    assert rel_err(llm.score(ids), glm_logits(ref_dir, ids)) <= 1e-4
