@@ -4,7 +4,11 @@ them as a short chunk of that slot, and the acceptance rule keeps what plain dec
 - `SpecSettings`: the engine's settings (max drafts K, n-gram size, drafter confidence floor).
 - `ngram.NgramDrafter`: prompt lookup over the slot's own prompt and output.
 - `acceptance.verify`: the longest accepted prefix of the drafts plus one sampled token.
-- `slot.SlotSpeculation`: one request's drafter, its adaptive K and its draft counters.
+- `policy`: how many drafts pay, from a slot's acceptance estimate and the measured step times.
+- `slot.SlotSpeculation`: one request's drafter, its acceptance estimate and its draft counters.
+
+The engine (hybrid/engine.py `_verify`) emits the kept tokens and rolls the slot's sequence back past the
+rejected ones (`SequenceKV.rollback`); the scheduler puts the drafts in the slot's decode chunk.
 """
 from .settings import SpecSettings
 
