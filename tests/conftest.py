@@ -171,3 +171,30 @@ def reference_greedy():
         return out[0, len(token_ids):].tolist()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def glm_hf_dir(tmp_path_factory, demo_tokenizer):
+    """A tiny random glm4moe HF directory (tests/hybrid/glm4moe_models.py)."""
+    from tests.hybrid.glm4moe_models import save_glm_hf_dir
+
+    return save_glm_hf_dir(str(tmp_path_factory.mktemp("glm-hf")), demo_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def glm_files(tmp_path_factory, glm_hf_dir, demo_tokenizer):
+    """(target, K-quant sizes?) -> (glm4moe GGUF path with a NextN layer, reference HF directory on its dequantized
+    weights); built on first use."""
+    from tests.hybrid.glm4moe_models import GLM_KQUANT, reference_dir, save_glm_hf_dir, write_glm_gguf
+
+    cache = {}
+
+    def get(target, kquant=False):
+        if (target, kquant) not in cache:
+            directory = tmp_path_factory.mktemp(f"glm-{target}")
+            hf_dir = save_glm_hf_dir(str(directory / "hf"), demo_tokenizer, **GLM_KQUANT) if kquant else glm_hf_dir
+            path = write_glm_gguf(hf_dir, str(directory / f"glm-{target}.gguf"), target)
+            cache[target, kquant] = (path, reference_dir(path, hf_dir, str(directory)))
+        return cache[target, kquant]
+
+    return get

@@ -55,8 +55,10 @@ def attention_tensors(part, config):
                     lambda c: (c.hidden_size, _q_dim(c))),
     ]
     if part.qk_norm:
-        tensors += [LayerTensor("attn_q_norm.weight", "attn_q_norm", "self_attn.q_norm.weight", lambda c: (c.head_dim,)),
-                    LayerTensor("attn_k_norm.weight", "attn_k_norm", "self_attn.k_norm.weight", lambda c: (c.head_dim,))]
+        tensors += [LayerTensor("attn_q_norm.weight", "attn_q_norm", "self_attn.q_norm.weight",
+                                lambda c: (c.head_dim,)),
+                    LayerTensor("attn_k_norm.weight", "attn_k_norm", "self_attn.k_norm.weight",
+                                lambda c: (c.head_dim,))]
     if part.qkv_bias:
         tensors += [LayerTensor("attn_q.bias", "attn_q_bias", "self_attn.q_proj.bias", lambda c: (_q_dim(c),)),
                     LayerTensor("attn_k.bias", "attn_k_bias", "self_attn.k_proj.bias", lambda c: (_kv_dim(c),)),

@@ -7,8 +7,7 @@ import pytest
 
 import hybrid
 from hybrid.errors import ModelError
-from tests.hybrid.glm4moe_models import (GLM_KQUANT, glm_greedy, glm_logits, reference_dir, save_glm_hf_dir,
-                                         write_glm_gguf)
+from tests.hybrid.glm4moe_models import glm_greedy, glm_logits, reference_dir, write_glm_gguf
 
 PROMPT_IDS = [5, 17, 300, 42, 7, 99, 123, 64, 8, 250, 11, 3, 77, 500, 21, 9, 300, 42, 1, 2,
               60, 61, 62, 400, 33, 34, 35, 36, 37]  # 29 tokens: prefill size
@@ -18,31 +17,10 @@ def rel_err(ours, ref):
     return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
-@pytest.fixture(scope="module")
-def glm_hf_dir(tmp_path_factory, demo_tokenizer):
-    return save_glm_hf_dir(str(tmp_path_factory.mktemp("glm-hf")), demo_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def glm_files(tmp_path_factory, glm_hf_dir, demo_tokenizer):
-    """(target, K-quant sizes?) -> (GGUF path, reference HF directory on its dequantized weights); built on first
-    use."""
-    cache = {}
-
-    def get(target, kquant=False):
-        if (target, kquant) not in cache:
-            directory = tmp_path_factory.mktemp(f"glm-{target}")
-            hf_dir = save_glm_hf_dir(str(directory / "hf"), demo_tokenizer, **GLM_KQUANT) if kquant else glm_hf_dir
-            path = write_glm_gguf(hf_dir, str(directory / f"glm-{target}.gguf"), target)
-            cache[target, kquant] = (path, reference_dir(path, hf_dir, str(directory)))
-        return cache[target, kquant]
-
-    return get
-
-
 @pytest.mark.parametrize("target,tol,kquant", [
     ("F32", 1e-4, False), ("Q8_0", 2e-3, False),
-    pytest.param("Q4_K_M", 2e-3, True, marks=pytest.mark.slow), pytest.param("Q4_0", 2e-3, False, marks=pytest.mark.slow),
+    pytest.param("Q4_K_M", 2e-3, True, marks=pytest.mark.slow),
+    pytest.param("Q4_0", 2e-3, False, marks=pytest.mark.slow),
 ])
 def test_gguf_logits_match_transformers(glm_files, target, tol, kquant):
     path, ref_dir = glm_files(target, kquant)
@@ -150,7 +128,8 @@ def test_llama_cpp_converter_file_matches_transformers(glm_hf_dir, tmp_path, out
 
 @pytest.mark.parametrize("change,message", [
     (dict(n_group=3), "8 experts in 3 groups"), (dict(topk_group=1, num_experts_per_tok=3), "3 experts per token"),
-    (dict(partial_rotary_factor=0.3125), "RoPE over 5 dims"), (dict(n_routed_experts=None), "missing field 'n_routed_experts'"),
+    (dict(partial_rotary_factor=0.3125), "RoPE over 5 dims"),
+    (dict(n_routed_experts=None), "missing field 'n_routed_experts'"),
 ])
 def test_bad_hf_config_is_one_line_error(glm_hf_dir, tmp_path, change, message):
     import json

@@ -9,18 +9,15 @@ from hybrid.backends.gpu import GpuBackend
 from hybrid.batch import Batch, SeqChunk
 from hybrid.formats import load_model
 from hybrid.model import Model
-from tests.hybrid.glm4moe_models import glm_logits, reference_dir, save_glm_hf_dir, write_glm_gguf
+from tests.hybrid.glm4moe_models import glm_logits
 
 TOKENS = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8, 77, 120, 19, 2, 45]
 
 
-@pytest.fixture(scope="module")
-def glm_q8(tmp_path_factory, demo_tokenizer):
+@pytest.fixture
+def glm_q8(glm_files):
     """(GGUF path, reference HF dir) of a tiny Q8_0 glm4moe."""
-    directory = tmp_path_factory.mktemp("glm-gpu")
-    hf_dir = save_glm_hf_dir(str(directory / "hf"), demo_tokenizer)
-    path = write_glm_gguf(hf_dir, str(directory / "glm-Q8_0.gguf"), "Q8_0")
-    return path, reference_dir(path, hf_dir, str(directory))
+    return glm_files("Q8_0")
 
 
 def score(model):
