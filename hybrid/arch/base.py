@@ -164,7 +164,9 @@ class ArchSpec:
     family's names of a block's norm (NORM_TENSORS' entries it renames); extra_tensors(config) -> {name: shape}:
     tensors outside the layers' recipes that a file must have (e.g. NextN layers); write_gguf_hparams(writer,
     config): the family's GGUF keys beyond the common ones, block_count and feed_forward_length included (None:
-    the MoE layers' width as feed_forward_length, as qwen3moe's files have)."""
+    the MoE layers' width as feed_forward_length, as qwen3moe's files have); fit_to_tensors(config, hf_names) -> the
+    config of an HF directory with these tensor names (e.g. no NextN layers where it has none of their weights);
+    extra_hf_tensors(config) -> [(canonical name, HF name)] of its tensors outside the layers (NextN layers)."""
 
     name: str
     hf_model_types: tuple
@@ -175,6 +177,8 @@ class ArchSpec:
     norm_names: tuple = ()
     extra_tensors: Optional[Callable] = None
     write_gguf_hparams: Optional[Callable] = None
+    fit_to_tensors: Optional[Callable] = None
+    extra_hf_tensors: Optional[Callable] = None
 
     def __post_init__(self):
         SPECS[self.name] = self
@@ -238,6 +242,8 @@ def hf_tensor_sources(spec, config):
         for t in spec.layer_tensors(config, layer):
             hf = [prefix + t.hf.format(e=e) for e in range(config.num_experts)] if t.stacked else prefix + t.hf
             sources.append((f"blk.{layer}.{t.gguf}", hf))
+    if spec.extra_hf_tensors is not None:
+        sources += spec.extra_hf_tensors(config)
     return sources
 
 

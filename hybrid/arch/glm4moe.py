@@ -7,6 +7,8 @@ GGUF names and keys are those llama.cpp's converter writes (gguf-py's MODEL_TENS
 block_count counts the NextN layers too (also in a file whose checkpoint had no NextN weights: then it has
 no NextN layer), the FFN norm is `post_attention_norm`.
 """
+import dataclasses
+
 from gguf import ExpertGatingFuncType, Keys
 
 from ..errors import ModelError
@@ -24,6 +26,8 @@ NEXTN_TENSORS = {
     "nextn.hnorm.weight": lambda c: (c.hidden_size,),
     "nextn.shared_head_norm.weight": lambda c: (c.hidden_size,),
 }
+NEXTN_HF = {"nextn.eh_proj.weight": "eh_proj.weight", "nextn.enorm.weight": "enorm.weight",
+            "nextn.hnorm.weight": "hnorm.weight", "nextn.shared_head_norm.weight": "shared_head.norm.weight"}
 NEXTN_OPTIONAL = {
     "nextn.embed_tokens.weight": lambda c: (c.vocab_size, c.hidden_size),
     "nextn.shared_head_head.weight": lambda c: (c.vocab_size, c.hidden_size),
@@ -124,7 +128,27 @@ def config_from_hf(cfg, source):
         shared_intermediate_size=width * int(cfg.get("n_shared_experts", 0)),
         num_expert_groups=int(cfg.get("n_group") or 1), topk_expert_groups=int(cfg.get("topk_group") or 1),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        num_nextn_layers=int(cfg.get("num_nextn_predict_layers") or 0),
     ), source)
+
+
+def fit_to_tensors(config, hf_names):
+    """No NextN layers in an HF directory without their weights (transformers' own saves have none)."""
+    if config.num_nextn_layers and f"model.layers.{config.num_layers}.eh_proj.weight" not in hf_names:
+        return dataclasses.replace(config, num_nextn_layers=0)
+    return config
+
+
+def nextn_hf_tensors(config):
+    """(canonical name, HF name) of the NextN layers' required tensors: model.layers.{L + i}.* in HF checkpoints."""
+    sources = []
+    for layer in range(config.num_layers, config.num_layers + config.num_nextn_layers):
+        prefix = f"model.layers.{layer}."
+        for t in SPEC.layer_tensors(config, layer):
+            hf = [prefix + t.hf.format(e=e) for e in range(config.num_experts)] if t.stacked else prefix + t.hf
+            sources.append((f"blk.{layer}.{t.gguf}", hf))
+        sources += [(f"blk.{layer}.{name}", prefix + hf) for name, hf in NEXTN_HF.items()]
+    return sources
 
 
 def recipe_for(config, layer):
@@ -174,4 +198,6 @@ SPEC = ArchSpec(
     norm_names=(("ffn_norm", ("post_attention_norm.weight", "post_attention_layernorm.weight")),),
     extra_tensors=nextn_tensors,
     write_gguf_hparams=write_gguf_hparams,
+    fit_to_tensors=fit_to_tensors,
+    extra_hf_tensors=nextn_hf_tensors,
 )

@@ -115,6 +115,8 @@ def load_safetensors_dir(directory):
             raise ModelError(f"{path}: shard named in the index is missing")
         shards.append(Shard(path))
     located = {name: shard for shard in shards for name in shard.header}
+    if spec.fit_to_tensors is not None:
+        config = spec.fit_to_tensors(config, located)
 
     def fetch(hf_name, canonical):
         if hf_name not in located:

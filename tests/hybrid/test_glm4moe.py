@@ -156,3 +156,13 @@ def test_long_prompt_scores_match_transformers(glm_files):
     ids = [int(t) for t in np.random.default_rng(5).integers(3, 1000, 300)]
     llm = hybrid.LLM(path, device="cpu", max_context=512)
     assert rel_err(llm.score(ids), glm_logits(ref_dir, ids)) <= 1e-4
+
+
+def test_safetensors_dir_keeps_nextn_layer(glm_files, glm_hf_dir):
+    """An HF checkpoint with its MTP weights (model.layers.{L}.eh_proj ...: the reference directory has them, as
+    GLM-4.5's own do) gets its NextN layer; transformers' own save (none of them) gets none."""
+    _, ref_dir = glm_files("F32")
+    with_nextn = hybrid.LLM(ref_dir, device="cpu")
+    assert with_nextn.config.num_nextn_layers == 1 and len(with_nextn.model.nextn_layers) == 1
+    assert "eh_proj.weight" in with_nextn.model.nextn_tensors[0]
+    assert hybrid.LLM(glm_hf_dir, device="cpu").config.num_nextn_layers == 0
