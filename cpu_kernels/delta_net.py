@@ -4,9 +4,11 @@ A linear-attention layer keeps, per sequence, the last W-1 inputs of its causal 
 state) and one [Dk, Dv] matrix per value head (the delta-rule state). Per token t and value head h, with q, k
 L2-normed (q also scaled by Dk^-0.5), decay exp(g) and write strength beta:
     S *= exp(g);  S += k (beta (v - S^T k))^T;  out = S^T q
-`delta_rule_recurrent` runs that token by token (decode); `delta_rule_chunked` runs a prompt by chunks of
-tokens, each chunk's updates condensed into small matrix products (the UT transform of the DeltaNet paper,
-as transformers' torch_chunk_gated_delta_rule), the state read and written once a chunk.
+`delta_rule_recurrent` runs that token by token (one read and one write of the state a token);
+`delta_rule_chunked` runs it by chunks of tokens, each chunk's updates condensed into small matrix products (the
+UT transform of the DeltaNet paper, as transformers' torch_chunk_gated_delta_rule), the state read and written
+once a chunk: the parallel-in-chunk form, for hardware with fast small matrix products (without a BLAS it does
+more work than the loop here: the CPU backend reads prompts token by token, bench/results/delta_net_cpu.md).
 
 Shape legend: T tokens, C conv channels (2 Hk Dk + Hv Dv), W conv width, Hk key heads, Hv value heads
 (a multiple of Hk: key head h // (Hv / Hk) serves value head h, or h % Hk where `tiled`, as llama.cpp's
@@ -15,14 +17,22 @@ qwen35moe files order them), Dk / Dv key / value head dim, L chunk tokens.
 import numpy as np
 from numba import njit, prange
 
+from .activation import EXACT_DIVISION, silu
 from .twins import serial_twin
 
 CHUNK_TOKENS = 64  # tokens a chunk of the chunked form
 L2_EPS = 1e-6  # as transformers' l2norm (and FLA's)
-CONV_BLOCK = 64  # channels a parallel iteration of the conv
+CONV_BLOCK = 512  # channels a parallel iteration of the conv (fewer: the per-token calls cost more than the work)
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+@njit(fastmath=EXACT_DIVISION, nogil=True, cache=True, error_model="numpy")
+def _conv4_silu(x0, x1, x2, x3, w0, w1, w2, w3, out):
+    """out [n] = silu(w0 x0 + w1 x1 + w2 x2 + w3 x3), all [n] contiguous: a loop the compiler vectorizes."""
+    for c in range(out.shape[0]):
+        out[c] = silu(w0[c] * x0[c] + w1[c] * x1[c] + w2[c] * x2[c] + w3[c] * x3[c])
+
+
+@njit(parallel=True, fastmath=EXACT_DIVISION, nogil=True, cache=True, error_model="numpy")
 def conv1d_silu(x, weight, state, out):
     """Causal depthwise conv then silu: x [T, C], weight [C, W], state [W-1, C] (the W-1 inputs before x,
     replaced by the last W-1 of state ++ x) -> out [T, C]; out must not be x."""
@@ -30,13 +40,21 @@ def conv1d_silu(x, weight, state, out):
     width = weight.shape[1]
     for block in prange((channels + CONV_BLOCK - 1) // CONV_BLOCK):
         lo, hi = block * CONV_BLOCK, min(channels, (block + 1) * CONV_BLOCK)
+        taps = np.ascontiguousarray(weight[lo:hi].T)  # [W, block]: the channel loop runs over rows
+        acc = np.empty(hi - lo, np.float32)
         for t in range(num_tokens):
-            for c in range(lo, hi):
-                acc = np.float32(0.0)
-                for i in range(width):
-                    j = t - (width - 1) + i  # input position; < 0: in the state
-                    acc += weight[c, i] * (x[j, c] if j >= 0 else state[width - 1 + j, c])
-                out[t, c] = acc / (np.float32(1.0) + np.exp(-acc))  # [T, C]
+            if width == 4 and t >= 3:  # Qwen3-Next's width, every input in x: one vectorized pass
+                _conv4_silu(x[t - 3][lo:hi], x[t - 2][lo:hi], x[t - 1][lo:hi], x[t][lo:hi], taps[0], taps[1],
+                            taps[2], taps[3], out[t][lo:hi])
+                continue
+            acc[:] = 0.0
+            for i in range(width):
+                j = t - (width - 1) + i  # input position; < 0: in the state
+                row = x[j] if j >= 0 else state[width - 1 + j]
+                for c in range(hi - lo):
+                    acc[c] += taps[i, c] * row[lo + c]
+            for c in range(hi - lo):
+                out[t, lo + c] = silu(acc[c])  # [T, C]
         for i in range(width - 1):  # ascending: reads state[T + i] before it is written
             j = num_tokens - (width - 1) + i
             for c in range(lo, hi):
@@ -78,24 +96,25 @@ def delta_rule_recurrent(q, k, v, g, beta, state, out, tiled=False):
         kh = h % num_k_heads if tiled else h // group
         s = state[h]  # [Dk, Dv]
         qn, kn = np.empty(dk, np.float32), np.empty(dk, np.float32)
-        kv_mem, o = np.empty(dv, np.float32), np.empty(dv, np.float32)
+        kv_mem, sq, delta = np.empty(dv, np.float32), np.empty(dv, np.float32), np.empty(dv, np.float32)
         for t in range(num_tokens):
             _l2_normed(q[t, kh], 1.0 / np.sqrt(dk), qn)
             _l2_normed(k[t, kh], 1.0, kn)
             decay = np.float32(np.exp(g[t, h]))
             kv_mem[:] = 0.0
-            for i in range(dk):
+            sq[:] = 0.0
+            kq = np.float32(0.0)
+            for i in range(dk):  # one read of s: s^T k and s^T q before the decay
+                kq += kn[i] * qn[i]
                 for j in range(dv):
-                    s[i, j] *= decay
                     kv_mem[j] += s[i, j] * kn[i]
+                    sq[j] += s[i, j] * qn[i]
             for j in range(dv):
-                kv_mem[j] = (v[t, h, j] - kv_mem[j]) * beta[t, h]  # the delta, written along kn
-            o[:] = 0.0
+                delta[j] = (v[t, h, j] - decay * kv_mem[j]) * beta[t, h]
+                out[t, h, j] = decay * sq[j] + delta[j] * kq  # (decay s + k delta^T)^T q  [T, Hv, Dv]
             for i in range(dk):
                 for j in range(dv):
-                    s[i, j] += kn[i] * kv_mem[j]
-                    o[j] += s[i, j] * qn[i]
-            out[t, h] = o  # [T, Hv, Dv]
+                    s[i, j] = decay * s[i, j] + kn[i] * delta[j]
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -162,7 +181,8 @@ def delta_rule_chunked(q, k, v, g, beta, state, out, tiled=False):
     for h in prange(num_v_heads):
         kh = h % num_k_heads if tiled else h // group
         qn, kn = np.empty((chunk, dk), np.float32), np.empty((chunk, dk), np.float32)
-        vb, u, o = np.empty((chunk, dv), np.float32), np.empty((chunk, dv), np.float32), np.empty((chunk, dv), np.float32)
+        vb, u = np.empty((chunk, dv), np.float32), np.empty((chunk, dv), np.float32)
+        o = np.empty((chunk, dv), np.float32)
         w, system = np.empty((chunk, dk), np.float32), np.empty((chunk, chunk), np.float32)
         cum, bt = np.empty(chunk, np.float32), np.empty(chunk, np.float32)
         for lo in range(0, num_tokens, chunk):
@@ -181,7 +201,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, out, tiled=False):
                 out[lo + i, h] = o[i]  # [T, Hv, Dv]
 
 
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+@njit(parallel=True, fastmath=EXACT_DIVISION, nogil=True, cache=True, error_model="numpy")
 def rmsnorm_gated(x, z, weight, eps, out):
     """Per head: out = weight * x / rms(x) * silu(z); x, z, out [T, Hv, Dv], weight [Dv]; out may be x."""
     num_tokens, num_heads, dv = x.shape
@@ -192,8 +212,7 @@ def rmsnorm_gated(x, z, weight, eps, out):
             sum_sq += np.float64(x[t, h, i]) * x[t, h, i]
         inv_rms = np.float32(1.0 / np.sqrt(sum_sq / dv + eps))
         for i in range(dv):
-            gate = z[t, h, i]
-            out[t, h, i] = weight[i] * (x[t, h, i] * inv_rms) * (gate / (np.float32(1.0) + np.exp(-gate)))
+            out[t, h, i] = weight[i] * (x[t, h, i] * inv_rms) * silu(z[t, h, i])
 
 
 conv1d_silu_serial = serial_twin(conv1d_silu)

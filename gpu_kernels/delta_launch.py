@@ -49,7 +49,8 @@ class DeltaNetLaunchers:
         num_v_heads, dv = v.shape[1], v.shape[2]
         self._launch(self._dn("delta_rule"), (num_v_heads, -(-dv // DN_COLS)), DN_COLS,
                      (q, k, v, g, beta, state, out, np.int32(num_tokens), np.int32(num_k_heads),
-                      np.int32(num_v_heads), np.int32(dk), np.int32(dv), np.int32(bool(tiled))), shared_mem=4 * (2 * dk + DN_COLS))
+                      np.int32(num_v_heads), np.int32(dk), np.int32(dv), np.int32(bool(tiled))),
+                     shared_mem=4 * (2 * dk + DN_COLS))
 
     def rmsnorm_gated(self, x, z, weight, eps, out):
         """Per row of D: out = weight * x / rms(x) * silu(z); x, z, out [..., D]."""

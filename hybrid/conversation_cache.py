@@ -188,8 +188,8 @@ class ConversationCache:
                 self._touch(entry)  # already parked
                 return
         arrays = kv_store.pack(*seq_kv.export(len(ids)), self.store)
-        entry = Parked(ids, arrays, sum(a.nbytes for a in arrays.values()) + ids.nbytes + sum(c.nbytes for c in checkpoints),
-                       checkpoints=checkpoints)
+        nbytes = sum(a.nbytes for a in arrays.values()) + ids.nbytes + sum(c.nbytes for c in checkpoints)
+        entry = Parked(ids, arrays, nbytes, checkpoints=checkpoints)
         if entry.nbytes > self.budget_bytes:
             log.info("conversation of %d tokens (%.1f MiB) exceeds the cache budget; not parked",
                      len(ids), entry.nbytes / 2**20)
@@ -233,7 +233,8 @@ class ConversationCache:
         path = os.path.join(self.spill_dir, f"{digest[:24]}.npz")
         tmp = f"{path}.tmp.npz"
         header_bytes = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-        np.savez(tmp, header=header_bytes, token_ids=entry.token_ids, **entry.arrays, **_state_arrays(entry.checkpoints))
+        np.savez(tmp, header=header_bytes, token_ids=entry.token_ids, **entry.arrays,
+                 **_state_arrays(entry.checkpoints))
         os.replace(tmp, path)
         entry.path = path
 

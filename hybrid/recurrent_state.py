@@ -146,8 +146,8 @@ class RecurrentState:
     def load_checkpoint(self, checkpoint):
         """The state becomes `checkpoint`'s (a restored conversation's), kept as this sequence's checkpoint too."""
         if checkpoint.conv.shape != self.shape.conv_shape or checkpoint.delta.shape != self.shape.delta_shape:
-            raise ValueError(f"state checkpoint of shapes {checkpoint.conv.shape}, {checkpoint.delta.shape}: this model's "
-                             f"are {self.shape.conv_shape}, {self.shape.delta_shape}")
+            raise ValueError(f"state checkpoint of shapes {checkpoint.conv.shape}, {checkpoint.delta.shape}: this "
+                             f"model's are {self.shape.conv_shape}, {self.shape.delta_shape}")
         self.backend.state_from_host(self.conv_all, checkpoint.conv)
         self.backend.state_from_host(self.delta_all, checkpoint.delta)
         self.length, self._snapshot, self._pending = checkpoint.position, None, None

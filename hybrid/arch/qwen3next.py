@@ -17,13 +17,15 @@ from gguf import Keys
 from ..errors import ModelError
 from ..formats.weights import ModelConfig
 from .base import PART_TENSORS, ArchSpec, LayerTensor, attention_tensors, require
-from .recipe import Block, FullAttention, GatedAttention, LayerRecipe, LinearAttention, MoE, SharedExpert, SoftmaxTopK, SwiGLU
+from .recipe import (Block, FullAttention, GatedAttention, LayerRecipe, LinearAttention, MoE, SharedExpert, SoftmaxTopK,
+                     SwiGLU)
 
 QWEN3NEXT, QWEN35MOE = "qwen3next", "qwen35moe"
 
 
 def config_from_gguf(arch):
-    """The family's GGUF config reader: (fields, source, vocab_size, tie_word_embeddings, tensor_names) -> ModelConfig."""
+    """The family's GGUF config reader: (fields, source, vocab_size, tie_word_embeddings, tensor_names) ->
+    ModelConfig."""
     def read(fields, source, vocab_size, tie_word_embeddings, tensor_names=()):
         def key(k, default=None):
             value = fields.get(k.format(arch=arch), default)
@@ -42,7 +44,8 @@ def config_from_gguf(arch):
             moe_intermediate_size=int(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
             rope_theta=float(key(Keys.Rope.FREQ_BASE, 10000.0)),
             rms_norm_eps=float(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
-            context_length=int(key(Keys.LLM.CONTEXT_LENGTH)), norm_topk_prob=bool(key(Keys.LLM.EXPERT_WEIGHTS_NORM, True)),
+            context_length=int(key(Keys.LLM.CONTEXT_LENGTH)),
+            norm_topk_prob=bool(key(Keys.LLM.EXPERT_WEIGHTS_NORM, True)),
             tie_word_embeddings=tie_word_embeddings, qk_norm=True,
             rotary_dim=int(key(Keys.Rope.DIMENSION_COUNT, head_dim)),
             shared_intermediate_size=int(key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)),
@@ -146,7 +149,8 @@ def linear_attention_tensors(part, config):
     if part.joint_ba:
         return tensors + [LayerTensor("ssm_ba.weight", "ssm_ba", "linear_attn.in_proj_ba.weight",
                                       lambda c: (2 * hv, c.hidden_size))]
-    return tensors + [LayerTensor("ssm_beta.weight", "ssm_beta", "linear_attn.in_proj_b.weight", lambda c: (hv, c.hidden_size)),
+    return tensors + [LayerTensor("ssm_beta.weight", "ssm_beta", "linear_attn.in_proj_b.weight",
+                                  lambda c: (hv, c.hidden_size)),
                       LayerTensor("ssm_alpha.weight", "ssm_alpha", "linear_attn.in_proj_a.weight",
                                   lambda c: (hv, c.hidden_size))]
 
@@ -169,7 +173,8 @@ def nextn_tensors(config):
 
 
 def write_gguf_hparams(writer, config):
-    """The keys llama.cpp's converter writes for these families beyond the common ones (hybrid/formats/gguf_writer.py)."""
+    """The keys llama.cpp's converter writes for these families beyond the common ones
+    (hybrid/formats/gguf_writer.py)."""
     c = config
     writer.add_block_count(c.num_layers + c.num_nextn_layers)
     writer.add_feed_forward_length(c.moe_intermediate_size)

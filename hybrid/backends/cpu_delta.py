@@ -1,6 +1,8 @@
 """The CPU backend's linear-attention ops (a mixin of CpuBackend): Gated DeltaNet through cpu_kernels/delta_net.py,
-the sigmoid gates and the splits hybrid/linear_attention.py needs. A prompt chunk runs the chunked delta rule,
-a few tokens the recurrent one.
+the sigmoid gates and the splits hybrid/linear_attention.py needs. Prompt chunks and decode steps alike run the
+delta rule token by token: the chunked form (cpu_kernels/delta_net.py delta_rule_chunked) does more arithmetic
+without a BLAS to make it cheaper, and took 134 ms against 86 ms for a 512-token chunk of one Qwen3-Next layer on
+one core (bench/results/delta_net_cpu.md).
 
 Shape legend: T tokens, C conv channels, W conv width, Hk / Hv key / value heads, Dk / Dv their head dims,
 G groups, n values.
@@ -10,9 +12,6 @@ import numpy as np
 from cpu_kernels import delta_net
 
 from ..weight_formats import dequantize
-
-CHUNKED_MIN_TOKENS = 16  # fewer tokens run the recurrent form (a chunk's setup costs more than it saves)
-
 
 class CpuDeltaOps:
     """Linear-attention ops over NumPy arrays."""
@@ -60,10 +59,10 @@ class CpuDeltaOps:
         [T, Hv, Dv]; state [Hv, Dk, Dv] advanced."""
         num_tokens, qk = len(mixed), part.num_k_heads * part.key_dim
         q, k, v = (np.ascontiguousarray(mixed[:, lo:hi]) for lo, hi in ((0, qk), (qk, 2 * qk), (2 * qk, None)))
-        kernel = delta_net.delta_rule_chunked if num_tokens >= CHUNKED_MIN_TOKENS else delta_net.delta_rule_recurrent
-        kernel(q.reshape(num_tokens, part.num_k_heads, part.key_dim), k.reshape(num_tokens, part.num_k_heads, part.key_dim),
-               v.reshape(num_tokens, part.num_v_heads, part.value_dim), np.ascontiguousarray(g),
-               np.ascontiguousarray(beta), state, out, part.tiled)
+        heads = (num_tokens, part.num_k_heads, part.key_dim)
+        delta_net.delta_rule_recurrent(q.reshape(heads), k.reshape(heads),
+                                       v.reshape(num_tokens, part.num_v_heads, part.value_dim), np.ascontiguousarray(g),
+                                       np.ascontiguousarray(beta), state, out, part.tiled)
 
     def rmsnorm_gated(self, x, z, weight, eps):
         """weight * x / rms(x) * silu(z) per head: x, z [T, Hv, Dv] -> a new [T, Hv, Dv]."""

@@ -61,7 +61,8 @@ class GpuDeltaOps:
         q, k, v = (xp.ascontiguousarray(mixed[:, lo:hi]) for lo, hi in ((0, qk), (qk, 2 * qk), (2 * qk, None)))
         self.kernels.delta_rule(q.reshape(num_tokens, part.num_k_heads, part.key_dim),
                                 k.reshape(num_tokens, part.num_k_heads, part.key_dim),
-                                v.reshape(num_tokens, part.num_v_heads, part.value_dim), g, beta, state, out, part.tiled)
+                                v.reshape(num_tokens, part.num_v_heads, part.value_dim), g, beta, state, out,
+                                part.tiled)
 
     def rmsnorm_gated(self, x, z, weight, eps):
         """weight * x / rms(x) * silu(z) per head: x, z [T, Hv, Dv] -> a new [T, Hv, Dv]."""

@@ -146,7 +146,8 @@ def hf_state_dict(canonical, config):
                       p + "mlp.shared_expert.down_proj.weight": t("ffn_down_shexp.weight"),
                       p + "mlp.shared_expert_gate.weight": t("ffn_gate_inp_shexp.weight").reshape(1, -1)})
         if (i + 1) % c.full_attention_interval == 0:
-            state.update({p + "self_attn.q_proj.weight": t("attn_q.weight"), p + "self_attn.k_proj.weight": t("attn_k.weight"),
+            state.update({p + "self_attn.q_proj.weight": t("attn_q.weight"),
+                          p + "self_attn.k_proj.weight": t("attn_k.weight"),
                           p + "self_attn.v_proj.weight": t("attn_v.weight"),
                           p + "self_attn.o_proj.weight": t("attn_output.weight"),
                           p + "self_attn.q_norm.weight": t("attn_q_norm.weight") - 1,
