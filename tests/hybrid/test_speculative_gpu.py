@@ -15,11 +15,13 @@ from tests.hybrid.test_speculative import ALWAYS, serve_ids
 PROMPTS = [[3, 17, 42, 5, 3, 17, 42, 5, 3, 17], [99, 23, 64, 99, 23, 64, 99], [7, 11, 250, 31, 8, 7, 11], [2, 45, 2]]
 
 
-@pytest.fixture(scope="module")
-def stand_in(gguf_models):
+@pytest.fixture(scope="module", params=[0.5, 1.0], ids=["half-resident", "resident"])
+def stand_in(gguf_models, request):
+    """The model on the stand-in GPU with that share of its experts resident (all: a layer's step of a few
+    tokens runs as a decode step on the device)."""
     weights = load_model(gguf_models("small", "Q8_0")[0])
     c = weights.config
-    resident = np.random.default_rng(0).random((c.num_layers, c.num_experts)) < 0.5
+    resident = np.random.default_rng(0).random((c.num_layers, c.num_experts)) < request.param
     backend = GpuBackend(NumpyRuntime(), max_context=256, kv_sequences=4, resident=resident)
     backend.kernels = ReferenceKernels()
     return weights, Model(weights, backend, host=CpuBackend(act_quant="float"))
