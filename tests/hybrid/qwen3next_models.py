@@ -165,7 +165,7 @@ def hf_state_dict(canonical, config):
                       p + "linear_attn.A_log": np.log(-t("ssm_a")), p + "linear_attn.dt_bias": t("ssm_dt.bias"),
                       p + "linear_attn.norm.weight": t("ssm_norm.weight"),
                       p + "linear_attn.out_proj.weight": t("ssm_out.weight")})
-    return {name: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) for name, x in state.items()}
+    return {name: torch.from_numpy(np.array(x, dtype=np.float32)) for name, x in state.items()}
 
 
 def _qwen35_linear(prefix, t, hk, hv, dk, dv):

@@ -163,3 +163,38 @@ def test_mtp_layer_is_loaded_and_kept(tmp_path, demo_tokenizer):
     assert layer.shexp_gate is not None and set(own) == {"eh_proj.weight", "enorm.weight", "hnorm.weight",
                                                         "shared_head_norm.weight"}
     np.testing.assert_array_equal(llm.score(PROMPT_40), hybrid.LLM(plain, device="cpu").score(PROMPT_40))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qwen35", [False, True], ids=["qwen3next", "qwen35moe"])
+@pytest.mark.parametrize("outtype,tol", [("f32", 1e-4), ("bf16", 2e-3)])
+def test_llama_cpp_converter_file_matches_transformers(tmp_path, demo_tokenizer, qwen35, outtype, tol):
+    """A file made by llama.cpp's own convert_hf_to_gguf.py (STRATA_LLAMA_CPP_DIR: a llama.cpp source tree, e.g.
+    the llama-cpp-python sdist's vendor/llama.cpp): its names, keys and stored forms (A_log as -exp, the conv
+    squeezed, norms + 1, qwen35moe's tiled value heads) are what we read; the reference runs on the file's weights
+    as gguf-py dequantizes them; a prompt over two 64-token chunks read 64 tokens a step."""
+    import os
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from tests.conftest import save_tokenizer_files
+
+    llama_cpp = os.environ.get("STRATA_LLAMA_CPP_DIR")
+    if not llama_cpp or not os.path.isfile(os.path.join(llama_cpp, "convert_hf_to_gguf.py")):
+        pytest.skip("set STRATA_LLAMA_CPP_DIR to a llama.cpp source tree to run its converter")
+    hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size, qwen35=qwen35), str(tmp_path / "hf"),
+                         save_tokenizer_files, demo_tokenizer)
+    out = str(tmp_path / f"converted-{outtype}.gguf")
+    script = os.path.join(os.path.dirname(__file__), "llama_convert.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, script, llama_cpp, hf_dir, out, outtype, "--no-mtp"], check=True,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": root})  # the tiny models have no MTP layer
+    llm = hybrid.LLM(out, device="cpu", act_quant="float")
+    assert llm.config.arch == ("qwen35moe" if qwen35 else "qwen3next")
+    canonical = {t.name: np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(
+        [int(d) for d in reversed(t.shape)]) for t in GGUFReader(out).tensors}
+    ref_model = reference_model(hf_dir, canonical, llm.config)
+    assert rel_err(score_in_chunks(llm, PROMPT_150, 64), hf_logits(ref_model, PROMPT_150)) <= tol
