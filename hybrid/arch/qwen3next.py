@@ -21,6 +21,7 @@ from .recipe import (Block, FullAttention, GatedAttention, LayerRecipe, LinearAt
                      SwiGLU)
 
 QWEN3NEXT, QWEN35MOE = "qwen3next", "qwen35moe"
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # llama.cpp's key (newer gguf-py: Keys.Attention.RECURRENT_LAYERS)
 
 
 def config_from_gguf(arch):
@@ -37,8 +38,10 @@ def config_from_gguf(arch):
         head_dim = int(key(Keys.Attention.KEY_LENGTH, hidden // num_heads))
         num_v_heads = int(key(Keys.SSM.TIME_STEP_RANK))
         nextn = int(key(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
+        num_layers = int(key(Keys.LLM.BLOCK_COUNT)) - nextn
+        recurrent = fields.get(RECURRENT_LAYERS.format(arch=arch))  # per layer (MTP layers included), when written
         return ModelConfig(
-            arch=arch, vocab_size=vocab_size, hidden_size=hidden, num_layers=int(key(Keys.LLM.BLOCK_COUNT)) - nextn,
+            arch=arch, vocab_size=vocab_size, hidden_size=hidden, num_layers=num_layers,
             num_heads=num_heads, num_kv_heads=int(key(Keys.Attention.HEAD_COUNT_KV, num_heads)), head_dim=head_dim,
             num_experts=int(key(Keys.LLM.EXPERT_COUNT)), num_experts_per_tok=int(key(Keys.LLM.EXPERT_USED_COUNT)),
             moe_intermediate_size=int(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
@@ -51,6 +54,7 @@ def config_from_gguf(arch):
             shared_intermediate_size=int(key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)),
             num_nextn_layers=nextn,
             full_attention_interval=int(key(Keys.LLM.FULL_ATTENTION_INTERVAL, 4)),
+            layer_types=() if recurrent is None else tuple(LAYER_TYPES[bool(r)] for r in recurrent[:num_layers]),
             linear_num_key_heads=int(key(Keys.SSM.GROUP_COUNT)), linear_num_value_heads=num_v_heads,
             linear_key_head_dim=int(key(Keys.SSM.STATE_SIZE)),
             linear_value_head_dim=int(key(Keys.SSM.INNER_SIZE)) // num_v_heads,
@@ -72,9 +76,10 @@ def hf_config(cfg, source):
         raise ModelError(f"{source}: rope type '{params['rope_type']}' is not supported for {arch} (only default RoPE)")
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     interval = int(cfg.get("full_attention_interval", 4))
-    layer_types = cfg.get("layer_types")
-    if layer_types and any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(layer_types)):
-        raise ModelError(f"{source}: layer_types other than every {interval}th layer full attention are not supported")
+    layer_types = tuple(cfg.get("layer_types") or ())
+    if set(layer_types) - set(LAYER_TYPES):
+        raise ModelError(f"{source}: layer_types {sorted(set(layer_types) - set(LAYER_TYPES))} are not supported "
+                         f"for {arch} (only {' and '.join(LAYER_TYPES)})")
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
         raise ModelError(f"{source}: dense layers (mlp_only_layers, decoder_sparse_step) are not supported for {arch}")
     return ModelConfig(
@@ -91,7 +96,7 @@ def hf_config(cfg, source):
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=True,
         rotary_dim=int(head_dim * partial),
         shared_intermediate_size=int(require(cfg, "shared_expert_intermediate_size", source)),
-        full_attention_interval=interval,
+        full_attention_interval=interval, layer_types=layer_types,
         linear_num_key_heads=int(require(cfg, "linear_num_key_heads", source)),
         linear_num_value_heads=int(require(cfg, "linear_num_value_heads", source)),
         linear_key_head_dim=int(require(cfg, "linear_key_head_dim", source)),
@@ -105,7 +110,13 @@ def config_from_hf(cfg, source):
                      f"model with llama.cpp's convert_hf_to_gguf.py (any type) and load the GGUF file")
 
 
+LAYER_TYPES = ("full_attention", "linear_attention")  # by "is it recurrent"
+
+
 def is_full_attention(config, layer):
+    """From the file's per-layer list where it has one, else every full_attention_interval-th layer."""
+    if config.layer_types:
+        return config.layer_types[layer] == "full_attention"
     return (layer + 1) % config.full_attention_interval == 0
 
 
@@ -186,6 +197,9 @@ def write_gguf_hparams(writer, config):
     writer.add_ssm_time_step_rank(c.linear_num_value_heads)
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
     writer.add_full_attention_interval(c.full_attention_interval)
+    if c.layer_types:
+        writer.add_array(RECURRENT_LAYERS.format(arch=c.arch),
+                         [t == "linear_attention" for t in c.layer_types] + [False] * c.num_nextn_layers)
     if c.num_nextn_layers:
         writer.add_nextn_predict_layers(c.num_nextn_layers)
 

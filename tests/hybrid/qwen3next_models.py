@@ -125,6 +125,8 @@ def hf_state_dict(canonical, config):
     """The transformers (in-memory) state dict of GGUF-named float tensors: the converter's changes undone."""
     import torch
 
+    from hybrid.arch.qwen3next import is_full_attention
+
     c = config
     hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim)
@@ -145,7 +147,7 @@ def hf_state_dict(canonical, config):
                       p + "mlp.shared_expert.up_proj.weight": t("ffn_up_shexp.weight"),
                       p + "mlp.shared_expert.down_proj.weight": t("ffn_down_shexp.weight"),
                       p + "mlp.shared_expert_gate.weight": t("ffn_gate_inp_shexp.weight").reshape(1, -1)})
-        if (i + 1) % c.full_attention_interval == 0:
+        if is_full_attention(c, i):
             state.update({p + "self_attn.q_proj.weight": t("attn_q.weight"),
                           p + "self_attn.k_proj.weight": t("attn_k.weight"),
                           p + "self_attn.v_proj.weight": t("attn_v.weight"),

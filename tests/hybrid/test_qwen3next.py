@@ -198,3 +198,19 @@ def test_llama_cpp_converter_file_matches_transformers(tmp_path, demo_tokenizer,
         [int(d) for d in reversed(t.shape)]) for t in GGUFReader(out).tensors}
     ref_model = reference_model(hf_dir, canonical, llm.config)
     assert rel_err(score_in_chunks(llm, PROMPT_150, 64), hf_logits(ref_model, PROMPT_150)) <= tol
+
+
+@pytest.mark.slow
+def test_layer_pattern_from_the_file(tmp_path, demo_tokenizer):
+    """Full attention where the file's per-layer list says (llama.cpp's attention.recurrent_layers, from HF
+    layer_types), not only every fourth layer."""
+    from tests.conftest import save_tokenizer_files
+
+    types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size, layer_types=types), str(tmp_path / "hf"),
+                         save_tokenizer_files, demo_tokenizer)
+    path = str(tmp_path / "pattern.gguf")
+    ref_model = reference_model(hf_dir, *write_qwen3next_gguf(hf_dir, path, "F32", demo_tokenizer))
+    llm = hybrid.LLM(path, device="cpu")
+    assert llm.config.layer_types == tuple(types) and llm.model.recurrent_shape.layers == (0, 2)
+    assert rel_err(llm.score(PROMPT_40), hf_logits(ref_model, PROMPT_40)) <= 1e-4
