@@ -183,7 +183,6 @@ class Model:
         kv = self.backend.new_kv(self.kv_pool, max_tokens or self.config.context_length)
         if self.recurrent_shape is not None:
             kv.recurrent = RecurrentState(self.recurrent_shape, self.backend)
-            kv.supports_rollback = False  # rollback may keep less than asked: the engine does not read the rest again yet
         return kv
 
     @property

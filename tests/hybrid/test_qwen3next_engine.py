@@ -60,3 +60,25 @@ def test_a_returning_conversation_is_restored_through_the_engine(llm):
         assert cache.stats.hits == 1 and cache.stats.restored_tokens == len(first) + len(reply) - 1
     finally:
         engine.stop()
+
+
+def test_speculation_on_recurrent_sequences_gives_plain_greedy(llm):
+    """N-gram drafts on Qwen3-Next: a rejected draft rolls the state back to the verification chunk's start (its
+    snapshot), the engine reads the kept tokens again; the tokens are plain greedy decoding's."""
+    from hybrid.speculative.settings import SpecSettings
+
+    starts = [[3, 17, 42, 5] * 3, [99, 23, 64] * 3]
+    plain = Engine(llm, num_slots=2).start()
+    try:
+        first = run(plain, starts, max_tokens=12)
+        prompts = [s + out + s for s, out in zip(starts, first)]  # drafts: the earlier continuation, in part kept
+        expected = run(plain, prompts, max_tokens=16)
+    finally:
+        plain.stop()
+    drafting = Engine(llm, num_slots=2, speculation=SpecSettings(k=4, ngram=3, min_p=0.0)).start()
+    try:
+        assert drafting.speculation is not None
+        assert run(drafting, prompts, max_tokens=16) == expected
+        assert drafting.stats.draft_n > 0
+    finally:
+        drafting.stop()
