@@ -146,8 +146,8 @@ class Model:
         self.backend = backend
         self.recurrent_shape = RecurrentShape.of(self.recipes)  # linear-attention layers' state per sequence, or None
         if self.recurrent_shape is not None:
-            log.info("recurrent state: %d linear-attention layers, %.1f MiB per sequence (float32, any context)",
-                     len(self.recurrent_shape.layers), self.recurrent_shape.nbytes / 2**20)
+            log.info("recurrent state: %d linear-attention layers, %.1f MiB per sequence (float32, any context; twice "
+                     "that with its snapshot)", len(self.recurrent_shape.layers), self.recurrent_shape.nbytes / 2**20)
         self.layers = [_layer_weights(weights, i, self.spec) for i in range(self.config.num_layers)]
         kv_layers = [i for i in range(self.config.num_layers) if self.recurrent_shape is None
                      or i not in self.recurrent_shape.layers]

@@ -52,6 +52,11 @@ class RecurrentShape:
         """Bytes of one sequence's state."""
         return 4 * sum(_size(shape) for shape in (self.conv_shape, self.delta_shape))
 
+    @property
+    def slot_bytes(self):
+        """Bytes a sequence holds for it: the state and its snapshot at the start of the last multi-token chunk."""
+        return 2 * self.nbytes
+
 
 def _size(shape):
     n = 1

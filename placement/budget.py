@@ -34,7 +34,7 @@ class ModelSizes:
     moe_intermediate_size: int
     vocab_size: int
     layer_kv: tuple = ()  # per layer: whether it keeps KV (linear-attention layers keep a fixed state); (): all
-    layer_state_bytes: tuple = ()  # per layer: one sequence's recurrent state (linear-attention layers), else 0
+    layer_state_bytes: tuple = ()  # per layer: a sequence's recurrent state and its snapshot (linear attention), else 0
 
     def kv_layers(self, layers):
         """How many of `layers` (indices) keep KV."""
@@ -125,7 +125,7 @@ def _layer_memory(config):
     shape = RecurrentShape.of(recipes)
     if shape is None:
         return (), ()
-    per_layer = shape.nbytes // len(shape.layers)
+    per_layer = shape.slot_bytes // len(shape.layers)
     return (tuple(i not in shape.layers for i in range(config.num_layers)),
             tuple(per_layer if i in shape.layers else 0 for i in range(config.num_layers)))
 

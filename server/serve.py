@@ -34,7 +34,7 @@ def log_budget(llm, parallel, max_queue):
     copied = sum(t.raw.nbytes for t in llm.weights.tensors.values() if t.raw.flags.writeable)
     held = "in RAM" if copied == model_bytes else "mapped from the file" if not copied else "partly in RAM"
     state = llm.model.recurrent_shape  # linear-attention layers: a fixed state per slot beside the KV
-    state_text = "" if state is None else f" + recurrent state {state.nbytes / MIB:.1f} MiB"
+    state_text = "" if state is None else f" + recurrent state and its snapshot {state.slot_bytes / MIB:.1f} MiB"
     log.info("memory: model %.1f MiB (%s); %s (blocks taken as used)%s x %d slots; queue limit %d requests",
              model_bytes / MIB, held, llm.model.backend.describe_kv(llm.model.kv_pool, llm.max_context), state_text,
              parallel, max_queue)

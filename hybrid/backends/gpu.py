@@ -117,7 +117,7 @@ class GpuBackend(GpuDeltaOps):
         kv_blocks = self.kv_sequences * self.vram_blocks_per_sequence()
         kv = kv_blocks * per_block + self.kv.stage_bytes(c)
         if model.recurrent_shape is not None:  # the linear-attention layers' state of each sequence
-            kv += self.kv_sequences * model.recurrent_shape.nbytes
+            kv += self.kv_sequences * model.recurrent_shape.slot_bytes
         scratch = self.chunk_tokens * 4 * (c.vocab_size + 8 * c.hidden_size + 2 * c.num_heads * c.head_dim
                                            + c.num_experts_per_tok * (3 * c.moe_intermediate_size + 2 * c.hidden_size)
                                            + 3 * max(c.dense_intermediate_size, c.shared_intermediate_size))

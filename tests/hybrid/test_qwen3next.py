@@ -140,9 +140,9 @@ def test_kv_and_budgets_hold_attention_layers_and_the_state(qwen3next_files):
     assert [layer.kv_index for layer in llm.model.layers] == [None, None, None, 0]
     sizes = ModelSizes.from_weights(load_model(path))
     layers = range(4)
-    assert sizes.kv_layers(layers) == 1 and sizes.state_bytes(layers) == llm.model.recurrent_shape.nbytes
+    assert sizes.kv_layers(layers) == 1 and sizes.state_bytes(layers) == llm.model.recurrent_shape.slot_bytes
     budget = gpu_budget(sizes, 0, 1, 1 << 34, layers, 2, 256, "f32", 0)
-    assert budget.kv == 2 * (256 * sizes.kv_bytes_per_token("f32") + llm.model.recurrent_shape.nbytes)
+    assert budget.kv == 2 * (256 * sizes.kv_bytes_per_token("f32") + llm.model.recurrent_shape.slot_bytes)
 
 
 @pytest.mark.slow
