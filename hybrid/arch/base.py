@@ -166,7 +166,9 @@ class ArchSpec:
     config): the family's GGUF keys beyond the common ones, block_count and feed_forward_length included (None:
     the MoE layers' width as feed_forward_length, as qwen3moe's files have); fit_to_tensors(config, hf_names) -> the
     config of an HF directory with these tensor names (e.g. no NextN layers where it has none of their weights);
-    extra_hf_tensors(config) -> [(canonical name, HF name)] of its tensors outside the layers (NextN layers)."""
+    extra_hf_tensors(config) -> [(canonical name, HF name)] of its tensors outside the layers (NextN layers);
+    hf_tensors(fetch, config, spec, source) -> {canonical name: QuantTensor}: the family's own reading of an HF
+    directory (fetch(HF name) -> its tensor), where its tensors need changes on the way (None: by the names)."""
 
     name: str
     hf_model_types: tuple
@@ -179,6 +181,7 @@ class ArchSpec:
     write_gguf_hparams: Optional[Callable] = None
     fit_to_tensors: Optional[Callable] = None
     extra_hf_tensors: Optional[Callable] = None
+    hf_tensors: Optional[Callable] = None
 
     def __post_init__(self):
         SPECS[self.name] = self

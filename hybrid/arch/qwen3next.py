@@ -9,14 +9,14 @@ the FFN norm is `post_attention_norm`; RMSNorm weights are stored as 1 + w (the 
 gated norm's as w; ssm_a holds -exp(A_log); the conv weight is [C, W]; qwen3next's q, k, v rows come as
 attn_qkv (all q heads, then k, then v) and its z as attn_gate, its beta / alpha inputs interleaved per key head in
 ssm_ba; qwen35moe's are ssm_beta / ssm_alpha, its value heads tiled (hybrid/arch/recipe.py LinearAttention).
-HF directories of these families are refused (their tensors need the converter's changes): convert them with
-llama.cpp's convert_hf_to_gguf.py (tests/hybrid/qwen3next_models.py makes the same tensors for the tests).
+HF directories are read into the same tensors (hybrid/arch/qwen3next_hf.py makes the converter's changes).
 """
 from gguf import Keys
 
 from ..errors import ModelError
 from ..formats.weights import ModelConfig
 from .base import PART_TENSORS, ArchSpec, LayerTensor, attention_tensors, require
+from .qwen3next_hf import hf_tensors
 from .recipe import (Block, FullAttention, GatedAttention, LayerRecipe, LinearAttention, MoE, SharedExpert, SoftmaxTopK,
                      SwiGLU)
 
@@ -106,8 +106,8 @@ def hf_config(cfg, source):
 
 
 def config_from_hf(cfg, source):
-    raise ModelError(f"{source}: HF directories of Qwen3-Next / Qwen3.5-MoE are not read directly yet: convert the "
-                     f"model with llama.cpp's convert_hf_to_gguf.py (any type) and load the GGUF file")
+    """hf_config, for the HF model types of this family's spec (the tensors: hybrid/arch/qwen3next_hf.py)."""
+    return hf_config(cfg, source)
 
 
 LAYER_TYPES = ("full_attention", "linear_attention")  # by "is it recurrent"
@@ -208,7 +208,7 @@ def _spec(name, hf_types):
     return ArchSpec(name=name, hf_model_types=hf_types, recipe=None, recipe_for=recipe_for,
                     config_from_gguf=config_from_gguf(name), config_from_hf=config_from_hf,
                     norm_names=(("ffn_norm", ("post_attention_norm.weight", "post_attention_layernorm.weight")),),
-                    extra_tensors=nextn_tensors, write_gguf_hparams=write_gguf_hparams)
+                    extra_tensors=nextn_tensors, write_gguf_hparams=write_gguf_hparams, hf_tensors=hf_tensors)
 
 
 SPECS = (_spec(QWEN3NEXT, ("qwen3_next",)), _spec(QWEN35MOE, ("qwen3_5_moe", "qwen3_5_moe_text")))

@@ -123,8 +123,9 @@ def load_safetensors_dir(directory):
             raise ModelError(f"{directory}: missing tensor '{hf_name}' (needed for '{canonical}')")
         return located[hf_name].tensor(hf_name)
 
-    tensors = {}
-    for canonical, hf in hf_tensor_sources(spec, config):
+    tensors = {} if spec.hf_tensors is None else spec.hf_tensors(lambda name: fetch(name, name), config, spec,
+                                                                 directory)
+    for canonical, hf in hf_tensor_sources(spec, config) if spec.hf_tensors is None else ():
         if isinstance(hf, list):
             tensors[canonical] = _stack_experts(canonical, [fetch(n, canonical) for n in hf], directory)
         else:
