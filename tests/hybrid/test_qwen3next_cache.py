@@ -86,3 +86,19 @@ def test_checkpoints_survive_a_spill(llm, tmp_path):
     assert reloaded.restore(RETURNING, kv) == 150
     err = np.abs(read(llm, kv, RETURNING) - llm.score(RETURNING)[150:]).max()
     assert err <= 1e-4 * np.abs(llm.score(RETURNING)).max()
+
+
+@pytest.mark.slow
+def test_a_damaged_spilled_checkpoint_is_moved_aside_with_a_warning(llm, tmp_path, caplog):
+    import glob
+
+    parked_cache(llm, spill_dir=str(tmp_path))
+    (path,) = glob.glob(str(tmp_path / "*.npz"))
+    with np.load(path) as data:
+        arrays = dict(data)
+    arrays["state_positions"] = arrays["state_positions"][:-1]  # one checkpoint's position lost
+    np.savez(path, **arrays)
+    with caplog.at_level(logging.WARNING, logger="hybrid.conversation_cache"):
+        reloaded = ConversationCache(1 << 30, "model", checkpoint_tokens=64, spill_dir=str(tmp_path))
+    assert not reloaded.entries and "recurrent-state checkpoints" in caplog.text
+    assert glob.glob(str(tmp_path / "*.damaged"))
