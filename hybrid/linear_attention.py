@@ -35,11 +35,11 @@ def linear_attention(be, part, layer, s):
     for chunk, (lo, hi) in zip(batch.chunks, batch.row_ranges):
         state = chunk.kv.recurrent
         state.begin_chunk(layer.index, chunk.start, hi - lo)
-        for a, b in state.spans(chunk.start, hi - lo):  # cut at the state's checkpoint positions
-            rows = slice(lo + a, lo + b)
+        for first, last in state.spans(chunk.start, hi - lo):  # cut at the state's checkpoint positions
+            rows = slice(lo + first, lo + last)
             be.delta_conv1d(qkv[rows], conv_weight, state.conv(layer.index), mixed[rows])
             be.delta_rule(mixed[rows], g[rows], beta[rows], state.delta(layer.index), out[rows], part)
-            state.reached(layer.index, chunk.start + b)
+            state.reached(layer.index, chunk.start + last)
     y = be.rmsnorm_gated(out, z.reshape(num_tokens, hv, dv), layer.ssm_norm, layer.eps)  # [T, Hv, Dv]
     s["y"] = be.linear(layer.ssm_out, y.reshape(num_tokens, hv * dv))
 
