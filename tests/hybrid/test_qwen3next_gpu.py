@@ -53,6 +53,28 @@ def test_gpu_backend_wiring_matches_cpu(qwen3next_q8):
         model.close()
 
 
+@pytest.mark.slow
+def test_gpu_backend_wiring_qwen35moe_matches_cpu(tmp_path, demo_tokenizer):
+    """Qwen3.5-MoE on the stand-in GPU: tiled value heads, separate beta / alpha projections."""
+    from gpu_kernels.numpy_runtime import NumpyRuntime
+    from tests.conftest import save_tokenizer_files
+    from tests.gpu_kernels.conftest import ReferenceKernels
+
+    hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size, qwen35=True), str(tmp_path / "hf"),
+                         save_tokenizer_files, demo_tokenizer)
+    path = str(tmp_path / "qwen35moe-Q8_0.gguf")
+    write_qwen3next_gguf(hf_dir, path, "Q8_0", demo_tokenizer)
+    weights = load_model(path)
+    ref = score(Model(weights, CpuBackend(act_quant="float")))
+    backend = GpuBackend(NumpyRuntime(), max_context=256, kv_sequences=2,
+                         resident=masks(weights.config.num_layers, weights.config.num_experts)["50%"])
+    backend.kernels = ReferenceKernels()
+    model = Model(weights, backend, host=CpuBackend(act_quant="float"))
+    assert model.recipes[0].mixer.part.tiled
+    np.testing.assert_allclose(score(model), ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+    model.close()
+
+
 def masks(num_layers, num_experts):
     rng = np.random.default_rng(0)
     return {"0%": np.zeros((num_layers, num_experts), bool),
