@@ -88,12 +88,15 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of --steps steps")
     parser.add_argument("--dense-graphs", action="store_true", help="a layer's dense launches as two graphs "
                         "(GpuBackend dense_graphs)")
+    parser.add_argument("--step-graphs", action="store_true", help="with --dense-graphs, the whole step as one graph "
+                        "(GpuBackend step_graphs; every expert is resident here)")
     args = parser.parse_args()
     weights = load_model(args.model)
     c = weights.config
     rt = LaunchCounter()
     backend = GpuBackend(rt, max_context=args.warmup + 2 * args.steps + 16, kv_sequences=1,
-                         resident=np.ones((c.num_layers, c.num_experts), bool), dense_graphs=args.dense_graphs)
+                         resident=np.ones((c.num_layers, c.num_experts), bool), dense_graphs=args.dense_graphs,
+                         step_graphs=args.step_graphs)
     model = Model(weights, backend, host=CpuBackend())
     kv = model.new_sequence(args.warmup + 2 * args.steps + 16)
     model.forward(Batch([SeqChunk(kv, 0, np.arange(4), "last")]))
