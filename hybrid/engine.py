@@ -5,6 +5,7 @@
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -39,6 +40,14 @@ class _Live:
     spec: SlotSpeculation = None  # the request's drafter, when it drafts
     text: str = ""
 
+
+
+def _weak(method):
+    """A callback to the bound `method` that does not keep its object alive: the scheduler belongs to the engine, so
+    a plain bound method would make the two a cycle, and a dropped engine's slots would hold their KV blocks until
+    the cyclic garbage collector ran."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 class EngineStats:
     """Counters and recent rates, read by the server's /metrics and /slots."""
@@ -83,7 +92,7 @@ class Engine:
                                    eos_ids=self.tokenizer.eos_ids, max_queue=max_queue, decode_share=decode_share,
                                    max_step_tokens=max_step_tokens, clock=clock,
                                    restore_prefix=conversation_cache.restore if conversation_cache else None,
-                                   park=self._park if conversation_cache else None, draft=self._draft)
+                                   park=_weak(self._park) if conversation_cache else None, draft=_weak(self._draft))
         self.speculation = speculation if speculation is not None and speculation.enabled and all(
             s.kv.supports_rollback for s in self.scheduler.slots) else None
         self.grammar = GrammarVocab.of(self.tokenizer, self.model.config.vocab_size)

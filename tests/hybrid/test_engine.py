@@ -186,3 +186,27 @@ def test_the_engine_thread_runs_kernels_with_the_chosen_thread_count(llm):
     finally:
         target._chosen_threads = None
         numba.set_num_threads(before)
+
+
+def test_a_dropped_engine_gives_its_slots_kv_back_at_once(llm):
+    """No reference cycle holds a stopped engine (its scheduler's callbacks are weak): dropping it frees its slots'
+    KV blocks without waiting for the cyclic garbage collector, so the next user of the model finds them free."""
+    import gc
+
+    from hybrid.speculative import SpecSettings
+
+    pool = llm.model.kv_pool
+    before = pool.blocks_free
+    engine = Engine(llm, num_slots=2, speculation=SpecSettings()).start()
+    try:
+        handle = engine.submit(greedy_request(llm.tokenizer.encode("Hello there"), max_tokens=4))
+        assert isinstance(list(handle)[-1], Finished)
+    finally:
+        engine.stop()
+    assert pool.blocks_free < before
+    gc.disable()
+    try:
+        del engine, handle
+        assert pool.blocks_free == before
+    finally:
+        gc.enable()
