@@ -153,7 +153,7 @@ def part_tensors(part, config):
     return make(part, config)
 
 
-SPECS = {}  # name -> ArchSpec, as each is made (hybrid/arch/__init__.py's ARCHS: the families Strata serves)
+SPECS = {}  # name -> ArchSpec of the families Strata serves (filled by hybrid/arch/__init__.py from its ARCHS)
 
 
 @dataclass(frozen=True)
@@ -182,9 +182,6 @@ class ArchSpec:
     fit_to_tensors: Optional[Callable] = None
     extra_hf_tensors: Optional[Callable] = None
     hf_tensors: Optional[Callable] = None
-
-    def __post_init__(self):
-        SPECS[self.name] = self
 
     def layer_recipe(self, config, layer):
         """The recipe of layer `layer` (0-based)."""
