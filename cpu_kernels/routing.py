@@ -12,6 +12,23 @@ from .twins import serial_twin
 LOWEST = np.float32(-3.0e38)  # below any score (fast-math kernels assume no infinities)
 
 
+@njit(fastmath=True, nogil=True, cache=True)
+def keep_top(ids, values, num_kept, value, index):
+    """Insert (index, value) into a row's top K kept so far (ids [K], values [K], highest first; equal values keep
+    the lower index first, as indices come in order); returns how many it keeps now."""
+    k = len(values)
+    if num_kept == k and value <= values[k - 1]:
+        return num_kept
+    slot = min(num_kept, k - 1)
+    while slot > 0 and values[slot - 1] < value:  # strict: equal values keep the lower index first
+        values[slot] = values[slot - 1]
+        ids[slot] = ids[slot - 1]
+        slot -= 1
+    values[slot] = value
+    ids[slot] = index
+    return min(num_kept + 1, k)
+
+
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def route_softmax_topk(logits, k, normalize, ids_out, weights_out):
     """logits [T, E] -> ids_out int64 [T, K] (highest first, ties to the lower id), weights_out f32 [T, K]."""
@@ -28,17 +45,7 @@ def route_softmax_topk(logits, k, normalize, ids_out, weights_out):
         inv_total = np.float32(1.0 / total)
         num_kept = 0
         for e in range(num_experts):
-            p = probs[e] * inv_total
-            if num_kept == k and p <= weights_out[t, k - 1]:
-                continue
-            slot = min(num_kept, k - 1)
-            while slot > 0 and weights_out[t, slot - 1] < p:  # strict: equal values keep the lower id first
-                weights_out[t, slot] = weights_out[t, slot - 1]
-                ids_out[t, slot] = ids_out[t, slot - 1]
-                slot -= 1
-            weights_out[t, slot] = p  # [T, K]
-            ids_out[t, slot] = e
-            num_kept = min(num_kept + 1, k)
+            num_kept = keep_top(ids_out[t], weights_out[t], num_kept, probs[e] * inv_total, e)
         if normalize:
             kept_sum = np.float32(0.0)
             for j in range(k):
@@ -89,17 +96,7 @@ def route_sigmoid_topk(logits, bias, k, num_groups, topk_groups, normalize, scal
         for e in range(num_experts):
             if not allowed[e // group_size]:
                 continue
-            c = choice[e]
-            if num_kept == k and c <= best_choice[k - 1]:
-                continue
-            slot = min(num_kept, k - 1)
-            while slot > 0 and best_choice[slot - 1] < c:  # strict: equal values keep the lower id first
-                best_choice[slot] = best_choice[slot - 1]
-                ids_out[t, slot] = ids_out[t, slot - 1]
-                slot -= 1
-            best_choice[slot] = c
-            ids_out[t, slot] = e
-            num_kept = min(num_kept + 1, k)
+            num_kept = keep_top(ids_out[t], best_choice, num_kept, choice[e], e)
         total = np.float32(0.0)
         for j in range(k):
             weights_out[t, j] = scores[ids_out[t, j]]
@@ -153,17 +150,7 @@ def route_topk_softmax(logits, k, ids_out, weights_out):
     for t in prange(num_tokens):
         num_kept = 0
         for e in range(num_experts):
-            v = logits[t, e]
-            if num_kept == k and v <= weights_out[t, k - 1]:
-                continue
-            slot = min(num_kept, k - 1)
-            while slot > 0 and weights_out[t, slot - 1] < v:  # strict: equal values keep the lower id first
-                weights_out[t, slot] = weights_out[t, slot - 1]
-                ids_out[t, slot] = ids_out[t, slot - 1]
-                slot -= 1
-            weights_out[t, slot] = v  # [T, K]
-            ids_out[t, slot] = e
-            num_kept = min(num_kept + 1, k)
+            num_kept = keep_top(ids_out[t], weights_out[t], num_kept, logits[t, e], e)
         best = weights_out[t, 0]
         total = 0.0  # float64 accumulator
         for j in range(k):
