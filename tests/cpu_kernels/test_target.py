@@ -63,6 +63,7 @@ def run_probe(floor, cache_dir):
     return tuple(proc.stdout.split())
 
 
+@pytest.mark.slow  # a cold compile of its own (~25 s); test_avx2_floor_keeps_fma checks the floor by default
 def test_avx_floor_compiles_without_fma(tmp_path):
     """With STRATA_ISA_FLOOR=avx the kernels compile for Sandy Bridge: correct results, no FMA instructions."""
     assert run_probe("avx", tmp_path / "avx") == ("sandybridge", "''", "no-fma")
