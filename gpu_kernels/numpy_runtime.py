@@ -9,6 +9,7 @@ launch runs those calls again. So work that passes a step's number as a kernel a
 next step replaces, gives stale results here as it would on a GPU.
 """
 import threading
+import weakref
 
 import numpy as np
 
@@ -36,27 +37,48 @@ def _not_capturing(what):
 
 
 class NumpyRuntime:
-    """The runtime interface over NumPy arrays: runs GpuBackend's Python side without a GPU."""
+    """The runtime interface over NumPy arrays: runs GpuBackend's Python side without a GPU. Several of them present
+    several devices (hybrid/devices.py): `device_index` names one, `memory_bytes` is its memory; `allocated` counts
+    the bytes of its arrays alive now and `peak` the most they ever were, so that a test holds a device to its
+    budget."""
 
     xp = np
-    name = device_name = "numpy"
+    name = "numpy"
     warp_size = 32
     captures = 0
 
+    def __init__(self, device_index=0, memory_bytes=64 << 30):
+        self.device_index, self.memory_bytes = device_index, memory_bytes
+        self.device_name = "numpy" if device_index == 0 else f"numpy {device_index}"
+        self.allocated = self.peak = 0
+
     def memory_info(self):
-        return 64 << 30, 64 << 30
+        """(free, total) bytes: the memory less what this runtime allocated."""
+        return self.memory_bytes - self.allocated, self.memory_bytes
+
+    def use(self):
+        """Make this device current in the calling thread (nothing to do over NumPy)."""
+
+    def _count(self, array):
+        self.allocated += array.nbytes
+        self.peak = max(self.peak, self.allocated)
+        weakref.finalize(array, self._free, array.nbytes)
+        return array
+
+    def _free(self, nbytes):
+        self.allocated -= nbytes
 
     def empty(self, shape, dtype):
         _not_capturing("an allocation")
-        return np.empty(shape, dtype)
+        return self._count(np.empty(shape, dtype))
 
     def zeros(self, shape, dtype):
         _not_capturing("an allocation")
-        return np.zeros(shape, dtype)
+        return self._count(np.zeros(shape, dtype))
 
     def to_device(self, host, stream=None):
         _not_capturing("a synchronous copy")
-        return np.array(host)
+        return self._count(np.array(host))
 
     def copy_from_host(self, dst, host, stream=None):
         _not_capturing("a synchronous copy")
@@ -78,8 +100,20 @@ class NumpyRuntime:
     def copy_on_device_async(self, dst, src, stream):
         queue_or_run(np.copyto, dst, src)
 
+    def copy_peer_async(self, dst, src, src_runtime, stream):
+        """Queue a copy of `src` (an array of `src_runtime`'s device) into `dst` (this device's) on `stream`."""
+        queue_or_run(np.copyto, dst, src)
+
+    def can_access_peer(self, other):
+        """Whether this device reads `other`'s memory directly (a peer copy); NumPy devices share the host's."""
+        return True
+
     def stream(self):
         return None
+
+    @staticmethod
+    def wait_event(stream, event):
+        """Make `stream`'s later work wait for `event` (NumPy work runs in order: nothing to wait for)."""
 
     def event(self, timing=False):
         return NumpyEvent()

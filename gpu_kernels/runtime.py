@@ -27,7 +27,7 @@ class Probe:
 class CupyRuntime:
     """CuPy on CUDA or on ROCm; device arrays are CuPy arrays."""
 
-    def __init__(self, device_index=0):
+    def __init__(self, device_index=0, memory_limit=None):
         import cupy
         import cupyx
 
@@ -44,10 +44,44 @@ class CupyRuntime:
         self.name = "cupy-rocm" if self.is_hip else "cupy-cuda"
         self.chip = amd_chip(props.get("gcnArchName")) if self.is_hip else None  # "gfx1100"; None on NVIDIA
         self._modules = {}
+        self.device_index = device_index
+        self.memory_limit = memory_limit  # (free, total) of a logical device's share (hybrid/devices.py), or None
 
     def memory_info(self):
-        """(free bytes, total bytes) of the device."""
-        return self.cp.cuda.runtime.memGetInfo()
+        """(free bytes, total bytes) of the device, or of this logical device's share of it."""
+        return self.memory_limit or self.cp.cuda.runtime.memGetInfo()
+
+    def use(self):
+        """Make this device current in the calling thread (its arrays, kernels and streams are this device's)."""
+        self.device.use()
+
+    def can_access_peer(self, other):
+        """Whether this device reads `other`'s memory directly (the same device, or peer access enabled here)."""
+        if other.device_index == self.device_index:
+            return True
+        if not self.cp.cuda.runtime.deviceCanAccessPeer(self.device_index, other.device_index):
+            return False
+        with self.device:
+            try:
+                self.cp.cuda.runtime.deviceEnablePeerAccess(other.device_index)
+            except self.cp.cuda.runtime.CUDARuntimeError:  # already enabled
+                pass
+        return True
+
+    def copy_peer_async(self, dst, src, src_runtime, stream):
+        """Queue a copy of the contiguous `src` (an array of `src_runtime`'s device) into `dst` (this device's) on
+        `stream`: a device-to-device copy on one device (two logical devices), a peer copy between two."""
+        rt = self.cp.cuda.runtime
+        if src_runtime.device_index == self.device_index:
+            rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, _ptr(stream))
+        else:
+            rt.memcpyPeerAsync(dst.data.ptr, self.device_index, src.data.ptr, src_runtime.device_index, src.nbytes,
+                               _ptr(stream))
+
+    @staticmethod
+    def wait_event(stream, event):
+        """Make `stream`'s later work wait for `event` (recorded on another stream, maybe another device's)."""
+        stream.wait_event(event)
 
     def empty(self, shape, dtype):
         return self.cp.empty(shape, dtype=dtype)

@@ -17,8 +17,8 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields, replace
 
-from .config_types import (checkpoint_interval, choice, existing_file, gpu_mib, integer, layer_split,  # noqa: F401
-                           mib_or_auto, number, output_file, switch, text)
+from .config_types import (checkpoint_interval, choice, count_or_auto, existing_file, gpu_list, gpu_mib,  # noqa: F401
+                           integer, layer_split, mib_or_auto, number, output_file, switch, text)
 
 ISA_FLOORS = ("avx", "avx2", "avx512", "native")  # cpu_kernels/target.py ISA_FLOORS
 ACT_QUANTS = ("int16", "float", "int8")  # cpu_kernels/act_quant.py ACT_QUANTS
@@ -116,6 +116,16 @@ class EngineConfig:
                                  "by one (0)", "gpu")
     step_graphs: bool = setting(True, switch, "with dense graphs, a decode step whose experts are all resident as one "
                                 "captured graph (1) or layer by layer (0)", "gpu")
+    gpus: tuple = setting(None, gpu_list, "GPUs to run on, each a pipeline stage of consecutive layers (--layer-split); "
+                          "an index given twice is one GPU presented as two logical devices, each with half its free "
+                          "memory (default: every visible GPU)", "gpu", RUN, metavar="I[,I]")
+    trim_stage_weights: bool = setting(None, switch, "with several GPUs, host RAM copies only the experts some stage "
+                                       "runs on the CPU, not those every device holds (default: on when the model "
+                                       "takes over half of the available RAM)", "gpu", RUN)
+    batch_groups: object = setting("auto", count_or_auto, "with several GPUs, decoding slots move through the stages "
+                                   "in N groups, so that the devices and the CPU work at once (auto: one group per "
+                                   "stage when there are as many slots; 1: every slot together, stage after stage)",
+                                   "gpu", ("serve",), metavar="auto|N")
     # dynamic expert cache (--expert-cache dynamic; placement/dynamic.py SETTING_LIMITS)
     dynamic_decay: float = setting(None, number(0, 1, low_open=True), "per-step decay of an expert's usage score, "
                                    "in (0, 1] (default 0.98)", "dynamic", RUN, metavar="DECAY")
@@ -148,6 +158,8 @@ class EngineConfig:
                               "the slot's prompt and output (prompt lookup)", "server", ("serve",), metavar="N")
     spec_min_p: float = setting(0.5, number(0, 1), "stop drafting where the drafter's confidence falls below P",
                                 "server", ("serve",), metavar="P")
+    mtp: bool = setting(False, switch, "drafts from the model's MTP / NextN layer (glm4moe, qwen3next, qwen35moe "
+                        "files that have one) instead of n-gram lookup", "server", ("serve",))
     max_body_mib: float = setting(DEFAULT_MAX_BODY_MIB, number(0, low_open=True), "largest request body in MiB; a "
                                   "larger one is refused with 413 before it is read", "server", ("serve",),
                                   metavar="MIB")
@@ -177,7 +189,9 @@ class EngineConfig:
     gpu_mib: tuple = setting(None, gpu_mib, "memory per GPU in MiB, comma-separated: 24000 or 24000,24000", "plan",
                              ("plan",), metavar="MIB[,MIB]")
     layer_split: object = setting("auto", layer_split, "auto, or the first layer of each GPU after the first (e.g. "
-                                  "24 for 2 GPUs)", "plan", ("plan",), metavar="auto|L[,L]")
+                                  "24 for 2 GPUs); running: auto takes the placement's split, else cuts in "
+                                  "proportion to each GPU's free memory", "plan", RUN + ("plan",),
+                                  metavar="auto|L[,L]")
     cpu_gbps: float = setting(DEFAULT_CPU_GBPS, number(0, low_open=True), "CPU expert bandwidth in GB/s (measured)",
                               "plan", ("plan",), metavar="GBPS")
     gpu_gbps: float = setting(DEFAULT_GPU_GBPS, number(0, low_open=True), "GPU memory bandwidth in GB/s", "plan",

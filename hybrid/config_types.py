@@ -147,3 +147,26 @@ def layer_split(value):
     if not split:
         _fail(f"expected auto or layer indices (e.g. 24), got {value!r}")
     return split
+
+
+def gpu_list(value):
+    """GPU indices: "0,1", [0, 1] or 0 -> a tuple of ints >= 0; an index given twice is one GPU presented as two
+    logical devices (hybrid/devices.py)."""
+    items = _items(value)
+    try:
+        gpus = tuple(integer(0)(v) for v in items)
+    except argparse.ArgumentTypeError:
+        gpus = ()
+    if not gpus:
+        _fail(f"expected GPU indices, comma-separated (e.g. 0,1), got {value!r}")
+    return gpus
+
+
+def count_or_auto(value):
+    """An int >= 1, or "auto" (kept as "auto")."""
+    if value == "auto":
+        return "auto"
+    try:
+        return integer(1)(value)
+    except argparse.ArgumentTypeError:
+        _fail(f"expected a number >= 1 or 'auto', got {value!r}")

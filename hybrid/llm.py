@@ -13,6 +13,7 @@ from .expert_usage import ExpertUsage
 from .formats import load_model
 from .model import Model
 from .request import StopFilter, check_prompt, context_limit, end_reason, timings
+from .devices import stage_gpus
 from .residency import expert_cache_device, resident_choice
 from .sampling import Sampler, SamplingParams
 from .split_settings import SplitSettings
@@ -84,15 +85,24 @@ class LLM:
         self.tokenizer = self.weights.tokenizer
         self.config = self.weights.config
         self.max_context = context_limit(cfg.max_context, self.config.context_length, self.weights.source)
-        if device != "cpu" and resident is None:
-            resident = resident_choice(self.weights, placement, profile, cfg.expert_cache, cfg.kv_sequences,
-                                       self.max_context)
-        backend, host = select_backends(device, cpu_options(cfg), gpu_options(cfg, self.max_context, resident))
-        self.device = backend.name
-        if cfg.kv_resident is not None and self.device == "cpu":
-            log.warning("--kv-resident does nothing on the CPU: the whole KV is in RAM")
-        self.model = Model(self.weights, backend, host, kv_dtype=cfg.kv, kv_tokens=cfg.kv_sequences * self.max_context,
-                           compiled_decode=cfg.compiled_decode, split=split_settings(cfg))
+        gpus = stage_gpus(cfg, device)
+        if len(gpus) > 1:  # pipeline stages (hybrid/staged_model.py)
+            from .staged_model import build_staged
+
+            self.model = build_staged(self.weights, cfg, gpus, lambda mask: gpu_options(cfg, self.max_context, mask),
+                                      cpu_options(cfg), split_settings(cfg), resident, placement, profile)
+            backend, host, self.device = self.model.backend, None, "gpu"
+        else:
+            if device != "cpu" and resident is None:
+                resident = resident_choice(self.weights, placement, profile, cfg.expert_cache, cfg.kv_sequences,
+                                           self.max_context)
+            backend, host = select_backends(device, cpu_options(cfg), gpu_options(cfg, self.max_context, resident))
+            self.device = backend.name
+            if cfg.kv_resident is not None and self.device == "cpu":
+                log.warning("--kv-resident does nothing on the CPU: the whole KV is in RAM")
+            self.model = Model(self.weights, backend, host, kv_dtype=cfg.kv,
+                               kv_tokens=cfg.kv_sequences * self.max_context, compiled_decode=cfg.compiled_decode,
+                               split=split_settings(cfg))
         if cfg.expert_cache == "dynamic" and self.device != "cpu":
             self._start_dynamic(dynamic)
         log.info("model %s on %s, %d CPU threads, context %d; %s", self.weights.source, self.device, self.threads,

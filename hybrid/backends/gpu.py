@@ -99,7 +99,7 @@ class GpuBackend(GpuDeltaOps):
         self.kv.host = host
         c = model.config
         c = model.config
-        dense = [model.token_embd, model.output, model.output_norm]
+        dense = [w for w in (model.token_embd, model.output, model.output_norm) if w is not None]  # a stage's may not
         for layer in model.layers:  # resident: shared experts and dense FFNs run for every token
             dense += layer.dense_weights()
         unique = {id(w): w for w in dense}
@@ -138,7 +138,7 @@ class GpuBackend(GpuDeltaOps):
                               max_blocks=kv_blocks, allocate=self.rt.empty, where="VRAM")
         self.resident[[layer.index for layer in model.layers if layer.gate_exps is None]] = False  # dense layers
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
-        self.device_experts.width = max(layer.gate_exps.shape[1] for layer in moe_layers)
+        self.device_experts.width = max((layer.gate_exps.shape[1] for layer in moe_layers), default=0)
         self.borrow_bytes_per_second = self._measure_upload()
         log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s; one-token matmuls take x as %s",
                  self.name, self.rt.device_name, self.rt.name, self.rt.warp_size,
@@ -212,8 +212,8 @@ class GpuBackend(GpuDeltaOps):
 
     # -- dense ops -------------------------------------------------------------------------
 
-    def linear(self, weight, x):
-        """x [T, C] @ weight[R, C].T -> [T, R]."""
+    def linear(self, weight, x, exact=False):
+        """x [T, C] @ weight[R, C].T -> [T, R] (x multiplied as float32: exact changes nothing here)."""
         out = self.rt.empty((x.shape[0], weight.shape[0]), np.float32)
         self.kernels.matmul(self._weight(weight), weight.qtype, x, out)
         return out
@@ -249,11 +249,17 @@ class GpuBackend(GpuDeltaOps):
         allocations are kept)."""
         return self.rt.empty(shape, np.float32)
 
-    def embed(self, weight, token_ids):
-        """Starts every forward pass: makes the backend's stream current in the calling thread."""
+    def begin_step(self):
+        """Starts every forward pass (or a pipeline stage's part of it): this device and its stream current in the
+        calling thread."""
+        self.rt.use()
         if self.stream is not None:
             self.stream.use()
         self.device_experts.new_step()
+
+    def embed(self, weight, token_ids):
+        """Starts every forward pass (begin_step)."""
+        self.begin_step()
         out = self.rt.empty((len(token_ids), weight.shape[-1]), np.float32)  # [T, H]
         ids = self.staging.upload("token_ids", np.ascontiguousarray(token_ids, dtype=np.int64), self.stream)
         self.kernels.dequant_rows(self._weight(weight), weight.qtype, ids, out)

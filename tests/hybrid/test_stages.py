@@ -1,0 +1,148 @@
+"""Several GPUs as pipeline stages (hybrid/staged_model.py) on two NumPy stand-in devices: logits equal the one-device
+engine's for every layer split and resident share, with 1 and 4 slots; a placement planned for another split is
+refused with both; no device holds more than its memory. On a real GPU presented as two logical devices (marked
+gpu): the same code against the CPU engine."""
+import numpy as np
+import pytest
+
+from gpu_kernels.numpy_runtime import NumpyRuntime
+from hybrid.backends import CpuBackend
+from hybrid.backends.gpu import GpuBackend
+from hybrid.batch import Batch, SeqChunk
+from hybrid.formats import load_model
+from hybrid.model import Model
+from hybrid.staged_model import StagedModel
+from hybrid.stages import auto_cuts, check_cuts, stage_ranges, stage_resident
+from placement.placement import GpuPlacement, Placement, PlacementError
+from tests.gpu_kernels.conftest import ReferenceKernels
+from tests.hybrid.test_speculative import serve_ids
+
+TOKENS = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8]
+PROMPTS = [[3, 17, 42, 5, 3, 17], [99, 23, 64, 99], [7, 11, 250, 31, 8], [2, 45, 2]]
+SHARES = (0.0, 0.5, 1.0)
+
+
+def score(model, decode_steps=3):
+    """Logits of TOKENS read as one chunk, then of decode_steps one-token steps."""
+    kv = model.new_sequence(256)
+    out = [model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS), "all")]))]
+    for step in range(decode_steps):
+        out.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([TOKENS[step]]))])))
+    return np.concatenate(out)
+
+
+def stand_in(resident, memory_bytes=64 << 30, index=0, **options):
+    backend = GpuBackend(NumpyRuntime(index, memory_bytes), max_context=256, kv_sequences=4, resident=resident,
+                         step_graphs=False, **options)
+    backend.kernels = ReferenceKernels()
+    return backend
+
+
+def mask(config, share):
+    return np.random.default_rng(0).random((config.num_layers, config.num_experts)) < share
+
+
+@pytest.fixture(scope="module")
+def small(gguf_models):
+    """(weights, host backend, {share: the one-device model's logits})."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    host = CpuBackend(act_quant="float")
+    one = {share: score(Model(weights, stand_in(mask(weights.config, share)), host=host)) for share in SHARES}
+    return weights, host, one
+
+
+def staged(weights, host, cut, share, **options):
+    c = weights.config
+    ranges = check_cuts((cut,), c.num_layers, 2)
+    backends = [stand_in(stage_resident(r, c.num_layers, c.num_experts, mask(c, share)), index=s)
+                for s, r in enumerate(ranges)]
+    return StagedModel(weights, backends, ranges, host, **options)
+
+
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize("cut", [1, 2])
+def test_two_stages_equal_one_device(small, cut, share):
+    weights, host, one = small
+    model = staged(weights, host, cut, share)
+    np.testing.assert_allclose(score(model), one[share], rtol=0, atol=1e-5)
+    resident = model.backend.resident
+    assert resident.sum() == mask(weights.config, share).sum()
+    for stage in model.stages:  # each device holds its own layers' experts only
+        outside = np.ones(len(resident), dtype=bool)
+        outside[stage.layer_range.start:stage.layer_range.stop] = False
+        assert not stage.backend.resident[outside].any()
+
+
+def test_four_slots_equal_each_alone(small):
+    weights, host, _ = small
+    model = staged(weights, host, 1, 0.5)
+    together, _ = serve_ids(model, weights.tokenizer, PROMPTS, 4, None, max_tokens=8)
+    alone = [serve_ids(model, weights.tokenizer, [p], 1, None, max_tokens=8)[0][0] for p in PROMPTS]
+    assert together == alone
+
+
+def test_default_fill_stays_in_budget(small):
+    """With little memory each device fills its cache with its own layers' experts only and never holds more
+    than its memory."""
+    weights, host, _ = small
+    c = weights.config
+    backends = [stand_in(stage_resident(r, c.num_layers, c.num_experts), memory_bytes=8 << 20, index=s,
+                         vram_reserve_mib=1) for s, r in enumerate(check_cuts((1,), c.num_layers, 2))]
+    model = StagedModel(weights, backends, check_cuts((1,), c.num_layers, 2), host)
+    for be in backends:  # placed (the start-up copy probe's transient array aside)
+        assert be.rt.allocated <= be.rt.memory_bytes - (1 << 20)
+        assert 0 < be.budget.slots_resident < 8 * len(be.cache.layers)
+        be.rt.peak = be.rt.allocated
+    assert np.isfinite(score(model)).all()
+    for be in backends:
+        assert be.rt.peak <= be.rt.memory_bytes
+
+
+def test_placement_for_another_split_is_refused():
+    two = Placement("m", 3, 8, [GpuPlacement(0, 0, 1, [(0, 1)]), GpuPlacement(1, 1, 3, [(2, 3)])])
+    assert stage_ranges("auto", 3, [1, 1], np.ones(3), two) == [range(0, 1), range(1, 3)]
+    with pytest.raises(PlacementError, match=r"planned for 2 GPU\(s\), layers 0-0, 1-2; this engine runs 2 GPUs, "
+                                             r"layers 0-1, 2-2"):
+        stage_ranges((2,), 3, [1, 1], np.ones(3), two)
+    one = Placement("m", 3, 8, [GpuPlacement(0, 0, 3, [(0, 1)])])
+    with pytest.raises(PlacementError, match=r"planned for 1 GPU\(s\), layers 0-2; this engine runs 2 GPUs"):
+        stage_ranges("auto", 3, [1, 1], np.ones(3), one)
+
+
+def test_split_checks_and_auto_cuts():
+    assert auto_cuts(np.ones(4), [1, 1]) == (2,)
+    assert auto_cuts(np.ones(4), [3, 1]) == (3,)
+    assert auto_cuts(np.ones(3), [1, 1, 1]) == (1, 2)
+    assert auto_cuts(np.ones(4), [1, 1000]) == (1,)  # at least a layer each
+    with pytest.raises(ValueError, match="--layer-split 3: need 1 increasing layer indices in 1..2 for 2 GPUs"):
+        check_cuts((3,), 3, 2)
+    with pytest.raises(ValueError, match="3 GPUs for 2 layers"):
+        auto_cuts(np.ones(2), [1, 1, 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize("cut", [1, 2])
+def test_one_gpu_as_two_logical_devices(gguf_models, cut, share):
+    """llm.score within 2e-3 of the CPU engine's, greedy equal, and 4 slots equal to each alone, over one GPU
+    presented as two devices (--gpus 0,0)."""
+    from gpu_kernels.runtime import probe
+    from hybrid import LLM
+
+    if probe().runtime is None:
+        pytest.skip("no GPU")
+    path, _ = gguf_models("small", "Q8_0")
+    cpu = LLM(path, device="cpu", max_context=256, act_quant="float")
+    resident = mask(cpu.config, share)
+    llm = LLM(path, device="gpu", gpus=(0, 0), layer_split=(cut,), max_context=256, act_quant="float",
+              kv_sequences=4, resident=resident)
+    assert [s.layer_range for s in llm.model.stages] == check_cuts((cut,), cpu.config.num_layers, 2)
+    np.testing.assert_allclose(llm.score(TOKENS), cpu.score(TOKENS), rtol=0, atol=2e-3)
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    assert llm.generate(TOKENS, **greedy).token_ids == cpu.generate(TOKENS, **greedy).token_ids
+    together, _ = serve_ids(llm.model, llm.tokenizer, PROMPTS, 4, None, max_tokens=8)
+    alone = [serve_ids(llm.model, llm.tokenizer, [p], 1, None, max_tokens=8)[0][0] for p in PROMPTS]
+    assert together == alone
+    for stage in llm.model.stages:
+        free, total = stage.backend.rt.memory_info()
+        assert stage.backend.budget.dense + stage.backend.budget.kv + stage.backend.budget.expert_cache <= free
