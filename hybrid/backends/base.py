@@ -86,8 +86,8 @@ class Backend(Protocol):
     def embed(self, weight, token_ids) -> Any:
         """token_ids int64 [T] -> rows [T, H]; starts every forward pass."""
 
-    def linear(self, weight, x) -> Any:
-        """x [T, C] @ weight[R, C].T -> [T, R]."""
+    def linear(self, weight, x, exact=False) -> Any:
+        """x [T, C] @ weight[R, C].T -> [T, R]; exact: x multiplied as float32 whatever act_quant rounds it to."""
 
     def rmsnorm(self, x, weight, eps) -> Any:
         """RMSNorm of x [T, H] -> a new [T, H]."""

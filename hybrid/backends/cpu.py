@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from cpu_kernels import activation, attention, moe_combine, prefetch, rmsnorm, rope, routing
 from cpu_kernels.formats import format_for, is_supported
-from cpu_kernels.act_quant import act_quant_code
+from cpu_kernels.act_quant import FLOAT, act_quant_code
 from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
 
 from ..host_memory import huge_page_copy
@@ -186,8 +186,8 @@ class CpuBackend(CpuDeltaOps):
     def to_host(self, x):
         return x
 
-    def linear(self, weight, x):
-        """x [T, C] @ weight[R, C].T -> [T, R]."""
+    def linear(self, weight, x, exact=False):
+        """x [T, C] @ weight[R, C].T -> [T, R]; exact: x multiplied as float32 whatever act_quant rounds it to."""
         kernels = self._kernels_of(weight)
         num_tokens = x.shape[0]
         if x.ndim != 2 or x.shape[1] != kernels.cols or x.dtype != np.float32:
@@ -195,8 +195,9 @@ class CpuBackend(CpuDeltaOps):
         out = np.empty((num_tokens, weight.shape[0]), dtype=np.float32)  # [T, R]
         serial = num_tokens == 1 and weight.raw.nbytes <= SERIAL_MAX_WEIGHT_BYTES and _one_thread()
         row_starts = ONE_ROW if num_tokens == 1 else np.array([0, num_tokens], dtype=np.int64)
+        act_quant = FLOAT if exact else self.act_quant
         (kernels.serial if serial else kernels.parallel)(
-            kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), self.act_quant)
+            kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), act_quant)
         return out
 
     def layer_runner(self, recipe, plain):

@@ -212,8 +212,8 @@ class GpuBackend(GpuDeltaOps):
 
     # -- dense ops -------------------------------------------------------------------------
 
-    def linear(self, weight, x):
-        """x [T, C] @ weight[R, C].T -> [T, R]."""
+    def linear(self, weight, x, exact=False):
+        """x [T, C] @ weight[R, C].T -> [T, R] (x multiplied as float32: exact changes nothing here)."""
         out = self.rt.empty((x.shape[0], weight.shape[0]), np.float32)
         self.kernels.matmul(self._weight(weight), weight.qtype, x, out)
         return out

@@ -10,6 +10,8 @@ from tests.hybrid.qwen3next_models import make_hf_model, reference_model, save_h
 
 PROMPT_40 = [int(t) for t in np.random.default_rng(4).integers(3, 250, 40)]
 PROMPT_150 = [int(t) for t in np.random.default_rng(5).integers(3, 250, 150)]  # over two 64-token chunks
+PROMPT_600 = [int(t) for t in np.random.default_rng(8).integers(3, 250, 600)]  # over a 512-token chunk
+PROMPTS = {40: PROMPT_40, 600: PROMPT_600}
 
 
 def rel_err(ours, ref):
@@ -61,13 +63,34 @@ def test_logits_match_transformers(qwen3next_files, target, tol):
     assert rel_err(llm.score(PROMPT_40), hf_logits(ref_model, PROMPT_40)) <= tol
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("chunk", [1, 7, 64, 512])
-def test_prompt_in_chunks_matches_transformers(qwen3next_files, chunk):
-    path, ref_model = qwen3next_files("F32")
-    llm = hybrid.LLM(path, device="cpu")
-    ids = PROMPT_40 if chunk == 1 else PROMPT_150
-    assert rel_err(score_in_chunks(llm, ids, chunk), hf_logits(ref_model, ids)) <= 1e-4
+@pytest.fixture(scope="module")
+def reference_logits(qwen3next_files):
+    """(target, prompt length) -> transformers' logits of PROMPTS[length] on that file's weights, made once."""
+    cache = {}
+
+    def get(target, length):
+        if (target, length) not in cache:
+            cache[target, length] = hf_logits(qwen3next_files(target)[1], PROMPTS[length])
+        return cache[target, length]
+
+    return get
+
+
+def chunk_cases():
+    """(target, tolerance, prompt length, chunk): F32 within 1e-4, Q8_0 at the default act_quant within 2e-3, for
+    40 and 600 tokens read 1, 7, 64 and 512 tokens a step; one short case in the default suite."""
+    for target, tol in (("F32", 1e-4), ("Q8_0", 2e-3)):
+        for length in (40, 600):
+            for chunk in (1, 7, 64, 512):
+                slow = (target, length, chunk) != ("F32", 40, 7)
+                yield pytest.param(target, tol, length, chunk, marks=[pytest.mark.slow] if slow else [],
+                                   id=f"{target}-{length}-by{chunk}")
+
+
+@pytest.mark.parametrize("target,tol,length,chunk", list(chunk_cases()))
+def test_prompt_in_chunks_matches_transformers(qwen3next_files, reference_logits, target, tol, length, chunk):
+    llm = hybrid.LLM(qwen3next_files(target)[0], device="cpu")
+    assert rel_err(score_in_chunks(llm, PROMPTS[length], chunk), reference_logits(target, length)) <= tol
 
 
 @pytest.mark.slow
@@ -121,7 +144,8 @@ def test_hf_directory_matches_transformers(tmp_path, demo_tokenizer, qwen35):
 @pytest.mark.slow
 @pytest.mark.parametrize("target,tol", [("F32", 1e-4), ("Q8_0", 2e-3)])
 def test_qwen35moe_matches_transformers(tmp_path_factory, demo_tokenizer, target, tol):
-    """Qwen3.5-MoE: separate beta / alpha projections, value heads tiled in the file; chunks of 1 and 64."""
+    """Qwen3.5-MoE: separate beta / alpha projections, value heads tiled in the file; chunks of 1, 64 and 512 (Q8_0
+    at the default act_quant)."""
     from tests.conftest import save_tokenizer_files
 
     directory = tmp_path_factory.mktemp("qwen35moe")
@@ -129,9 +153,9 @@ def test_qwen35moe_matches_transformers(tmp_path_factory, demo_tokenizer, target
                          save_tokenizer_files, demo_tokenizer)
     path = str(directory / f"qwen35moe-{target}.gguf")
     ref_model = reference_model(hf_dir, *write_qwen3next_gguf(hf_dir, path, target, demo_tokenizer))
-    llm = hybrid.LLM(path, device="cpu", act_quant="float")  # the integer dots' rounding builds up in the state
+    llm = hybrid.LLM(path, device="cpu")
     assert llm.config.arch == "qwen35moe" and llm.model.recipes[0].mixer.part.tiled
-    for ids, chunk in ((PROMPT_40, 1), (PROMPT_150, 64)):
+    for ids, chunk in ((PROMPT_40, 1), (PROMPT_150, 64), (PROMPT_600, 512)):
         assert rel_err(score_in_chunks(llm, ids, chunk), hf_logits(ref_model, ids)) <= tol
 
 
