@@ -12,6 +12,7 @@ class SeqChunk:
     start: int
     token_ids: np.ndarray  # int64 [n]
     logits: str = "last"  # which positions need logits: "last", "all" or "none"
+    hidden: bool = False  # the forward pass returns this chunk's last hidden rows (an MTP drafter reads them)
 
 
 class Batch:
@@ -29,6 +30,9 @@ class Batch:
             elif chunk.logits == "last":
                 rows.append(hi - 1)
         self.logit_rows = np.asarray(rows, dtype=np.int64)  # [T_out]
+        self.hidden_rows = np.asarray([r for chunk, (lo, hi) in zip(chunks, self.row_ranges) if chunk.hidden
+                                       for r in range(lo, hi)], dtype=np.int64)  # [T_hidden]
+        self.hidden = None  # set by the forward pass: float32 [T_hidden, H], the main stack's output before its norm
 
     @property
     def num_tokens(self):

@@ -144,6 +144,7 @@ class Model:
         self.config = weights.config
         self.spec = ARCHS[self.config.arch]
         self.backend = backend
+        self.host = host
         self.recurrent_shape = RecurrentShape.of(self.recipes)  # linear-attention layers' state per sequence, or None
         if self.recurrent_shape is not None:
             log.info("recurrent state: %d linear-attention layers, %.1f MiB per sequence (float32, any context; twice "
@@ -201,7 +202,9 @@ class Model:
         self.runner = choose_runner(self.recipes, self.backend, self._compiled_decode, self.split)
 
     def forward(self, batch):
-        """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache."""
+        """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache. Where chunks ask
+        for them (SeqChunk.hidden), batch.hidden gets the last layer's output rows (before output_norm) of all
+        their positions, float32 [len(batch.hidden_rows), H] on the host."""
         for chunk in batch.chunks:
             chunk.kv.reserve(chunk.start + len(chunk.token_ids))
         be, eps = self.backend, self.config.rms_norm_eps
@@ -213,6 +216,8 @@ class Model:
         x = self.runner.run(self, x, batch)  # [T, H]
         if self.split is not None:
             self.split.wait_host()
+        if len(batch.hidden_rows):
+            batch.hidden = be.to_host(be.take_rows(x, batch.hidden_rows))  # [T_hidden, H]
         if len(batch.logit_rows) == 0:
             logits = np.empty((0, self.config.vocab_size), dtype=np.float32)
         else:
