@@ -17,8 +17,8 @@ def add_setting(p, name, **overrides):
     options = dict(dest=name, default=None, help=f"{meta['help']} ({'; '.join(notes)})")
     if isinstance(parse, choice):
         options["choices"] = parse.choices
-    elif parse is switch:  # a --no-X flag
-        options.update(action="store_const", const=False)
+    elif parse is switch:  # a --no-X flag of a setting on by default, else an --X flag
+        options.update(action="store_const", const=not f.default)
     else:
         options["type"] = parse
     if meta["metavar"]:

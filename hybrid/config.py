@@ -158,6 +158,8 @@ class EngineConfig:
                               "the slot's prompt and output (prompt lookup)", "server", ("serve",), metavar="N")
     spec_min_p: float = setting(0.5, number(0, 1), "stop drafting where the drafter's confidence falls below P",
                                 "server", ("serve",), metavar="P")
+    mtp: bool = setting(False, switch, "drafts from the model's MTP / NextN layer (glm4moe, qwen3next, qwen35moe "
+                        "files that have one) instead of n-gram lookup", "server", ("serve",))
     max_body_mib: float = setting(DEFAULT_MAX_BODY_MIB, number(0, low_open=True), "largest request body in MiB; a "
                                   "larger one is refused with 413 before it is read", "server", ("serve",),
                                   metavar="MIB")

@@ -21,6 +21,7 @@ from .request import Delta, Failed, Finished, RequestHandle, StopFilter, check_p
 from .sampling import Sampler, token_logprob
 from .scheduler import DEFAULT_DECODE_SHARE, DEFAULT_STEP_TOKENS, Scheduler
 from .speculative.acceptance import verify
+from .speculative.mtp import MtpDrafter, MtpHead
 from .speculative.slot import SlotSpeculation
 from .tokenizer import IncrementalDecoder
 
@@ -78,7 +79,8 @@ class Engine:
     """`llm`: a `hybrid.LLM` (or anything with `.model`, `.tokenizer`, `.max_context`).
 
     speculation: a `hybrid.speculative.SpecSettings` (None: off). Requests without a grammar then draft
-    tokens (n-gram lookup over their own text) that each step scores with the slot's next token; requests with
+    tokens (n-gram lookup over their own text, or with speculation.mtp the model's MTP / NextN layer,
+    speculative/mtp.py) that each step scores with the slot's next token; requests with
     a grammar never draft (their masks would have to follow every draft)."""
 
     def __init__(self, llm, num_slots=1, max_queue=64, decode_share=DEFAULT_DECODE_SHARE,
@@ -95,6 +97,7 @@ class Engine:
                                    park=_weak(self._park) if conversation_cache else None, draft=_weak(self._draft))
         self.speculation = speculation if speculation is not None and speculation.enabled and all(
             s.kv.supports_rollback for s in self.scheduler.slots) else None
+        self.mtp = MtpHead.of(self.model) if self.speculation is not None and self.speculation.mtp else None
         self.grammar = GrammarVocab.of(self.tokenizer, self.model.config.vocab_size)
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="strata-grammar")
         self.stats = EngineStats()
@@ -127,7 +130,8 @@ class Engine:
         live = _Live(handle, Sampler(request.params), IncrementalDecoder(self.tokenizer),
                      StopFilter(request.params.stop), matcher, [] if request.logprobs else None)
         if self.speculation is not None and matcher is None:
-            live.spec = SlotSpeculation(self.speculation, request.prompt_ids)
+            drafter = MtpDrafter(self.mtp, self.max_context) if self.mtp is not None else None
+            live.spec = SlotSpeculation(self.speculation, request.prompt_ids, drafter)
         with self._lock:
             self.scheduler.add(request)
             self._live[request.request_id] = live
@@ -214,20 +218,31 @@ class Engine:
         A decode chunk with drafts goes into the batch as one-token chunks of its sequence at consecutive
         positions (each attends the rows the ones before it wrote): a batch of one-token chunks takes the
         backends' decode paths (the CPU's compiled layers), where a short chunk would take the prompt path. A
-        sequence with a recurrent state reads it as one chunk (its state keeps a snapshot at a chunk's start)."""
+        sequence with a recurrent state reads it as one chunk (its state keeps a snapshot at a chunk's start).
+        A chunk whose drafter reads hidden rows (MTP) gets them in `c.hidden` [n, H]."""
         seq_chunks = []
         for c in chunks:
+            hidden = self._needs_hidden(c)
             if c.logits == "all" and c.slot.kv.recurrent is None:
-                seq_chunks += [SeqChunk(c.slot.kv, c.start + i, np.asarray([t], dtype=np.int64))
+                seq_chunks += [SeqChunk(c.slot.kv, c.start + i, np.asarray([t], dtype=np.int64), hidden=hidden)
                                for i, t in enumerate(c.token_ids)]
             else:
-                seq_chunks.append(SeqChunk(c.slot.kv, c.start, np.asarray(c.token_ids, dtype=np.int64), c.logits))
-        logits, out, at = self.model.forward(Batch(seq_chunks)), [], 0  # [T_out, V]
+                seq_chunks.append(SeqChunk(c.slot.kv, c.start, np.asarray(c.token_ids, dtype=np.int64), c.logits,
+                                           hidden))
+        batch = Batch(seq_chunks)
+        logits, out, at, at_hidden = self.model.forward(batch), [], 0, 0  # [T_out, V]
         for c in chunks:
             n = {"last": 1, "all": len(c.token_ids)}.get(c.logits, 0)
             out.append(logits[at] if c.logits == "last" else logits[at:at + n] if n else None)
             at += n
+            if self._needs_hidden(c):
+                c.hidden = batch.hidden[at_hidden:at_hidden + len(c.token_ids)]  # [n, H]
+                at_hidden += len(c.token_ids)
         return out
+
+    def _needs_hidden(self, chunk):
+        live = self._live.get(chunk.slot.request.request_id)
+        return live is not None and live.spec is not None and live.spec.needs_hidden
 
     def _draft(self, slot, limit, num_slots, step_times):
         """Scheduler callback: the slot's draft tokens for this step (none when its request does not draft)."""
@@ -255,6 +270,8 @@ class Engine:
                 continue
             try:
                 self.scheduler.advance(chunk)
+                if chunk.hidden is not None:
+                    self._live[slot.request.request_id].spec.add_hidden(chunk.start, chunk.hidden)
                 if chunk.logits == "all":
                     step.num_accepted += self._verify(slot, chunk, row)
                 elif row is not None:

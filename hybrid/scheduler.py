@@ -81,6 +81,7 @@ class ScheduledChunk:
     token_ids: list
     start: int
     logits: str  # "last" when a token is sampled after this chunk, "all" for a decode chunk with drafts, else "none"
+    hidden: object = None  # after the forward pass: the chunk's hidden rows [n, H], where its drafter reads them
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""One request's speculation: its n-gram drafter, its draft acceptance estimate and its draft counters."""
+"""One request's speculation: its drafter (n-gram, or MTP), its draft acceptance estimate and its draft counters."""
 from .ngram import NgramDrafter
 from .policy import best_k
 
@@ -13,9 +13,11 @@ class SlotSpeculation:
     one of the most expected tokens per second at that p (`policy.best_k`). While the slot drafts nothing the
     estimate drifts back to the prior, so a request whose text turns repetitive later drafts again."""
 
-    def __init__(self, settings, prompt_ids):
+    def __init__(self, settings, prompt_ids, drafter=None):
+        """drafter: extend(token_ids), draft(k, min_p) and needs_hidden (an mtp.MtpDrafter); None: n-gram."""
         self.settings = settings
-        self.drafter = NgramDrafter(settings.ngram)
+        self.drafter = NgramDrafter(settings.ngram) if drafter is None else drafter
+        self.needs_hidden = drafter is not None and drafter.needs_hidden  # add_hidden after each forward pass
         self.drafter.extend(prompt_ids)
         self.accepted, self.rejected = PRIOR
         self.draft_n = self.draft_n_accepted = 0
@@ -35,6 +37,10 @@ class SlotSpeculation:
 
     def extend(self, token_ids):
         self.drafter.extend(token_ids)
+
+    def add_hidden(self, start, rows):
+        """The hidden rows [n, H] of positions [start, start + n) of the slot's last chunk."""
+        self.drafter.add_hidden(start, rows)
 
     def record(self, num_drafted, num_accepted):
         """A verification step kept num_accepted of num_drafted drafts."""
