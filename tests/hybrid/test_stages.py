@@ -120,6 +120,39 @@ def test_split_checks_and_auto_cuts():
         auto_cuts(np.ones(2), [1, 1, 1])
 
 
+@pytest.fixture
+def stand_in_gpus(monkeypatch):
+    """LLM(device="gpu") over NumPy stand-in devices: one per --gpus entry."""
+    from gpu_kernels import runtime as gpu_runtime
+    from hybrid import devices
+    from hybrid.backends import gpu as gpu_backend
+
+    monkeypatch.setattr(gpu_runtime, "probe", lambda: gpu_runtime.Probe(NumpyRuntime(), ""))
+    monkeypatch.setattr(gpu_backend, "Kernels", lambda runtime, stream=None, **options: ReferenceKernels())
+    monkeypatch.setattr(devices, "open_runtimes", lambda gpus: [NumpyRuntime(i, 1 << 30) for i in range(len(gpus))])
+
+
+def test_llm_over_two_stand_in_gpus(stand_in_gpus, gguf_models, tmp_path):
+    """The settings' path (--gpus 0,0 --layer-split 2): llm.score equals one device's; a placement planned for
+    another split is refused naming both."""
+    from hybrid import LLM
+
+    path, _ = gguf_models("small", "Q8_0")
+    options = dict(device="gpu", max_context=256, act_quant="float", vram_reserve_mib=64)
+    one = LLM(path, gpus=(0,), **options)
+    two = LLM(path, gpus=(0, 0), layer_split=(2,), trim_stage_weights=True, **options)
+    assert [s.layer_range for s in two.model.stages] == [range(0, 2), range(2, 3)]
+    np.testing.assert_allclose(two.score(TOKENS), one.score(TOKENS), rtol=0, atol=1e-5)
+    assert "GPU stage 1: KV" in two.model.backend.describe_kv(two.model.kv_pool, 256)
+    placement = Placement("m", 3, 8, [GpuPlacement(0, 0, 1, [(0, 1)]), GpuPlacement(1, 1, 3, [(2, 3)])])
+    placement.save(tmp_path / "p.json")
+    with pytest.raises(PlacementError, match="layers 0-0, 1-2; this engine runs 2 GPUs, layers 0-1, 2-2"):
+        LLM(path, gpus=(0, 0), layer_split=(2,), placement=str(tmp_path / "p.json"), **options)
+    with LLM(path, gpus=(0, 0), placement=str(tmp_path / "p.json"), **options) as llm:  # auto: the placement's
+        assert [s.layer_range for s in llm.model.stages] == [range(0, 1), range(1, 3)]
+        assert [int(s.backend.resident.sum()) for s in llm.model.stages] == [1, 1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("share", SHARES)
 @pytest.mark.parametrize("cut", [1, 2])
