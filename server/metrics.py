@@ -3,6 +3,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hybrid.scheduler import SlotState
+from hybrid.staged_model import StagedModel
 
 
 class EngineCollector:
@@ -45,6 +46,23 @@ class EngineCollector:
             if usage.get(f"hit_rate_{phase}") is not None:
                 hit_rate.add_metric([phase], usage[f"hit_rate_{phase}"])
         yield routings
+        yield hit_rate
+        if isinstance(model, StagedModel):
+            yield from self._stages(model)
+
+    @staticmethod
+    def _stages(model):
+        """Per GPU (pipeline stage): its device time and the hit rate of its layers' routed pairs."""
+        busy = CounterMetricFamily("strata_gpu_busy_seconds", "Device time of each GPU's stage of the steps",
+                                   labels=["stage", "device"])
+        hit_rate = GaugeMetricFamily("strata_gpu_expert_cache_hit_rate", "Share of the routed pairs of a GPU's "
+                                     "layers whose expert it holds", labels=["stage", "phase"])
+        for stats in model.device_stats():
+            busy.add_metric([str(stats["stage"]), stats["device"]], stats["busy_s"])
+            for phase in ("prefill", "decode"):
+                if stats[f"hit_rate_{phase}"] is not None:
+                    hit_rate.add_metric([str(stats["stage"]), phase], stats[f"hit_rate_{phase}"])
+        yield busy
         yield hit_rate
 
     def _conversation_cache(self, cache):

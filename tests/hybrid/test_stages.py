@@ -144,6 +144,7 @@ def test_llm_over_two_stand_in_gpus(stand_in_gpus, gguf_models, tmp_path):
     assert [s.layer_range for s in two.model.stages] == [range(0, 2), range(2, 3)]
     np.testing.assert_allclose(two.score(TOKENS), one.score(TOKENS), rtol=0, atol=1e-5)
     assert "GPU stage 1: KV" in two.model.backend.describe_kv(two.model.kv_pool, 256)
+    assert_gpu_metrics(two)
     placement = Placement("m", 3, 8, [GpuPlacement(0, 0, 1, [(0, 1)]), GpuPlacement(1, 1, 3, [(2, 3)])])
     placement.save(tmp_path / "p.json")
     with pytest.raises(PlacementError, match="layers 0-0, 1-2; this engine runs 2 GPUs, layers 0-1, 2-2"):
@@ -151,6 +152,22 @@ def test_llm_over_two_stand_in_gpus(stand_in_gpus, gguf_models, tmp_path):
     with LLM(path, gpus=(0, 0), placement=str(tmp_path / "p.json"), **options) as llm:  # auto: the placement's
         assert [s.layer_range for s in llm.model.stages] == [range(0, 1), range(1, 3)]
         assert [int(s.backend.resident.sum()) for s in llm.model.stages] == [1, 1]
+
+
+def assert_gpu_metrics(llm):
+    """/metrics of an engine over the stages: each GPU's busy time and hit rate (its layers' pairs it holds)."""
+    from prometheus_client import generate_latest
+
+    from hybrid.engine import Engine
+    from server.metrics import registry_for
+
+    engine = Engine(llm, num_slots=1, max_queue=0)  # never started: the model is run by hand
+    llm.score(TOKENS)
+    text = generate_latest(registry_for(engine)).decode()
+    for stage in ("0", "1"):
+        assert f'strata_gpu_busy_seconds_total{{device="{llm.model.stages[int(stage)].backend.rt.device_name}",' \
+               f'stage="{stage}"}}' in text
+        assert f'strata_gpu_expert_cache_hit_rate{{phase="prefill",stage="{stage}"}} 1.0' in text  # all resident
 
 
 @pytest.mark.gpu
