@@ -22,8 +22,9 @@ checkpoint.
 
 With `spill_dir`, every parked entry is also written to disk and loaded back
 at start-up, so parked conversations survive a restart; a spill file of
-another model is skipped with a warning, one that does not read back whole is
-renamed to *.damaged with a warning (once: the next start does not see it).
+another model is skipped with a warning, one that does not read back whole (its token ids
+and state checkpoints are checksummed) is renamed to *.damaged with a warning (once: the next
+start does not see it). A state checkpoint of another shape is skipped at restore with a warning.
 """
 import hashlib
 import json
@@ -228,13 +229,14 @@ class ConversationCache:
 
     def _spill(self, entry):
         digest = hashlib.sha256(entry.token_ids.tobytes()).hexdigest()
+        state = _state_arrays(entry.checkpoints)
         header = {"magic": SPILL_MAGIC, "version": SPILL_VERSION, "model": self.fingerprint,
-                  "store": self.store, "num_tokens": entry.num_tokens, "tokens_sha256": digest}
+                  "store": self.store, "num_tokens": entry.num_tokens, "tokens_sha256": digest,
+                  "state_sha256": _state_digest(state)}
         path = os.path.join(self.spill_dir, f"{digest[:24]}.npz")
         tmp = f"{path}.tmp.npz"
         header_bytes = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-        np.savez(tmp, header=header_bytes, token_ids=entry.token_ids, **entry.arrays,
-                 **_state_arrays(entry.checkpoints))
+        np.savez(tmp, header=header_bytes, token_ids=entry.token_ids, **entry.arrays, **state)
         os.replace(tmp, path)
         entry.path = path
 
@@ -263,7 +265,7 @@ class ConversationCache:
         if problem:
             log.warning("skipping conversation spill file %s: %s", path, problem)
             return None
-        damage = self._spill_damage(header, ids, arrays) or _state_damage(state, len(ids))
+        damage = self._spill_damage(header, ids, arrays) or _state_damage(state, len(ids), header)
         if damage:
             _move_aside(path, damage)
             return None
@@ -302,12 +304,25 @@ def _state_arrays(checkpoints):
                                    np.stack([c.conv for c in checkpoints]), np.stack([c.delta for c in checkpoints]))))
 
 
-def _state_damage(state, num_tokens):
+def _state_digest(state):
+    """sha256 of a spill file's checkpoint arrays (their bytes and shapes), or None without checkpoints."""
+    if not state:
+        return None
+    digest = hashlib.sha256()
+    for name in STATE_ARRAYS:
+        digest.update(f"{name}{state[name].dtype}{state[name].shape}".encode())
+        digest.update(np.ascontiguousarray(state[name]).tobytes())
+    return digest.hexdigest()
+
+
+def _state_damage(state, num_tokens, header):
     """What is wrong with a spill file's checkpoint arrays, or None (their shapes are checked at restore)."""
     if not state:
         return None
     if set(state) != set(STATE_ARRAYS):
         return "recurrent-state checkpoints incomplete"
+    if _state_digest(state) != header.get("state_sha256"):
+        return "recurrent-state checkpoints do not match their checksum"
     positions, conv, delta = (state[name] for name in STATE_ARRAYS)
     if positions.ndim != 1 or not len(positions) == len(conv) == len(delta) or \
             positions.min(initial=1) <= 0 or positions.max(initial=0) != num_tokens:

@@ -1,6 +1,7 @@
 """Conversation cache with a recurrent state (Qwen3-Next): state checkpoints every N tokens and at a parked
 conversation's end; a returning conversation restores the longest prefix ending at a checkpoint and gives the
-logits of reading it whole; a checkpoint of another shape is skipped with a warning; checkpoints survive a spill."""
+logits of reading it whole; a checkpoint of another shape, another model's or a damaged one is skipped with a warning;
+checkpoints survive a spill."""
 import logging
 from dataclasses import replace
 
@@ -102,3 +103,34 @@ def test_a_damaged_spilled_checkpoint_is_moved_aside_with_a_warning(llm, tmp_pat
         reloaded = ConversationCache(1 << 30, "model", checkpoint_tokens=64, spill_dir=str(tmp_path))
     assert not reloaded.entries and "recurrent-state checkpoints" in caplog.text
     assert glob.glob(str(tmp_path / "*.damaged"))
+
+
+def test_a_damaged_spilled_state_is_moved_aside_with_a_warning(llm, tmp_path, caplog):
+    """One flipped bit in a spilled delta state: the file's checksum tells, it is never loaded."""
+    import glob
+
+    parked_cache(llm, spill_dir=str(tmp_path))
+    (path,) = glob.glob(str(tmp_path / "*.npz"))
+    with np.load(path) as data:
+        arrays = dict(data)
+    arrays["state_delta"].view(np.uint32)[1, 0, 1, 2, 3] ^= 1 << 20
+    np.savez(path, **arrays)
+    with caplog.at_level(logging.WARNING, logger="hybrid.conversation_cache"):
+        reloaded = ConversationCache(1 << 30, "model", checkpoint_tokens=64, spill_dir=str(tmp_path))
+    assert not reloaded.entries and "do not match their checksum" in caplog.text
+    assert glob.glob(str(tmp_path / "*.damaged"))
+    kv = llm.model.new_sequence(1024)
+    assert reloaded.restore(RETURNING, kv) == 0 and kv.recurrent.length == 0
+
+
+def test_spilled_checkpoints_of_another_model_are_skipped_with_a_warning(llm, tmp_path, caplog):
+    """Another model of the same shapes (another fingerprint): its parked conversations and their states are left
+    on disk, never loaded; the conversation is read again from the start."""
+    parked_cache(llm, spill_dir=str(tmp_path))  # fingerprint "model"
+    with caplog.at_level(logging.WARNING, logger="hybrid.conversation_cache"):
+        other = ConversationCache(1 << 30, "another-model", checkpoint_tokens=64, spill_dir=str(tmp_path))
+    assert not other.entries and "written for another model" in caplog.text
+    kv = llm.model.new_sequence(1024)
+    assert other.restore(RETURNING, kv) == 0 and kv.recurrent.length == 0
+    whole = llm.score(RETURNING)
+    assert np.abs(read(llm, kv, RETURNING) - whole).max() <= 1e-4 * np.abs(whole).max()
