@@ -38,8 +38,13 @@ class ExpertUsage:
 
     def record(self, layer, ids):
         """ids int [T, K] (host array): the experts routed for each token of this step at `layer`."""
+        self.record_rows(layer, ids, self._decode_rows)
+
+    def record_rows(self, layer, ids, dec):
+        """record() of a part of the step (a pipeline stage's slot group, hybrid/pipeline.py) whose rows are
+        decode tokens where dec bool [T] says so."""
         ids = np.asarray(ids, dtype=np.int64)  # [T, K]
-        E, dec = self.num_experts, self._decode_rows
+        E = self.num_experts
         if len(dec) != len(ids):
             raise ValueError(f"expert usage: {len(ids)} routed tokens at layer {layer}, "
                              f"the step has {len(dec)} (call begin(batch) first)")

@@ -15,6 +15,7 @@ import numpy as np
 from .batch import Batch
 from .model import LAYER_NUMBERS, LayerWeights, _layer_weights
 from .moe import ExpertSplit
+from .pipeline import Pipeline, chunk_groups, num_groups
 from .runners import choose_runner
 from .stages import StagedKV, describe_split, hit_rates, trim_keep
 
@@ -57,7 +58,7 @@ class Stage:
     runner: object = None
     usage: object = None
     busy_s: float = 0.0  # device time of this stage's parts of the steps (timing events; 0 where they time nothing)
-    _events: list = field(default_factory=list)
+    events: list = field(default_factory=list)  # (start, stop) of its latest part, until added to busy_s
 
     def batch_of(self, batch):
         """The step's batch with each chunk's KV this stage's part."""
@@ -120,10 +121,10 @@ class StagedModel:
     """The model over `backends` (one per stage, each a GpuBackend) with `ranges` (its layers per stage) and the
     host backend `host` running non-resident experts. trim: the host copies into RAM only the expert tensors it
     runs (stages.trim_keep), the rest stays mapped from the file. time_stages: record each stage's device time
-    per step."""
+    per step. batch_groups: --batch-groups (hybrid/pipeline.py num_groups)."""
 
     def __init__(self, weights, backends, ranges, host=None, kv_dtype="f32", compiled_decode=True, split=None,
-                 trim=False, time_stages=True):
+                 trim=False, time_stages=True, batch_groups="auto"):
         from .arch import ARCHS
         from .recurrent_state import RecurrentShape
         from .weight_formats import dequantize
@@ -155,6 +156,7 @@ class StagedModel:
         self.kv_pool = self.stages[0].kv_pool
         self.usage = None
         self.residency = None
+        self.batch_groups, self.pipeline = batch_groups, None
         log.info("%d stages, %s; activations pass %s", len(self.stages), describe_split(ranges),
                  ", ".join(link.describe() for link in self.links))
 
@@ -167,6 +169,7 @@ class StagedModel:
         first, last = layer_range.start == 0, layer_range.stop == self.config.num_layers
         view = StageWeights(self.config, layers, len(own), self.token_embd if first else None,
                             self.output if last else None, self.output_norm if last else None)
+        backend.rt.use()  # its arrays are this device's
         backend.place(view, host)
         stage = Stage(index, layer_range, backend, self.config, own)
         stage.kv_pool = backend.new_kv_pool(len(own), self.config.num_kv_heads, self.config.head_dim, self.kv_dtype,
@@ -180,6 +183,10 @@ class StagedModel:
         return stage
 
     def close(self):
+        """Stop the stages' threads (their hybrid MoE workers, the pipeline's)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
         for stage in self.stages:
             if stage.split is not None:
                 stage.split.close()
@@ -189,28 +196,41 @@ class StagedModel:
         return StagedKV([s.backend.new_kv(s.kv_pool, max_tokens) for s in self.stages])
 
     def forward(self, batch):
-        """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its stages' caches."""
+        """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its stages' caches. A batch of
+        several chunks runs as pipelined slot groups (hybrid/pipeline.py) where batch_groups gives more than one."""
         for chunk in batch.chunks:
             chunk.kv.reserve(chunk.start + len(chunk.token_ids))
         if self.usage is not None:
             self.usage.begin(batch)
-        x = None
-        for stage in self.stages:
-            x = self._run_stage(stage, x, batch)
-        last = self.stages[-1]
-        be = last.backend
-        if len(batch.logit_rows) == 0:
-            logits = np.empty((0, self.config.vocab_size), dtype=np.float32)
+        count = num_groups(self.batch_groups, len(batch.chunks), len(self.stages))
+        if count > 1:
+            if self.pipeline is None:
+                self.pipeline = Pipeline(self)
+            logits = self.pipeline.run(batch, chunk_groups(batch, count))
         else:
-            x = be.take_rows(x, batch.logit_rows)  # [T_out, H]
-            logits = be.to_host(be.linear(self.output, be.rmsnorm(x, self.output_norm, self.config.rms_norm_eps)))
-        for stage in self.stages:
-            if stage.split is not None:
-                stage.split.finish_step(stage.backend, self.usage)
-            self._add_busy(stage)
+            logits = self._in_sequence(batch)
         for chunk in batch.chunks:
             chunk.kv.commit(chunk.start + len(chunk.token_ids))
         return logits
+
+    def _in_sequence(self, batch):
+        """The stages one after another in this thread, activations passed by the links."""
+        x = None
+        for stage in self.stages:
+            x = self._run_stage(stage, x, batch)
+        logits = self.head(self.stages[-1].backend, x, batch)
+        for stage in self.stages:
+            if stage.split is not None:
+                stage.split.finish_step(stage.backend, self.usage)
+            self.add_busy(stage)
+        return logits
+
+    def head(self, be, x, batch):
+        """Logits [len(batch.logit_rows), V] of the last stage's x [T, H] (on be, the last stage's backend)."""
+        if len(batch.logit_rows) == 0:
+            return np.empty((0, self.config.vocab_size), dtype=np.float32)
+        x = be.take_rows(x, batch.logit_rows)  # [T_out, H]
+        return be.to_host(be.linear(self.output, be.rmsnorm(x, self.output_norm, self.config.rms_norm_eps)))
 
     def _run_stage(self, stage, x, batch):
         """x [T, H] of the previous stage (None: the first embeds) through this stage's layers."""
@@ -219,7 +239,7 @@ class StagedModel:
             x = be.embed(self.token_embd, batch.token_ids)  # [T, H]
         else:
             x = self.links[stage.index - 1].pass_on(x)
-        start = self._event(be)
+        start = self.event(be)
         stage.usage = self.usage
         if stage.split is not None:
             stage.split.begin_step()
@@ -227,10 +247,11 @@ class StagedModel:
         if stage.split is not None:
             stage.split.wait_host()
         if start is not None:
-            stage._events = [start, self._event(be)]
+            stage.events = [start, self.event(be)]
         return x
 
-    def _event(self, be):
+    def event(self, be):
+        """A timing event recorded on be's stream (None when stages are not timed)."""
         if not self.time_stages:
             return None
         event = be.rt.event(timing=True)
@@ -238,10 +259,11 @@ class StagedModel:
         return event
 
     @staticmethod
-    def _add_busy(stage):
-        if stage._events:
-            stage.busy_s += stage.backend.rt.elapsed(*stage._events)
-            stage._events = []
+    def add_busy(stage):
+        """Add the device time between the stage's recorded events to its busy_s (waits for the last)."""
+        if stage.events:
+            stage.busy_s += stage.backend.rt.elapsed(*stage.events)
+            stage.events = []
 
     def device_stats(self):
         """[{stage, device, layers, busy_s, hit_rate_decode, hit_rate_prefill}] per stage (hit rates None without
@@ -273,11 +295,13 @@ def build_staged(weights, cfg, gpus, options, host_options, split, resident=None
     runtimes = open_runtimes(gpus)
     placement = placement_or_none(placement)
     ranges = stage_ranges(cfg.layer_split, c.num_layers, stage_free(runtimes), layer_bytes(weights), placement)
-    backends = [GpuBackend(rt, **{**options(stage_resident(r, c.num_layers, c.num_experts, resident, placement, s)),
-                                  "step_graphs": False})
-                for s, (rt, r) in enumerate(zip(runtimes, ranges))]
+    backends = []
+    for s, (rt, r) in enumerate(zip(runtimes, ranges)):
+        rt.use()  # its stream is this device's
+        backends.append(GpuBackend(rt, **{**options(stage_resident(r, c.num_layers, c.num_experts, resident,
+                                                                   placement, s)), "step_graphs": False}))
     trim = cfg.trim_stage_weights
     if trim is None:  # on when the model takes over half of the available RAM
         trim = sum(t.raw.nbytes for t in weights.tensors.values()) > _available_bytes() / 2
     return StagedModel(weights, backends, ranges, CpuBackend(**host_options), kv_dtype=cfg.kv,
-                       compiled_decode=cfg.compiled_decode, split=split, trim=trim)
+                       compiled_decode=cfg.compiled_decode, split=split, trim=trim, batch_groups=cfg.batch_groups)

@@ -109,8 +109,8 @@ def stage_resident(layers_range, num_layers, num_experts, resident=None, placeme
 
 
 class StagedKV:
-    """One sequence's KV over the stages: a part per stage (its device's SequenceKV of the stage's layers), moved
-    together. Export / load stack the parts' layers in order."""
+    """One sequence's KV over the stages: a part per stage (its device's DeviceSequenceKV of the stage's layers),
+    moved together, each with its device current. Export / load stack the parts' layers in order."""
 
     supports_rollback = True
     recurrent = None
@@ -132,8 +132,13 @@ class StagedKV:
         for part in self.parts:
             part.reserve(num_tokens)
 
-    def commit(self, length):
+    def _each(self):
         for part in self.parts:
+            part.backend.rt.use()
+            yield part
+
+    def commit(self, length):
+        for part in self._each():
             part.commit(length)
 
     def truncate(self, length):
@@ -145,13 +150,13 @@ class StagedKV:
 
     def export(self, n):
         """Positions [0, n) as float32 (k, v) [L, n, Hkv, D]."""
-        pieces = [part.export(n) for part in self.parts]
+        pieces = [part.export(n) for part in self._each()]
         return tuple(np.concatenate([p[i] for p in pieces]) for i in (0, 1))
 
     def load(self, k, v):
         """Float32 (k, v) [L, n, Hkv, D] become positions [0, n) of every part."""
         start = 0
-        for part in self.parts:
+        for part in self._each():
             stop = start + part.num_layers
             part.load(k[start:stop], v[start:stop])
             start = stop

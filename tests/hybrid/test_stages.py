@@ -73,12 +73,19 @@ def test_two_stages_equal_one_device(small, cut, share):
         assert not stage.backend.resident[outside].any()
 
 
-def test_four_slots_equal_each_alone(small):
+@pytest.mark.parametrize("groups", ["auto", 1, 3])
+def test_four_slots_equal_each_alone(small, groups):
+    """4 slots at once (auto: 2 pipelined groups; 1: every slot stage after stage; 3) give each slot's tokens
+    alone, and the usage record counts every routing of every group."""
     weights, host, _ = small
-    model = staged(weights, host, 1, 0.5)
+    model = staged(weights, host, 1, 0.5, batch_groups=groups)
     together, _ = serve_ids(model, weights.tokenizer, PROMPTS, 4, None, max_tokens=8)
+    assert (model.pipeline is None) == (groups == 1)
+    c, usage = weights.config, model.usage  # the engine's
+    assert usage.decode.sum() == usage.tokens_decode * c.num_layers * c.num_experts_per_tok > 0
     alone = [serve_ids(model, weights.tokenizer, [p], 1, None, max_tokens=8)[0][0] for p in PROMPTS]
     assert together == alone
+    model.close()
 
 
 def test_default_fill_stays_in_budget(small):
