@@ -6,6 +6,11 @@ ROWS_PER_ITEM rows, unpack them to float32 once and multiply them with every tok
 (`prefill`). Decode items (one token) dot each row straight from its blocks and take more rows
 while the threads still get DECODE_ITEMS_PER_THREAD items each: an item costs ~170 ns of calls
 and views besides its dots (1 thread, Q4_K, hot cache), a tenth of a 16-row item's time.
+A group of at most DECODE_MAX_TOKENS tokens (a verification step's 1 + k tokens of one sequence, an
+expert's few tokens) is split into decode items, one token each, the tokens of one row range next to
+each other so that its rows are read from cache after the first: a prefill item computes 16 or 32
+token columns whatever its count (2 tokens cost 8x one), and each token's dots are then the very
+ones a one-token step computes, so scoring drafts gives plain decoding's logits bit for bit.
 
 Shape legend: R output rows, C columns, B bytes per row, T tokens, E experts,
 N (token, expert) rows sorted by group, G groups, W work items.
@@ -21,6 +26,7 @@ ROWS_PER_ITEM = 16  # output rows of a prefill work item (and the fewest of a de
 DECODE_MAX_ROWS_PER_ITEM = 128  # most output rows of a decode (one-token) work item
 DECODE_ITEMS_PER_THREAD = 4  # decode items grow while each thread keeps at least this many
 TOKENS_PER_ITEM = 64  # tokens per work item: each unpacked weight row serves up to 64 tokens
+DECODE_MAX_TOKENS = 8  # groups of at most this many tokens are split into one-token (decode) items
 PARALLEL_MIN_SUM_ROWS = 256  # sub_block_sums of fewer rows run serially (no parallel region to open)
 
 ONE_EXPERT = np.zeros(1, dtype=np.int64)  # expert_ids of a plain matmul
@@ -32,35 +38,47 @@ KERNELS = {}  # format module name: (moe_kernel, moe_kernel_serial), as format_a
 def work_items(expert_ids, row_starts, num_experts, num_rows):
     """Split every group into (rows, tokens) tiles: [W, 6] of (expert, first row, first token, end token,
     token chunk, end row), the token chunk numbering the distinct (first token, end token) ranges from 0.
-    Groups of one token (decode) get items of decode_rows_per_item rows, the others ROWS_PER_ITEM."""
+    Groups of at most DECODE_MAX_TOKENS tokens get one-token (decode) items of decode_rows_per_item rows, each
+    row range's tokens in a row; the others ROWS_PER_ITEM rows by TOKENS_PER_ITEM tokens."""
     num_decode = 0
     for g in range(expert_ids.shape[0]):
         if not 0 <= expert_ids[g] < num_experts or row_starts[g + 1] < row_starts[g]:
             raise ValueError("moe_matmul: expert_ids out of range or row_starts decreasing")
-        num_decode += row_starts[g + 1] - row_starts[g] == 1
+        num_tokens = row_starts[g + 1] - row_starts[g]
+        num_decode += num_tokens if num_tokens <= DECODE_MAX_TOKENS else 0
     decode_rows = decode_rows_per_item(num_decode, num_rows, num_threads())
     num_items = 0
     for g in range(expert_ids.shape[0]):
         num_tokens = row_starts[g + 1] - row_starts[g]
-        span = decode_rows if num_tokens == 1 else ROWS_PER_ITEM
-        num_items += (num_rows + span - 1) // span * ((num_tokens + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM)
+        if num_tokens <= DECODE_MAX_TOKENS:
+            num_items += (num_rows + decode_rows - 1) // decode_rows * num_tokens
+        else:
+            num_items += ((num_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+                          * ((num_tokens + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM))
     items = np.empty((num_items, 6), dtype=np.int64)  # [W, 6]
     i = 0
     chunk = 0
     for g in range(expert_ids.shape[0]):
-        span = decode_rows if row_starts[g + 1] - row_starts[g] == 1 else ROWS_PER_ITEM
-        for t0 in range(row_starts[g], row_starts[g + 1], TOKENS_PER_ITEM):
-            t1 = min(t0 + TOKENS_PER_ITEM, row_starts[g + 1])
-            for r0 in range(0, num_rows, span):
-                items[i, 0] = expert_ids[g]
-                items[i, 1] = r0
-                items[i, 2] = t0
-                items[i, 3] = t1
-                items[i, 4] = chunk
-                items[i, 5] = min(r0 + span, num_rows)
+        t0, t1 = row_starts[g], row_starts[g + 1]
+        if t1 - t0 <= DECODE_MAX_TOKENS:
+            for r0 in range(0, num_rows, decode_rows):
+                for t in range(t0, t1):
+                    _set_item(items, i, expert_ids[g], r0, t, t + 1, chunk + t - t0, min(r0 + decode_rows, num_rows))
+                    i += 1
+            chunk += t1 - t0
+            continue
+        for c0 in range(t0, t1, TOKENS_PER_ITEM):
+            for r0 in range(0, num_rows, ROWS_PER_ITEM):
+                _set_item(items, i, expert_ids[g], r0, c0, min(c0 + TOKENS_PER_ITEM, t1), chunk,
+                          min(r0 + ROWS_PER_ITEM, num_rows))
                 i += 1
             chunk += 1
     return items
+
+
+@njit(inline="always", nogil=True)
+def _set_item(items, i, expert, r0, t0, t1, chunk, r1):
+    items[i, 0], items[i, 1], items[i, 2], items[i, 3], items[i, 4], items[i, 5] = expert, r0, t0, t1, chunk, r1
 
 
 @njit(nogil=True, cache=True)

@@ -7,6 +7,7 @@ import pytest
 from numba import njit
 
 from cpu_kernels import bf16, dense, f16, f32, q4_0, q8_0
+from cpu_kernels.tiles import DECODE_MAX_TOKENS
 
 FORMATS = [f32, f16, bf16, q8_0, q4_0]
 ROWS = 37  # odd, and not a multiple of the 16-row work items or 4-row unpack tiles
@@ -73,7 +74,7 @@ def test_moe_matmul_matches_numpy(fmt, act_quant, act_rounding_bound, prefill_ro
         if rows.start == rows.stop:
             continue
         ref = x[rows].astype(np.float64) @ weights[e].T
-        decode = row_starts[g + 1] - row_starts[g] == 1  # one-token groups take the decode dot
+        decode = row_starts[g + 1] - row_starts[g] <= DECODE_MAX_TOKENS  # groups of a few tokens take the decode dots
         bound = act_rounding_bound if decode else partial(prefill_rounding_bound, fmt)
         _assert_close(out[rows], ref, bound(x[rows], np.abs(weights[e]), act_quant))
 

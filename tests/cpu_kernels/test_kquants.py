@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import q4_k, q5_k, q6_k
+from cpu_kernels.tiles import DECODE_MAX_TOKENS
 
 FORMATS = [q4_k, q5_k, q6_k]
 R, C = 37, 768  # odd rows; a multiple of 256 that is not a power of two
@@ -86,7 +87,7 @@ def test_moe_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
         rows = slice(row_starts[g], row_starts[g + 1])
         ref, bound = reference(fmt, raw[e], x[rows])
         w_abs = np.abs(gguf.quants.dequantize(raw[e], fmt.QTYPE).astype(np.float64))
-        rounding = act_rounding_bound if group_sizes[g] == 1 else partial(prefill_rounding_bound, fmt)
+        rounding = act_rounding_bound if group_sizes[g] <= DECODE_MAX_TOKENS else partial(prefill_rounding_bound, fmt)
         bound = bound + rounding(x[rows], w_abs, act_quant)
         assert_close(out[rows], ref, bound)
 

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 from cpu_kernels.prefill import PARALLEL_MIN_PANELS, token_panels
-from cpu_kernels.tiles import (DECODE_ITEMS_PER_THREAD, DECODE_MAX_ROWS_PER_ITEM, PARALLEL_MIN_SUM_ROWS, ROWS_PER_ITEM,
-                               TOKENS_PER_ITEM, decode_rows_per_item, sub_block_sums, work_items)
+from cpu_kernels.tiles import (DECODE_ITEMS_PER_THREAD, DECODE_MAX_ROWS_PER_ITEM, DECODE_MAX_TOKENS, PARALLEL_MIN_SUM_ROWS,
+                               ROWS_PER_ITEM, TOKENS_PER_ITEM, decode_rows_per_item, sub_block_sums, work_items)
 
 
 @pytest.mark.parametrize("num_rows", [16, 200, 768])
-@pytest.mark.parametrize("tokens_per_expert", [[1], [1] * 8, [1, 70, 1, 3]])
+@pytest.mark.parametrize("tokens_per_expert", [[1], [1] * 8, [1, 70, 1, 3], [5, DECODE_MAX_TOKENS + 1]])
 def test_work_items_cover_every_row_and_token_once(tokens_per_expert, num_rows):
     row_starts = np.concatenate([[0], np.cumsum(tokens_per_expert)]).astype(np.int64)
     expert_ids = np.arange(len(tokens_per_expert), dtype=np.int64)[::-1].copy()
@@ -21,6 +21,17 @@ def test_work_items_cover_every_row_and_token_once(tokens_per_expert, num_rows):
         assert r1 - r0 <= (DECODE_MAX_ROWS_PER_ITEM if t1 - t0 == 1 else ROWS_PER_ITEM)
         covered[t0:t1, r0:r1] += 1
     assert (covered == 1).all()
+
+
+
+def test_a_few_tokens_of_a_group_take_one_token_items_row_range_by_row_range():
+    """A verification step's tokens (one group of 1 + k) run the decode dots, each row range's tokens in a row."""
+    items = work_items(np.zeros(1, dtype=np.int64), np.array([0, 3], dtype=np.int64), 1, 200)  # [W, 6]
+    assert (items[:, 3] - items[:, 2] == 1).all()
+    assert (items[:, 2] == np.tile(np.arange(3), len(items) // 3)).all()  # tokens 0, 1, 2 of each row range
+    assert (items[::3, 1] == items[1::3, 1]).all() and (items[::3, 1] == items[2::3, 1]).all()
+    many = work_items(np.zeros(1, dtype=np.int64), np.array([0, DECODE_MAX_TOKENS + 1], dtype=np.int64), 1, 200)
+    assert (many[:, 3] - many[:, 2] == DECODE_MAX_TOKENS + 1).all()  # prefill tiles
 
 
 def test_decode_items_grow_while_every_thread_keeps_enough():
