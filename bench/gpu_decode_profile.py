@@ -26,9 +26,10 @@ SPIN = r'''extern "C" __global__ void spin(long long cycles) {
 }'''
 
 
-def kernel_names(kernels):
-    """id(compiled function) -> kernel name, from the Kernels' compiled functions."""
-    return {id(fn): key[-1] for key, fn in kernels._functions.items()}
+def kernel_names(runtime):
+    """id(compiled function) -> "module.kernel", over every module the runtime compiled."""
+    return {id(fn): f"{module}.{name}" for module, functions in runtime._modules.items()
+            for name, fn in functions.items()}
 
 
 def profile(llm, steps, users, spin_cycles):
@@ -62,7 +63,7 @@ def profile(llm, steps, users, spin_cycles):
             be.stream.synchronize()
     finally:
         be.kernels._launch = real_launch
-    names = kernel_names(be.kernels)
+    names = kernel_names(be.rt)
     for fn, start, stop in launched:
         times[names.get(id(fn), "?")].append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
     return times, len(launched) / steps
