@@ -85,9 +85,17 @@ def step_seconds(llm, users, steps=16):
     return float(np.median(out[2:]))
 
 
+def tuned(llm, args):
+    """llm with the kernel tuning the arguments ask for (before its first step: graphs capture the launches)."""
+    if args.attention_rows:
+        llm.model.backend.kernels.attention_rows = args.attention_rows
+    return llm
+
+
 def markdown(args, times, per_step, graphed_s, gpu_name):
     total = sum(sum(v) for v in times.values()) / args.steps
-    lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s), every expert resident; "
+    rows = f", attention {args.attention_rows} heads a block" if args.attention_rows else ""
+    lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
              f"{args.steps} decode steps, {per_step:.0f} launches a step. GPU time of the launches back to back: "
              f"{total * 1e3:.2f} ms a step; the default (graphed) step took {graphed_s * 1e3:.2f} ms of wall time.", "",
              "| kernel | launches a step | us a launch (median) | us a step | share |", "|---|---|---|---|---|"]
@@ -105,18 +113,21 @@ def main(argv=None):
     p.add_argument("--users", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--spin-ms", type=float, default=200.0, help="how long the stream waits while a step is queued")
+    p.add_argument("--attention-rows", type=int, default=None, choices=(1, 2, 4, 8),
+                   help="most heads a one-token attention block takes (default: the kernels')")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from hybrid import LLM
 
-    graphed = LLM(args.model, device="gpu", threads=args.threads, max_context=512, kv_sequences=args.users)
+    graphed = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=512, kv_sequences=args.users),
+                    args)
     graphed_s = step_seconds(graphed, args.users)
     gpu_name = graphed.model.backend.rt.device_name
     graphed.close()
     del graphed
-    llm = LLM(args.model, device="gpu", threads=args.threads, max_context=512, kv_sequences=args.users,
-              dense_graphs=False, decode_graphs=False, step_graphs=False)
+    llm = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=512, kv_sequences=args.users,
+                    dense_graphs=False, decode_graphs=False, step_graphs=False), args)
     times, per_step = profile(llm, args.steps, args.users, int(args.spin_ms * 2e6))
     text = markdown(args, times, per_step, graphed_s, gpu_name)
     print(text)

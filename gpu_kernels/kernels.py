@@ -128,12 +128,14 @@ class AttentionPlan:
     shared_mem: int  # bytes
 
 
-def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_size=32, max_splits=MAX_SPLITS):
+def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_size=32, max_splits=MAX_SPLITS,
+                   one_token_rows=PD_MAX_ROWS):
     """The paged attention launch over T tokens of G query heads a kv head and `num_keys` keys (those
     of the longest row). One token: its G heads share each K/V row in registers; more: tiles of rows
-    share K/V tiles in shared memory. Keys split while the blocks are few (decode, long contexts)."""
+    share K/V tiles in shared memory. Keys split while the blocks are few (decode, long contexts).
+    one_token_rows: most heads a one-token block takes (1, 2, 4 or 8: fewer make more, shorter blocks)."""
     if num_tokens == 1 and head_dim <= 4 * min(32, warp_size):
-        kernel, rows = "paged_attention_1", min(PD_MAX_ROWS, _pow2_at_least(group))
+        kernel, rows = "paged_attention_1", min(one_token_rows, _pow2_at_least(group))
         width, tile_keys, num_tiles = max(8, _pow2_at_least(-(-head_dim // 4))), PD_KEYS, -(-group // rows)
         shared = rows * PD_KEYS + 5 * rows + PA_THREADS // width * rows * head_dim
     else:
@@ -147,10 +149,11 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
     return AttentionPlan(kernel, rows, width, num_tiles, -(-num_keys // split_keys), split_keys, 4 * shared)
 
 
-def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_keys, warp_size, max_splits):
+def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_keys, warp_size, max_splits,
+                        one_token_rows=PD_MAX_ROWS):
     """(values, rows) of the split scratch paged_attention needs over num_keys keys (0, 0: no splits)."""
     plan = attention_plan(num_tokens, num_q_heads // num_kv_heads, num_kv_heads, head_dim, num_keys, warp_size,
-                          max_splits)
+                          max_splits, one_token_rows)
     rows = num_tokens * num_q_heads
     return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)
 
@@ -177,6 +180,7 @@ class Kernels(DeltaNetLaunchers):
         self._functions = {}  # (qtype or KV dtype, kernel name) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B) -> _mm_launch's (kernel, blocks, scalars)
         self._dummy = None  # stands in for an absent array argument
+        self.attention_rows = PD_MAX_ROWS  # most heads a one-token attention block takes (attention_plan)
         self._split_out = self._split_lse = None  # paged_attention's partial results, grown as needed
 
     def _threads(self, work, cap=MAX_THREADS):
@@ -350,7 +354,8 @@ class Kernels(DeltaNetLaunchers):
         num_keys = start + num_tokens - key_lo
         if window > 0:
             num_keys = min(num_keys, window + num_tokens - 1)
-        plan = attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, self.warp, self.max_splits)
+        plan = attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, self.warp, self.max_splits,
+                              self.attention_rows)
         num_rows = num_tokens * num_q_heads
         if plan.splits == 1:
             target, target_lse, want_lse = out, self._or_dummy(lse), int(lse is not None)

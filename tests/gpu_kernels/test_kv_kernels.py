@@ -1,6 +1,7 @@
 """The paged KV kernels (kv.cu's paged_attention and kv_write, ops.cu's attn_merge) against their NumPy
 references on fresh random data, and those references against a dense softmax (without a GPU)."""
 from dataclasses import dataclass, fields
+from itertools import product
 
 import numpy as np
 import pytest
@@ -148,6 +149,19 @@ def test_paged_attention_decode_heads(runtime, kernels, reference_kernels, num_q
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("start", [40, 700])
+def test_paged_attention_fewer_heads_a_block(runtime, kernels, reference_kernels, rows, start):
+    """One token with a group of 8 heads taken `rows` heads a block (Kernels.attention_rows): the same result."""
+    kernels.attention_rows = rows
+    try:
+        check_paged_attention(runtime, kernels, reference_kernels, "f16", (1, start, 0, 1, 64), 128, 8, True,
+                              num_kv_heads=4)
+    finally:
+        kernels.attention_rows = 8
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,start", [(1, 6000), (8, 3000)])
 def test_paged_attention_splits_agree(runtime, kernels, num_tokens, start):
     """Keys split across blocks (and merged) give the one-pass result."""
@@ -244,8 +258,8 @@ def test_merge_of_key_ranges_is_whole_attention(runtime, kernels, kv_dtype, num_
 def test_attention_plan_fits_the_kernels(num_tokens, head_dim, group):
     from gpu_kernels.kernels import PA_OUTS, PA_THREADS, PD_KEYS, attention_plan
 
-    for num_keys in (-5, 1, 255, 700, 5000, 40000):
-        plan = attention_plan(num_tokens, group, 4, head_dim, num_keys)
+    for num_keys, one_token_rows in product((-5, 1, 255, 700, 5000, 40000), (8, 2)):
+        plan = attention_plan(num_tokens, group, 4, head_dim, num_keys, one_token_rows=one_token_rows)
         assert plan.shared_mem <= 48 << 10
         assert plan.splits * plan.split_keys >= num_keys and (plan.splits - 1) * plan.split_keys < max(num_keys, 1)
         assert plan.num_tiles * plan.rows >= num_tokens * group
