@@ -17,7 +17,7 @@ from .model import LAYER_NUMBERS, LayerWeights, _layer_weights
 from .moe import ExpertSplit
 from .pipeline import Pipeline, chunk_groups, num_groups
 from .runners import choose_runner
-from .stages import StagedKV, describe_split, hit_rates, trim_keep
+from .stages import StagedKV, describe_split, hit_rates, trim_copies
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,8 @@ class StagedBackends:
 
 class StagedModel:
     """The model over `backends` (one per stage, each a GpuBackend) with `ranges` (its layers per stage) and the
-    host backend `host` running non-resident experts. trim: the host copies into RAM only the expert tensors it
-    runs (stages.trim_keep), the rest stays mapped from the file. time_stages: record each stage's device time
+    host backend `host` running non-resident experts. trim: the host copies into RAM only the rows of the experts
+    it runs (stages.trim_copies), the rest stays mapped from the file. time_stages: record each stage's device time
     per step. batch_groups: --batch-groups (hybrid/pipeline.py num_groups)."""
 
     def __init__(self, weights, backends, ranges, host=None, kv_dtype="f32", compiled_decode=True, split=None,
@@ -149,8 +149,12 @@ class StagedModel:
             host.place(self)
         self.stages = [self._stage(s, r, be, host, recipes, compiled_decode, split)
                        for s, (r, be) in enumerate(zip(ranges, backends))]
-        if host is not None and trim:  # the devices uploaded from the file; the host copies what it runs
-            host.place(self, keep=trim_keep(np.logical_or.reduce([b.resident for b in backends])))
+        self.host_bytes = None  # bytes of the weights' RAM copies
+        if host is not None and trim:  # the devices uploaded from the file; the host copies the rows it runs
+            self.host_bytes = trim_copies(self.layers, np.logical_or.reduce([b.resident for b in backends]))
+            host.place(self, keep=lambda name: False)
+        if self.host_bytes is None:
+            self.host_bytes = sum(t.raw.nbytes for t in weights.tensors.values() if t.raw.flags.writeable)
         self.links = [Link(a.backend, b.backend) for a, b in zip(self.stages, self.stages[1:])]
         self.backend = StagedBackends(self.stages)
         self.kv_pool = self.stages[0].kv_pool

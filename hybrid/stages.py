@@ -12,6 +12,8 @@ import numpy as np
 from placement.placement import PlacementError
 from placement.residency import default_residency
 
+from .host_memory import host_array
+
 log = logging.getLogger(__name__)
 
 
@@ -25,16 +27,21 @@ def layer_bytes(weights):
     return sizes
 
 
-def trim_keep(resident):
-    """The host's keep(tensor name) of trimmed stage weights: only the expert tensors of layers with an expert no
-    device holds (resident bool [L, E], every device's): the host runs nothing else."""
-    partial = {int(layer) for layer in np.flatnonzero(~resident.all(axis=1))}
-
-    def keep(name):
-        parts = name.split(".")
-        return parts[0] == "blk" and "_exps" in name and int(parts[1]) in partial
-
-    return keep
+def trim_copies(layers, resident):
+    """Trimmed stage weights: copy into host RAM only the rows of the experts no device holds (resident bool [L, E],
+    every device's), into a host_array whose unwritten rows take no memory; a layer whose experts some device holds
+    all stays mapped from the file. Returns the bytes copied."""
+    copied = 0
+    for layer in layers:
+        cpu = np.flatnonzero(~resident[layer.index]) if layer.gate_exps is not None else ()
+        for tensor in (layer.gate_exps, layer.up_exps, layer.down_exps) if len(cpu) else ():
+            if tensor.raw.flags.writeable:  # a copy already
+                continue
+            out = host_array(tensor.raw.shape, tensor.raw.dtype)  # [E, R, B]
+            out[cpu] = tensor.raw[cpu]
+            tensor.raw = out
+            copied += out[cpu].nbytes
+    return copied
 
 
 def describe_split(ranges):

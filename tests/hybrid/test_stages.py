@@ -106,18 +106,21 @@ def test_default_fill_stays_in_budget(small):
 
 
 def test_trimmed_stage_weights(small, gguf_models):
-    """With trim the host copies into RAM only the expert tensors of layers some device does not hold whole; the
-    rest stays mapped from the file (no second copy of what the devices hold)."""
+    """With trim the host copies into RAM only the experts no device holds (a layer whose experts are all resident
+    stays mapped from the file): no second copy of what the devices hold."""
     weights = load_model(gguf_models("small", "Q8_0")[0])  # its own: placing copies tensors
     c, host = weights.config, small[1]
     resident = np.zeros((c.num_layers, c.num_experts), dtype=bool)
-    resident[0] = True
+    resident[0], resident[1, :4] = True, True
     ranges = check_cuts((1,), c.num_layers, 2)
     backends = [stand_in(stage_resident(r, c.num_layers, c.num_experts, resident), index=s)
                 for s, r in enumerate(ranges)]
     model = StagedModel(weights, backends, ranges, host, trim=True)
     copied = {name for name, t in weights.tensors.items() if t.raw.flags.writeable}
     assert copied == {f"blk.{i}.ffn_{p}_exps.weight" for i in (1, 2) for p in ("gate", "up", "down")}
+    held = {1: 4, 2: 8}  # rows of the experts the host runs
+    assert model.host_bytes == sum(weights.tensors[name].raw.nbytes * held[int(name.split(".")[1])] // c.num_experts
+                                   for name in copied)
     np.testing.assert_allclose(score(model), score(Model(load_model(gguf_models("small", "Q8_0")[0]),
                                                          stand_in(resident), host=host)), rtol=0, atol=1e-5)
 
