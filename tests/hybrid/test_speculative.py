@@ -295,6 +295,19 @@ def test_rollback_leaves_the_kv_as_if_the_drafts_were_never_seen(demo_llm):
         assert np.array_equal(x, y)
 
 
+
+def test_a_verification_step_gives_one_token_steps_logits_bit_for_bit(demo_llm):
+    """1 + k one-token chunks of one sequence in one step (the compiled decode layers, the output head) give the
+    logits of k + 1 one-token steps exactly: a few tokens run the one-token dots (cpu_kernels.tiles)."""
+    model, rng = demo_llm.model, np.random.default_rng(5)
+    kv = model.new_sequence(128)
+    model.forward(Batch([SeqChunk(kv, 0, rng.integers(3, 900, 40), "none")]))
+    tokens = rng.integers(3, 900, 5)
+    one = np.concatenate([model.forward(Batch([SeqChunk(kv, 40 + i, tokens[i:i + 1])])) for i in range(5)])
+    kv.rollback(40)
+    many = model.forward(Batch([SeqChunk(kv, 40 + i, tokens[i:i + 1]) for i in range(5)]))
+    assert np.array_equal(one, many)
+
 @pytest.mark.slow
 def test_greedy_with_drafts_on_a_recurrent_model_equals_plain_greedy(tmp_path, demo_tokenizer):
     """A tiny Qwen3-Next (Gated DeltaNet layers: a rollback keeps only the verification chunk's start, the
