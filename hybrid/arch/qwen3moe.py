@@ -1,5 +1,7 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B): GQA with per-head
-q/k RMSNorm, NeoX RoPE, softmax top-k routing (norm_topk_prob), SwiGLU experts."""
+q/k RMSNorm, NeoX RoPE, softmax top-k routing (norm_topk_prob), SwiGLU experts. A GGUF file may carry NextN
+(MTP) layers after the decoder layers as glm4moe's do (`nextn_predict_layers`, blk.L: a decoder layer and its
+nextn.* tensors): Qwen3-MoE checkpoints have none, bench/train_mtp.py trains one for a drafter."""
 from ..errors import ModelError
 from ..formats.weights import ModelConfig
 from .base import ArchSpec, require
@@ -17,11 +19,12 @@ def config_from_gguf(fields, source, vocab_size, tie_word_embeddings, tensor_nam
 
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
+    nextn = int(key("nextn_predict_layers", 0))
     return ModelConfig(
         arch=NAME,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        num_layers=int(key("block_count")),
+        num_layers=int(key("block_count")) - nextn,
         num_heads=num_heads,
         num_kv_heads=int(key("attention.head_count_kv", num_heads)),
         head_dim=int(key("attention.key_length", hidden // num_heads)),
@@ -33,6 +36,7 @@ def config_from_gguf(fields, source, vocab_size, tie_word_embeddings, tensor_nam
         context_length=int(key("context_length")),
         norm_topk_prob=bool(key("expert_weights_norm", True)),
         tie_word_embeddings=tie_word_embeddings,
+        num_nextn_layers=nextn,
     )
 
 
@@ -75,6 +79,25 @@ def config_from_hf(cfg, source):
     )
 
 
+def nextn_tensors(config):
+    """{name: shape} of the NextN layers' tensors: a decoder layer and eh_proj [H, 2H], enorm, hnorm, shared_head_norm."""
+    c, shapes = config, {}
+    for layer in range(c.num_layers, c.num_layers + c.num_nextn_layers):
+        shapes.update((f"blk.{layer}.{t.gguf}", tuple(t.shape(c))) for t in SPEC.layer_tensors(c, layer))
+        shapes[f"blk.{layer}.nextn.eh_proj.weight"] = (c.hidden_size, 2 * c.hidden_size)
+        shapes.update((f"blk.{layer}.nextn.{n}.weight", (c.hidden_size,)) for n in ("enorm", "hnorm", "shared_head_norm"))
+    return shapes
+
+
+def write_gguf_hparams(writer, config):
+    """block_count counts the NextN layers (as llama.cpp's glm4moe files do); the experts' width as
+    feed_forward_length."""
+    writer.add_block_count(config.num_layers + config.num_nextn_layers)
+    writer.add_feed_forward_length(config.moe_intermediate_size)
+    if config.num_nextn_layers:
+        writer.add_nextn_predict_layers(config.num_nextn_layers)
+
+
 SPEC = ArchSpec(
     name=NAME,
     hf_model_types=("qwen3_moe",),
@@ -82,4 +105,6 @@ SPEC = ArchSpec(
                        ffn=Block("ffn_norm", MoE(router=SoftmaxTopK(), experts=SwiGLU()))),
     config_from_gguf=config_from_gguf,
     config_from_hf=config_from_hf,
+    extra_tensors=nextn_tensors,
+    write_gguf_hparams=write_gguf_hparams,
 )
