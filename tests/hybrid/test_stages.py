@@ -88,6 +88,25 @@ def test_four_slots_equal_each_alone(small, groups):
     model.close()
 
 
+def test_drafts_and_parked_kv_over_stages(small):
+    """Speculative drafts (rolled back in every stage's KV) give plain greedy's tokens; a sequence's KV exported and
+    loaded again (the conversation cache) continues as the original."""
+    from tests.hybrid.test_speculative import ALWAYS
+
+    weights, host, _ = small
+    model = staged(weights, host, 2, 0.5)
+    plain, _ = serve_ids(model, weights.tokenizer, PROMPTS, 4, None, max_tokens=12)
+    drafted, stats = serve_ids(model, weights.tokenizer, PROMPTS, 4, ALWAYS, max_tokens=12)
+    assert drafted == plain and stats.draft_n_accepted > 0
+    kv = model.new_sequence(256)
+    model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS), "none")]))
+    restored = model.new_sequence(256)
+    restored.load(*kv.export(len(TOKENS)))
+    step = [model.forward(Batch([SeqChunk(s, len(TOKENS), np.asarray([5]))])) for s in (kv, restored)]
+    np.testing.assert_array_equal(step[0], step[1])
+    model.close()
+
+
 def test_default_fill_stays_in_budget(small):
     """With little memory each device fills its cache with its own layers' experts only and never holds more
     than its memory."""
