@@ -14,7 +14,7 @@ from hybrid.model import Model
 from hybrid.staged_model import StagedModel
 from hybrid.stages import auto_cuts, check_cuts, stage_ranges, stage_resident
 from placement.placement import GpuPlacement, Placement, PlacementError
-from tests.gpu_kernels.conftest import ReferenceKernels
+from tests.gpu_kernels.conftest import ReferenceKernels, dequant
 from tests.hybrid.test_speculative import serve_ids
 
 TOKENS = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250, 31, 8]
@@ -31,10 +31,32 @@ def score(model, decode_steps=3):
     return np.concatenate(out)
 
 
+class CachedKernels(ReferenceKernels):
+    """The reference kernels with each weight array dequantized once (the stand-in's weights never change here; the
+    cache holds the array, so its id stays its own)."""
+
+    def __init__(self):
+        self._dequantized = {}
+
+    def _weights(self, raw, qtype, num_cols):
+        key = (id(raw), num_cols)
+        if key not in self._dequantized:
+            self._dequantized[key] = (raw, dequant(raw, qtype, num_cols).astype(np.float64))
+        return self._dequantized[key][1]
+
+    def matmul(self, raw, qtype, x, out):
+        out[:] = x.astype(np.float64) @ self._weights(raw, qtype, x.shape[1]).T
+
+    def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=None):
+        w = self._weights(raw, qtype, x.shape[1])  # [n, R, C]
+        for slot, row, count in zip(tile_slot, tile_row, tile_count):
+            out[row:row + count] = x[row:row + count].astype(np.float64) @ w[slot].T
+
+
 def stand_in(resident, memory_bytes=64 << 30, index=0, **options):
     backend = GpuBackend(NumpyRuntime(index, memory_bytes), max_context=256, kv_sequences=4, resident=resident,
                          step_graphs=False, **options)
-    backend.kernels = ReferenceKernels()
+    backend.kernels = CachedKernels()
     return backend
 
 
@@ -174,7 +196,7 @@ def stand_in_gpus(monkeypatch):
     from hybrid.backends import gpu as gpu_backend
 
     monkeypatch.setattr(gpu_runtime, "probe", lambda: gpu_runtime.Probe(NumpyRuntime(), ""))
-    monkeypatch.setattr(gpu_backend, "Kernels", lambda runtime, stream=None, **options: ReferenceKernels())
+    monkeypatch.setattr(gpu_backend, "Kernels", lambda runtime, stream=None, **options: CachedKernels())
     monkeypatch.setattr(devices, "open_runtimes", lambda gpus: [NumpyRuntime(i, 1 << 30) for i in range(len(gpus))])
 
 
