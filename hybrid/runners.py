@@ -120,13 +120,12 @@ class GraphRunner:
 
 def choose_runner(recipes, backend, compiled_decode, split):
     """The runner of a model (recipes: one per layer, or one for all): graphs or compiled layers where the backend
-    declares them (compiled layers only with compiled_decode, no expert split and one recipe for every layer), else
-    op by op."""
+    declares them (compiled layers only with compiled_decode and no expert split; the backend's runner takes the
+    recipes as given), else op by op."""
     plain = PlainRunner(recipes)
     capabilities = backend.capabilities
     if capabilities.graphed_decode and backend.layer_graphs is not None:
         return GraphRunner(backend.layer_graphs, plain)
-    one = recipes if isinstance(recipes, LayerRecipe) else recipes[0] if len(set(recipes)) == 1 else None
-    if capabilities.compiled_decode_layer and compiled_decode and split is None and one is not None:
-        return backend.layer_runner(one, plain)
+    if capabilities.compiled_decode_layer and compiled_decode and split is None:
+        return backend.layer_runner(recipes, plain)
     return plain

@@ -200,9 +200,10 @@ class CpuBackend(CpuDeltaOps):
             kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), act_quant)
         return out
 
-    def layer_runner(self, recipe, plain):
-        """The compiled decode layers' runner (cpu_layer.py), or `plain` for a recipe they do not implement."""
-        return compiled_runner(self, recipe, plain)
+    def layer_runner(self, recipes, plain):
+        """The compiled decode layers' runner (cpu_layer.py) for recipes (one per layer, or one for all), or `plain`
+        where they implement no block of them."""
+        return compiled_runner(self, recipes, plain)
 
     def empty(self, shape):
         """A float32 work array of `shape`, contents undefined."""

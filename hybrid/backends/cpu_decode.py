@@ -70,12 +70,15 @@ def _digest(kernels):
 
 @functools.lru_cache(maxsize=None)
 def _kernel_sources_digest():
+    """cpu_kernels' sources and the decode templates' (a template calls helpers of another template file)."""
     root = os.path.dirname(os.path.abspath(cpu_kernels.__file__))
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(root, name) for name in sorted(os.listdir(root)) if name.endswith(".py")]
+    files += [os.path.join(here, name) for name in ("cpu_decode.py", "cpu_decode_ffn.py")]
     digest = hashlib.sha1()
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
     return digest.digest()
 
 
@@ -108,11 +111,19 @@ def _rmsnorm(x, weight, eps, out, one_thread):
 
 
 @njit(inline="always", nogil=True)
-def _rope(x, positions, theta, one_thread):
+def _rope(x, positions, inv_freq, scale, one_thread):
     if _small(x.size, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread):
-        rope.rope_neox_serial(x, positions, theta, x)
+        rope.rope_neox_freqs_serial(x, positions, inv_freq, scale, x)
     else:
-        rope.rope_neox(x, positions, theta, x)
+        rope.rope_neox_freqs(x, positions, inv_freq, scale, x)
+
+
+@njit(inline="always", nogil=True)
+def _add_bias(x, bias):
+    """x [T, R] += bias [R] (where the part has one: QKV_BIAS / O_BIAS)."""
+    for t in range(x.shape[0]):
+        for r in range(x.shape[1]):
+            x[t, r] += bias[r]
 
 
 def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, mixer_args, ffn_args):
@@ -130,9 +141,11 @@ def layer_template(x, positions, tables, k_pool, v_pool, layer_index, one_thread
 
 def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, args):
     """x += o_proj(attention(rope(norm_heads(q, k)), v)) of rmsnorm(x); serial[i]: whether the q, k, v and o
-    weights are small enough for their serial kernels on one thread."""
-    (norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim, q_raws, k_raws, v_raws, o_raws,
-     serial) = args
+    weights are small enough for their serial kernels on one thread. The FullAttention variants: biases on q, k, v
+    (QKV_BIAS) and o (O_BIAS), RoPE over the first 2 * len(inv_freq) dims with cos / sin times rope_scale, the
+    last `window` positions only (> 0), each head's sink logit in the softmax (SINKS)."""
+    (norm, q_norm, k_norm, eps, inv_freq, rope_scale, scale, num_heads, num_kv_heads, head_dim, q_raws, k_raws,
+     v_raws, o_raws, serial, biases, window, sinks) = args
     num_tokens, hidden = x.shape
     one_token_serial = num_tokens == 1 and one_thread
     # built here, not module constants: Numba would pass those read-only, a second typing of every kernel
@@ -155,6 +168,10 @@ def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index
         V_SER(v_raws, h, one_expert, row_starts, (v,), act_quant)  # noqa: F821
     else:
         V_PAR(v_raws, h, one_expert, row_starts, (v,), act_quant)  # noqa: F821
+    if QKV_BIAS:  # noqa: F821
+        _add_bias(q, biases[0])
+        _add_bias(k, biases[1])
+        _add_bias(v, biases[2])
     q3 = q.reshape(num_tokens, num_heads, head_dim)  # [T, Hq, D]
     k3 = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
     v3 = v.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
@@ -163,9 +180,10 @@ def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index
         k_rows = k.reshape(num_tokens * num_kv_heads, head_dim)
         _rmsnorm(q_rows, q_norm, eps, q_rows, one_thread)
         _rmsnorm(k_rows, k_norm, eps, k_rows, one_thread)
-    _rope(q3, positions, theta, one_thread)
-    _rope(k3, positions, theta, one_thread)
+    _rope(q3, positions, inv_freq, rope_scale, one_thread)
+    _rope(k3, positions, inv_freq, rope_scale, one_thread)
     att = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)  # [T, Hq, D]
+    lse = np.empty((1, num_heads), dtype=np.float32) if SINKS else no_lse  # noqa: F821 ([1, Hq]: a token's)
     layer_k, layer_v = k_pool[layer_index], v_pool[layer_index]  # [NB, BT, Hkv, D]
     for t in range(num_tokens):
         start = positions[t]  # one token a chunk: its position is where the chunk starts
@@ -174,25 +192,30 @@ def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index
         work = (start + 1) * num_heads * head_dim
         if _small(work, TINY_MAX_ATTENTION, SERIAL_MAX_ATTENTION, one_thread):
             attention.attention_serial(q3[t:t + 1], layer_k, layer_v, tables[t], start, 0, start + 1, scale,
-                                       att[t:t + 1], no_lse, attention.NO_SCALES, attention.NO_SCALES)
+                                       att[t:t + 1], lse, attention.NO_SCALES, attention.NO_SCALES, window)
         else:
             attention.attention(q3[t:t + 1], layer_k, layer_v, tables[t], start, 0, start + 1, scale, att[t:t + 1],
-                                no_lse, attention.NO_SCALES, attention.NO_SCALES)
+                                lse, attention.NO_SCALES, attention.NO_SCALES, window)
+        if SINKS:  # noqa: F821
+            attention.apply_sinks(att[t:t + 1], lse, sinks)
     o = np.empty((num_tokens, hidden), dtype=np.float32)  # [T, H]
     att2 = att.reshape(num_tokens, num_heads * head_dim)
     if one_token_serial and serial[3]:
         O_SER(o_raws, att2, one_expert, row_starts, (o,), act_quant)  # noqa: F821
     else:
         O_PAR(o_raws, att2, one_expert, row_starts, (o,), act_quant)  # noqa: F821
+    if O_BIAS:  # noqa: F821
+        _add_bias(o, biases[3])
     x += o
     return np.empty((num_tokens, 0), dtype=np.int64)
 
 
 def moe_template(x, h, positions, tables, k_pool, v_pool, layer_index, one_thread, act_quant, args):
     """x += the routed experts' weighted sum for rmsnorm(x): router logits (R_PAR / R_SER; serial: whether the
-    router weight is small enough for its serial kernel on one thread), the router part (ROUTE), the pairs
-    grouped by expert, the experts part (MIXTURE)."""
-    norm, eps, r_raws, gu_raws, d_raws, top_k, normalize, serial = args
+    router weight is small enough for its serial kernel on one thread), the router part (ROUTE, its own arguments
+    route_args), the pairs grouped by expert, the experts part (MIXTURE, glu_args), then the shared expert's
+    output added to theirs (SHARED, shared_args; a no-op without one)."""
+    norm, eps, r_raws, gu_raws, d_raws, top_k, normalize, serial, route_args, glu_args, shared_args = args
     num_tokens, hidden = x.shape
     one_expert = np.zeros(1, dtype=np.int64)  # [1]
     row_starts = np.array([0, num_tokens], dtype=np.int64)  # [2]
@@ -205,16 +228,18 @@ def moe_template(x, h, positions, tables, k_pool, v_pool, layer_index, one_threa
         R_PAR(r_raws, h, one_expert, row_starts, (logits,), act_quant)  # noqa: F821
     ids = np.empty((num_tokens, top_k), dtype=np.int64)  # [T, K]
     weights = np.empty((num_tokens, top_k), dtype=np.float32)  # [T, K]
-    ROUTE(logits, top_k, normalize, ids, weights, one_thread)  # noqa: F821
+    ROUTE(logits, top_k, normalize, route_args, ids, weights, one_thread)  # noqa: F821
     order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
     moe = np.zeros((num_tokens, hidden), dtype=np.float32)  # [T, H]
-    MIXTURE(h, order, expert_ids, pair_starts, weights, gu_raws, d_raws, one_thread, act_quant, moe)  # noqa: F821
+    MIXTURE(h, order, expert_ids, pair_starts, weights, gu_raws, d_raws, one_thread, act_quant, glu_args,  # noqa: F821
+            moe)
+    SHARED(h, one_thread, act_quant, shared_args, moe)  # noqa: F821
     x += moe
     return ids
 
 
 @njit(nogil=True, cache=True)
-def softmax_topk_route(logits, top_k, normalize, ids, weights, one_thread):
+def softmax_topk_route(logits, top_k, normalize, route_args, ids, weights, one_thread):
     """The SoftmaxTopK router part: logits [T, E] -> ids, weights [T, K]."""
     if _small(logits.size, TINY_MAX_ELEMENTS, SERIAL_MAX_ELEMENTS, one_thread):
         routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
@@ -222,9 +247,11 @@ def softmax_topk_route(logits, top_k, normalize, ids, weights, one_thread):
         routing.route_softmax_topk(logits, top_k, normalize, ids, weights)
 
 
-def expert_mixture_template(h, order, expert_ids, row_starts, weights, gu_raws, d_raws, one_thread, act_quant, out):
+def expert_mixture_template(h, order, expert_ids, row_starts, weights, gu_raws, d_raws, one_thread, act_quant,
+                            glu_args, out):
     """out [T, H] += for each pair row i (pair order[i] = t * K + j, sorted by expert: rows row_starts[g]:row_starts[g
-    + 1] of expert expert_ids[g]) weights[t, j] * expert(h[t]): gather, gate/up (GU_PAR), SwiGLU, down (D_PAR), the
+    + 1] of expert expert_ids[g]) weights[t, j] * expert(h[t]): gather, gate/up (GU_PAR), the activation (ACTIVATE:
+    SwiGLU, or the clamped one with the experts' biases in glu_args), down (D_PAR) and its bias (DOWN_BIAS), the
     weighted sum, each serial or parallel by size as grouped_experts chooses. h [T, H], weights [T, K]."""
     top_k, hidden = weights.shape[1], h.shape[1]
     num_pairs, width = order.size, gu_raws[0].shape[1]
@@ -237,12 +264,10 @@ def expert_mixture_template(h, order, expert_ids, row_starts, weights, gu_raws, 
     gate = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
     up = np.empty((num_pairs, width), dtype=np.float32)  # [N, F]
     GU_PAR(gu_raws, xs, expert_ids, row_starts, (gate, up), act_quant)  # noqa: F821 (instance globals)
-    if small:
-        activation.swiglu_serial(gate, up, gate)
-    else:
-        activation.swiglu(gate, up, gate)
+    ACTIVATE(gate, up, expert_ids, row_starts, glu_args, small)  # noqa: F821
     down = np.empty((num_pairs, hidden), dtype=np.float32)  # [N, H]
     D_PAR(d_raws, gate, expert_ids, row_starts, (down,), act_quant)  # noqa: F821
+    DOWN_BIAS(down, expert_ids, row_starts, glu_args, small)  # noqa: F821
     if small:
         moe_combine.scatter_add_weighted_serial(down, order, weights.reshape(-1), top_k, out)
     else:
@@ -265,10 +290,30 @@ def _runners(backend, weight):
     return par, ser, raws, weight.raw.nbytes, name
 
 
-def expert_mixture(backend, layer, what):
+@njit(nogil=True, cache=True)
+def swiglu_activate(gate, up, expert_ids, row_starts, glu_args, small):
+    """The SwiGLU experts' activation: gate [N, F] = silu(gate) * up."""
+    if small:
+        activation.swiglu_serial(gate, up, gate)
+    else:
+        activation.swiglu(gate, up, gate)
+
+
+@njit(nogil=True, cache=True)
+def no_down_bias(down, expert_ids, row_starts, glu_args, small):
+    """Experts without a bias on their down projection."""
+
+
+@njit(nogil=True, cache=True)
+def no_shared(h, one_thread, act_quant, shared_args, out):
+    """A MoE without a shared expert."""
+
+
+def expert_mixture(backend, layer, what, activate=swiglu_activate, down_bias=no_down_bias, glu_name="swiglu"):
     """(expert_mixture_template's instance, gate+up raws, down raws, format names) of a layer's experts: gate and
-    up in one region where they share a format, as grouped_experts runs them, else split_pair. `what` names the
-    caller in the error raised when the three weights' shapes do not fit together."""
+    up in one region where they share a format, as grouped_experts runs them, else split_pair; activate /
+    down_bias: the experts' activation and down bias functions (SwiGLU's by default). `what` names the caller in
+    the error raised when the three weights' shapes do not fit together."""
     gate, up, down = (_runners(backend, w) for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
     paired = (layer.up_exps.qtype == layer.gate_exps.qtype and layer.up_exps.raw.shape == layer.gate_exps.raw.shape
               and layer.up_exps.raw.flags.writeable == layer.gate_exps.raw.flags.writeable)
@@ -277,8 +322,9 @@ def expert_mixture(backend, layer, what):
     if (backend._kernels_of(layer.down_exps).cols, layer.down_exps.shape[1]) != (width, hidden):
         raise ValueError(f"{what}: {layer.gate_exps.name} {layer.gate_exps.shape} and "
                          f"{layer.down_exps.name} {layer.down_exps.shape} do not fit")
-    names = [gate[4], up[4], down[4], "paired" if paired else "split"]
-    mixture = instance(expert_mixture_template, "_".join(names), GU_PAR=gu, D_PAR=down[0])
+    names = [gate[4], up[4], down[4], "paired" if paired else "split", glu_name]
+    mixture = instance(expert_mixture_template, "_".join(names), GU_PAR=gu, D_PAR=down[0], ACTIVATE=activate,
+                       DOWN_BIAS=down_bias)
     return mixture, gate[2] + up[2], down[2], names
 
 
@@ -307,68 +353,92 @@ def make_full_attention(backend, layer, block):
     part = block.part
     kernels, raws, serial, names = _linear_kernels(backend, (("Q", layer.attn_q), ("K", layer.attn_k),
                                                              ("V", layer.attn_v), ("O", layer.attn_output)))
-    name = "_".join(names + ["qknorm" if part.qk_norm else "plain"])
-    fn = instance(full_attention_template, name, QK_NORM=part.qk_norm, **kernels)
+    flags = dict(QK_NORM=part.qk_norm, QKV_BIAS=part.qkv_bias, O_BIAS=part.o_bias, SINKS=part.sinks)
+    name = "_".join(names + [key.lower() for key, on in flags.items() if on] or ["plain"])
+    fn = instance(full_attention_template, name, **flags, **kernels)
     q_norm, k_norm = (layer.attn_q_norm, layer.attn_k_norm) if part.qk_norm else (NO_NORM, NO_NORM)
-    args = (getattr(layer, block.norm), q_norm, k_norm, float(layer.eps), float(layer.rope_theta),
-            float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim) + raws + (serial,)
+    biases = tuple(getattr(layer, f) if on else NO_NORM for f, on in (
+        ("attn_q_bias", part.qkv_bias), ("attn_k_bias", part.qkv_bias), ("attn_v_bias", part.qkv_bias),
+        ("attn_output_bias", part.o_bias)))
+    args = (getattr(layer, block.norm), q_norm, k_norm, float(layer.eps), layer.rope_freqs, float(layer.rope_scale),
+            float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim) + raws + (
+        serial, biases, int(part.window), layer.attn_sinks if part.sinks else NO_NORM)
     return fn, args, "attention_" + name
 
 
 def make_moe(backend, layer, block):
-    route, _, route_name = COMPILED_PARTS[type(block.part.router)].make(backend, layer, block.part.router)
-    mixture, gu_raws, d_raws, expert_names = COMPILED_PARTS[type(block.part.experts)].make(backend, layer,
-                                                                                           block.part.experts)
+    part = block.part
+    route, route_args, route_name = COMPILED_PARTS[type(part.router)].make(backend, layer, part.router)
+    mixture, gu_raws, d_raws, expert_names, glu_args = COMPILED_PARTS[type(part.experts)].make(backend, layer,
+                                                                                               part.experts)
+    shared, shared_args, shared_name = ((no_shared, (), "noshared") if part.shared is None else
+                                        COMPILED_PARTS[type(part.shared)].make(backend, layer, part.shared))
     kernels, (r_raws,), serial, names = _linear_kernels(backend, (("R", layer.router),))
-    name = "_".join(names + [route_name] + expert_names)
-    fn = instance(moe_template, name, ROUTE=route, MIXTURE=mixture, **kernels)
+    name = "_".join(names + [route_name] + expert_names + [shared_name])
+    fn = instance(moe_template, name, ROUTE=route, MIXTURE=mixture, SHARED=shared, **kernels)
     args = (getattr(layer, block.norm), float(layer.eps), r_raws, gu_raws, d_raws, layer.num_experts_per_tok,
-            bool(layer.norm_topk_prob), bool(serial[0]))
+            bool(layer.norm_topk_prob), bool(serial[0]), route_args, glu_args, shared_args)
     return fn, args, "moe_" + name
 
 
 def make_swiglu(backend, layer, part):
-    """(expert_mixture's instance, gate+up raws, down raws, names)."""
-    return expert_mixture(backend, layer, f"decode layer {layer.index}")
+    """(expert_mixture's instance, gate+up raws, down raws, names, its activation's arguments: none)."""
+    return expert_mixture(backend, layer, f"decode layer {layer.index}") + ((),)
 
 
 # The compiled implementation of each part type (hybrid/arch/recipe.py).
+# The compiled implementation of each part type (hybrid/arch/recipe.py); cpu_decode_ffn.register() adds the
+# feed-forward block's newer parts.
 COMPILED_PARTS = {
-    # the default variants only (a field a newer part sets makes it another variant: the plain runner runs it)
-    FullAttention: Part(takes=lambda part: part == FullAttention(qk_norm=part.qk_norm), make=make_full_attention),
-    MoE: Part(takes=lambda part: part == MoE(router=part.router, experts=part.experts), make=make_moe),
+    FullAttention: Part(takes=lambda part: part.rope in ("neox", "yarn"), make=make_full_attention),
+    MoE: Part(takes=lambda part: True, make=make_moe),  # its router, experts and shared expert are parts too
     SoftmaxTopK: Part(takes=lambda part: True, make=lambda backend, layer, part: (softmax_topk_route, (), "softmax")),
     SwiGLU: Part(takes=lambda part: True, make=make_swiglu),
 }
 
 
-class LayerPlan:
-    """One layer's compiled decode function (layer_template over its blocks' parts) and the arguments that do not
-    change between steps."""
+def compiles(block):
+    """Whether the block's part, and each part nested in it (a MoE's), has a compiled implementation that takes it."""
+    part = block.part
+    nested = (part.router, part.experts, part.shared) if isinstance(part, MoE) else ()
+    return all(type(p) in COMPILED_PARTS and COMPILED_PARTS[type(p)].takes(p) for p in (part,) + nested
+               if p is not None)
 
-    def __init__(self, backend, layer, recipe):
-        self.raws = tuple(w.raw for w in _weights(layer))  # rebuilt when a weight's raw is replaced
-        mixer, ffn = (COMPILED_PARTS[type(b.part)].make(backend, layer, b) for b in (recipe.mixer, recipe.ffn))
-        self.fn = instance(layer_template, f"{mixer[2]}__{ffn[2]}", MIXER=mixer[0], FFN=ffn[0])
-        self.args = (mixer[1], ffn[1])
+
+class LayerPlan:
+    """One layer's compiled decode functions and the arguments that do not change between steps: `fn` / `args`
+    the whole layer's (layer_template over its blocks' parts) where every block compiles, else None; `blocks` each
+    block's (function, arguments), or None for a block the plain runner's steps run (`compiled`: which)."""
+
+    def __init__(self, backend, layer, recipe, compiled):
+        self.weights = _weights(layer)
+        self.raws = tuple(map(_RAW, self.weights))  # rebuilt when a weight's raw is replaced
+        made = [COMPILED_PARTS[type(b.part)].make(backend, layer, b) if on else None
+                for b, on in zip(recipe.blocks, compiled)]
+        self.blocks = tuple(None if m is None else (m[0], m[1]) for m in made)
+        self.fn = self.args = None
+        if all(compiled):
+            mixer, ffn = made
+            self.fn = instance(layer_template, f"{mixer[2]}__{ffn[2]}", MIXER=mixer[0], FFN=ffn[0])
+            self.args = (mixer[1], ffn[1])
         self.layer = layer
         self.fused_call = None  # (the layer's fused instance, its arguments after `work`): set by the runner
-        # what cpu_decode_fused.new_work's arrays depend on besides batch size and threads
-        self.shapes = (layer.gate_exps.shape, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                       layer.num_experts_per_tok)
+        self.shapes = None  # what cpu_decode_fused.new_work's arrays depend on: set by the runner for a fused layer
 
     def current(self, layer):
         """Whether the layer's weights still hold the raws this plan was made for (C-level loops: this runs
         once a layer a step, with the interpreter's data cold after the layer before)."""
-        return all(map(operator.is_, map(_RAW, _weights(layer)), self.raws))
+        return all(map(operator.is_, map(_RAW, self.weights), self.raws))
 
 
 _RAW = operator.attrgetter("raw")
+WEIGHT_FIELDS = ("attn_q", "attn_k", "attn_v", "attn_output", "router", "gate_exps", "up_exps", "down_exps",
+                 "gate_shexp", "up_shexp", "down_shexp", "shexp_gate", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def _weights(layer):
-    return (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.router, layer.gate_exps,
-            layer.up_exps, layer.down_exps)
+    """The layer's quantized weights a plan's functions read (those it has)."""
+    return tuple(w for w in map(layer.__dict__.get, WEIGHT_FIELDS) if w is not None)
 
 
 class DecodeStep:

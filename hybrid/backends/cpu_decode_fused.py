@@ -166,7 +166,7 @@ def attention_worker_template(w, num_workers, x, positions, tables, k_pool, v_po
                               counters, first, one_expert, row_starts, work, args, t):
     """Worker w's share of the FullAttention part: its stages (from stage `first`), meeting the other workers
     between them. Returns (ticks for the trace, the part's output o [T, H], which x does not include yet)."""
-    (attn_norm, q_norm, k_norm, eps, theta, scale, num_heads, num_kv_heads, head_dim, q_raws, k_raws, v_raws,
+    (attn_norm, q_norm, k_norm, eps, rope_freqs, scale, num_heads, num_kv_heads, head_dim, q_raws, k_raws, v_raws,
      o_raws) = args
     q, k, v, acc, stats, o, splits, split_starts, h_of, att_of = work
     num_tokens = x.shape[0]
@@ -207,8 +207,9 @@ def attention_worker_template(w, num_workers, x, positions, tables, k_pool, v_po
             q_rows, k_rows = q3[tok], k3[tok]  # [Hq, D], [Hkv, D]
             rmsnorm.rmsnorm_serial(q_rows, q_norm, eps, q_rows)
             rmsnorm.rmsnorm_serial(k_rows, k_norm, eps, k_rows)
-        rope.rope_neox_serial(q3[tok:tok + 1], positions[tok:tok + 1], theta, q3[tok:tok + 1])
-        rope.rope_neox_serial(k3[tok:tok + 1], positions[tok:tok + 1], theta, k3[tok:tok + 1])
+        inv_freq, rope_scale = rope_freqs  # RoPE over the first 2 * len(inv_freq) dims, cos / sin times rope_scale
+        rope.rope_neox_freqs_serial(q3[tok:tok + 1], positions[tok:tok + 1], inv_freq, rope_scale, q3[tok:tok + 1])
+        rope.rope_neox_freqs_serial(k3[tok:tok + 1], positions[tok:tok + 1], inv_freq, rope_scale, k3[tok:tok + 1])
         attention.write_rows(k_pool, layer_index, tables[tok], positions[tok], k3[tok:tok + 1])
         attention.write_rows(v_pool, layer_index, tables[tok], positions[tok], v3[tok:tok + 1])
         done = done + 1
@@ -378,7 +379,7 @@ def fused_attention(backend, layer, block):
                                             ("O", layer.attn_output)))
     name = "_".join(names + ["qknorm" if part.qk_norm else "plain"])
     q_norm, k_norm = (layer.attn_q_norm, layer.attn_k_norm) if part.qk_norm else (NO_NORM, NO_NORM)
-    args = (getattr(layer, block.norm), q_norm, k_norm, float(layer.eps), float(layer.rope_theta),
+    args = (getattr(layer, block.norm), q_norm, k_norm, float(layer.eps), (layer.rope_freqs, float(layer.rope_scale)),
             float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim) + raws
     worker = instance(attention_worker_template, name, QK_NORM=part.qk_norm, **kernels)
     return worker, attention_prologue, args, "attention_" + name, ATTENTION_STAGES

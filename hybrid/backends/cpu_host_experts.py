@@ -52,7 +52,7 @@ def host_experts_template(x, ids, weights, resident, gu_raws, d_raws, one_thread
             num_groups += 1
     row_starts[num_groups] = num_pairs
     MIXTURE(x, order, expert_ids[:num_groups], row_starts[:num_groups + 1], weights, gu_raws, d_raws,  # noqa: F821
-            one_thread, act_quant, out)
+            one_thread, act_quant, (), out)  # (): SwiGLU's activation takes no arguments
     return out, num_pairs
 
 

@@ -9,32 +9,55 @@ are made once before the first layer and each layer's own Python is a lookup and
 Shape legend: T tokens (one a sequence), H hidden, K top-k.
 """
 import numba
+import numpy as np
 
-from .cpu_decode import COMPILED_PARTS, DecodeStep, LayerPlan
+from ..arch.recipe import LayerRecipe
+from ..blocks import block_steps
+from . import cpu_decode_ffn
+from .cpu_decode import DecodeStep, LayerPlan, compiles
 from .cpu_decode_fused import fused_layer, fuses, new_work
 
 FUSED_MIN_THREADS = 2  # from this many threads a compiled decode layer runs as one parallel region
 FUSED_WORK_KEPT = 4  # batch sizes whose fused-layer work arrays stay allocated
 
+cpu_decode_ffn.register()
 
-def compiled_runner(backend, recipe, plain):
-    """A CompiledRunner for `recipe`, or `plain` where the compiled layer has no implementation of one of its
-    parts."""
-    compiled = all(type(part) in COMPILED_PARTS and COMPILED_PARTS[type(part)].takes(part) for part in recipe.parts())
-    if not compiled:
+
+def compiled_runner(backend, recipes, plain):
+    """A CompiledRunner for `recipes` (one LayerRecipe per layer, or one for every layer), or `plain` where no block
+    of any layer has a compiled implementation."""
+    distinct = {recipes} if isinstance(recipes, LayerRecipe) else set(recipes)
+    kinds = {recipe: LayerKind(recipe) for recipe in distinct}
+    if not any(any(kind.compiled) for kind in kinds.values()):
         return plain
-    return CompiledRunner(backend, recipe, plain, fused_parts=fuses(recipe))
+    return CompiledRunner(backend, recipes, kinds, plain)
+
+
+class LayerKind:
+    """What the runner does with a recipe's layers: `compiled` (per block: whether it compiles, else its plain
+    steps `steps` run it), `fuses` (the whole layer as one parallel region: cpu_decode_fused.py)."""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+        self.compiled = tuple(compiles(block) for block in recipe.blocks)
+        self.steps = tuple(None if on else block_steps(block) for block, on in zip(recipe.blocks, self.compiled))
+        self.fuses = all(self.compiled) and fuses(recipe)
 
 
 class CompiledRunner:
     """plans: layer index -> LayerPlan, made at the layer's first decode step. last_path: "compiled", "fused" or
-    "plain" (the latest step's). backend.fused_decode: True / False forces the fused layers on / off; None: on
-    from FUSED_MIN_THREADS threads (and where the recipe's parts have fused implementations)."""
+    "plain" (the latest step's; "compiled" also where some blocks ran op by op). backend.fused_decode: True / False
+    forces the fused layers on / off; None: on from FUSED_MIN_THREADS threads (for layers whose parts have fused
+    implementations; the others run compiled)."""
 
-    def __init__(self, backend, recipe, plain, fused_parts):
-        self.backend, self.recipe, self.plain, self.fused_parts = backend, recipe, plain, fused_parts
+    def __init__(self, backend, recipes, kinds, plain):
+        self.backend, self.recipes, self.kinds, self.plain = backend, recipes, kinds, plain
+        self.fused_parts = any(kind.fuses for kind in kinds.values())
         self.plans = {}
         self.last_path = None
+
+    def kind_of(self, index):
+        return self.kinds[self.recipes if isinstance(self.recipes, LayerRecipe) else self.recipes[index]]
 
     @staticmethod
     def takes(batch):
@@ -51,38 +74,67 @@ class CompiledRunner:
         be, usage = self.backend, model.usage
         step = DecodeStep(batch)
         threads = numba.get_num_threads()
+        one_thread = threads == 1
         forced = be.fused_decode
-        fused = self.fused_parts and (threads >= FUSED_MIN_THREADS if forced is None else forced)
+        fused_on = self.fused_parts and (threads >= FUSED_MIN_THREADS if forced is None else forced)
         works = {}  # LayerPlan.shapes: the fused layers' work arrays for this step's batch and threads
-        for layer in model.layers:
+        any_fused = False
+        for i, layer in enumerate(model.layers):
+            kind = self.kind_of(i)
             plan = self.plans.get(layer.index)
-            if plan is None or not plan.current(layer):
-                plan = self.plans[layer.index] = LayerPlan(be, layer, self.recipe)  # (its weights' kernels set act_quant)
-            if fused:
-                work = works.get(plan.shapes)
-                if work is None:
-                    work = works[plan.shapes] = self._fused_work(plan, x.shape[0], threads)
-                if plan.fused_call is None:
-                    plan.fused_call = fused_layer(be, layer, self.recipe)
-                fn, args = plan.fused_call
-                ids = fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, be.act_quant,
-                         be.stage_trace, work, *args)
-            else:
-                ids = plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, layer.index, threads == 1,
+            if plan is None or not plan.current(layer):  # (its weights' kernels set act_quant)
+                plan = self.plans[layer.index] = LayerPlan(be, layer, kind.recipe, kind.compiled)
+            kv_layer = 0 if layer.kv_index is None else layer.kv_index
+            if fused_on and kind.fuses:
+                ids = self._fused(plan, layer, kind.recipe, x, step, kv_layer, works, threads)
+                any_fused = True
+            elif plan.fn is not None:
+                ids = plan.fn(x, step.positions, step.tables, step.pool.k, step.pool.v, kv_layer, one_thread,
                               be.act_quant, *plan.args)
-            if usage is not None:
+            else:
+                ids = self._blocks(model, plan, kind, layer, x, batch, step, kv_layer, one_thread)
+            if usage is not None and ids is not None and ids.shape[1]:
                 usage.record(layer.index, ids)
-        self.last_path = "fused" if fused else "compiled"
+        self.last_path = "fused" if any_fused else "compiled"
         return x
 
-    def _fused_work(self, plan, num_tokens, threads):
+    def _fused(self, plan, layer, recipe, x, step, kv_layer, works, threads):
+        be = self.backend
+        if plan.shapes is None:
+            plan.shapes = (layer.gate_exps.shape, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                           layer.num_experts_per_tok)
+        work = works.get(plan.shapes)
+        if work is None:
+            work = works[plan.shapes] = self._fused_work(plan, recipe, x.shape[0], threads)
+        if plan.fused_call is None:
+            plan.fused_call = fused_layer(be, layer, recipe)
+        fn, args = plan.fused_call
+        return fn(x, step.positions, step.tables, step.pool.k, step.pool.v, kv_layer, be.act_quant, be.stage_trace,
+                  work, *args)
+
+    def _blocks(self, model, plan, kind, layer, x, batch, step, kv_layer, one_thread):
+        """A layer block by block: compiled blocks as one call each, the others through their plain steps. Returns
+        the routing ids of a compiled MoE block (a plain one records its own), else None."""
+        be, ids = self.backend, None
+        for compiled, steps in zip(plan.blocks, kind.steps):
+            if compiled is None:
+                s = {"x": x, "batch": batch, "split": model.split, "usage": model.usage}
+                for one in steps:
+                    one.run(be, layer, s)
+            else:
+                fn, args = compiled
+                ids = fn(x, np.empty_like(x), step.positions, step.tables, step.pool.k, step.pool.v, kv_layer,
+                         one_thread, be.act_quant, args)
+        return ids
+
+    def _fused_work(self, plan, recipe, num_tokens, threads):
         """The fused layer's work arrays for the plan's layer shapes, this batch size and thread count (kept
         per thread; the FUSED_WORK_KEPT most recently used sets)."""
         key = (plan.shapes, num_tokens, threads)
         kept = self.backend._scratch().fused_work
         work = kept.pop(key, None)
         if work is None:
-            work = new_work(plan.layer, self.recipe, num_tokens, threads)
+            work = new_work(plan.layer, recipe, num_tokens, threads)
             while len(kept) >= FUSED_WORK_KEPT:
                 kept.pop(next(iter(kept)))
         kept[key] = work

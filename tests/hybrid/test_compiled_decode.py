@@ -12,6 +12,7 @@ from hybrid.backends.cpu_decode import DecodeStep
 from hybrid.batch import Batch, SeqChunk
 from hybrid.formats import load_model
 from hybrid.model import Model
+from hybrid.backends.cpu_layer import CompiledRunner
 from hybrid.runners import PlainRunner
 
 CASES = [("small", "F32"), ("small", "F16"), ("small", "BF16"), ("small", "Q8_0"), ("small", "Q4_0"),
@@ -204,9 +205,14 @@ class TwinAttention:
     qk_norm: bool = True
 
 
-def test_a_part_without_a_compiled_implementation_keeps_the_plain_runner(gguf_models, monkeypatch):
-    """A new part type with a plain implementation only: the model runs it op by op (the compiled runner is not
-    chosen), with the logits of the part it stands for."""
+@dataclass(frozen=True)
+class TwinFFN:
+    """A feed-forward part only the plain runner has (the model's MoE under another name)."""
+
+
+def test_a_part_without_a_compiled_implementation_runs_op_by_op(gguf_models, monkeypatch):
+    """A new part type with a plain implementation only: the compiled runner runs its block op by op and the other
+    block compiled, with the logits of the part it stands for; with no block compiled, the plain runner is chosen."""
     from hybrid import blocks
     from hybrid.arch.recipe import FullAttention
 
@@ -217,6 +223,12 @@ def test_a_part_without_a_compiled_implementation_keeps_the_plain_runner(gguf_mo
     ref = decode(model, False, PROMPTS, 2)
     recipe = model.spec.recipe
     model.spec = replace(model.spec, recipe=replace(recipe, mixer=replace(recipe.mixer, part=TwinAttention())))
+    got = decode(model, True, PROMPTS, 2)
+    assert isinstance(model.runner, CompiledRunner)
+    assert all(plan.blocks[0] is None and plan.blocks[1] is not None for plan in model.runner.plans.values())
+    np.testing.assert_array_equal(got, ref)
+    monkeypatch.setitem(blocks.PART_STEPS, TwinFFN, lambda part: blocks.moe_steps(recipe.ffn.part))
+    model.spec = replace(model.spec, recipe=replace(model.spec.recipe, ffn=replace(recipe.ffn, part=TwinFFN())))
     got = decode(model, True, PROMPTS, 2)
     assert isinstance(model.runner, PlainRunner)
     np.testing.assert_array_equal(got, ref)

@@ -1,0 +1,92 @@
+"""The compiled CPU decode layers (hybrid/backends/cpu_layer.py, cpu_decode*.py) on the newer families' parts against
+the op-by-op path: glm4moe (dense leading layers, shared expert, sigmoid router, qkv bias, partial RoPE), gpt-oss
+(sinks, sliding window, YaRN, biases, clamped SwiGLU, top-k-then-softmax router), qwen3next (gated shared expert; its
+linear and gated attention blocks run op by op inside the compiled runner). Decode steps of two sequences, and one
+sequence's several tokens as one-token chunks (a verification step of a sequence without recurrent state, crossing
+gpt-oss's window); one thread and all
+threads (the fused layers where the recipe has them)."""
+import copy
+
+import numpy as np
+import pytest
+
+import hybrid
+from hybrid.batch import Batch, SeqChunk
+from hybrid.backends.cpu_layer import CompiledRunner
+from hybrid.runners import PlainRunner
+from tests.hybrid.test_compiled_decode import PROMPTS, decode
+
+TOLERANCE = 2e-6  # relative: the same kernels in the same order, bar a few ops' float32 exp / bias-add rounding
+
+
+def _glm(tmp_path_factory, demo_tokenizer, glm_hf_dir):
+    from tests.hybrid.glm4moe_models import write_glm_gguf
+
+    return write_glm_gguf(glm_hf_dir, str(tmp_path_factory.mktemp("cglm") / "glm.gguf"), "F32")
+
+
+def _gpt_oss(tmp_path_factory, demo_tokenizer, glm_hf_dir):
+    from tests.hybrid.gpt_oss_models import make_gpt_oss_hf_model, write_gpt_oss_gguf
+
+    path = str(tmp_path_factory.mktemp("cgptoss") / "gpt-oss.gguf")
+    write_gpt_oss_gguf(make_gpt_oss_hf_model(demo_tokenizer.vocab_size), demo_tokenizer, path, "F32")
+    return path
+
+
+def _qwen3next(tmp_path_factory, demo_tokenizer, glm_hf_dir):
+    from tests.conftest import save_tokenizer_files
+    from tests.hybrid.qwen3next_models import make_hf_model, save_hf_dir, write_qwen3next_gguf
+
+    directory = tmp_path_factory.mktemp("cqwen3next")
+    hf_dir = save_hf_dir(make_hf_model(demo_tokenizer.vocab_size), str(directory / "hf"), save_tokenizer_files,
+                         demo_tokenizer)
+    path = str(directory / "qwen3next.gguf")
+    write_qwen3next_gguf(hf_dir, path, "F32", demo_tokenizer)
+    return path
+
+
+MAKERS = {"glm4moe": _glm, "gpt-oss": _gpt_oss, "qwen3next": _qwen3next}
+
+
+@pytest.fixture(scope="module")
+def family_model(tmp_path_factory, demo_tokenizer, glm_hf_dir):
+    """family -> its tiny F32 GGUF's Model on the CPU (made on first use)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = hybrid.LLM(MAKERS[family](tmp_path_factory, demo_tokenizer, glm_hf_dir),
+                                       device="cpu").model
+        return cache[family]
+
+    return get
+
+
+def verify_step(model, compiled, prompt, tokens):
+    """Logits [n, V] of `tokens` fed after the prompt as one-token chunks of one sequence in one batch."""
+    model.compiled_decode = compiled
+    kv = model.new_sequence(64)
+    model.forward(Batch([SeqChunk(kv, 0, np.array(prompt, np.int64))]))
+    chunks = [SeqChunk(kv, len(prompt) + i, np.array([t], np.int64)) for i, t in enumerate(tokens)]
+    return model.forward(Batch(chunks))
+
+
+def close(ours, ref):
+    assert float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref))) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", sorted(MAKERS))
+def test_compiled_decode_matches_op_by_op(family_model, family):
+    model = family_model(family)
+    for fused in (False, None):
+        model.backend.fused_decode = fused
+        for prompts in (PROMPTS[:1], PROMPTS):
+            op_by_op = decode(model, False, prompts, 3)
+            assert isinstance(model.runner, PlainRunner)
+            compiled = decode(model, True, prompts, 3)
+            assert isinstance(model.runner, CompiledRunner) and model.runner.last_path in ("compiled", "fused")
+            close(compiled, op_by_op)
+        if family == "qwen3next":  # a recurrent sequence's verification step is one chunk: the op-by-op path
+            continue
+        tokens = [9, 300, 42, 1, 77]  # past gpt-oss's window of 8 after the 6-token prompt
+        close(verify_step(model, True, PROMPTS[0], tokens), verify_step(model, False, PROMPTS[0], tokens))
