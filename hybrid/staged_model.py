@@ -12,12 +12,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .arch import ARCHS
 from .batch import Batch
 from .model import LAYER_NUMBERS, LayerWeights, _layer_weights
 from .moe import ExpertSplit
 from .pipeline import Pipeline, chunk_groups, num_groups
+from .recurrent_state import RecurrentShape
 from .runners import choose_runner
 from .stages import StagedKV, describe_split, hit_rates, trim_copies
+from .weight_formats import dequantize
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +128,6 @@ class StagedModel:
 
     def __init__(self, weights, backends, ranges, host=None, kv_dtype="f32", compiled_decode=True, split=None,
                  trim=False, time_stages=True, batch_groups="auto"):
-        from .arch import ARCHS
-        from .recurrent_state import RecurrentShape
-        from .weight_formats import dequantize
-
         self.weights, self.kv_dtype, self.config = weights, kv_dtype, weights.config
         self.spec = ARCHS[self.config.arch]
         c = self.config
