@@ -3,7 +3,8 @@ from .ngram import NgramDrafter
 from .policy import best_k
 
 DECAY = 0.8  # weight of the older verification steps in the acceptance estimate
-PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) the estimate starts from: p = 0.5
+PRIOR = (2.0, 1.0)  # pseudo-counts (accepted, rejected) the estimate starts from and drifts back to: p = 2/3,
+# above the break-even of one draft where it costs up to 2/3 of a step (a CPU step of 2 tokens costs ~1.5 of one)
 DRIFT = 0.05  # share of the way back to the prior per step that drafts nothing
 
 
