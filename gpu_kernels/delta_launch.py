@@ -2,7 +2,7 @@
 device arrays in, results written into caller-owned arrays.
 
 Shape legend: T tokens, C conv channels, W conv width, Hk key heads, Hv value heads, Dk / Dv key / value head
-dim, n values.
+dim, n values, L chunk tokens (DN_CHUNK), NC chunks.
 """
 import numpy as np
 
@@ -11,6 +11,8 @@ from .sources import DELTA_NET_KERNELS, module_source
 DN_MAX_WIDTH = 8  # delta_net.cu's DN_MAX_WIDTH
 DN_MAX_DK = 128  # delta_net.cu's DN_MAX_DK
 DN_COLS = 32  # delta_net.cu's DN_COLS
+DN_CHUNK = 64  # delta_net.cu's DN_CHUNK
+PREP_THREADS = 128  # threads of a delta_chunk_prep block (its columns: Dv + Dk)
 ELEMENTWISE_THREADS = 256
 
 
@@ -51,6 +53,40 @@ class DeltaNetLaunchers:
                      (q, k, v, g, beta, state, out, np.int32(num_tokens), np.int32(num_k_heads),
                       np.int32(num_v_heads), np.int32(dk), np.int32(dv), np.int32(bool(tiled))),
                      shared_mem=4 * (2 * dk + DN_COLS))
+
+    def delta_l2norm(self, x, out, scale):
+        """out [..., D] = x * scale / sqrt(sum(x^2) + 1e-6) per row of D."""
+        dim = x.shape[-1]
+        threads = self._threads(dim, cap=128)
+        self._launch(self._dn("delta_l2norm"), (x.size // dim,), threads, (x, out, np.int32(dim), np.float32(scale)),
+                     shared_mem=threads * 4)
+
+    def delta_chunk_prep(self, qn, kn, v, g, beta, cum, attn, u, w, tiled=False):
+        """qn, kn [T, Hk, Dk] normed, v [T, Hv, Dv], g, beta [T, Hv] -> cum [T, Hv], attn [Hv, T, L], u [T, Hv, Dv],
+        w [T, Hv, Dk] (src/delta_net.cu says what they hold)."""
+        num_tokens, num_k_heads, dk = qn.shape
+        num_v_heads, dv = v.shape[1], v.shape[2]
+        self._launch(self._dn("delta_chunk_prep"), (num_v_heads, -(-num_tokens // DN_CHUNK)), PREP_THREADS,
+                     (qn, kn, v, g, beta, cum, attn, u, w, np.int32(num_tokens), np.int32(num_k_heads),
+                      np.int32(num_v_heads), np.int32(dk), np.int32(dv), np.int32(bool(tiled))))
+
+    def delta_chunk_state(self, kn, cum, w, u, state, sc, tiled=False):
+        """The chunks in order: u [T, Hv, Dv] becomes the new values, sc [NC, Hv, Dk, Dv] the state at each chunk's
+        start, state [Hv, Dk, Dv] the state after the last."""
+        num_tokens, num_k_heads, dk = kn.shape
+        num_v_heads, dv = u.shape[1], u.shape[2]
+        self._launch(self._dn("delta_chunk_state"), (num_v_heads, -(-dv // DN_COLS)), DN_COLS,
+                     (kn, cum, w, u, state, sc, np.int32(num_tokens), np.int32(num_k_heads), np.int32(num_v_heads),
+                      np.int32(dk), np.int32(dv), np.int32(bool(tiled))))
+
+    def delta_chunk_out(self, qn, cum, attn, v_new, sc, out, tiled=False):
+        """out [T, Hv, Dv] = exp(cum) qn S_chunk + attn v_new, every chunk at once."""
+        num_tokens, num_k_heads, dk = qn.shape
+        num_v_heads, dv = v_new.shape[1], v_new.shape[2]
+        grid = (num_v_heads, -(-num_tokens // DN_CHUNK), -(-dv // DN_COLS))
+        self._launch(self._dn("delta_chunk_out"), grid, DN_COLS,
+                     (qn, cum, attn, v_new, sc, out, np.int32(num_tokens), np.int32(num_k_heads),
+                      np.int32(num_v_heads), np.int32(dk), np.int32(dv), np.int32(bool(tiled))))
 
     def rmsnorm_gated(self, x, z, weight, eps, out):
         """Per row of D: out = weight * x / rms(x) * silu(z); x, z, out [..., D]."""

@@ -87,3 +87,69 @@ def rmsnorm_gated(x, z, weight, eps):
     """x, z [T, Hv, Dv], weight [Dv] -> weight * x / rms(x) * silu(z) per head."""
     x, z = x.astype(np.float64), z.astype(np.float64)
     return weight * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * silu(z)
+
+
+def key_heads(num_k_heads, num_v_heads, tiled=False):
+    """[Hv]: the key head each value head reads."""
+    h = np.arange(num_v_heads)
+    return h % num_k_heads if tiled else h // (num_v_heads // num_k_heads)
+
+
+def l2_normed(x, scale=1.0):
+    """x [..., D] * scale / sqrt(sum(x^2) + 1e-6) per row (the GPU's delta_l2norm)."""
+    x = x.astype(np.float64)
+    return x * scale / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def chunk_prep(qn, kn, v, g, beta, tiled=False, chunk=64):
+    """The GPU chunked form's first stage (delta_chunk_prep), per value head and chunk: qn, kn [T, Hk, Dk] normed,
+    v [T, Hv, Dv], g, beta [T, Hv] -> cum [T, Hv] (g summed from the chunk's start), attn [Hv, T, chunk] (the
+    decayed qn kn^T over the chunk's tokens, 0 past the diagonal), u [T, Hv, Dv], w [T, Hv, Dk] (the chunk's
+    triangular system solved for beta v and beta exp(cum) kn)."""
+    num_tokens, num_v_heads = g.shape
+    heads = key_heads(qn.shape[1], num_v_heads, tiled)
+    q, k = qn[:, heads].astype(np.float64), kn[:, heads].astype(np.float64)  # [T, Hv, Dk]
+    cum, attn = np.empty(g.shape), np.zeros((num_v_heads, num_tokens, chunk))
+    u, w = np.empty(v.shape), np.empty(k.shape)
+    for lo in range(0, num_tokens, chunk):
+        sl = slice(lo, min(lo + chunk, num_tokens))
+        c = cum[sl] = np.cumsum(g[sl].astype(np.float64), axis=0)  # [L, Hv]
+        n = c.shape[0]
+        lower = np.tril(np.ones((n, n), bool))
+        decay = np.where(lower, np.exp(np.where(lower, c.T[:, :, None] - c.T[:, None, :], 0.0)), 0.0)  # [Hv, L, L]
+        qc, kc = q[sl].transpose(1, 0, 2), k[sl].transpose(1, 0, 2)  # [Hv, L, Dk]
+        attn[:, sl, :n] = qc @ kc.transpose(0, 2, 1) * decay
+        b = beta[sl].T.astype(np.float64)[:, :, None]  # [Hv, L, 1]
+        system = np.tril(b * (kc @ kc.transpose(0, 2, 1)) * decay, -1) + np.eye(n)
+        u[sl] = np.linalg.solve(system, b * v[sl].transpose(1, 0, 2)).transpose(1, 0, 2)
+        w[sl] = np.linalg.solve(system, b * np.exp(c.T)[:, :, None] * kc).transpose(1, 0, 2)
+    return cum, attn, u, w
+
+
+def chunk_state(kn, cum, u, w, state, tiled=False, chunk=64):
+    """The second stage (delta_chunk_state), chunks in order: -> v_new [T, Hv, Dv] (u - w S), sc [NC, Hv, Dk, Dv]
+    (the state at each chunk's start), the state after the last chunk."""
+    num_tokens, num_v_heads = cum.shape
+    k = kn[:, key_heads(kn.shape[1], num_v_heads, tiled)].astype(np.float64)  # [T, Hv, Dk]
+    s = state.astype(np.float64).copy()
+    v_new, starts = np.empty(u.shape), []
+    for lo in range(0, num_tokens, chunk):
+        sl = slice(lo, min(lo + chunk, num_tokens))
+        starts.append(s.copy())
+        v_new[sl] = u[sl] - np.einsum("thd,hdj->thj", w[sl], s)
+        last = cum[sl][-1]  # [Hv]
+        s = s * np.exp(last)[:, None, None] + np.einsum("thd,th,thj->hdj", k[sl], np.exp(last - cum[sl]), v_new[sl])
+    return v_new, np.stack(starts), s
+
+
+def chunk_out(qn, cum, attn, v_new, sc, tiled=False, chunk=64):
+    """The third stage (delta_chunk_out): out [T, Hv, Dv] = exp(cum) qn S_chunk + attn v_new, per chunk."""
+    num_tokens, num_v_heads = cum.shape
+    q = qn[:, key_heads(qn.shape[1], num_v_heads, tiled)].astype(np.float64)
+    out = np.empty(v_new.shape)
+    for c, lo in enumerate(range(0, num_tokens, chunk)):
+        sl = slice(lo, min(lo + chunk, num_tokens))
+        n = sl.stop - lo
+        out[sl] = (np.exp(cum[sl])[:, :, None] * np.einsum("thd,hdj->thj", q[sl], sc[c])
+                   + np.einsum("htm,mhj->thj", attn[:, sl, :n], v_new[sl]))
+    return out

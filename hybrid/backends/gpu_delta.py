@@ -1,14 +1,20 @@
 """The GPU backend's linear-attention ops (a mixin of GpuBackend): Gated DeltaNet through gpu_kernels' delta_net
 module (gpu_kernels/delta_launch.py), the sigmoid gates and the splits hybrid/linear_attention.py needs, on the
-backend's device arrays. The delta rule runs token by token on the device (a thread per state column) for
-decode and prompt chunks alike.
+backend's device arrays. The delta rule runs token by token (a thread per state column, the tokens in order) for
+decode steps and short chunks, and in its chunked form (gpu_kernels/src/delta_net.cu: each 64-token chunk's
+triangular system solved in parallel over chunks and heads, then one pass over the chunks for the state) from
+CHUNKED_MIN_TOKENS tokens on.
 
 Shape legend: T tokens, C conv channels, W conv width, Hk / Hv key / value heads, Dk / Dv their head dims,
-G groups.
+G groups, L chunk tokens, NC chunks.
 """
 import numpy as np
 
+from gpu_kernels.delta_launch import DN_CHUNK
+
 from ..weight_formats import dequantize
+
+CHUNKED_MIN_TOKENS = DN_CHUNK  # a chunk of this many tokens or more takes the chunked form
 
 
 class GpuDeltaOps:
@@ -59,10 +65,28 @@ class GpuDeltaOps:
         [T, Hv, Dv]; state [Hv, Dk, Dv] advanced."""
         num_tokens, qk, xp = len(mixed), part.num_k_heads * part.key_dim, self.rt.xp
         q, k, v = (xp.ascontiguousarray(mixed[:, lo:hi]) for lo, hi in ((0, qk), (qk, 2 * qk), (2 * qk, None)))
-        self.kernels.delta_rule(q.reshape(num_tokens, part.num_k_heads, part.key_dim),
-                                k.reshape(num_tokens, part.num_k_heads, part.key_dim),
-                                v.reshape(num_tokens, part.num_v_heads, part.value_dim), g, beta, state, out,
-                                part.tiled)
+        q, k = (x.reshape(num_tokens, part.num_k_heads, part.key_dim) for x in (q, k))
+        v = v.reshape(num_tokens, part.num_v_heads, part.value_dim)
+        if num_tokens < CHUNKED_MIN_TOKENS:
+            self.kernels.delta_rule(q, k, v, g, beta, state, out, part.tiled)
+        else:
+            self._delta_rule_chunked(q, k, v, g, beta, state, out, part.tiled)
+
+    def _delta_rule_chunked(self, q, k, v, g, beta, state, out, tiled):
+        """The delta rule by chunks: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv] (advanced)
+        -> out [T, Hv, Dv]; the stages' work arrays live for this call."""
+        rt, kernels = self.rt, self.kernels
+        num_tokens, num_v_heads, dv = v.shape
+        dk = q.shape[2]
+        qn, kn = rt.empty(q.shape, np.float32), rt.empty(k.shape, np.float32)
+        kernels.delta_l2norm(q, qn, dk ** -0.5)
+        kernels.delta_l2norm(k, kn, 1.0)
+        cum, attn = rt.empty(g.shape, np.float32), rt.empty((num_v_heads, num_tokens, DN_CHUNK), np.float32)
+        u, w = rt.empty(v.shape, np.float32), rt.empty((num_tokens, num_v_heads, dk), np.float32)
+        kernels.delta_chunk_prep(qn, kn, v, g, beta, cum, attn, u, w, tiled)
+        sc = rt.empty((-(-num_tokens // DN_CHUNK), num_v_heads, dk, dv), np.float32)  # [NC, Hv, Dk, Dv]
+        kernels.delta_chunk_state(kn, cum, w, u, state, sc, tiled)  # u becomes the new values
+        kernels.delta_chunk_out(qn, cum, attn, u, sc, out, tiled)
 
     def rmsnorm_gated(self, x, z, weight, eps):
         """weight * x / rms(x) * silu(z) per head: x, z [T, Hv, Dv] -> a new [T, Hv, Dv]."""

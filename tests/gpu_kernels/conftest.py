@@ -117,6 +117,18 @@ class ReferenceKernels:
     def delta_rule(self, q, k, v, g, beta, state, out, tiled=False):
         out[:], state[:] = delta_net_reference.delta_rule_recurrent(q, k, v, g, beta, state, tiled)
 
+    def delta_l2norm(self, x, out, scale):
+        out[:] = delta_net_reference.l2_normed(x, scale)
+
+    def delta_chunk_prep(self, qn, kn, v, g, beta, cum, attn, u, w, tiled=False):
+        cum[:], attn[:], u[:], w[:] = delta_net_reference.chunk_prep(qn, kn, v, g, beta, tiled)
+
+    def delta_chunk_state(self, kn, cum, w, u, state, sc, tiled=False):
+        u[:], sc[:], state[:] = delta_net_reference.chunk_state(kn, cum, u, w, state, tiled)
+
+    def delta_chunk_out(self, qn, cum, attn, v_new, sc, out, tiled=False):
+        out[:] = delta_net_reference.chunk_out(qn, cum, attn, v_new, sc, tiled)
+
     def rmsnorm_gated(self, x, z, weight, eps, out):
         out[:] = delta_net_reference.rmsnorm_gated(x, z, weight, eps)
 

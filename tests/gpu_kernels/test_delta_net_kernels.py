@@ -1,5 +1,6 @@
 """The Gated DeltaNet kernels (src/delta_net.cu through gpu_kernels/delta_launch.py) against the NumPy references
-(tests/delta_net_reference.py) on random data and state, at decode and prompt sizes (GPU only)."""
+(tests/delta_net_reference.py) on random data and state, at decode and prompt sizes, the delta rule token by token
+and in its chunked form (GPU only)."""
 import numpy as np
 import pytest
 
@@ -33,6 +34,48 @@ def test_delta_rule(runtime, kernels, num_tokens, shape, tiled):
     kernels.delta_rule(dev["q"], dev["k"], dev["v"], g, beta, dev["state"], out, tiled)
     expected, expected_state = ref.delta_rule_recurrent(q, k, v, runtime.to_host(g), runtime.to_host(beta), state,
                                                         tiled)
+    np.testing.assert_allclose(runtime.to_host(out), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(runtime.to_host(dev["state"]), expected_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("num_tokens", [64, 150, 600])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_delta_rule_chunked(runtime, kernels, num_tokens, shape, tiled):
+    """The chunked form's four kernels, each against its stage reference on the device's inputs, and together
+    against the recurrence (out and the state after the last chunk)."""
+    from gpu_kernels.delta_launch import DN_CHUNK
+
+    hk, hv, dk, dv = shape
+    rng = np.random.default_rng(num_tokens + 1)
+    q, k, v = randn(rng, num_tokens, hk, dk), randn(rng, num_tokens, hk, dk), randn(rng, num_tokens, hv, dv)
+    g, beta = ref.gates(randn(rng, num_tokens, hv), randn(rng, num_tokens, hv), -np.exp(randn(rng, hv, scale=0.5)),
+                        randn(rng, hv) - 1.0)
+    g, beta, state = g.astype(np.float32), beta.astype(np.float32), randn(rng, hv, dk, dv, scale=0.3)
+    dev = {name: runtime.to_device(x) for name, x in dict(q=q, k=k, v=v, g=g, beta=beta, state=state).items()}
+    qn, kn = runtime.zeros(q.shape, np.float32), runtime.zeros(k.shape, np.float32)
+    kernels.delta_l2norm(dev["q"], qn, dk ** -0.5)
+    kernels.delta_l2norm(dev["k"], kn, 1.0)
+    np.testing.assert_allclose(runtime.to_host(qn), ref.l2_normed(q, dk ** -0.5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(runtime.to_host(kn), ref.l2_normed(k), rtol=1e-5, atol=1e-6)
+    cum, attn = runtime.zeros(g.shape, np.float32), runtime.zeros((hv, num_tokens, DN_CHUNK), np.float32)
+    u, w = runtime.zeros(v.shape, np.float32), runtime.zeros((num_tokens, hv, dk), np.float32)
+    kernels.delta_chunk_prep(qn, kn, dev["v"], dev["g"], dev["beta"], cum, attn, u, w, tiled)
+    host_qn, host_kn = runtime.to_host(qn), runtime.to_host(kn)
+    for got, expected in zip((cum, attn, u, w), ref.chunk_prep(host_qn, host_kn, v, g, beta, tiled)):
+        np.testing.assert_allclose(runtime.to_host(got), expected, rtol=1e-4, atol=1e-4)
+    sc = runtime.zeros((-(-num_tokens // DN_CHUNK), hv, dk, dv), np.float32)
+    host_cum, host_u, host_w = runtime.to_host(cum), runtime.to_host(u), runtime.to_host(w)
+    kernels.delta_chunk_state(kn, cum, w, u, dev["state"], sc, tiled)
+    expected_stage = ref.chunk_state(host_kn, host_cum, host_u, host_w, state, tiled)
+    for got, expected in zip((u, sc, dev["state"]), expected_stage):
+        np.testing.assert_allclose(runtime.to_host(got), expected, rtol=1e-4, atol=1e-4)
+    out = runtime.zeros(v.shape, np.float32)
+    kernels.delta_chunk_out(qn, cum, attn, u, sc, out, tiled)
+    np.testing.assert_allclose(runtime.to_host(out), ref.chunk_out(host_qn, host_cum, runtime.to_host(attn),
+                                                                   runtime.to_host(u), runtime.to_host(sc), tiled),
+                               rtol=1e-4, atol=1e-4)
+    expected, expected_state = ref.delta_rule_recurrent(q, k, v, g, beta, state, tiled)
     np.testing.assert_allclose(runtime.to_host(out), expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(runtime.to_host(dev["state"]), expected_state, rtol=1e-4, atol=1e-4)
 

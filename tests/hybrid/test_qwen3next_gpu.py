@@ -1,7 +1,7 @@
-"""Qwen3-Next on the GPU backend: its Python side through the NumPy stand-in runtime and reference kernels (linear
-attention with its recurrent state in device arrays, gated attention, the gated shared expert) against the CPU
-engine at 0, 50 and 100 % of the experts resident, prompt and decode; and on a real GPU (marked gpu) against
-transformers."""
+"""Qwen3-Next on the GPU backend: its Python side through the NumPy stand-in runtime and reference kernels (the delta
+rule's token-by-token and chunked forms against the NumPy recurrence; linear attention with its recurrent state in
+device arrays, gated attention, the gated shared expert against the CPU engine at 0, 50 and 100 % of the experts
+resident, prompt and decode); and on a real GPU (marked gpu) against transformers."""
 import numpy as np
 import pytest
 
@@ -25,6 +25,38 @@ def qwen3next_q8(tmp_path_factory, demo_tokenizer):
     path = str(directory / "qwen3next-Q8_0.gguf")
     canonical, config = write_qwen3next_gguf(hf_dir, path, "Q8_0", demo_tokenizer)
     return path, (hf_dir, canonical, config)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 63, 64, 150])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gpu_delta_rule_matches_the_recurrence(num_tokens, tiled):
+    """GpuBackend.delta_rule through the stand-in runtime: short chunks token by token, from CHUNKED_MIN_TOKENS on
+    the chunked form's four stages (each a NumPy stand-in of its kernel); out and the state as the recurrence's."""
+    from gpu_kernels.numpy_runtime import NumpyRuntime
+    from hybrid.arch.recipe import LinearAttention
+    from hybrid.backends.gpu_delta import CHUNKED_MIN_TOKENS
+    from tests import delta_net_reference as ref
+    from tests.gpu_kernels.conftest import ReferenceKernels
+
+    part = LinearAttention(num_k_heads=2, num_v_heads=4, key_dim=16, value_dim=24, conv_width=4, tiled=tiled)
+    rng = np.random.default_rng(num_tokens)
+    mixed = rng.standard_normal((num_tokens, part.conv_channels)).astype(np.float32)
+    g = (-0.3 * np.abs(rng.standard_normal((num_tokens, 4)))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((num_tokens, 4))))).astype(np.float32)
+    state = (0.3 * rng.standard_normal((4, 16, 24))).astype(np.float32)
+    backend = GpuBackend(NumpyRuntime(), max_context=256)
+    calls = []
+    backend.kernels = type("Counted", (ReferenceKernels,), {
+        "delta_rule": lambda self, *a: calls.append("delta_rule") or ReferenceKernels.delta_rule(self, *a),
+        "delta_chunk_state": lambda self, *a: calls.append("chunked") or ReferenceKernels.delta_chunk_state(self, *a)})()
+    out, dev_state = np.zeros((num_tokens, 4, 24), np.float32), state.copy()
+    backend.delta_rule(mixed, g, beta, dev_state, out, part)
+    assert calls == ["delta_rule" if num_tokens < CHUNKED_MIN_TOKENS else "chunked"]
+    q, k, v = np.split(mixed, [32, 64], axis=1)
+    expected, expected_state = ref.delta_rule_recurrent(q.reshape(-1, 2, 16), k.reshape(-1, 2, 16),
+                                                        v.reshape(-1, 4, 24), g, beta, state, tiled)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dev_state, expected_state, rtol=1e-5, atol=1e-5)
 
 
 def score(model):
