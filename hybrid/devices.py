@@ -27,6 +27,9 @@ def stage_gpus(cfg, device):
     if device == "cpu":
         return ()
     gpus = cfg.gpus if cfg.gpus is not None else visible_gpus()
+    if len(gpus) == 1 and gpus[0] != 0:
+        raise ValueError(f"--gpus {gpus[0]}: one GPU runs as GPU 0; choose it with CUDA_VISIBLE_DEVICES={gpus[0]} "
+                         f"(HIP_VISIBLE_DEVICES on ROCm)")
     if len(gpus) > 1 and device == "auto":
         from gpu_kernels.runtime import probe
 

@@ -177,6 +177,18 @@ def test_placement_for_another_split_is_refused():
         stage_ranges("auto", 3, [1, 1], np.ones(3), one)
 
 
+def test_gpus_setting():
+    from hybrid.config import EngineConfig
+    from hybrid.devices import stage_gpus
+
+    assert stage_gpus(EngineConfig(gpus="0,0"), "gpu") == (0, 0)
+    assert stage_gpus(EngineConfig(gpus="0,1"), "cpu") == ()
+    with pytest.raises(ValueError, match="--gpus 1: one GPU runs as GPU 0; choose it with CUDA_VISIBLE_DEVICES=1"):
+        stage_gpus(EngineConfig(gpus=1), "gpu")
+    with pytest.raises(ValueError, match="expected GPU indices"):
+        EngineConfig(gpus="a,b")
+
+
 def test_split_checks_and_auto_cuts():
     assert auto_cuts(np.ones(4), [1, 1]) == (2,)
     assert auto_cuts(np.ones(4), [3, 1]) == (3,)
