@@ -78,7 +78,7 @@ class Link:
         self.peer = dst.rt.can_access_peer(src.rt)
 
     def describe(self):
-        return "peer copy" if self.peer else "through pinned host memory"
+        return "by peer copy" if self.peer else "through pinned host memory"
 
     def pass_on(self, x):
         """x [T, H] on the sender's device -> a copy on the receiver's, ordered on both streams."""

@@ -95,6 +95,14 @@ def test_two_stages_equal_one_device(small, cut, share):
         assert not stage.backend.resident[outside].any()
 
 
+def test_without_peer_access_through_host_memory(small, monkeypatch):
+    weights, host, one = small
+    monkeypatch.setattr(NumpyRuntime, "can_access_peer", lambda self, other: False)
+    model = staged(weights, host, 1, 0.5)
+    assert [link.describe() for link in model.links] == ["through pinned host memory"]
+    np.testing.assert_allclose(score(model), one[0.5], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("groups", ["auto", 1, 3])
 def test_four_slots_equal_each_alone(small, groups):
     """4 slots at once (auto: 2 pipelined groups; 1: every slot stage after stage; 3) give each slot's tokens
