@@ -1,4 +1,5 @@
-"""Write a synthetic qwen3moe or glm4moe GGUF of a chosen size for benchmarks: random weights, skewed routers.
+"""Write a synthetic qwen3moe, glm4moe, gpt-oss or qwen3next GGUF of a chosen size for benchmarks: random weights,
+skewed routers.
 
 Weights are random valid blocks written directly in the file's types (one type,
 or a mix of hybrid/formats/synthetic.py's MIXES: Q4_K_M, Q3_K_M, MXFP4_MOE,
@@ -24,6 +25,12 @@ random blocks would lose the shared direction the router bias reads).
     # GLM-4.5-Air's shapes (hidden, heads, experts, top-k, widths, shared expert, a leading dense layer), 4 layers
     python bench/make_model.py --arch glm4moe --type Q4_K_M --layers 4 --hidden 4096 --heads 96 --kv-heads 8 \
         --head-dim 128 --experts 128 --top-k 8 --moe-ff 1408 --dense-ff 10944 -o /tmp/bench-glm-air.gguf
+    # gpt-oss-120b's shapes (MXFP4 experts, Q8_0 the rest; sliding window 128, YaRN 32x of 4096), 2 layers
+    python bench/make_model.py --arch gpt-oss --type MXFP4_MOE --layers 2 --hidden 2880 --heads 64 --kv-heads 8 \
+        --head-dim 64 --experts 128 --top-k 4 --moe-ff 2880 -o /tmp/bench-gpt-oss-120b.gguf
+    # Qwen3-Next-80B-A3B's shapes (3 Gated DeltaNet layers, then a gated full-attention one; a gated shared expert)
+    python bench/make_model.py --arch qwen3next --type Q4_K_M --layers 4 --hidden 2048 --heads 16 --kv-heads 2 \
+        --head-dim 256 --experts 512 --top-k 10 --moe-ff 512 -o /tmp/bench-qwen3next-80b.gguf
 """
 import argparse
 import logging
@@ -49,7 +56,31 @@ SHARED_DIRECTION_WEIGHT = 0.1  # share of each embedding row along the common di
 SHARED_COS = SHARED_DIRECTION_WEIGHT / np.hypot(SHARED_DIRECTION_WEIGHT, 1 - SHARED_DIRECTION_WEIGHT)  # of a row, d
 
 
+def hf_shaped_config(args, vocab_size):
+    """gpt-oss / qwen3next: the family's own reading of an HF config.json with these shapes."""
+    cfg = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+               num_key_value_heads=args.kv_heads, head_dim=args.head_dim, vocab_size=vocab_size,
+               num_experts_per_tok=args.top_k, max_position_embeddings=args.context, tie_word_embeddings=False)
+    if args.arch == "gpt-oss":
+        from hybrid.arch.gpt_oss import config_from_hf
+
+        cfg.update(num_local_experts=args.experts, intermediate_size=args.moe_ff, sliding_window=args.sliding_window,
+                   rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "original_max_position_embeddings": 4096, "rope_theta": 150000.0})
+        return config_from_hf(cfg, "bench")
+    from hybrid.arch.qwen3next import hf_config
+
+    cfg.update(model_type="qwen3_next", num_experts=args.experts, moe_intermediate_size=args.moe_ff,
+               shared_expert_intermediate_size=args.shared_experts * args.moe_ff, rope_theta=1e7,
+               partial_rotary_factor=0.25, full_attention_interval=4, linear_num_key_heads=args.linear_heads[0],
+               linear_num_value_heads=args.linear_heads[1], linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_conv_kernel_dim=4)
+    return hf_config(cfg, "bench")
+
+
 def model_config(args, vocab_size):
+    if args.arch in ("gpt-oss", "qwen3next"):
+        return hf_shaped_config(args, vocab_size)
     glm = {} if args.arch == "qwen3moe" else dict(  # GLM-4.5's choices: q/k/v biases, half the head rotated
         attention_bias=True, rotary_dim=args.head_dim // 2, first_dense_layers=args.dense_layers,
         dense_intermediate_size=args.dense_ff, shared_intermediate_size=args.shared_experts * args.moe_ff)
@@ -75,6 +106,8 @@ class TensorMaker:
         for index, name in enumerate(ARCHS[self.config.arch].required_tensor_names(self.config)):
             shape = expected_shape(name, self.config)
             qtype = type_for(name, shape, self.target)
+            if name.endswith("ssm_conv1d.weight"):
+                qtype = Q.F32  # as llama.cpp's converter keeps it (its conv op reads float32 weights)
             if name == "token_embd.weight" and qtype not in GGUF_QUANTIZERS:
                 qtype = Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16  # K-quants are written as random blocks
             yield name, qtype, shape, (lambda n=name, s=shape, q=qtype, i=index: self.raw(n, s, q, i))
@@ -83,6 +116,8 @@ class TensorMaker:
         from cpu_kernels.formats import format_for
 
         rng = np.random.default_rng((self.seed, index))
+        if name.endswith(".ssm_a"):  # -exp(A_log): a decay, negative
+            return (-np.exp(0.1 * rng.standard_normal(shape))).astype(np.float32).view(np.uint8)
         if len(shape) == 1:  # norms near 1, biases (q/k/v, the router's choice bias) near 0
             values = ((0.0 if name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             return values.view(np.uint8)
@@ -135,10 +170,15 @@ def router_skew_range(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-o", "--output", required=True, help="GGUF file to write")
-    p.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "glm4moe"], help="the family (default qwen3moe)")
+    p.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "glm4moe", "gpt-oss", "qwen3next"],
+                   help="the family (default qwen3moe)")
+    p.add_argument("--sliding-window", type=int, default=128, help="gpt-oss: its sliding layers' window")
+    p.add_argument("--linear-heads", type=lambda t: tuple(int(v) for v in t.split(",")), default=(16, 32),
+                   metavar="K,V", help="qwen3next: the Gated DeltaNet's key and value heads (default 16,32)")
     p.add_argument("--dense-layers", type=int, default=1, help="glm4moe: leading dense layers (default 1)")
     p.add_argument("--dense-ff", type=int, default=4096, help="glm4moe: their FFN width (default 4096)")
-    p.add_argument("--shared-experts", type=int, default=1, help="glm4moe: shared experts' width in --moe-ff units")
+    p.add_argument("--shared-experts", type=int, default=1,
+                   help="glm4moe, qwen3next: shared experts' width in --moe-ff units")
     p.add_argument("--type", default="Q4_K_M", choices=TYPES, help="weight type, or a mix of types (default Q4_K_M)")
     p.add_argument("--files", type=int, default=1, help="a split model in this many files (llama.cpp's names)")
     p.add_argument("--layers", type=int, default=16)
