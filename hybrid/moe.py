@@ -55,7 +55,7 @@ class ExpertSplit:
         self.trace = None
         self._deferred = []  # (layer index, queued routing copy) of fully resident decode layers, for finish_step
         self._deferred_host = []  # (layer index, routing ids [1, K] on the host) of decode layers, for finish_step
-        self._deferred_step = []  # (queued copy of ids [L, K], layer indices) of a step graph, for finish_step
+        self._deferred_step = []  # (queued copy of ids [L, K], (row, layer index) pairs) of a step graph, for finish_step
         self._step = 0  # the step's number, posted on the relay's flags
         if sys.getswitchinterval() > GIL_SWITCH_S:
             sys.setswitchinterval(GIL_SWITCH_S)
@@ -191,12 +191,13 @@ class ExpertSplit:
                 usage.record(layer_index, ids)
             for handle, layers in self._deferred_step:
                 rows = device.wait_rows(handle)  # [L, K]
-                for layer_index in layers:
-                    usage.record(layer_index, rows[layer_index:layer_index + 1])
+                for row, layer_index in layers:
+                    usage.record(layer_index, rows[row:row + 1])
         self._deferred, self._deferred_host, self._deferred_step = [], [], []
 
     def defer_step_routing(self, handle, layers):
-        """A step graph's routing ids [L, K] (a queued copy) of `layers`, recorded at finish_step."""
+        """A step graph's routing ids [L, K] (a queued copy) of `layers` ((row, layer index) pairs), recorded at
+        finish_step."""
         self._deferred_step.append((handle, layers))
 
 

@@ -31,6 +31,14 @@ def hollow(layer):
                                                                                                  "kv_index")})
 
 
+def split_resident(resident, layer_range):
+    """The stage's ExpertSplit's mask: its device's rows, every other stage's layer marked resident (the split reads
+    only its own layers' rows; a step whose own experts are all resident may then be one graph)."""
+    out = np.ones_like(resident)
+    out[layer_range.start:layer_range.stop] = resident[layer_range.start:layer_range.stop]
+    return out
+
+
 @dataclass
 class StageWeights:
     """What a stage's backend places (GpuBackend.place's view of a model): every layer, hollow outside the stage,
@@ -177,7 +185,7 @@ class StagedModel:
         stage = Stage(index, layer_range, backend, self.config, own)
         stage.kv_pool = backend.new_kv_pool(len(own), self.config.num_kv_heads, self.config.head_dim, self.kv_dtype,
                                             0)
-        stage.split = None if host is None else ExpertSplit(host, backend.resident, split)
+        stage.split = None if host is None else ExpertSplit(host, split_resident(backend.resident, layer_range), split)
         stage.runner = choose_runner(tuple(recipes[i] for i in layer_range), backend, compiled_decode, stage.split)
         log.info("stage %d on %s: layers %d-%d, %d of %d experts resident; %s", index, backend.rt.device_name,
                  layer_range.start, layer_range.stop - 1, int(backend.resident.sum()),
@@ -301,8 +309,8 @@ def build_staged(weights, cfg, gpus, options, host_options, split, resident=None
     backends = []
     for s, (rt, r) in enumerate(zip(runtimes, ranges)):
         rt.use()  # its stream is this device's
-        backends.append(GpuBackend(rt, **{**options(stage_resident(r, c.num_layers, c.num_experts, resident,
-                                                                   placement, s)), "step_graphs": False}))
+        backends.append(GpuBackend(rt, **options(stage_resident(r, c.num_layers, c.num_experts, resident, placement,
+                                                                s))))
     trim = cfg.trim_stage_weights
     if trim is None:  # on when the model takes over half of the available RAM
         trim = sum(t.raw.nbytes for t in weights.tensors.values()) > _available_bytes() / 2

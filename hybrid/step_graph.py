@@ -24,7 +24,8 @@ def step_graph_bound(model, batch):
 
 def queue_step(model, x, batch, steps_of, position, bound):
     """Every layer's steps over x [1, H] with the position read on the device; returns the graph's outputs: the
-    layers whose routing the graph keeps (with a usage record), and the KV, held so that its id stays its own."""
+    (routing row, layer index) of the layers whose routing the graph keeps (with a usage record), and the KV, held
+    so that its id stays its own."""
     be, keep_routing, routed = model.backend, model.usage is not None, []
     be.begin_step_graph(position, bound)
     try:
@@ -33,8 +34,8 @@ def queue_step(model, x, batch, steps_of, position, bound):
             for step in steps_of(i):
                 step.run(be, layer, s)
             if keep_routing and "ids" in s:
-                be.keep_step_routing(layer.index, s["ids"])
-                routed.append(layer.index)
+                be.keep_step_routing(i, s["ids"])  # the model's i-th layer (a pipeline stage's may not be layer i)
+                routed.append((i, layer.index))
     finally:
         be.end_step_graph()
     return {"routed_layers": tuple(routed), "kv": batch.chunks[0].kv}

@@ -5,6 +5,7 @@ gpu): the same code against the CPU engine."""
 import numpy as np
 import pytest
 
+from gpu_kernels.kernels import PD_MAX_ROWS
 from gpu_kernels.numpy_runtime import NumpyRuntime
 from hybrid.backends import CpuBackend
 from hybrid.backends.gpu import GpuBackend
@@ -35,6 +36,8 @@ class CachedKernels(ReferenceKernels):
     """The reference kernels with each weight array dequantized once (the stand-in's weights never change here; the
     cache holds the array, so its id stays its own)."""
 
+    attention_rows = PD_MAX_ROWS  # Kernels' one-token attention planning (step graphs)
+
     def __init__(self):
         self._dequantized = {}
 
@@ -55,7 +58,7 @@ class CachedKernels(ReferenceKernels):
 
 def stand_in(resident, memory_bytes=64 << 30, index=0, **options):
     backend = GpuBackend(NumpyRuntime(index, memory_bytes), max_context=256, kv_sequences=4, resident=resident,
-                         step_graphs=False, **options)
+                         **options)
     backend.kernels = CachedKernels()
     return backend
 
@@ -84,9 +87,19 @@ def staged(weights, host, cut, share, **options):
 @pytest.mark.parametrize("share", SHARES)
 @pytest.mark.parametrize("cut", [1, 2])
 def test_two_stages_equal_one_device(small, cut, share):
+    from hybrid.expert_usage import ExpertUsage
+
     weights, host, one = small
     model = staged(weights, host, cut, share)
     np.testing.assert_allclose(score(model), one[share], rtol=0, atol=1e-5)
+    if share == 1.0:  # a decode step is one graph on each stage, its routing recorded by layer
+        c = weights.config
+        model.usage = usage = ExpertUsage.for_config(c)
+        kv = model.new_sequence(256)
+        for step in range(3):
+            model.forward(Batch([SeqChunk(kv, step, np.asarray([TOKENS[step]]))]))
+        assert [s.runner.last_path for s in model.stages] == ["step graph"] * 2
+        assert (usage.decode.sum(axis=1) == 3 * c.num_experts_per_tok).all()
     resident = model.backend.resident
     assert resident.sum() == mask(weights.config, share).sum()
     for stage in model.stages:  # each device holds its own layers' experts only
