@@ -90,7 +90,8 @@ class LLM:
             from .staged_model import build_staged
 
             self.model = build_staged(self.weights, cfg, gpus, lambda mask: gpu_options(cfg, self.max_context, mask),
-                                      cpu_options(cfg), split_settings(cfg), resident, placement, profile)
+                                      cpu_options(cfg), split_settings(cfg), resident, placement, profile,
+                                      self.max_context)
             backend, host, self.device = self.model.backend, None, "gpu"
         else:
             if device != "cpu" and resident is None:

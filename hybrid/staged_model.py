@@ -287,24 +287,26 @@ class StagedModel:
 
 
 
-def build_staged(weights, cfg, gpus, options, host_options, split, resident=None, placement=None, profile=None):
+def build_staged(weights, cfg, gpus, options, host_options, split, resident=None, placement=None, profile=None,
+                 max_context=4096):
     """A StagedModel over `gpus` (hybrid/devices.py) for the settings `cfg`: the split of --layer-split (or the
-    placement's), each stage's resident experts from `resident` [L, E], the placement's GPU, or its own default fill.
-    options(resident) -> a stage GpuBackend's keywords; host_options: the CpuBackend's; split: SplitSettings.
+    placement's), each stage's resident experts from `resident` [L, E], the placement's GPU (a placement planned at
+    start-up from `profile` for the devices' free memory), or its own default fill. options(resident) -> a stage GpuBackend's keywords; host_options: the CpuBackend's; split: SplitSettings.
     ValueError for what stages do not take."""
     from .backends.cpu import CpuBackend, _available_bytes
     from .backends.gpu import GpuBackend
     from .devices import open_runtimes, stage_free
-    from .stages import layer_bytes, placement_or_none, stage_ranges, stage_resident
+    from .stages import layer_bytes, placement_or_none, planned_placement, stage_ranges, stage_resident
 
-    if profile is not None:
-        raise ValueError("--profile plans one GPU's cache; over several GPUs plan a placement for the split with "
-                         "`strata plan --gpu-mib A,B --layer-split auto` and give --placement")
+    if placement is not None and profile is not None:
+        raise ValueError("give --placement or --profile, not both (a placement was already planned from a profile)")
     if cfg.expert_cache == "dynamic":
         raise ValueError("--expert-cache dynamic runs on one GPU; give --gpus with one GPU")
     c = weights.config
     runtimes = open_runtimes(gpus)
     placement = placement_or_none(placement)
+    if profile is not None:
+        placement = planned_placement(profile, weights, stage_free(runtimes), cfg, max_context, cfg.layer_split)
     ranges = stage_ranges(cfg.layer_split, c.num_layers, stage_free(runtimes), layer_bytes(weights), placement)
     backends = []
     for s, (rt, r) in enumerate(zip(runtimes, ranges)):

@@ -183,6 +183,26 @@ def hit_rates(usage, resident, ranges):
     return out
 
 
+def planned_placement(profile, weights, free, settings, max_context, layer_split):
+    """A placement for the stages planned at start-up from `profile` (an ExpertProfile or its file) for each device's
+    free bytes `free` [S] (placement.planner.plan: every split for "auto", else the given one). settings: the
+    EngineConfig (--parallel's kv_sequences, --kv, --vram-reserve-mib, --kv-resident)."""
+    from placement.budget import ModelSizes
+    from placement.planner import Budgets, plan
+    from placement.profile import ExpertProfile, model_id
+
+    loaded = ExpertProfile.load(profile) if isinstance(profile, str) else profile
+    c = weights.config
+    loaded.check_model(c.num_layers, c.num_experts, model_id(weights))  # ProfileError when the model differs
+    budgets = Budgets(tuple(f / 2**20 for f in free), settings.kv_sequences, max_context, settings.kv,
+                      settings.vram_reserve_mib, layer_split, settings.kv_resident)
+    placement = plan(loaded, ModelSizes.from_weights(weights), budgets)
+    log.info("expert cache over %d GPUs planned at start-up from the profile: %s, %d experts resident, predicted hit "
+             "rate %.1f%%", len(free), describe_split([range(g.first_layer, g.last_layer) for g in placement.gpus]),
+             placement.predicted["resident"], 100 * placement.predicted["hit_rate"])
+    return placement
+
+
 def placement_or_none(placement):
     """A Placement from a file name, a Placement, or None."""
     from placement.placement import Placement

@@ -271,6 +271,23 @@ def assert_gpu_metrics(llm):
         assert f'strata_gpu_expert_cache_hit_rate{{phase="prefill",stage="{stage}"}} 1.0' in text  # all resident
 
 
+def test_profile_plans_the_stages_at_start_up(stand_in_gpus, gguf_models):
+    from hybrid import LLM
+    from placement.profile import ExpertProfile, model_id
+
+    path, _ = gguf_models("small", "Q8_0")
+    weights = load_model(path)
+    c = weights.config
+    profile = ExpertProfile.empty(model_id(weights), c.num_layers, c.num_experts, c.num_experts_per_tok)
+    profile.decode[:] = np.random.default_rng(0).integers(1, 100, profile.decode.shape)
+    profile.tokens_decode = 100
+    with LLM(path, device="gpu", gpus=(0, 0), profile=profile, max_context=256, vram_reserve_mib=64) as llm:
+        assert len(llm.model.stages) == 2
+        for stage in llm.model.stages:
+            assert stage.backend.resident[stage.layer_range.start:stage.layer_range.stop].any()
+        assert np.isfinite(llm.score(TOKENS)).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("share", SHARES)
 @pytest.mark.parametrize("cut", [1, 2])
