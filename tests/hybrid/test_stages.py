@@ -108,6 +108,19 @@ def test_two_stages_equal_one_device(small, cut, share):
         assert not stage.backend.resident[outside].any()
 
 
+@pytest.mark.parametrize("cut", [1, 2])
+def test_glm4moe_over_stages(glm_files, small, cut):
+    """Per-layer recipes over stages: glm4moe's leading dense layer (alone on stage 0 at cut 1), its shared expert
+    and sigmoid router, half of its experts resident."""
+    weights = load_model(glm_files("Q8_0")[0])
+    c, host = weights.config, small[1]
+    one = score(Model(weights, stand_in(mask(c, 0.5)), host=host))
+    ranges = check_cuts((cut,), c.num_layers, 2)
+    backends = [stand_in(stage_resident(r, c.num_layers, c.num_experts, mask(c, 0.5)), index=s)
+                for s, r in enumerate(ranges)]
+    np.testing.assert_allclose(score(StagedModel(weights, backends, ranges, host)), one, rtol=0, atol=1e-5)
+
+
 def test_without_peer_access_through_host_memory(small, monkeypatch):
     weights, host, one = small
     monkeypatch.setattr(NumpyRuntime, "can_access_peer", lambda self, other: False)
