@@ -3,11 +3,14 @@
 A step of T tokens takes `StepTimes.estimate(T)` seconds (measured decode-only steps, by T). A slot whose
 drafts are each accepted with probability p (given the ones before were) emits 1 + p + ... + p^k tokens
 from k drafts; with n decoding slots the step emits n - 1 + that. `best_k` takes the k of the most tokens
-per second. Where a step size was never measured its time is extrapolated from the largest one below at a
-quarter of a token's average time per extra token (optimistic, so that drafting gets tried and measured).
+per second, if that beats drafting nothing by MARGIN. Where a step size was never measured its time is
+extrapolated from the largest one below at a quarter of a token's average time per extra token (optimistic, so
+that drafting gets tried and measured).
 """
 DECAY = 0.8  # weight of the older measurements of one step size
 EXTRA_TOKEN_SHARE = 0.25  # an unmeasured extra token's time, in average token times of the size below
+MARGIN = 0.05  # drafts must promise this share more tokens per second: near break-even, noise in the estimates
+# (and the verification's own work: sampling each drafted position, the rollback) turns a promised gain into a loss
 
 
 class StepTimes:
@@ -44,4 +47,4 @@ def best_k(p, max_k, num_slots, times):
         seconds = times.estimate(num_slots + k)
         if expected / seconds > best_rate:
             best, best_rate = k, expected / seconds
-    return best
+    return best if best_rate > (1 + MARGIN) * num_slots / base else 0
