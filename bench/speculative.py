@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.placement_heldout import STDLIB, stdlib_files  # noqa: E402
 from hybrid.batch import Batch, SeqChunk  # noqa: E402
 from hybrid.engine import Engine  # noqa: E402
+from hybrid.expert_usage import ExpertUsage  # noqa: E402
 from hybrid.llm import LLM  # noqa: E402
 from hybrid.request import Finished, Request  # noqa: E402
 from hybrid.sampling import SamplingParams  # noqa: E402
@@ -164,17 +165,16 @@ def measure(llm, prompts, slots, spec, decode, runs):
     return medians[0], outputs[0], medians[1], outputs[1]
 
 
-class _DistinctExperts:
-    """A stand-in for the model's ExpertUsage: the distinct experts each layer routed to, summed over steps."""
+class _DistinctExperts(ExpertUsage):
+    """ExpertUsage that also keeps how many distinct experts each layer's routing of a step picked."""
 
-    def __init__(self):
-        self.steps, self.layer_counts = 0, []
-
-    def begin(self, batch):
-        self.steps += 1
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.layer_counts = []
 
     def record(self, layer, ids):
-        self.layer_counts.append(len(np.unique(ids)))
+        super().record(layer, ids)
+        self.layer_counts.append(len(np.unique(np.asarray(ids))))
 
 
 def step_costs(model, text_ids, max_t, runs, start=256, span=240):
@@ -183,11 +183,11 @@ def step_costs(model, text_ids, max_t, runs, start=256, span=240):
     median over its steps, then the median over `runs` rounds taken in turns."""
     kv = model.new_sequence(start + span + 8)
     model.forward(Batch([SeqChunk(kv, 0, np.asarray(text_ids[:start]), "none")]))
-    walls, cpus, experts = {}, {}, {}
+    walls, cpus, experts, kept_usage = {}, {}, {}, model.usage
     for _ in range(runs):
         for t in range(1, max_t + 1):
             kv.rollback(start)
-            wall, cpu, usage = [], [], _DistinctExperts()
+            wall, cpu, usage = [], [], _DistinctExperts.for_config(model.config)
             model.usage = usage
             try:
                 for pos in range(start, start + span - t + 1, t):
@@ -197,7 +197,7 @@ def step_costs(model, text_ids, max_t, runs, start=256, span=240):
                     wall.append(time.perf_counter() - w0)
                     cpu.append(time.process_time() - c0)
             finally:
-                model.usage = None
+                model.usage = kept_usage
             walls.setdefault(t, []).append(statistics.median(wall) * 1e3)
             cpus.setdefault(t, []).append(statistics.median(cpu) * 1e3)
             experts[t] = statistics.mean(usage.layer_counts)
