@@ -2,7 +2,7 @@
 
 The model: tiny-code-moe with the NextN layer bench/train_mtp.py trained (on its training files only). Prompts:
 bench/speculative.py's sets (edit and fresh from held-out files, train from training files). Each (set, slots,
-drafter, K) serves every prompt greedily through an Engine whose clock makes every step look equally long, so the
+drafter, K, min_p) serves every prompt greedily through an Engine whose clock makes every step look equally long, so the
 draft policy (speculative/policy.py) drafts K wherever the drafter's confidence stays >= min_p: the numbers are
 the drafter's, not the policy's choice on this machine (where a draft costs about a whole token: the n-gram
 section above). Reported: drafted, accepted, acceptance, tokens per step of a slot (1 + accepted drafts per
@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -30,6 +31,7 @@ from hybrid.speculative import SpecSettings  # noqa: E402
 from hybrid.speculative.mtp import MtpDrafter  # noqa: E402
 
 SECTION = "## MTP"
+DRAFTS = ((True, 1, 0.0), (True, 4, 0.0), (True, 4, 0.5), (False, 4, 0.0), (False, 4, 0.5))  # (MTP?, K, min_p)
 
 
 class DraftTimer:
@@ -77,8 +79,9 @@ def row(name, slots, label, plain_ids, measured, draft_ms=None):
     ids, drafted, accepted, generated = measured
     rate = f"{accepted / drafted:.0%}" if drafted else "-"
     ms = f"{draft_ms:.2f}" if draft_ms is not None else "-"
-    return (f"| {name} | {slots} | {label} | {drafted} | {accepted} | {rate} | {generated / (generated - accepted):.2f} "
-            f"| {ms} | {'yes' if ids == plain_ids else 'NO'} |")
+    per_step = generated / (generated - accepted)
+    return (f"| {name} | {slots} | {label} | {drafted} | {accepted} | {rate} | {per_step:.2f} | {ms} "
+            f"| {'yes' if ids == plain_ids else 'NO'} |")
 
 
 def main(argv=None):
@@ -90,7 +93,6 @@ def main(argv=None):
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--slots", default="1,4")
     p.add_argument("--sets", default="edit,fresh,train")
-    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -107,27 +109,26 @@ def main(argv=None):
             t0 = time.perf_counter()
             plain = serve(llm, sets[name], slots, None, args.decode)
             lines.append(row(name, slots, "off", plain[0], plain))
-            for k in (1, 4):
-                spec = SpecSettings(k=k, min_p=args.min_p, mtp=True)
+            for mtp, k, min_p in DRAFTS:
+                label = f"{'MTP' if mtp else 'n-gram'} K={k}" + (f", min_p {min_p}" if min_p else "")
                 with DraftTimer() as timer:
-                    measured = serve(llm, sets[name], slots, spec, args.decode)
-                lines.append(row(name, slots, f"MTP K={k}", plain[0], measured,
-                                 timer.seconds * 1e3 / max(timer.tokens, 1)))
-            measured = serve(llm, sets[name], slots, SpecSettings(k=4, min_p=args.min_p), args.decode)
-            lines.append(row(name, slots, "n-gram K=4", plain[0], measured))
+                    measured = serve(llm, sets[name], slots, SpecSettings(k=k, min_p=min_p, mtp=mtp), args.decode)
+                lines.append(row(name, slots, label, plain[0], measured,
+                                 timer.seconds * 1e3 / timer.tokens if mtp and timer.tokens else None))
             print(f"{name} x{slots} ({time.perf_counter() - t0:.0f} s)", flush=True)
     text = "\n".join(lines)
     print(text)
     if args.out:
         lengths = [len(x) for x in sets["edit"]]
-        write_section(args.out, (
-            f"{SECTION} drafts on tiny-code-moe with a trained NextN layer\n\n"
-            f"    python bench/mtp.py {' '.join(argv or sys.argv[1:])}\n\n"
+        about = textwrap.fill(
             f"The NextN layer: bench/train_mtp.py on the model's training files only (the main model frozen). "
             f"{args.prompts} prompts a set (edit prompts {min(lengths)}-{max(lengths)} tokens); greedy, "
-            f"{args.decode} tokens; CPU, threads {args.threads or 'all'}; min_p {args.min_p}; every step timed "
-            f"alike, so each slot drafts K whenever the drafter has drafts (the policy's choice left out).\n\n"
-            f"{text}\n"))
+            f"{args.decode} tokens; CPU, threads {args.threads or 'all'}; every step timed alike, so each slot "
+            f"drafts K whenever the drafter's confidence stays >= min_p (0 where not said; the policy's choice left "
+            f"out). MTP ms per draft: the drafter's own time (its layer op by op on the CPU, a prompt's first read "
+            f"through the layer included) per drafted token.", 116, break_on_hyphens=False)
+        write_section(args.out, f"{SECTION} drafts on tiny-code-moe with a trained NextN layer\n\n"
+                                f"    python bench/mtp.py {' '.join(argv or sys.argv[1:])}\n\n{about}\n\n{text}\n")
     return 0
 
 
