@@ -81,8 +81,8 @@ def build(config=None, llm_options=None, conversations=None, max_body_bytes=DEFA
     engine = Engine(llm, num_slots=config.parallel, max_queue=max_queue, decode_share=config.decode_share,
                     conversation_cache=conversation_cache(llm, conversations),
                     speculation=SpecSettings.of(config)).start()
-    log.info("engine: %d slots, decode share %.2f, up to %d n-gram drafts per step", config.parallel,
-             config.decode_share, config.spec)
+    log.info("engine: %d slots, decode share %.2f, up to %d %s drafts per step", config.parallel,
+             config.decode_share, config.spec, "MTP" if engine.mtp is not None else "n-gram")
     return create_app(engine, name, api_key=config.api_key, description=description,
                       max_body_bytes=max_body_bytes), engine
 

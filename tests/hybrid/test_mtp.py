@@ -261,3 +261,13 @@ def test_greedy_with_mtp_drafts_on_the_gpu_equals_plain_greedy(mtp_files, family
               resident=np.random.default_rng(0).random((c.num_layers, c.num_experts)) < 0.5)
     plain, drafted, stats = _engine_ids(llm.model, llm.tokenizer, 4)
     assert drafted == plain and stats.draft_n > 0
+
+
+def test_mtp_setting_on_a_model_without_an_mtp_layer_drafts_ngrams(demo_llm, caplog):
+    """--mtp with a file that has no NextN / MTP layer: a warning, and the slots draft by n-gram lookup."""
+    from hybrid.engine import Engine
+
+    with caplog.at_level("WARNING"):
+        engine = Engine(demo_llm, num_slots=1, speculation=MTP)
+    assert engine.mtp is None and "no MTP / NextN layer" in caplog.text
+    engine.stop()
