@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gpu_kernels.errors import VramError
+
 from .arch import ARCHS
 from .batch import Batch
 from .model import LAYER_NUMBERS, LayerWeights, _layer_weights
@@ -181,7 +183,11 @@ class StagedModel:
         view = StageWeights(self.config, layers, len(own), self.token_embd if first else None,
                             self.output if last else None, self.output_norm if last else None)
         backend.rt.use()  # its arrays are this device's
-        backend.place(view, host)
+        try:
+            backend.place(view, host)
+        except VramError as exc:
+            raise VramError(f"stage {index} ({backend.rt.device_name}, layers {layer_range.start}-"
+                            f"{layer_range.stop - 1}): {exc}") from None
         stage = Stage(index, layer_range, backend, self.config, own)
         stage.kv_pool = backend.new_kv_pool(len(own), self.config.num_kv_heads, self.config.head_dim, self.kv_dtype,
                                             0)

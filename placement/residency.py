@@ -8,6 +8,8 @@ def default_residency(bytes_per_expert, num_experts, budget):
     mask = np.zeros((len(bytes_per_expert), num_experts), dtype=bool)  # [L, E]
     left = budget
     for layer, size in enumerate(bytes_per_expert):
+        if size == 0:  # no routed experts (a dense layer, another GPU's layer)
+            continue
         count = min(num_experts, left // size)
         mask[layer, :count] = True
         left -= count * size

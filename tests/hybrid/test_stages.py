@@ -200,6 +200,24 @@ def test_trimmed_stage_weights(small, gguf_models):
                                                          stand_in(resident), host=host)), rtol=0, atol=1e-5)
 
 
+def test_a_stage_that_cannot_hold_its_layers_is_named(small):
+    from gpu_kernels.errors import VramError
+
+    weights, host, _ = small
+    c = weights.config
+    ranges = check_cuts((1,), c.num_layers, 2)
+    backends = [stand_in(None, memory_bytes=64 << 30), stand_in(None, memory_bytes=1 << 20, index=1)]
+    with pytest.raises(VramError, match=r"stage 1 \(numpy 1, layers 1-2\): the GPU has 1 MiB free, too little"):
+        StagedModel(weights, backends, ranges, host)
+
+
+def test_default_fill_skips_layers_without_experts():
+    """A dense layer (glm4moe's first) or another stage's layer has no expert bytes: the fill passes over it."""
+    from placement.residency import default_residency
+
+    np.testing.assert_array_equal(default_residency([0, 10, 10], 2, 25), [[0, 0], [1, 1], [1, 0]])
+
+
 def test_placement_for_another_split_is_refused():
     two = Placement("m", 3, 8, [GpuPlacement(0, 0, 1, [(0, 1)]), GpuPlacement(1, 1, 3, [(2, 3)])])
     assert stage_ranges("auto", 3, [1, 1], np.ones(3), two) == [range(0, 1), range(1, 3)]
