@@ -215,7 +215,7 @@ def test_default_fill_skips_layers_without_experts():
     """A dense layer (glm4moe's first) or another stage's layer has no expert bytes: the fill passes over it."""
     from placement.residency import default_residency
 
-    np.testing.assert_array_equal(default_residency([0, 10, 10], 2, 25), [[0, 0], [1, 1], [1, 0]])
+    np.testing.assert_array_equal(default_residency([0, 10, 10], 2, 30), [[0, 0], [1, 1], [1, 0]])
 
 
 def test_placement_for_another_split_is_refused():
