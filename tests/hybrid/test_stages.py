@@ -108,7 +108,7 @@ def test_two_stages_equal_one_device(small, cut, share):
         assert not stage.backend.resident[outside].any()
 
 
-@pytest.mark.parametrize("cut", [1, 2])
+@pytest.mark.parametrize("cut", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_glm4moe_over_stages(glm_files, small, cut):
     """Per-layer recipes over stages: glm4moe's leading dense layer (alone on stage 0 at cut 1), its shared expert
     and sigmoid router, half of its experts resident."""
