@@ -9,10 +9,11 @@ Linear attention, per token (as transformers' Qwen3NextGatedDeltaNet):
 Shape legend: T tokens, H hidden, C conv channels, Hk / Hv key / value heads, Dk / Dv their head dims,
 Hq query heads, D head dim, R rotated dims.
 
-Both mixers project with float32 activations (`exact`) whatever act_quant says: a head whose delta-rule output
-is far smaller than its inputs (its rms below the gated norm's sqrt(eps)) carries the int16 rounding of its
-inputs into the normed output almost undamped, and the logits of such a token moved by up to 4e-3 of their range
-on the tiny test models (float: 3e-5; the experts' int16 dots alone: under 8e-4).
+Linear attention projects with float32 activations (`exact`) whatever act_quant says: a head whose delta-rule
+output is far smaller than its inputs (its rms below the gated norm's sqrt(eps)) carries the rounding of its
+inputs into the normed output almost undamped (int16 x moved a token's logits by up to 6e-3 of their range on the
+tiny test models, 3e-2 after a 600-token prompt; float: 3e-5). It costs about 2x the int16 dots' time on these
+projections at decode, 1.6x on prompts (Q4_K, one thread; bench/results/qwen3next.md).
 """
 
 
@@ -53,9 +54,9 @@ def gated_attention_inputs(be, layer, h, positions):
     """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], gate [T, Hq, D]): q and its gate from the doubled
     q projection, q and k head-normed and roped over their first R dims."""
     num_tokens, d = h.shape[0], layer.head_dim
-    q, gate = be.split_pairs(be.linear(layer.attn_q, h, exact=True), layer.num_heads, d)  # [T, Hq, D] x2
-    k = be.linear(layer.attn_k, h, exact=True).reshape(num_tokens, layer.num_kv_heads, d)
-    v = be.linear(layer.attn_v, h, exact=True).reshape(num_tokens, layer.num_kv_heads, d)
+    q, gate = be.split_pairs(be.linear(layer.attn_q, h), layer.num_heads, d)  # [T, Hq, D] x2
+    k = be.linear(layer.attn_k, h).reshape(num_tokens, layer.num_kv_heads, d)
+    v = be.linear(layer.attn_v, h).reshape(num_tokens, layer.num_kv_heads, d)
     be.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
     be.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)
     for x in (q, k):
