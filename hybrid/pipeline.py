@@ -50,7 +50,10 @@ class Pipeline:
         handed = [None] * len(groups)
         for stage, worker in zip(self.model.stages, self._workers):
             handed = [worker.submit(self._stage_group, stage, group, before) for group, before in zip(groups, handed)]
-        return np.concatenate([future.result() for future in handed])
+        logits = np.concatenate([future.result() for future in handed])
+        if len(batch.hidden_rows):  # the groups' hidden rows, in chunk order as the batch's
+            batch.hidden = np.concatenate([group.hidden for group in groups if group.hidden is not None])
+        return logits
 
     def _stage_group(self, stage, group, before):
         """One stage's part of one group, in the stage's thread: its activations (host [T, H]) for the next stage,

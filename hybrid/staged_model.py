@@ -16,7 +16,7 @@ from gpu_kernels.errors import VramError
 
 from .arch import ARCHS
 from .batch import Batch
-from .model import LAYER_NUMBERS, LayerWeights, _layer_weights
+from .model import LAYER_NUMBERS, LayerWeights, _layer_weights, _nextn
 from .moe import ExpertSplit
 from .pipeline import Pipeline, chunk_groups, num_groups
 from .recurrent_state import RecurrentShape
@@ -151,7 +151,8 @@ class StagedModel:
         self.token_embd = weights["token_embd.weight"]
         self.output_norm = np.ascontiguousarray(dequantize(weights["output_norm.weight"]))
         self.output = self.token_embd if c.tie_word_embeddings else weights["output.weight"]
-        self.nextn_layers, self.nextn_tensors = [], []
+        self.nextn_layers, self.nextn_tensors = _nextn(weights, self.spec)  # an MTP drafter's (on the host)
+        self.host = host
         self.ranges = ranges
         self.time_stages = time_stages
         if host is not None and not trim:  # first: the host's weight copies are what the devices upload from
@@ -243,7 +244,10 @@ class StagedModel:
         return logits
 
     def head(self, be, x, batch):
-        """Logits [len(batch.logit_rows), V] of the last stage's x [T, H] (on be, the last stage's backend)."""
+        """Logits [len(batch.logit_rows), V] of the last stage's x [T, H] (on be, the last stage's backend); the
+        chunks that ask for them get x's rows in batch.hidden (Model.forward's)."""
+        if len(batch.hidden_rows):
+            batch.hidden = be.to_host(be.take_rows(x, batch.hidden_rows))  # [T_hidden, H]
         if len(batch.logit_rows) == 0:
             return np.empty((0, self.config.vocab_size), dtype=np.float32)
         x = be.take_rows(x, batch.logit_rows)  # [T_out, H]

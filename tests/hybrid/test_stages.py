@@ -121,6 +121,25 @@ def test_glm4moe_over_stages(glm_files, small, cut):
     np.testing.assert_allclose(score(StagedModel(weights, backends, ranges, host)), one, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("groups", [pytest.param(1, marks=pytest.mark.slow), "auto"])
+def test_mtp_drafts_over_stages(glm_files, small, groups):
+    """glm4moe's NextN layer drafts on the host from the last stage's hidden rows (pipelined groups: each group's):
+    greedy equals plain greedy."""
+    from hybrid.speculative import SpecSettings
+
+    weights = load_model(glm_files("F32")[0])
+    c, host = weights.config, small[1]
+    ranges = check_cuts((1,), c.num_layers, 2)
+    backends = [stand_in(stage_resident(r, c.num_layers, c.num_experts, mask(c, 0.5)), index=s)
+                for s, r in enumerate(ranges)]
+    model = StagedModel(weights, backends, ranges, host, batch_groups=groups)
+    plain, _ = serve_ids(model, weights.tokenizer, PROMPTS, 4, None, max_tokens=12)
+    drafted, stats = serve_ids(model, weights.tokenizer, PROMPTS, 4, SpecSettings(k=4, ngram=3, min_p=0.0, mtp=True),
+                               max_tokens=12)
+    model.close()
+    assert drafted == plain and stats.draft_n > 0
+
+
 def test_without_peer_access_through_host_memory(small, monkeypatch):
     weights, host, one = small
     monkeypatch.setattr(NumpyRuntime, "can_access_peer", lambda self, other: False)
