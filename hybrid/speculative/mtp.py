@@ -100,7 +100,9 @@ def _confidence(logits, token):
 class MtpDrafter:
     """One request's MTP drafts. extend(token_ids): the request's verified tokens (prompt, then output);
     add_hidden(start, rows): the main stack's hidden rows [n, H] of positions [start, start + n);
-    draft(k, min_p): up to k greedy drafts while the product of their probabilities stays >= min_p."""
+    draft(k, min_p): up to k greedy drafts while the product of their probabilities stays >= min_p.
+    The layer reads each position as soon as its hidden row and next token are both known (a prompt's chunk by
+    chunk), so the rows kept are the few still waiting for their next token."""
 
     needs_hidden = True
 
@@ -108,36 +110,52 @@ class MtpDrafter:
         self.head = head
         self.kv = head.new_sequence(max_tokens)
         self.tokens = []
-        self.rows = np.empty((0, head.hidden_size), dtype=np.float32)  # [cap, H] hidden rows from `offset` on
         self.offset = None  # the first position with a hidden row: the layer's position 0
-        self.num_rows = 0  # rows known: positions [offset, offset + num_rows)
         self.done = 0  # the layer's KV holds positions [offset, offset + done)
+        self.rows = np.empty((0, head.hidden_size), dtype=np.float32)  # [cap, H]: rows of positions offset + done ..
+        self.num_rows = 0  # ... offset + done + num_rows - 1
+        self.newest = None  # (position, logits [V], chained hidden [1, H]) of the newest position read
 
     def extend(self, token_ids):
         self.tokens.extend(int(t) for t in token_ids)
 
     def add_hidden(self, start, rows):
-        if self.offset is None or start > self.offset + self.num_rows:  # first rows, or a gap: start over there
-            self.offset, self.num_rows, self.done = start, 0, 0
+        first = None if self.offset is None else self.offset + self.done  # the position of self.rows[0]
+        if first is None or start > first + self.num_rows:  # first rows, or a gap: start over there
+            self.offset, self.done, self.num_rows, first = start, 0, 0, start
             self.kv.truncate(0)
-        if start < self.offset:
-            rows, start = rows[self.offset - start:], self.offset
-        end = start - self.offset + len(rows)
+        if start < first:  # positions the layer has read
+            rows, start = rows[first - start:], first
+        end = start - first + len(rows)
         if end > len(self.rows):
             grown = np.empty((max(end, 2 * len(self.rows)), self.rows.shape[1]), dtype=np.float32)
             grown[:self.num_rows] = self.rows[:self.num_rows]
             self.rows = grown
-        self.rows[start - self.offset:end] = rows
+        self.rows[start - first:end] = rows
         self.num_rows = end
+        self._read(len(self.tokens) - 2)
+
+    def _read(self, last):
+        """Positions offset + done .. last (at most those with rows) through the layer; their rows go."""
+        first = self.offset + self.done
+        last = min(last, first + self.num_rows - 1)
+        if last < first:
+            return
+        n = last + 1 - first
+        logits, g = self.head.run(self.kv, self.done, self.tokens[first + 1:last + 2], self.rows[:n])
+        self.newest = (last, logits, g)
+        self.rows[:self.num_rows - n] = self.rows[n:self.num_rows].copy()
+        self.num_rows -= n
+        self.done += n
 
     def draft(self, k, min_p=0.0):
         last = len(self.tokens) - 2  # the newest position whose hidden row and next token are both verified
-        if k <= 0 or self.offset is None or not self.offset + self.done <= last < self.offset + self.num_rows:
+        if k <= 0 or self.offset is None:
             return []
-        first = self.offset + self.done
-        logits, g = self.head.run(self.kv, self.done, self.tokens[first + 1:last + 2],
-                                  self.rows[self.done:last + 1 - self.offset])
-        self.done = last + 1 - self.offset
+        self._read(last)
+        if self.newest is None or self.newest[0] != last:
+            return []
+        _, logits, g = self.newest
         out, confidence = [], 1.0
         while True:
             token = int(np.argmax(logits))
