@@ -119,8 +119,8 @@ def rope_table(config):
 
 
 def _nextn(weights, spec):
-    """The NextN (MTP) layers after the decoder layers, loaded and kept for a drafter, not run: ([LayerWeights] of
-    their decoder layer, [{suffix after "nextn.": QuantTensor}] of their own tensors: eh_proj, enorm, hnorm, ...)."""
+    """The NextN (MTP) layers after the decoder layers, kept for the MTP drafter (speculative/mtp.py): ([LayerWeights]
+    of their decoder layer, [{suffix after "nextn.": QuantTensor}] of their own tensors: eh_proj, enorm, hnorm, ...)."""
     c = weights.config
     indices = range(c.num_layers, c.num_layers + c.num_nextn_layers)
     own = [{name.split(".nextn.", 1)[1]: t for name, t in weights.tensors.items() if name.startswith(f"blk.{i}.nextn.")}

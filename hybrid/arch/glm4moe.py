@@ -1,7 +1,7 @@
 """GLM-4.5 / 4.6 / 4.7 (GGUF `glm4moe`, HF `glm4_moe`): GQA with q/k/v biases, optional per-head q/k RMSNorm,
 partial NeoX RoPE; `first_k_dense_replace` leading dense layers, then MoE layers with a sigmoid router (choice
 bias `e_score_correction_bias`, group-limited top-k, routed scaling) and a shared expert; NextN (MTP) layers
-after the decoder layers, loaded and kept (hybrid/model.py Model.nextn_layers), not run.
+after the decoder layers (hybrid/model.py Model.nextn_layers), run by the MTP drafter (hybrid/speculative/mtp.py).
 
 GGUF names and keys are those llama.cpp's converter writes (gguf-py's MODEL_TENSORS[GLM4_MOE], Keys.LLM): its
 block_count counts the NextN layers too (also in a file whose checkpoint had no NextN weights: then it has

@@ -2,7 +2,7 @@
 layers Gated DeltaNet linear attention with a fixed-size recurrent state, every full_attention_interval-th layer
 gated full attention (output gate from the doubled q projection, q/k RMSNorm, partial NeoX RoPE); every layer a
 MoE (softmax top-k) with a shared expert scaled by a sigmoid gate. Their MTP layers are read where a file has
-them (nextn tensors, hybrid/model.py Model.nextn_layers), not run.
+them (nextn tensors, hybrid/model.py Model.nextn_layers), run by the MTP drafter (speculative/mtp.py).
 
 GGUF names and keys are those llama.cpp's converter writes (gguf-py's MODEL_TENSORS[QWEN3NEXT] / [QWEN35MOE]):
 the FFN norm is `post_attention_norm`; RMSNorm weights are stored as 1 + w (the HF models scale by 1 + w), the
