@@ -35,26 +35,31 @@ DRAFTS = ((True, 1, 0.0), (True, 4, 0.0), (True, 4, 0.5), (False, 4, 0.0), (Fals
 
 
 class DraftTimer:
-    """Seconds spent in MtpDrafter.draft and the tokens it drafted (wrapped while the bench runs)."""
+    """Seconds spent in the MTP drafter (MtpDrafter.draft and add_hidden, where it reads positions through its
+    layer) and the tokens it drafted (wrapped while the bench runs)."""
 
     def __init__(self):
-        self.seconds, self.tokens, self._draft = 0.0, 0, MtpDrafter.draft
+        self.seconds, self.tokens = 0.0, 0
+        self._methods = {"draft": MtpDrafter.draft, "add_hidden": MtpDrafter.add_hidden}
 
     def __enter__(self):
-        timer = self
-
-        def timed(drafter, k, min_p=0.0):
-            t0 = time.perf_counter()
-            out = timer._draft(drafter, k, min_p)
-            timer.seconds += time.perf_counter() - t0
-            timer.tokens += len(out)
-            return out
-
-        MtpDrafter.draft = timed
+        for name, method in self._methods.items():
+            setattr(MtpDrafter, name, self._timed(method, name == "draft"))
         return self
 
+    def _timed(self, method, counts):
+        def timed(drafter, *args):
+            t0 = time.perf_counter()
+            out = method(drafter, *args)
+            self.seconds += time.perf_counter() - t0
+            self.tokens += len(out) if counts else 0
+            return out
+
+        return timed
+
     def __exit__(self, *exc):
-        MtpDrafter.draft = self._draft
+        for name, method in self._methods.items():
+            setattr(MtpDrafter, name, method)
 
 
 def serve(llm, prompts, slots, speculation, decode):
@@ -121,11 +126,10 @@ def main(argv=None):
     if args.out:
         lengths = [len(x) for x in sets["edit"]]
         about = textwrap.fill(
-            f"The NextN layer: bench/train_mtp.py on the model's training files only (the main model frozen). "
             f"{args.prompts} prompts a set (edit prompts {min(lengths)}-{max(lengths)} tokens); greedy, "
             f"{args.decode} tokens; CPU, threads {args.threads or 'all'}; every step timed alike, so each slot "
-            f"drafts K whenever the drafter's confidence stays >= min_p (0 where not said; the policy's choice left "
-            f"out). MTP ms per draft: the drafter's own time (its layer op by op on the CPU, a prompt's first read "
+            f"drafts K whenever the drafter's confidence stays >= min_p (0 where not said; the policy's choice mostly "
+            f"left out: its step-time estimates still vary a little). MTP ms per draft: the drafter's own time (its layer op by op on the CPU, the prompts' reads "
             f"through the layer included) per drafted token.", 116, break_on_hyphens=False)
         write_section(args.out, f"{SECTION} drafts on tiny-code-moe with a trained NextN layer\n\n"
                                 f"    python bench/mtp.py {' '.join(argv or sys.argv[1:])}\n\n{about}\n\n{text}\n")
