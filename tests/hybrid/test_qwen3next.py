@@ -45,24 +45,6 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-def score_in_chunks(llm, ids, chunk):
-    """Logits at every position, the prompt read `chunk` tokens a forward step."""
-    kv = llm.model.new_sequence(llm.max_context)
-    rows = []
-    for lo in range(0, len(ids), chunk):
-        part = np.asarray(ids[lo:lo + chunk], dtype=np.int64)
-        rows.append(llm.model.forward(Batch([SeqChunk(kv, kv.length, part, "all")])))
-    return np.concatenate(rows)
-
-
-@pytest.mark.parametrize("target,tol", [("F32", 1e-4), pytest.param("Q8_0", 2e-3, marks=pytest.mark.slow)])
-def test_logits_match_transformers(qwen3next_files, target, tol):
-    path, ref_model = qwen3next_files(target)
-    llm = hybrid.LLM(path, device="cpu")
-    assert llm.config.arch == "qwen3next" and llm.model.recurrent_shape.layers == (0, 1, 2)
-    assert rel_err(llm.score(PROMPT_40), hf_logits(ref_model, PROMPT_40)) <= tol
-
-
 @pytest.fixture(scope="module")
 def reference_logits(qwen3next_files):
     """(target, prompt length) -> transformers' logits of PROMPTS[length] on that file's weights, made once."""
@@ -74,6 +56,23 @@ def reference_logits(qwen3next_files):
         return cache[target, length]
 
     return get
+
+
+def score_in_chunks(llm, ids, chunk):
+    """Logits at every position, the prompt read `chunk` tokens a forward step."""
+    kv = llm.model.new_sequence(llm.max_context)
+    rows = []
+    for lo in range(0, len(ids), chunk):
+        part = np.asarray(ids[lo:lo + chunk], dtype=np.int64)
+        rows.append(llm.model.forward(Batch([SeqChunk(kv, kv.length, part, "all")])))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("target,tol", [("F32", 1e-4), pytest.param("Q8_0", 2e-3, marks=pytest.mark.slow)])
+def test_logits_match_transformers(qwen3next_files, reference_logits, target, tol):
+    llm = hybrid.LLM(qwen3next_files(target)[0], device="cpu")
+    assert llm.config.arch == "qwen3next" and llm.model.recurrent_shape.layers == (0, 1, 2)
+    assert rel_err(llm.score(PROMPT_40), reference_logits(target, 40)) <= tol
 
 
 def chunk_cases():
