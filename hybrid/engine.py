@@ -241,6 +241,7 @@ class Engine:
         return out
 
     def _needs_hidden(self, chunk):
+        """Whether the chunk's request drafts from hidden rows (an MTP drafter)."""
         live = self._live.get(chunk.slot.request.request_id)
         return live is not None and live.spec is not None and live.spec.needs_hidden
 
