@@ -80,12 +80,13 @@ def config_from_hf(cfg, source):
 
 
 def nextn_tensors(config):
-    """{name: shape} of the NextN layers' tensors: a decoder layer and eh_proj [H, 2H], enorm, hnorm, shared_head_norm."""
+    """{name: shape} of the NextN layers' tensors: a decoder layer, eh_proj [H, 2H], enorm, hnorm, shared_head_norm."""
     c, shapes = config, {}
     for layer in range(c.num_layers, c.num_layers + c.num_nextn_layers):
         shapes.update((f"blk.{layer}.{t.gguf}", tuple(t.shape(c))) for t in SPEC.layer_tensors(c, layer))
         shapes[f"blk.{layer}.nextn.eh_proj.weight"] = (c.hidden_size, 2 * c.hidden_size)
-        shapes.update((f"blk.{layer}.nextn.{n}.weight", (c.hidden_size,)) for n in ("enorm", "hnorm", "shared_head_norm"))
+        shapes.update((f"blk.{layer}.nextn.{n}.weight", (c.hidden_size,))
+                      for n in ("enorm", "hnorm", "shared_head_norm"))
     return shapes
 
 
