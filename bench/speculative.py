@@ -279,7 +279,8 @@ def main(argv=None):
         write_keeping_sections(args.out, (
             f"# Speculative decoding (n-gram drafts) on {os.path.basename(os.path.normpath(args.model))}\n\n"
             f"    python bench/speculative.py {' '.join(argv or sys.argv[1:])}\n\n"
-            f"{len(sets['edit'])} held-out files; edit prompts {min(lengths)}-{max(lengths)} tokens; "
+            f"{len(sets['edit'])} prompts a set (edit-train: training files; the others: held-out files); edit prompts "
+            f"{min(lengths)}-{max(lengths)} tokens; "
             f"greedy, {args.decode} tokens; device {args.device}, threads {args.threads or 'all'}; "
             f"load average at the end {os.getloadavg()[0]:.1f}.\n\n{text}\n"))
     return 0
