@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels.formats import format_for
-from gpu_kernels.kernels import MAX_SPLITS
+from gpu_kernels.kernels import MAX_SPLITS, PD_MAX_ROWS
 from gpu_kernels.numpy_runtime import NumpyRuntime, queue_or_run
 from hybrid import kv_store
 from tests import delta_net_reference
@@ -85,7 +85,7 @@ class ReferenceKernels:
     call is recorded for the graph's launches instead of run (gpu_kernels.numpy_runtime.queue_or_run)."""
 
     act_quant = "float"  # x as it comes (Kernels.act_quant)
-    warp, max_splits = 32, MAX_SPLITS  # Kernels' attention planning
+    warp, max_splits, attention_rows = 32, MAX_SPLITS, PD_MAX_ROWS  # Kernels' attention planning
 
     def __getattribute__(self, name):
         attr = object.__getattribute__(self, name)
