@@ -354,7 +354,7 @@ def make_full_attention(backend, layer, block):
     kernels, raws, serial, names = _linear_kernels(backend, (("Q", layer.attn_q), ("K", layer.attn_k),
                                                              ("V", layer.attn_v), ("O", layer.attn_output)))
     flags = dict(QK_NORM=part.qk_norm, QKV_BIAS=part.qkv_bias, O_BIAS=part.o_bias, SINKS=part.sinks)
-    name = "_".join(names + [key.lower() for key, on in flags.items() if on] or ["plain"])
+    name = "_".join(names + ([key.lower() for key, on in flags.items() if on] or ["plain"]))
     fn = instance(full_attention_template, name, **flags, **kernels)
     q_norm, k_norm = (layer.attn_q_norm, layer.attn_k_norm) if part.qk_norm else (NO_NORM, NO_NORM)
     biases = tuple(getattr(layer, f) if on else NO_NORM for f, on in (
