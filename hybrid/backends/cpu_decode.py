@@ -34,7 +34,7 @@ import cpu_kernels
 from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing
 from cpu_kernels.twins import renamed_copy
 
-from ..arch.recipe import FullAttention, MoE, SoftmaxTopK, SwiGLU
+from ..arch.recipe import FullAttention, GatedAttention, MoE, SoftmaxTopK, SwiGLU
 
 # The op-by-op path's thresholds, the same choices here.
 from .cpu_thresholds import (SERIAL_MAX_ATTENTION, SERIAL_MAX_ELEMENTS, SERIAL_MAX_WEIGHT_BYTES, TINY_MAX_ATTENTION,
@@ -143,7 +143,8 @@ def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index
     """x += o_proj(attention(rope(norm_heads(q, k)), v)) of rmsnorm(x); serial[i]: whether the q, k, v and o
     weights are small enough for their serial kernels on one thread. The FullAttention variants: biases on q, k, v
     (QKV_BIAS) and o (O_BIAS), RoPE over the first 2 * len(inv_freq) dims with cos / sin times rope_scale, the
-    last `window` positions only (> 0), each head's sink logit in the softmax (SINKS)."""
+    last `window` positions only (> 0), each head's sink logit in the softmax (SINKS); GATED (GatedAttention): the q
+    projection gives each head's query then its output gate, and the attention's output is times sigmoid(gate)."""
     (norm, q_norm, k_norm, eps, inv_freq, rope_scale, scale, num_heads, num_kv_heads, head_dim, q_raws, k_raws,
      v_raws, o_raws, serial, biases, window, sinks) = args
     num_tokens, hidden = x.shape
@@ -153,7 +154,7 @@ def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index
     row_starts = np.array([0, num_tokens], dtype=np.int64)  # [2]: all tokens in one group
     no_lse = np.empty((0, 0), dtype=np.float32)
     _rmsnorm(x, norm, eps, h, one_thread)
-    q = np.empty((num_tokens, num_heads * head_dim), dtype=np.float32)  # [T, Hq*D]
+    q = np.empty((num_tokens, num_heads * head_dim * (2 if GATED else 1)), dtype=np.float32)  # noqa: F821 [T, Hq*D(*2)]
     k = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
     v = np.empty((num_tokens, num_kv_heads * head_dim), dtype=np.float32)  # [T, Hkv*D]
     if one_token_serial and serial[0]:
@@ -172,6 +173,11 @@ def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index
         _add_bias(q, biases[0])
         _add_bias(k, biases[1])
         _add_bias(v, biases[2])
+    gate = np.empty((0, 0, 0), dtype=np.float32)
+    if GATED:  # noqa: F821
+        pairs = q.reshape(num_tokens, num_heads, 2, head_dim)  # per head: its query, then its gate
+        gate = np.ascontiguousarray(pairs[:, :, 1])  # [T, Hq, D]
+        q = np.ascontiguousarray(pairs[:, :, 0]).reshape(num_tokens, num_heads * head_dim)
     q3 = q.reshape(num_tokens, num_heads, head_dim)  # [T, Hq, D]
     k3 = k.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
     v3 = v.reshape(num_tokens, num_kv_heads, head_dim)  # [T, Hkv, D]
@@ -198,6 +204,11 @@ def full_attention_template(x, h, positions, tables, k_pool, v_pool, layer_index
                                 lse, attention.NO_SCALES, attention.NO_SCALES, window)
         if SINKS:  # noqa: F821
             attention.apply_sinks(att[t:t + 1], lse, sinks)
+    if GATED:  # noqa: F821
+        for t in range(num_tokens):
+            for head in range(num_heads):
+                for d in range(head_dim):
+                    att[t, head, d] *= np.float32(1.0) / (np.float32(1.0) + np.exp(-gate[t, head, d]))
     o = np.empty((num_tokens, hidden), dtype=np.float32)  # [T, H]
     att2 = att.reshape(num_tokens, num_heads * head_dim)
     if one_token_serial and serial[3]:
@@ -350,10 +361,18 @@ def _linear_kernels(backend, keyed_weights):
 
 
 def make_full_attention(backend, layer, block):
-    part = block.part
+    return _attention(backend, layer, block, block.part, gated=False)
+
+
+def make_gated_attention(backend, layer, block):
+    """GatedAttention: full_attention_template with q/k norm, no biases, sinks or window, and its output gate."""
+    return _attention(backend, layer, block, FullAttention(qk_norm=True), gated=True)
+
+
+def _attention(backend, layer, block, part, gated):
     kernels, raws, serial, names = _linear_kernels(backend, (("Q", layer.attn_q), ("K", layer.attn_k),
                                                              ("V", layer.attn_v), ("O", layer.attn_output)))
-    flags = dict(QK_NORM=part.qk_norm, QKV_BIAS=part.qkv_bias, O_BIAS=part.o_bias, SINKS=part.sinks)
+    flags = dict(QK_NORM=part.qk_norm, QKV_BIAS=part.qkv_bias, O_BIAS=part.o_bias, SINKS=part.sinks, GATED=gated)
     name = "_".join(names + ([key.lower() for key, on in flags.items() if on] or ["plain"]))
     fn = instance(full_attention_template, name, **flags, **kernels)
     q_norm, k_norm = (layer.attn_q_norm, layer.attn_k_norm) if part.qk_norm else (NO_NORM, NO_NORM)
@@ -391,6 +410,7 @@ def make_swiglu(backend, layer, part):
 # feed-forward block's newer parts.
 COMPILED_PARTS = {
     FullAttention: Part(takes=lambda part: part.rope in ("neox", "yarn"), make=make_full_attention),
+    GatedAttention: Part(takes=lambda part: True, make=make_gated_attention),
     MoE: Part(takes=lambda part: True, make=make_moe),  # its router, experts and shared expert are parts too
     SoftmaxTopK: Part(takes=lambda part: True, make=lambda backend, layer, part: (softmax_topk_route, (), "softmax")),
     SwiGLU: Part(takes=lambda part: True, make=make_swiglu),

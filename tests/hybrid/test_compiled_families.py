@@ -1,7 +1,7 @@
 """The compiled CPU decode layers (hybrid/backends/cpu_layer.py, cpu_decode*.py) on the newer families' parts against
 the op-by-op path: glm4moe (dense leading layers, shared expert, sigmoid router, qkv bias, partial RoPE), gpt-oss
-(sinks, sliding window, YaRN, biases, clamped SwiGLU, top-k-then-softmax router), qwen3next (gated shared expert; its
-linear and gated attention blocks run op by op inside the compiled runner). Decode steps of two sequences, and one
+(sinks, sliding window, YaRN, biases, clamped SwiGLU, top-k-then-softmax router), qwen3next (gated attention, gated
+shared expert; its Gated DeltaNet blocks run op by op inside the compiled runner). Decode steps of two sequences, and one
 sequence's several tokens as one-token chunks (a verification step of a sequence without recurrent state, crossing
 gpt-oss's window); one thread and all
 threads (the fused layers where the recipe has them)."""
@@ -95,8 +95,8 @@ def test_compiled_decode_matches_op_by_op(family_model, family):
 
 
 def test_which_blocks_compile():
-    """glm4moe's dense and MoE layers and gpt-oss's sliding and full ones compile whole; qwen3next's mixers (Gated
-    DeltaNet, gated attention) run op by op beside its compiled MoE blocks."""
+    """glm4moe's dense and MoE layers, gpt-oss's sliding and full ones and qwen3next's gated-attention ones compile
+    whole; qwen3next's Gated DeltaNet mixers run op by op beside their compiled MoE blocks."""
     from hybrid.arch import ARCHS
     from hybrid.backends.cpu_layer import LayerKind
     from hybrid.formats.weights import ModelConfig
@@ -110,6 +110,6 @@ def test_which_blocks_compile():
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                       linear_conv_kernel=4, **base)
     for config, expected in ((glm, [(True, True)] * 4), (oss, [(True, True)] * 4),
-                             (nxt, [(False, True)] * 4)):
+                             (nxt, [(False, True)] * 3 + [(True, True)])):
         kinds = [LayerKind(ARCHS[config.arch].layer_recipe(config, i)) for i in range(4)]
         assert [kind.compiled for kind in kinds] == expected and not any(kind.fuses for kind in kinds)
