@@ -30,14 +30,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.conversation_cache import ask  # noqa: E402
 from hybrid import blocks  # noqa: E402
 from hybrid.batch import Batch, SeqChunk  # noqa: E402
 from hybrid.conversation_cache import ConversationCache, model_fingerprint  # noqa: E402
 from hybrid.engine import Engine  # noqa: E402
 from hybrid.llm import LLM  # noqa: E402
 from hybrid.recurrent_state import Checkpoint  # noqa: E402
-from hybrid.request import Request  # noqa: E402
-from hybrid.sampling import SamplingParams  # noqa: E402
 
 GIB = 1 << 30
 
@@ -120,27 +119,15 @@ def projection_cost(llm, repeats, rng):
     return {("float" if exact else "int16"): (min(ms), float(np.median(ms))) for exact, ms in rounds.items()}
 
 
-def ask(engine, ids, max_tokens=4):
-    """Submit greedily; returns (result, seconds to the first token)."""
-    sent = time.perf_counter()
-    handle = engine.submit(Request(list(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                             ignore_eos=True)))
-    first = None
-    for event in handle:
-        if first is None:
-            first = time.perf_counter() - sent
-    return event, first
-
-
 def returning_conversation(llm, args, rng):
     """{read_s, restore_ttft_s, cache_n, state_bytes}: a history read and answered, then returning with a turn."""
     cache = ConversationCache(4 * GIB, model_fingerprint(llm.weights), checkpoint_tokens=args.checkpoint_tokens)
     engine = Engine(llm, num_slots=1, conversation_cache=cache).start()
     try:
         history = rng.integers(3, llm.config.vocab_size, args.history_tokens).tolist()
-        first, read_s = ask(engine, history)
+        first, read_s = ask(engine, history, max_tokens=4)
         turn = history + first.token_ids + rng.integers(3, llm.config.vocab_size, args.turn_tokens).tolist()
-        again, ttft = ask(engine, turn)
+        again, ttft = ask(engine, turn, max_tokens=4)
         return {"read_s": read_s, "restore_ttft_s": ttft, "cache_n": again.timings.get("cache_n", 0),
                 "state_bytes": cache.state_bytes, "parked_bytes": cache.bytes_used, "turn": len(turn)}
     finally:

@@ -20,24 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.gpu_model import first_experts, prompt  # noqa: E402
 from hybrid import LLM  # noqa: E402
 from hybrid.formats import load_model  # noqa: E402
 
 log = logging.getLogger("bench.stages")
 MIB = 1 << 20
-
-
-def first_experts(config, share):
-    mask = np.zeros((config.num_layers, config.num_experts), bool)  # [L, E]
-    mask[:, : round(share / 100 * config.num_experts)] = True
-    return mask
-
-
-def prompt(llm, num_tokens, seed):
-    return np.random.default_rng(seed).integers(10, llm.config.vocab_size, num_tokens).tolist()
 
 
 def rates(llm, decode_tokens, prompt_tokens):
