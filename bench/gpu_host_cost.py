@@ -41,6 +41,7 @@ class LaunchCounter(NumpyRuntime):
     kernels = 0  # kernels run: those launched one by one, and each replayed graph's
 
     def __init__(self):
+        super().__init__()
         self.modules = {}
 
     def empty(self, shape, dtype):

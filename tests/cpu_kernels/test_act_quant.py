@@ -9,7 +9,7 @@ import pytest
 import hybrid
 from cpu_kernels import act_quant as aq
 from cpu_kernels import q4_k, q5_k, q6_k, q8_0
-from cpu_kernels.tiles import work_items
+from cpu_kernels.tiles import DECODE_MAX_TOKENS, work_items
 from hybrid.batch import Batch, SeqChunk
 
 PROMPT_IDS = [5, 17, 300, 42, 7, 99, 123, 64, 8, 250, 11, 3, 77, 500, 21, 9]
@@ -91,8 +91,9 @@ def test_each_mode_quantizes_only_its_own_rows():
     x = np.ones((2, 64), np.float32)
     assert aq.quantize_rows(x, decode_items(2), aq.INT8)[0].shape == (0, 64)
     assert aq.quantize_rows_i8(x, decode_items(2), aq.INT16, False)[0].shape == (0, 64)
-    prefill = work_items(np.zeros(1, np.int64), np.array([0, 2]), 1, 16)  # one 2-token group
-    assert aq.quantize_rows_i8(x, prefill, aq.INT8, False)[0].shape == (0, 64)
+    tokens = DECODE_MAX_TOKENS + 1  # a group this long takes prefill tiles (shorter ones: one-token items)
+    prefill = work_items(np.zeros(1, np.int64), np.array([0, tokens]), 1, 16)
+    assert aq.quantize_rows_i8(np.ones((tokens, 64), np.float32), prefill, aq.INT8, False)[0].shape == (0, 64)
 
 
 def representable(rng, shape):
@@ -153,12 +154,15 @@ def decode_logits(llm, ids):
                                          pytest.param("kquant", "Q6_K", marks=pytest.mark.slow)])
 def test_int16_decode_matches_transformers(gguf_models, reference_logits, size, target):
     """Decode logits with int16 activations stay within the quantized-file tolerance of transformers, and
-    within a quarter of it of the float path's (measured: 7e-5 Q8_0, 1.1e-4 Q4_K_M, 1.8e-4 Q6_K)."""
+    within a quarter of it of the float path's (measured: 7e-5 Q8_0, 1.1e-4 Q4_K_M, 1.8e-4 Q6_K). Op by op: the
+    compiled layers give the same logits bit for bit (tests/hybrid/test_compiled_decode.py), and their instances
+    for float x would be compiled for this test alone."""
     path, ref_dir = gguf_models(size, target)
     ref = reference_logits(ref_dir, PROMPT_IDS)
     logits = {}
     for mode in ("float", "int16"):
-        logits[mode] = decode_logits(hybrid.LLM(path, device="cpu", act_quant=mode), PROMPT_IDS)
+        llm = hybrid.LLM(path, device="cpu", act_quant=mode, compiled_decode=False)
+        logits[mode] = decode_logits(llm, PROMPT_IDS)
     scale = np.abs(ref).max()
     assert np.abs(logits["int16"] - ref).max() / scale <= DECODE_TOL
     assert np.abs(logits["int16"] - logits["float"]).max() / scale <= DECODE_TOL / 4
