@@ -80,8 +80,9 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
     }
 }
 
-// The same slice dotted with int16 activations (XQ, the `_1q` kernels): per grid row, the dp4a of its values with
-// x's bytes, less twice that of its negative values (a byte mask from the 4 sign bits), exact in int32.
+// The same slice dotted with int16 activations (XQ, the `_1q` kernels): per grid row, its 4 values signed in place
+// (a byte mask m from the 4 sign bits; (v ^ m) + (m & 1) negates the masked bytes, and as every grid value is 1..15
+// no byte carries into the next) and dotted with x's two bytes by two dp4a, exact in int32.
 #define INT_DECODE 1
 __device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
 
@@ -96,10 +97,11 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
 #pragma unroll
         for (int g = 0; g < 8; ++g) {
             int v = (int)iq3s_row(sl[r].qs, (sl[r].tail >> 16) & 0xffu, g);
-            int neg = v & (int)sign_bytes((sl[r].signs >> (4 * g)) & 15u);
+            u32 m = sign_bytes((sl[r].signs >> (4 * g)) & 15u);
+            int w = (int)(((u32)v ^ m) + (m & 0x01010101u));
             int xh = (int)(g < 4 ? WORD(h0, g) : WORD(h1, g - 4)), xl = (int)(g < 4 ? WORD(l0, g) : WORD(l1, g - 4));
-            a = dp4a(v, xh, a) - 2 * dp4a(neg, xh, 0);
-            b = dp4a(v, xl, b) - 2 * dp4a(neg, xl, 0);
+            a = dp4a(w, xh, a);
+            b = dp4a(w, xl, b);
         }
         float db = iq3s_db((u16)(sl[r].tail & 0xffffu), sl[r].tail >> 24, s & 7);
         acc[r][0] = fmaf(db * xq.scale[s], (float)(256 * a + b), acc[r][0]);
