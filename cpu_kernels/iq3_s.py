@@ -14,11 +14,12 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from numba import njit
 
-from . import iq_blocks, iq_grids, simd
+from . import iq3_s_vbmi, iq_blocks, iq_grids, simd
 from .half import read_half
 from .iq_blocks import at, grid_rows, int_splat, odd, with_signs
 from .kquant import QK_K
 from .simd import I8, I32
+from .target import has_byte_permutes
 from .tiles import format_api
 
 QTYPE = GGMLQuantizationType.IQ3_S
@@ -70,7 +71,7 @@ def _int_scales(builder, q, o):
 
 
 _kernels = iq_blocks.instance("iq3_s", BLOCK_BYTES, _unpack_row, _runs, _int_scales, iq_blocks.half_base(1.0),
-                              15 * 31)
+                              15 * 31, iq3_s_vbmi.block_i16 if has_byte_permutes() else None)
 _rows_dot, _rows_dot_i16 = _kernels.rows_dot, _kernels.rows_dot_i16
 _prepare, _run_item, _moe_matmul = _kernels.prepare, _kernels.run_item, _kernels.moe_matmul
 _X_LEVELS = iq_blocks.x_levels(15 * 31)

@@ -47,22 +47,23 @@ NAMED_CPU_FEATURES = {
 
 
 @functools.cache
-def _target_features():
-    """The compile target's CPU features that kernels choose code by: {"avx512bw", ..., "f16c"} -> bool.
-
-    Read from what Numba will compile for (its CPU_NAME / CPU_FEATURES, however they were set), not from
-    the host: code for a feature the target lacks does not compile.
-    """
+def _enabled_features():
+    """The compile target's CPU features, read from what Numba will compile for (its CPU_NAME / CPU_FEATURES,
+    however they were set), not from the host: code for a feature the target lacks does not compile."""
     import llvmlite.binding as ll
     from numba.core import config
 
     name, features = config.CPU_NAME, config.CPU_FEATURES
     if features:  # an explicit "+avx2,-avx512bw,..." list
-        enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
-    elif name and name != "host":
-        enabled = NAMED_CPU_FEATURES.get(name.lower(), set())  # unknown names: the portable path
-    else:
-        enabled = {f for f, on in ll.get_host_cpu_features().items() if on}
+        return frozenset(f[1:] for f in features.split(",") if f.startswith("+"))
+    if name and name != "host":
+        return frozenset(NAMED_CPU_FEATURES.get(name.lower(), set()))  # unknown names: the portable path
+    return frozenset(f for f, on in ll.get_host_cpu_features().items() if on)
+
+
+def _target_features():
+    """The compile target's CPU features that kernels choose code by: {"avx512bw", ..., "f16c"} -> bool."""
+    enabled = _enabled_features()
     return {f: f in enabled for f in CHOSEN_FEATURES}
 
 
@@ -79,6 +80,12 @@ def vnni_width():
     if features["avx512vnni"] and features["avx512bw"]:
         return 64
     return 32 if features["avxvnni"] or (features["avx512vnni"] and features["avx512vl"]) else 0
+
+
+def has_byte_permutes():
+    """Whether the compile target has AVX-512 VBMI (vpermi2b: 64 byte lookups in a 128-byte table) and BITALG
+    (vpshufbitqmb: 64 bits picked from qwords into a mask)."""
+    return {"avx512bw", "avx512vbmi", "avx512bitalg"} <= _enabled_features()
 
 
 def has_f16c():
