@@ -70,11 +70,12 @@ def _digest(kernels):
 
 @functools.lru_cache(maxsize=None)
 def _kernel_sources_digest():
-    """cpu_kernels' sources and the decode templates' (a template calls helpers of another template file)."""
+    """cpu_kernels' sources and the decode templates' (a template calls helpers of another template file; the fused
+    layer's worker calls the feed-forward workers of cpu_decode_fused_ffn.py)."""
     root = os.path.dirname(os.path.abspath(cpu_kernels.__file__))
     here = os.path.dirname(os.path.abspath(__file__))
     files = [os.path.join(root, name) for name in sorted(os.listdir(root)) if name.endswith(".py")]
-    files += [os.path.join(here, name) for name in ("cpu_decode.py", "cpu_decode_ffn.py")]
+    files += [os.path.join(here, name) for name in ("cpu_decode.py", "cpu_decode_ffn.py", "cpu_decode_fused_ffn.py")]
     digest = hashlib.sha1()
     for path in files:
         with open(path, "rb") as f:

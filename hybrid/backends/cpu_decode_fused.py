@@ -18,15 +18,16 @@ part's with the mixer's output. Each op runs the same kernels on the same items 
 Shape legend: T tokens (one a sequence), H hidden, Hq / Hkv query / kv heads, G = Hq / Hkv, D head
 dim, E experts, K top-k, N pairs, F expert width, P key splits, W workers (the region's iterations).
 """
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 from numba import njit
 
-from cpu_kernels import activation, attention, moe_combine, rmsnorm, rope, routing, sync
+from cpu_kernels import attention, rmsnorm, rope, sync
 
-from ..arch.recipe import FullAttention, MoE, SoftmaxTopK, SwiGLU
+from ..arch.recipe import FullAttention
 from .cpu_decode import NO_NORM, instance
 from .cpu_fused_region import region_template
 
@@ -64,16 +65,6 @@ def format_parts(backend, weight):
     return kernels.fmt._prepare, kernels.fmt._run_item, raws
 
 
-# -- the layer --------------------------------------------------------------------------------------------
-
-@njit(nogil=True)
-def _rows_of_pairs(order, rows):
-    """rows [T*K]: the row of each flat pair in `order`, -1 where it has none."""
-    rows[:] = -1
-    for r in range(order.size):
-        rows[order[r]] = r
-
-
 def new_work(layer, recipe, num_tokens, num_workers):
     """The arrays a fused layer call writes besides x (its `work`): (counters, one_expert, row_starts, the mixer
     part's arrays, the feed-forward part's), made once per batch size and thread count and kept
@@ -81,8 +72,8 @@ def new_work(layer, recipe, num_tokens, num_workers):
     tens of us of the call's serial prologue, cold allocator state each time."""
     return (sync.new_counters(NUM_STAGES, num_workers), np.zeros(1, dtype=np.int64),
             np.array([0, num_tokens], dtype=np.int64),
-            FUSED_MIXERS[type(recipe.mixer.part)].new_work(layer, num_tokens, num_workers),
-            FUSED_FFNS[type(recipe.ffn.part)].new_work(layer, num_tokens, num_workers))
+            FUSED_MIXERS[type(recipe.mixer.part)].new_work(layer, recipe.mixer.part, num_tokens, num_workers),
+            FUSED_FFNS[type(recipe.ffn.part)].new_work(layer, recipe.ffn.part, num_tokens, num_workers))
 
 
 def _f32(*shape):
@@ -93,40 +84,31 @@ def _i64(*shape):
     return np.empty(shape, dtype=np.int64)
 
 
-def new_attention_work(layer, num_tokens, num_workers):
+def new_attention_work(layer, part, num_tokens, num_workers):
     """The FullAttention part's arrays (see the legend; P = the most key splits attention.num_key_splits
     gives, W = num_workers)."""
     heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    hidden, group, splits = layer.gate_exps.shape[2], heads // kv_heads, max(1, attention.TARGET_ITEMS // kv_heads)
+    hidden, group, splits = layer.attn_output.shape[0], heads // kv_heads, max(1, attention.TARGET_ITEMS // kv_heads)
     return (_f32(num_tokens, heads * head_dim), _f32(num_tokens, kv_heads * head_dim),  # q, k
             _f32(num_tokens, kv_heads * head_dim),  # v
             _f32(num_tokens, kv_heads, splits, group, head_dim),  # acc
             np.empty((num_tokens, kv_heads, splits, group, 2), dtype=np.float64),  # stats
             _f32(num_tokens, hidden), _i64(num_tokens), _i64(num_tokens + 1),  # o, splits, split_starts
-            _f32(num_workers, num_tokens, hidden), _f32(num_workers, num_tokens, heads * head_dim))  # per worker: h, att
-
-
-def new_moe_work(layer, num_tokens, num_workers):
-    """The MoE part's arrays (see the legend)."""
-    hidden, width, num_experts = layer.gate_exps.shape[2], layer.gate_exps.shape[1], layer.gate_exps.shape[0]
-    top_k = layer.num_experts_per_tok
-    pairs = num_tokens * top_k
-    return (_f32(num_tokens, num_experts),  # router logits
-            _f32(pairs, width), _f32(pairs, width), _f32(pairs, hidden), _f32(num_tokens, hidden),  # gate, up, down, moe
-            # per worker
-            _f32(num_workers, num_tokens, hidden), _f32(num_workers, num_tokens, hidden),  # x2, h2
-            _i64(num_workers, num_tokens, top_k), _f32(num_workers, num_tokens, top_k),  # ids, weights
-            _f32(num_workers, pairs, hidden), _f32(num_workers, pairs, width), _i64(num_workers, pairs))  # xs, act, rows
+            # per worker: h (then o plus its bias), att, each head's log-sum-exp (sinks)
+            _f32(num_workers, num_tokens, hidden), _f32(num_workers, num_tokens, heads * head_dim),
+            _f32(num_workers, num_tokens, heads))
 
 
 @njit(nogil=True)
 def attention_prologue(positions, work, args):
-    """The FullAttention part's serial work before the region: each token's key splits."""
+    """The FullAttention part's serial work before the region: each token's key splits (over the window's keys
+    where the layer has one, as attention.attention splits them)."""
     splits, split_starts = work[6], work[7]
-    num_kv_heads = args[7]
+    num_kv_heads, window = args[7], args[14]
     num_tokens = positions.shape[0]
     for tt in range(num_tokens):
-        splits[tt] = attention.num_key_splits(num_kv_heads, positions[tt] + 1)
+        num_keys = positions[tt] + 1
+        splits[tt] = attention.num_key_splits(num_kv_heads, min(num_keys, window) if window > 0 else num_keys)
     split_starts[0] = 0
     for tt in range(num_tokens):
         split_starts[tt + 1] = split_starts[tt] + num_kv_heads * splits[tt]
@@ -134,24 +116,10 @@ def attention_prologue(positions, work, args):
 
 
 @njit(nogil=True)
-def moe_prologue(positions, work, args):
-    """The MoE part's serial work before the region: the mixture zeroed; returns the routing's array [T, K]."""
-    work[4][:] = 0.0
-    return np.empty((positions.shape[0], args[6]), dtype=np.int64)
-
-
-@njit(fastmath=True, nogil=True)
-def _weighted_columns(down, row_of_pair, weights, top_k, c0, c1, moe):
-    """moe[t, c0:c1] (zero) += each token's weighted pair rows of down, by slot, as scatter_add_weighted
-    sums them (the same fused multiply-adds in the same order)."""
-    for t in range(moe.shape[0]):
-        for j in range(top_k):
-            i = row_of_pair[t * top_k + j]
-            if i < 0:
-                continue
-            w = weights[t, j]
-            for c in range(c0, c1):
-                moe[t, c] += w * down[i, c]
+def _add_row(row, bias):
+    """row [R] += bias [R]."""
+    for r in range(row.shape[0]):
+        row[r] += bias[r]
 
 
 @njit(nogil=True)
@@ -165,10 +133,11 @@ def _add_columns(a, b, c0, c1, out):
 def attention_worker_template(w, num_workers, x, positions, tables, k_pool, v_pool, layer_index, act_quant, trace,
                               counters, first, one_expert, row_starts, work, args, t):
     """Worker w's share of the FullAttention part: its stages (from stage `first`), meeting the other workers
-    between them. Returns (ticks for the trace, the part's output o [T, H], which x does not include yet)."""
+    between them. Returns (ticks for the trace, the part's output o [T, H], which x does not include yet). The
+    FullAttention variants as cpu_decode.full_attention_template runs them: QKV_BIAS, O_BIAS, `window`, SINKS."""
     (attn_norm, q_norm, k_norm, eps, rope_freqs, scale, num_heads, num_kv_heads, head_dim, q_raws, k_raws, v_raws,
-     o_raws) = args
-    q, k, v, acc, stats, o, splits, split_starts, h_of, att_of = work
+     o_raws, biases, window, sinks) = args
+    q, k, v, acc, stats, o, splits, split_starts, h_of, att_of, lse_of = work
     num_tokens = x.shape[0]
     group = num_heads // num_kv_heads
     scale32 = np.float32(scale)
@@ -203,6 +172,10 @@ def attention_worker_template(w, num_workers, x, positions, tables, k_pool, v_po
     t = sync.mark(trace, w, 3 * (first + ROPE_KV), t)
     tok, tried = sync.take(counters, first + ROPE_KV, w, num_workers, num_tokens, 0)
     while tok < num_tokens:
+        if QKV_BIAS:  # noqa: F821
+            _add_row(q[tok], biases[0])
+            _add_row(k[tok], biases[1])
+            _add_row(v[tok], biases[2])
         if QK_NORM:  # noqa: F821
             q_rows, k_rows = q3[tok], k3[tok]  # [Hq, D], [Hkv, D]
             rmsnorm.rmsnorm_serial(q_rows, q_norm, eps, q_rows)
@@ -228,8 +201,9 @@ def attention_worker_template(w, num_workers, x, positions, tables, k_pool, v_po
             tok += 1
         num_splits, rank = splits[tok], i - split_starts[tok]
         kv, s = rank // num_splits, rank % num_splits
-        num_keys = positions[tok] + 1
-        j0, j1 = s * num_keys // num_splits, (s + 1) * num_keys // num_splits
+        lo = 0 if window <= 0 else max(0, positions[tok] + 1 - window)
+        num_keys = positions[tok] + 1 - lo
+        j0, j1 = lo + s * num_keys // num_splits, lo + (s + 1) * num_keys // num_splits
         if j1 > j0:
             attention._partial(q3, layer_k, layer_v, attention.NO_SCALES, attention.NO_SCALES, tables[tok], tok,
                                kv, j0, j1, scale32, acc[tok, kv, s], stats[tok, kv, s])
@@ -241,12 +215,14 @@ def attention_worker_template(w, num_workers, x, positions, tables, k_pool, v_po
     sync.finish(counters, first + ATTEND, num_workers, done, num_attend)
     t = sync.mark(trace, w, 3 * (first + ATTEND) + 2, t)
     # o: each thread merges the splits itself (a few us), then the rows are shared out
-    att = att_of[w]  # [T, Hq*D]
+    att, lse = att_of[w], lse_of[w]  # [T, Hq*D], [T, Hq]
     for tok in range(num_tokens):
         for head in range(num_heads):
-            attention._merge(acc[tok, head // group, :splits[tok], head % group],
-                             stats[tok, head // group, :splits[tok], head % group],
-                             att[tok, head * head_dim:(head + 1) * head_dim])
+            lse[tok, head] = attention._merge(acc[tok, head // group, :splits[tok], head % group],
+                                              stats[tok, head // group, :splits[tok], head % group],
+                                              att[tok, head * head_dim:(head + 1) * head_dim])
+    if SINKS:  # noqa: F821
+        attention.apply_sinks(att.reshape(num_tokens, num_heads, head_dim), lse, sinks)
     o_items, o_prep = O_PREP(o_raws, att, one_expert, row_starts, act_quant)  # noqa: F821
     done = 0
     t = sync.mark(trace, w, 3 * (first + OUT), t)
@@ -258,96 +234,12 @@ def attention_worker_template(w, num_workers, x, positions, tables, k_pool, v_po
     t = sync.mark(trace, w, 3 * (first + OUT) + 1, t)
     sync.finish(counters, first + OUT, num_workers, done, o_items.shape[0])
     t = sync.mark(trace, w, 3 * (first + OUT) + 2, t)
+    if O_BIAS:  # noqa: F821: o + its bias on each thread (h is free again)
+        for tok in range(num_tokens):
+            for c in range(o.shape[1]):
+                h[tok, c] = o[tok, c] + biases[3][c]
+        return t, h
     return t, o
-
-
-def moe_worker_template(w, num_workers, x, y, positions, tables, k_pool, v_pool, layer_index, act_quant, trace,
-                        counters, first, one_expert, row_starts, work, args, ids_out, t):
-    """Worker w's share of the MoE part, the layer's last: x2 = x + y (the mixer's output) and its norm stay on
-    each thread; its stages (from stage `first`) route, run the experts and write x = x2 + the mixture by column
-    ranges; ids_out [T, K] gets the routing."""
-    ffn_norm, eps, r_raws, g_raws, u_raws, d_raws, top_k, normalize = args
-    logits, gate, up, down, moe, x2_of, h2_of, ids_of, weights_of, xs_of, act_of, rows_of = work
-    num_tokens, hidden = x.shape
-    num_experts = r_raws[0].shape[1]
-    # router: x + o and its norm stay on each thread until the combine writes x
-    x2, h2 = x2_of[w], h2_of[w]  # [T, H] each
-    _add_columns(x, y, 0, hidden, x2)
-    rmsnorm.rmsnorm_serial(x2, ffn_norm, eps, h2)
-    r_items, r_prep = R_PREP(r_raws, h2, one_expert, row_starts, act_quant)  # noqa: F821
-    done = 0
-    t = sync.mark(trace, w, 3 * (first + ROUTER), t)
-    i, tried = sync.take(counters, first + ROUTER, w, num_workers, r_items.shape[0], 0)
-    while i < r_items.shape[0]:
-        R_ITEM(r_raws, h2, r_items, r_prep, (logits,), i, act_quant)  # noqa: F821
-        done = done + 1
-        i, tried = sync.take(counters, first + ROUTER, w, num_workers, r_items.shape[0], tried)
-    t = sync.mark(trace, w, 3 * (first + ROUTER) + 1, t)
-    sync.finish(counters, first + ROUTER, num_workers, done, r_items.shape[0])
-    t = sync.mark(trace, w, 3 * (first + ROUTER) + 2, t)
-    # experts: each thread routes, groups and rounds the pair rows itself
-    ids, weights = ids_of[w], weights_of[w]  # [T, K] each
-    routing.route_softmax_topk_serial(logits, top_k, normalize, ids, weights)
-    order, expert_ids, pair_starts = routing.group_by_expert(ids, num_experts)
-    xs = xs_of[w]  # [N, H]
-    moe_combine.gather_rows_serial(h2, order, top_k, xs)
-    if GU_PAIRED:  # noqa: F821: one prepare, the items over both weights
-        gu_raws = g_raws + u_raws
-        gu_items, gu_prep = G_PREP(gu_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
-        n_gu = 2 * gu_items.shape[0]
-        done = 0
-        t = sync.mark(trace, w, 3 * (first + GATE_UP), t)
-        i, tried = sync.take(counters, first + GATE_UP, w, num_workers, n_gu, 0)
-        while i < n_gu:
-            G_ITEM(gu_raws, xs, gu_items, gu_prep, (gate, up), i, act_quant)  # noqa: F821
-            done = done + 1
-            i, tried = sync.take(counters, first + GATE_UP, w, num_workers, n_gu, tried)
-    else:
-        g_items, g_prep = G_PREP(g_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
-        u_items, u_prep = U_PREP(u_raws, xs, expert_ids, pair_starts, act_quant)  # noqa: F821
-        ng = g_items.shape[0]
-        n_gu = ng + u_items.shape[0]
-        done = 0
-        t = sync.mark(trace, w, 3 * (first + GATE_UP), t)
-        i, tried = sync.take(counters, first + GATE_UP, w, num_workers, n_gu, 0)
-        while i < n_gu:
-            if i < ng:
-                G_ITEM(g_raws, xs, g_items, g_prep, (gate,), i, act_quant)  # noqa: F821
-            else:
-                U_ITEM(u_raws, xs, u_items, u_prep, (up,), i - ng, act_quant)  # noqa: F821
-            done = done + 1
-            i, tried = sync.take(counters, first + GATE_UP, w, num_workers, n_gu, tried)
-    t = sync.mark(trace, w, 3 * (first + GATE_UP) + 1, t)
-    sync.finish(counters, first + GATE_UP, num_workers, done, n_gu)
-    t = sync.mark(trace, w, 3 * (first + GATE_UP) + 2, t)
-    act = act_of[w]  # [N, F]
-    activation.swiglu_serial(gate, up, act)
-    d_items, d_prep = D_PREP(d_raws, act, expert_ids, pair_starts, act_quant)  # noqa: F821
-    done = 0
-    t = sync.mark(trace, w, 3 * (first + DOWN), t)
-    i, tried = sync.take(counters, first + DOWN, w, num_workers, d_items.shape[0], 0)
-    while i < d_items.shape[0]:
-        D_ITEM(d_raws, act, d_items, d_prep, (down,), i, act_quant)  # noqa: F821
-        done = done + 1
-        i, tried = sync.take(counters, first + DOWN, w, num_workers, d_items.shape[0], tried)
-    t = sync.mark(trace, w, 3 * (first + DOWN) + 1, t)
-    sync.finish(counters, first + DOWN, num_workers, done, d_items.shape[0])
-    t = sync.mark(trace, w, 3 * (first + DOWN) + 2, t)
-    # combine: column ranges of x, each from this thread's x + o and the weighted pair rows
-    row_of_pair = rows_of[w]  # [T*K]
-    _rows_of_pairs(order, row_of_pair)
-    num_chunks = (hidden + COMBINE_COLUMNS - 1) // COMBINE_COLUMNS
-    t = sync.mark(trace, w, 3 * (first + COMBINE), t)
-    i, tried = sync.take(counters, first + COMBINE, w, num_workers, num_chunks, 0)
-    while i < num_chunks:
-        if i == 0:
-            ids_out[:] = ids
-        c0, c1 = i * COMBINE_COLUMNS, min(hidden, (i + 1) * COMBINE_COLUMNS)
-        _weighted_columns(down, row_of_pair, weights, top_k, c0, c1, moe)
-        _add_columns(x2, moe, c0, c1, x)
-        i, tried = sync.take(counters, first + COMBINE, w, num_workers, num_chunks, tried)
-    t = sync.mark(trace, w, 3 * (first + COMBINE) + 1, t)
-    return t
 
 
 def worker_template(w, num_workers, entry, x, positions, tables, k_pool, v_pool, layer_index, act_quant, trace,
@@ -377,24 +269,17 @@ def fused_attention(backend, layer, block):
     part = block.part
     kernels, raws, names = _parts(backend, (("Q", layer.attn_q), ("K", layer.attn_k), ("V", layer.attn_v),
                                             ("O", layer.attn_output)))
-    name = "_".join(names + ["qknorm" if part.qk_norm else "plain"])
+    flags = dict(QK_NORM=part.qk_norm, QKV_BIAS=part.qkv_bias, O_BIAS=part.o_bias, SINKS=part.sinks)
+    name = "_".join(names + ([key.lower() for key, on in flags.items() if on] or ["plain"]))
     q_norm, k_norm = (layer.attn_q_norm, layer.attn_k_norm) if part.qk_norm else (NO_NORM, NO_NORM)
+    biases = tuple(getattr(layer, f) if on else NO_NORM for f, on in (
+        ("attn_q_bias", part.qkv_bias), ("attn_k_bias", part.qkv_bias), ("attn_v_bias", part.qkv_bias),
+        ("attn_output_bias", part.o_bias)))
     args = (getattr(layer, block.norm), q_norm, k_norm, float(layer.eps), (layer.rope_freqs, float(layer.rope_scale)),
-            float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim) + raws
-    worker = instance(attention_worker_template, name, QK_NORM=part.qk_norm, **kernels)
+            float(1.0 / np.sqrt(layer.head_dim)), layer.num_heads, layer.num_kv_heads, layer.head_dim) + raws + (
+        biases, int(part.window), layer.attn_sinks if part.sinks else NO_NORM)
+    worker = instance(attention_worker_template, name, **flags, **kernels)
     return worker, attention_prologue, args, "attention_" + name, ATTENTION_STAGES
-
-
-def fused_moe(backend, layer, block):
-    """(worker instance, prologue, arguments, name, stages) of a MoE (softmax top-k, SwiGLU) feed-forward block."""
-    kernels, raws, names = _parts(backend, (("R", layer.router), ("G", layer.gate_exps), ("U", layer.up_exps),
-                                            ("D", layer.down_exps)))
-    gate, up = layer.gate_exps, layer.up_exps
-    paired = (up.qtype == gate.qtype and up.raw.shape == gate.raw.shape and up.raw.flags.writeable == gate.raw.flags.writeable)
-    name = "_".join(names + ["paired" if paired else "split"])
-    args = (getattr(layer, block.norm), float(layer.eps)) + raws + (layer.num_experts_per_tok, bool(layer.norm_topk_prob))
-    worker = instance(moe_worker_template, name, GU_PAIRED=paired, **kernels)
-    return worker, moe_prologue, args, "moe_" + name, MOE_STAGES
 
 
 def fused_layer(backend, layer, recipe):
@@ -414,7 +299,7 @@ def fused_layer(backend, layer, recipe):
     worker = instance(worker_template, suffix, MIXER=mixer[0], FFN=ffn[0], MIXER_STAGES=mixer[4])
     work = new_work(layer, recipe, 1, 1)
     region = region_template((len(work[3]), len(work[4]), len(mixer[2]), len(ffn[2])), NUM_STAGES, PROLOGUE, WHOLE,
-                             (__file__,))
+                             (__file__, FFN_SOURCE))
     fn = instance(region, suffix, parallel=True, WORKER=worker, MIXER_PROLOGUE=mixer[1], FFN_PROLOGUE=ffn[1])
     return fn, (mixer[2], ffn[2])
 
@@ -422,7 +307,7 @@ def fused_layer(backend, layer, recipe):
 @dataclass(frozen=True)
 class FusedPart:
     """A part's fused implementation: takes(part) whether it runs that variant; make(backend, layer, block) ->
-    (worker instance, serial prologue, arguments, name, stages); new_work(layer, T, W) its work arrays."""
+    (worker instance, serial prologue, arguments, name, stages); new_work(layer, part, T, W) its work arrays."""
 
     takes: Callable
     make: Callable
@@ -430,10 +315,11 @@ class FusedPart:
 
 
 # The fused implementations of the parts, by where they sit: a mixer part's worker returns its output, which the
-# feed-forward part's worker adds to x with its own.
-FUSED_MIXERS = {FullAttention: FusedPart(lambda part: part == FullAttention(qk_norm=part.qk_norm), fused_attention,
+# feed-forward part's worker adds to x with its own. cpu_decode_fused_ffn.register() fills FUSED_FFNS.
+FUSED_MIXERS = {FullAttention: FusedPart(lambda part: part.rope in ("neox", "yarn"), fused_attention,
                                          new_attention_work)}
-FUSED_FFNS = {MoE: FusedPart(lambda part: part == MoE(router=SoftmaxTopK(), experts=SwiGLU()), fused_moe, new_moe_work)}
+FUSED_FFNS = {}
+FFN_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode_fused_ffn.py")  # its workers' file
 
 
 def fuses(recipe):

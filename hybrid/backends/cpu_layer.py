@@ -13,7 +13,7 @@ import numpy as np
 
 from ..arch.recipe import LayerRecipe
 from ..blocks import block_steps
-from . import cpu_decode_ffn
+from . import cpu_decode_ffn, cpu_decode_fused_ffn
 from .cpu_decode import DecodeStep, LayerPlan, compiles
 from .cpu_decode_fused import fused_layer, fuses, new_work
 
@@ -21,6 +21,7 @@ FUSED_MIN_THREADS = 2  # from this many threads a compiled decode layer runs as 
 FUSED_WORK_KEPT = 4  # batch sizes whose fused-layer work arrays stay allocated
 
 cpu_decode_ffn.register()
+cpu_decode_fused_ffn.register()
 
 
 def compiled_runner(backend, recipes, plain):
@@ -101,8 +102,8 @@ class CompiledRunner:
     def _fused(self, plan, layer, recipe, x, step, kv_layer, works, threads):
         be = self.backend
         if plan.shapes is None:
-            plan.shapes = (layer.gate_exps.shape, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                           layer.num_experts_per_tok)
+            plan.shapes = (recipe, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.num_experts_per_tok,
+                           tuple(w.shape for w in plan.weights))
         work = works.get(plan.shapes)
         if work is None:
             work = works[plan.shapes] = self._fused_work(plan, recipe, x.shape[0], threads)

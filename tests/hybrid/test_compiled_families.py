@@ -4,7 +4,8 @@ the op-by-op path: glm4moe (dense leading layers, shared expert, sigmoid router,
 shared expert; its Gated DeltaNet blocks run op by op inside the compiled runner). Decode steps of two sequences, and one
 sequence's several tokens as one-token chunks (a verification step of a sequence without recurrent state, crossing
 gpt-oss's window); one thread and all
-threads (the fused layers where the recipe has them)."""
+threads (the fused layers where the recipe has them: glm4moe's and gpt-oss's, bit for bit the compiled layers'
+results)."""
 import copy
 
 import numpy as np
@@ -81,22 +82,49 @@ def close(ours, ref):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["glm4moe", "gpt-oss", "qwen3next"])
 def test_compiled_decode_matches_op_by_op(family_model, family):
-    """No recipe of these families has a fused layer: at any thread count every layer runs its compiled blocks."""
+    """Every layer runs compiled (from 2 threads glm4moe's and gpt-oss's layers fused), close to op by op."""
+    import numba
+
     model = family_model(family)
+    fused = family != "qwen3next" and numba.get_num_threads() > 1
     for prompts in (PROMPTS[:1], PROMPTS):
         op_by_op = decode(model, False, prompts, 3)
         assert isinstance(model.runner, PlainRunner)
         compiled = decode(model, True, prompts, 3)
-        assert isinstance(model.runner, CompiledRunner) and model.runner.last_path == "compiled"
+        assert isinstance(model.runner, CompiledRunner)
+        assert model.runner.last_path == ("fused" if fused else "compiled")
         close(compiled, op_by_op)
     if family != "qwen3next":  # a recurrent sequence's verification step is one chunk: the op-by-op path
         tokens = [9, 300, 42, 1, 77]  # past gpt-oss's window of 8 after the 6-token prompt
         close(verify_step(model, True, PROMPTS[0], tokens), verify_step(model, False, PROMPTS[0], tokens))
 
 
+# Forced on, at any thread count: ~45 s cold a family beyond the compiled layers' compile.
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["glm4moe", "gpt-oss"])
+def test_fused_layer_equals_the_compiled_layer(family_model, family):
+    """The fused layers (qkv / o biases, partial and YaRN RoPE, sinks, the sliding window; sigmoid and top-k-then-
+    softmax routers, clamped SwiGLU with expert biases, the shared expert, dense leading layers) give the compiled
+    layers' logits bit for bit, also where the attention splits its keys (300 positions, past gpt-oss's window)."""
+    model = family_model(family)
+    long_prompt = list(np.resize(PROMPTS[0] + PROMPTS[1], 300))
+    try:
+        for prompts in (PROMPTS, [long_prompt, PROMPTS[1]]):
+            model.backend.fused_decode = False
+            compiled = decode(model, True, prompts, 2, capacity=320)
+            assert model.runner.last_path == "compiled"
+            model.backend.fused_decode = True
+            fused = decode(model, True, prompts, 2, capacity=320)
+            assert model.runner.last_path == "fused"
+            np.testing.assert_array_equal(fused, compiled)
+    finally:
+        model.backend.fused_decode = None
+
+
 def test_which_blocks_compile():
     """glm4moe's dense and MoE layers, gpt-oss's sliding and full ones and qwen3next's gated-attention ones compile
-    whole; qwen3next's Gated DeltaNet mixers run op by op beside their compiled MoE blocks."""
+    whole, and glm4moe's and gpt-oss's fuse; qwen3next's Gated DeltaNet mixers run op by op beside their compiled MoE
+    blocks."""
     from hybrid.arch import ARCHS
     from hybrid.backends.cpu_layer import LayerKind
     from hybrid.formats.weights import ModelConfig
@@ -109,7 +137,8 @@ def test_which_blocks_compile():
     nxt = ModelConfig(arch="qwen3next", full_attention_interval=4, shared_intermediate_size=32, qk_norm=True,
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                       linear_conv_kernel=4, **base)
-    for config, expected in ((glm, [(True, True)] * 4), (oss, [(True, True)] * 4),
-                             (nxt, [(False, True)] * 3 + [(True, True)])):
+    for config, expected, fused in ((glm, [(True, True)] * 4, True), (oss, [(True, True)] * 4, True),
+                                    (nxt, [(False, True)] * 3 + [(True, True)], False)):
         kinds = [LayerKind(ARCHS[config.arch].layer_recipe(config, i)) for i in range(4)]
-        assert [kind.compiled for kind in kinds] == expected and not any(kind.fuses for kind in kinds)
+        assert [kind.compiled for kind in kinds] == expected
+        assert [kind.fuses for kind in kinds] == [fused] * 4
