@@ -71,7 +71,7 @@ def _int_scales(builder, q, o):
 
 
 _kernels = iq_blocks.instance("iq3_s", BLOCK_BYTES, _unpack_row, _runs, _int_scales, iq_blocks.half_base(1.0),
-                              15 * 31, iq3_s_vbmi.block_i16 if has_byte_permutes() else None)
+                              15 * 31, *((iq3_s_vbmi.block_i16, iq3_s_vbmi.runs_i16) if has_byte_permutes() else ()))
 _rows_dot, _rows_dot_i16 = _kernels.rows_dot, _kernels.rows_dot_i16
 _prepare, _run_item, _moe_matmul = _kernels.prepare, _kernels.run_item, _kernels.moe_matmul
 _X_LEVELS = iq_blocks.x_levels(15 * 31)

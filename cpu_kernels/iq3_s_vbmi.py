@@ -1,4 +1,5 @@
-"""IQ3_S's int16 decode block where the target has AVX-512 VBMI and BITALG: grid lookups by byte permutes.
+"""IQ3_S's int16 decode block and prefill unpacking where the target has AVX-512 VBMI and BITALG: grid lookups
+by byte permutes.
 
 The gather of grid rows (8 per 32 weights) is the cost of IQ3_S's generic block (iq_blocks): a gather of
 8 dwords issues a dozen or more uops on AMD cores. Here the 512 x 4 grid is split into two 512-byte
@@ -12,7 +13,8 @@ that shuffle). Pairs of lanes of one column
 (weights 4l + m, 4l + 4 + m) share a 32-weight run, so the pmaddwd lanes summed over the 4 columns for
 lanes l of one half of the block (32 lanes) belong to run i // 4 of that half: one conversion and FMA
 per half. The integer sums are exact; the float result differs from the generic block's by the order of
-its roundings only.
+its roundings only. The prefill unpacking shuffles the columns back to weight order (its int16 rows are
+the generic ones exactly).
 
 Shape legend: `q` a row's bytes, `o` a block's byte offset, b the block's number in the row; xq int16 [C],
 aux f32 [C/16] of (dx, sum) pairs, one per 32 columns.
@@ -104,3 +106,25 @@ def block_i16(builder, q, o, b, xq, aux, acc):
 
 
 block_i16.acc_type = simd.vec(F32, 16)
+
+
+def _int_scales(builder, q, o):
+    """<8 x i16> of 1 + 2 s_r, the block's 8 run scales."""
+    packed = simd.load_at(builder, q, at(builder, o, _SCALES), simd.vec(I8, 4))
+    nibbles = builder.lshr(simd.lanes(builder, packed, [r // 2 for r in range(8)]), simd.const_vec(I8, [0, 4] * 4))
+    nibbles = builder.and_(nibbles, simd.splat_const(I8, 8, 15))
+    odd = builder.add(builder.shl(nibbles, simd.splat_const(I8, 8, 1)), simd.splat_const(I8, 8, 1))
+    return builder.zext(odd, simd.vec(I16, 8))
+
+
+def runs_i16(builder, q, o):
+    """The block for prefill_i16's unpacking: 8 runs <32 x i16> of value * scale in weight order, factors d."""
+    columns = _signed_columns(builder, q, o)
+    every = simd.concat(builder, simd.concat(builder, columns[0], columns[1]),
+                        simd.concat(builder, columns[2], columns[3]))  # <256 x i8>, column-major
+    scales = _int_scales(builder, q, o)
+    out = []
+    for r in range(8):
+        values = simd.lanes(builder, every, [64 * (k % 4) + 8 * r + k // 4 for k in range(32)])  # weights 32r + k
+        out.append(builder.mul(builder.sext(values, simd.vec(I16, 32)), simd.lanes(builder, scales, [r] * 32)))
+    return out, simd.splat(builder, simd.load_half(builder, q, at(builder, o, 0)), 8), None

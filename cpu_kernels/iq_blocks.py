@@ -158,12 +158,12 @@ def block_code(name, runs, int_scales, base):
     return block, block_i16, weights, runs_i16
 
 
-def instance(name, block_bytes, unpack_row, runs, int_scales, base, weight_max, block_i16=None):
+def instance(name, block_bytes, unpack_row, runs, int_scales, base, weight_max, block_i16=None, runs_i16=None):
     """The quant_driver Kernels (INT16_DECODE) of an IQ format from its scalar dequantizer unpack_row(row [B],
     dst f32 [C]) and its block builders; weight_max bounds |value * scale| (integer prefill's x levels);
-    block_i16: a format's own int16 decode block in place of the generic one."""
-    block, generic_i16, weights, runs_i16 = block_code(name, runs, int_scales, base)
-    block_i16 = block_i16 or generic_i16
+    block_i16, runs_i16: a format's own int16 decode block and prefill unpacking in place of the generic ones."""
+    block, generic_i16, weights, generic_runs_i16 = block_code(name, runs, int_scales, base)
+    block_i16, runs_i16 = block_i16 or generic_i16, runs_i16 or generic_runs_i16
     return quant_driver.instance(name, quant_driver.INT16_DECODE, block_bytes, QK_K, unpack_row, x_levels(weight_max),
                                  block, block_i16, weights, runs_i16)
 

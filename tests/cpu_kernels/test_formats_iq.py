@@ -191,15 +191,18 @@ def test_matvec_and_matmul(fmt, act_quant, act_rounding_bound, prefill_rounding_
 
 
 @each_kernel
-def test_matvec_covers_every_grid_row(fmt, act_quant, act_rounding_bound):
-    """The decode dots on blocks of every grid row and sign pattern (IQ3_S looks its grid up by byte permutes
-    over table quarters where the CPU has VBMI: every quarter and both nibbles are read)."""
+def test_kernels_cover_every_grid_row(fmt, act_quant, act_rounding_bound, prefill_rounding_bound):
+    """The decode dots and the prefill on blocks of every grid row and sign pattern (IQ3_S looks its grid up by
+    byte permutes over table quarters where the CPU has VBMI: every quarter and both nibbles are read)."""
     raw = COVER[fmt](np.random.default_rng(7))  # [R, B]: rows of one block
-    x = np.random.default_rng(8).standard_normal((1, fmt.BLOCK_SIZE)).astype(np.float32)  # [1, C]
+    x = np.random.default_rng(8).standard_normal((33, fmt.BLOCK_SIZE)).astype(np.float32)  # [T, C]
     ref, bound, w_abs = _reference(fmt, raw, x)
     out = np.empty(len(raw), dtype=np.float32)
     fmt.matvec(raw, x[0], out, serial=True, act_quant=act_quant)
-    _assert_close(out, ref[0], bound[0] + act_rounding_bound(x, w_abs, act_quant)[0])
+    _assert_close(out, ref[0], bound[0] + act_rounding_bound(x[:1], w_abs, act_quant)[0])
+    out = np.empty((len(x), len(raw)), dtype=np.float32)
+    fmt.matmul(raw, x, out, act_quant=act_quant)
+    _assert_close(out, ref, bound + prefill_rounding_bound(fmt, x, w_abs, act_quant))
 
 
 @each_kernel
