@@ -12,8 +12,9 @@ Hq query heads, D head dim, R rotated dims.
 Linear attention projects with float32 activations (`exact`) whatever act_quant says: a head whose delta-rule
 output is far smaller than its inputs (its rms below the gated norm's sqrt(eps)) carries the rounding of its
 inputs into the normed output almost undamped (int16 x moved a token's logits by up to 6e-3 of their range on the
-tiny test models, 3e-2 after a 600-token prompt; float: 3e-5). It costs about 2x the int16 dots' time on these
-projections at decode, 1.6x on prompts (Q4_K, one thread; bench/results/qwen3next.md).
+tiny test models, 3e-2 after a 600-token prompt; float: 3e-5). On the CPU, decode-sized calls take x as int16 hi + lo
+(cpu_kernels/exact_dot.py: ~1.25x the int16 dots' time, float x ~2x); prompts multiply float x, ~1.6x the int16
+prefill (Q4_K, one thread; bench/results/qwen3next.md).
 """
 
 

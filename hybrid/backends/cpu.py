@@ -196,6 +196,10 @@ class CpuBackend(CpuDeltaOps):
         serial = num_tokens == 1 and weight.raw.nbytes <= SERIAL_MAX_WEIGHT_BYTES and _one_thread()
         row_starts = ONE_ROW if num_tokens == 1 else np.array([0, num_tokens], dtype=np.int64)
         act_quant = FLOAT if exact else self.act_quant
+        split = self._exact_dot(weight, num_tokens) if exact else None  # cpu_delta.py: x as int16 hi + lo
+        if split is not None:
+            split.matmul(weight.raw, np.ascontiguousarray(x), out, _one_thread())
+            return out
         (kernels.serial if serial else kernels.parallel)(
             kernels.raws, np.ascontiguousarray(x), ONE_EXPERT, row_starts, (out,), act_quant)
         return out

@@ -9,9 +9,12 @@ G groups, n values.
 """
 import numpy as np
 
-from cpu_kernels import delta_net
+from cpu_kernels import delta_net, exact_dot
+from cpu_kernels.act_quant import FLOAT
+from cpu_kernels.tiles import DECODE_MAX_TOKENS
 
 from ..weight_formats import dequantize
+
 
 class CpuDeltaOps:
     """Linear-attention ops over NumPy arrays."""
@@ -38,6 +41,14 @@ class CpuDeltaOps:
         if found is None or found[0] is not tensor:
             found = self._float_weights[id(tensor)] = (tensor, np.ascontiguousarray(dequantize(tensor), np.float32))
         return found[1]
+
+    def _exact_dot(self, weight, num_tokens):
+        """The hi + lo int16 dot (cpu_kernels/exact_dot.py) that multiplies num_tokens tokens' x by `weight` as
+        accurately as float x, or None (float x then): decode-sized calls of formats that have one, where the
+        integer dots run (act_quant not float)."""
+        if self.act_quant == FLOAT or num_tokens > DECODE_MAX_TOKENS or weight.raw.ndim != 2:
+            return None
+        return exact_dot.split_dot(weight.qtype)
 
     def split_pairs(self, x, groups, width):
         """x [T, G * 2 * width] (per group: a run of width values, then another) -> the two runs, [T, G, width] each."""
