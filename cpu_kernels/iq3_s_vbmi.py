@@ -8,8 +8,9 @@ held as four 128-byte quarters. A block's 64 grid indices (qs's 8 bits and qh's 
 for all of them at once: one vpermi2b per quarter (index bits 0-6), blended by bit 7 (qs's top bit) and
 bit 8 (qh, already a 64-lane mask as it lies in the block). Lane l of column m is weight 4l + m, so the
 block's weights come out column-major: the sign of lane l, column m is sign bit 4l + m, picked into a
-mask by one vpshufbitqmb per column, and x is shuffled to the same order (the dot loop's rows share
-that shuffle). Pairs of lanes of one column
+mask by one vpshufbitqmb per column (one index vector for all four, the sign qwords shifted by m: fewer
+live registers, which the four rows of a dot loop run short of), and x is shuffled to the same order (the
+dot loop's rows share that shuffle). Pairs of lanes of one column
 (weights 4l + m, 4l + 4 + m) share a 32-weight run, so the pmaddwd lanes summed over the 4 columns for
 lanes l of one half of the block (32 lanes) belong to run i // 4 of that half: one conversion and FMA
 per half. The integer sums are exact; the float result differs from the generic block's by the order of
@@ -58,16 +59,16 @@ def _signed_columns(builder, q, o):
     qs = simd.load_at(builder, q, at(builder, o, _QS), simd.vec(I8, 64))
     bit7 = builder.icmp_signed("<", qs, ir.Constant(qs.type, None))
     bit8 = builder.bitcast(simd.load_at(builder, q, at(builder, o, _QH), I64), simd.vec(I1, 64))
-    signs = simd.load_at(builder, q, at(builder, o, _SIGNS), simd.vec(I32, 8))
-    signs = builder.bitcast(builder.zext(signs, simd.vec(I64, 8)), simd.vec(I8, 64))  # qword i: sign bits 32i..
+    signs = builder.zext(simd.load_at(builder, q, at(builder, o, _SIGNS), simd.vec(I32, 8)), simd.vec(I64, 8))
+    picks = simd.const_vec(I8, [4 * (j % 8) for j in range(64)])  # lane j's bit (4j + m) in qword j // 8, less m
     columns = []
     for table in _PAIRS:
         pair = _lookup(builder, table, qs, bit7, bit8)
         columns += [builder.and_(pair, simd.splat_const(I8, 64, 15)), builder.lshr(pair, simd.splat_const(I8, 64, 4))]
     out = []
     for m, values in enumerate(columns):
-        picks = simd.const_vec(I8, [4 * (j % 8) + m for j in range(64)])  # weight 4j + m's bit in qword j // 8
-        negative = _call(builder, _PICK_BITS, simd.vec(I1, 64), [signs, picks])
+        shifted = builder.bitcast(builder.lshr(signs, simd.splat_const(I64, 8, m)), simd.vec(I8, 64))
+        negative = _call(builder, _PICK_BITS, simd.vec(I1, 64), [shifted, picks])
         out.append(builder.select(negative, builder.sub(ir.Constant(values.type, None), values), values))
     return out
 
