@@ -7,6 +7,7 @@ one core (bench/results/delta_net_cpu.md).
 Shape legend: T tokens, C conv channels, W conv width, Hk / Hv key / value heads, Dk / Dv their head dims,
 G groups, n values.
 """
+import numba
 import numpy as np
 
 from cpu_kernels import delta_net, exact_dot
@@ -14,6 +15,7 @@ from cpu_kernels.act_quant import FLOAT
 from cpu_kernels.tiles import DECODE_MAX_TOKENS
 
 from ..weight_formats import dequantize
+from .cpu_thresholds import SERIAL_MAX_ELEMENTS, TINY_MAX_ELEMENTS
 
 
 class CpuDeltaOps:
@@ -63,7 +65,7 @@ class CpuDeltaOps:
 
     def delta_conv1d(self, x, weight, state, out):
         """out [T, C] = silu(causal conv of x [T, C]); state [W-1, C] advanced."""
-        delta_net.conv1d_silu(x, weight, state, out)
+        _serial_if_small(x.size, delta_net.conv1d_silu_serial, delta_net.conv1d_silu)(x, weight, state, out)
 
     def delta_rule(self, mixed, g, beta, state, out, part):
         """The delta rule over the conv's output mixed [T, C] (q, k, v: the first Hk Dk, the next, the rest) -> out
@@ -71,16 +73,25 @@ class CpuDeltaOps:
         num_tokens, qk = len(mixed), part.num_k_heads * part.key_dim
         q, k, v = (np.ascontiguousarray(mixed[:, lo:hi]) for lo, hi in ((0, qk), (qk, 2 * qk), (2 * qk, None)))
         heads = (num_tokens, part.num_k_heads, part.key_dim)
-        delta_net.delta_rule_recurrent(q.reshape(heads), k.reshape(heads),
+        rule = delta_net.delta_rule_recurrent_serial if numba.get_num_threads() == 1 else delta_net.delta_rule_recurrent
+        rule(q.reshape(heads), k.reshape(heads),
                                        v.reshape(num_tokens, part.num_v_heads, part.value_dim), np.ascontiguousarray(g),
                                        np.ascontiguousarray(beta), state, out, part.tiled)
 
     def rmsnorm_gated(self, x, z, weight, eps):
         """weight * x / rms(x) * silu(z) per head: x, z [T, Hv, Dv] -> a new [T, Hv, Dv]."""
         out = np.empty_like(x)
-        delta_net.rmsnorm_gated(x, np.ascontiguousarray(z), weight, eps, out)
+        _serial_if_small(x.size, delta_net.rmsnorm_gated_serial, delta_net.rmsnorm_gated)(
+            x, np.ascontiguousarray(z), weight, eps, out)
         return out
 
     def sigmoid_mul(self, x, gate):
         """x *= sigmoid(gate) in place: gate of x's shape, or [T, 1] per row of x [T, n]."""
         x *= 1.0 / (1.0 + np.exp(-gate))
+
+
+def _serial_if_small(work, serial, parallel):
+    """The serial twin for a tiny op, or a small one on one thread (cpu_thresholds.py: no parallel region for a
+    decode step's conv or gated norm), else the parallel kernel."""
+    small = work <= TINY_MAX_ELEMENTS or (work <= SERIAL_MAX_ELEMENTS and numba.get_num_threads() == 1)
+    return serial if small else parallel
