@@ -23,6 +23,7 @@ from .twins import serial_twin
 CHUNK_TOKENS = 64  # tokens a chunk of the chunked form
 L2_EPS = 1e-6  # as transformers' l2norm (and FLA's)
 CONV_BLOCK = 512  # channels a parallel iteration of the conv (fewer: the per-token calls cost more than the work)
+CONV_FEW_TOKENS = 8  # calls of fewer tokens (decode) take blocks this many times larger, for the same reason
 
 
 @njit(fastmath=EXACT_DIVISION, nogil=True, cache=True, error_model="numpy")
@@ -33,32 +34,36 @@ def _conv4_silu(x0, x1, x2, x3, w0, w1, w2, w3, out):
 
 
 @njit(parallel=True, fastmath=EXACT_DIVISION, nogil=True, cache=True, error_model="numpy")
-def conv1d_silu(x, weight, state, out):
-    """Causal depthwise conv then silu: x [T, C], weight [C, W], state [W-1, C] (the W-1 inputs before x,
-    replaced by the last W-1 of state ++ x) -> out [T, C]; out must not be x."""
+def conv1d_silu(x, taps, state, out):
+    """Causal depthwise conv then silu: x [T, C], taps [W, C] (the conv weight [C, W] transposed: each tap a
+    contiguous row), state [W-1, C] (the W-1 inputs before x, replaced by the last W-1 of state ++ x) -> out [T, C];
+    out must not be x."""
     num_tokens, channels = x.shape
-    width = weight.shape[1]
-    for block in prange((channels + CONV_BLOCK - 1) // CONV_BLOCK):
-        lo, hi = block * CONV_BLOCK, min(channels, (block + 1) * CONV_BLOCK)
-        taps = np.ascontiguousarray(weight[lo:hi].T)  # [W, block]: the channel loop runs over rows
-        acc = np.empty(hi - lo, np.float32)
+    width = taps.shape[0]
+    size = CONV_BLOCK if num_tokens >= CONV_FEW_TOKENS else CONV_BLOCK * CONV_FEW_TOKENS  # channels a block
+    for block in prange((channels + size - 1) // size):
+        lo, hi = block * size, min(channels, (block + 1) * size)
+        acc = np.empty(0 if width == 4 else hi - lo, np.float32)
         for t in range(num_tokens):
-            if width == 4 and t >= 3:  # Qwen3-Next's width, every input in x: one vectorized pass
-                _conv4_silu(x[t - 3][lo:hi], x[t - 2][lo:hi], x[t - 1][lo:hi], x[t][lo:hi], taps[0], taps[1],
-                            taps[2], taps[3], out[t][lo:hi])
+            if width == 4:  # Qwen3-Next's width: one vectorized pass over the inputs, from x or the state
+                _conv4_silu(x[t - 3][lo:hi] if t >= 3 else state[t][lo:hi],
+                            x[t - 2][lo:hi] if t >= 2 else state[t + 1][lo:hi],
+                            x[t - 1][lo:hi] if t >= 1 else state[t + 2][lo:hi], x[t][lo:hi], taps[0][lo:hi],
+                            taps[1][lo:hi], taps[2][lo:hi], taps[3][lo:hi], out[t][lo:hi])
                 continue
             acc[:] = 0.0
             for i in range(width):
                 j = t - (width - 1) + i  # input position; < 0: in the state
                 row = x[j] if j >= 0 else state[width - 1 + j]
-                for c in range(hi - lo):
-                    acc[c] += taps[i, c] * row[lo + c]
+                for c in range(lo, hi):
+                    acc[c - lo] += taps[i, c] * row[c]
             for c in range(hi - lo):
                 out[t, lo + c] = silu(acc[c])  # [T, C]
         for i in range(width - 1):  # ascending: reads state[T + i] before it is written
             j = num_tokens - (width - 1) + i
+            source = x[j] if j >= 0 else state[num_tokens + i]
             for c in range(lo, hi):
-                state[i, c] = x[j, c] if j >= 0 else state[num_tokens + i, c]
+                state[i, c] = source[c]
 
 
 @njit(fastmath=True, nogil=True, cache=True)

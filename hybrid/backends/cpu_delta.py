@@ -22,6 +22,7 @@ class CpuDeltaOps:
     """Linear-attention ops over NumPy arrays."""
 
     _float_weights = None  # id(tensor): (tensor, float32 copy)
+    _conv_taps = None  # id(conv weight [C, W]): (that array, its transpose [W, C])
 
     def state_zeros(self, shape):
         """A zeroed float32 recurrent-state array (hybrid/recurrent_state.py)."""
@@ -64,8 +65,13 @@ class CpuDeltaOps:
         return g, beta
 
     def delta_conv1d(self, x, weight, state, out):
-        """out [T, C] = silu(causal conv of x [T, C]); state [W-1, C] advanced."""
-        _serial_if_small(x.size, delta_net.conv1d_silu_serial, delta_net.conv1d_silu)(x, weight, state, out)
+        """out [T, C] = silu(causal conv of x [T, C]) for weight [C, W] (float_weight's); state [W-1, C] advanced."""
+        if self._conv_taps is None:
+            self._conv_taps = {}
+        found = self._conv_taps.get(id(weight))
+        if found is None or found[0] is not weight:  # the kernel reads the taps as rows: transposed once
+            found = self._conv_taps[id(weight)] = (weight, np.ascontiguousarray(weight.T))
+        _serial_if_small(x.size, delta_net.conv1d_silu_serial, delta_net.conv1d_silu)(x, found[1], state, out)
 
     def delta_rule(self, mixed, g, beta, state, out, part):
         """The delta rule over the conv's output mixed [T, C] (q, k, v: the first Hk Dk, the next, the rest) -> out

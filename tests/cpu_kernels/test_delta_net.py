@@ -74,7 +74,7 @@ def test_conv1d_silu(num_tokens):
     expected, expected_state = ref.conv1d(x, weight, state)
     for kernel in (delta_net.conv1d_silu, delta_net.conv1d_silu_serial):
         out, s = np.empty_like(x), state.copy()
-        kernel(x, weight, s, out)
+        kernel(x, np.ascontiguousarray(weight.T), s, out)
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(s, expected_state.astype(np.float32))
 
