@@ -8,8 +8,9 @@ on how many positions attention reads, not on what they hold; reading 128K token
 host). Per step the time inside the linear-attention blocks (hybrid/linear_attention.py) and inside the attention
 reads (blocks.attend) is measured apart: the linear layers' cost must not grow with C.
 Projections: the linear-attention layers' projections (attn_qkv, attn_gate, ssm_out of every such layer, in turn so
-that they come from memory, not cache) as one-token matvecs with int16 x and with float x (`exact`, what
-hybrid/linear_attention.py uses: the price of its accuracy), min and median of --repeats rounds.
+that they come from memory, not cache) as one-token matvecs with int16 x, with x as int16 hi + lo (`exact`, what
+hybrid/linear_attention.py uses before the gated norm: the price of its accuracy) and with float x, min and median
+of --repeats rounds.
 Restore: an engine with a conversation cache reads a --history-token conversation and answers it (its time to first
 token: what reading it again costs), then the conversation returns with --turn-tokens more: its time to first
 token (restore of the KV and the last state checkpoint, then the new tokens).
@@ -37,6 +38,7 @@ from hybrid.conversation_cache import ConversationCache, model_fingerprint  # no
 from hybrid.engine import Engine  # noqa: E402
 from hybrid.llm import LLM  # noqa: E402
 from hybrid.recurrent_state import Checkpoint  # noqa: E402
+from cpu_kernels.act_quant import FLOAT  # noqa: E402 (after hybrid: it sets the ISA floor first)
 
 GIB = 1 << 30
 
@@ -103,20 +105,26 @@ def decode_at(llm, context, steps, rng):
 
 
 def projection_cost(llm, repeats, rng):
-    """{"int16" / "float": (min ms, median ms)} of one round of one-token matvecs over the linear-attention layers'
-    big projections."""
+    """{"int16" / "int16 hi + lo" / "float": (min ms, median ms)} of one round of one-token matvecs over the
+    linear-attention layers' big projections: at act_quant, exact (x as int16 hi + lo, cpu_kernels/exact_dot.py) and
+    with float x (act_quant float)."""
     be = llm.model.backend
     weights = [llm.weights[f"blk.{layer}.{name}.weight"] for layer in llm.model.recurrent_shape.layers
                for name in ("attn_qkv", "attn_gate", "ssm_out")]
     xs = [rng.standard_normal((1, w.shape[1])).astype(np.float32) for w in weights]
-    rounds = {False: [], True: []}
+    be.linear(weights[0], xs[0])  # the backend's act_quant is set at its first linear
+    act_quant = be.act_quant
+    rounds = {"int16": [], "int16 hi + lo": [], "float": []}
     for _ in range(repeats):
-        for exact in (False, True):
+        for name, exact, code in (("int16", False, act_quant), ("int16 hi + lo", True, act_quant),
+                                  ("float", True, FLOAT)):
+            be.act_quant = code
             start = time.perf_counter()
             for w, x in zip(weights, xs):
                 be.linear(w, x, exact)
-            rounds[exact].append(1e3 * (time.perf_counter() - start))
-    return {("float" if exact else "int16"): (min(ms), float(np.median(ms))) for exact, ms in rounds.items()}
+            rounds[name].append(1e3 * (time.perf_counter() - start))
+    be.act_quant = act_quant
+    return {name: (min(ms), float(np.median(ms))) for name, ms in rounds.items()}
 
 
 def returning_conversation(llm, args, rng):

@@ -9,13 +9,13 @@ Linear attention, per token (as transformers' Qwen3NextGatedDeltaNet):
 Shape legend: T tokens, H hidden, C conv channels, Hk / Hv key / value heads, Dk / Dv their head dims,
 Hq query heads, D head dim, R rotated dims.
 
-Linear attention projects with float32 activations (`exact`) whatever act_quant says: a head whose delta-rule
-output is far smaller than its inputs (its rms below the gated norm's sqrt(eps)) carries the rounding of its
-inputs into the normed output almost undamped (int16 x moved a token's logits by up to 6e-3 of their range on the
-tiny test models, 3e-2 after a 600-token prompt; float: 3e-5). On the CPU, decode-sized calls take x as int16 hi + lo
-(cpu_kernels/exact_dot.py: ~1.25x the int16 dots' time, float x ~2x); prompts multiply float x, ~1.6x the int16
-prefill (Q4_K, one thread; bench/results/qwen3next.md).
-"""
+The projections before the gated norm (qkv, z, beta and alpha) take float32-accurate activations (`exact`) whatever
+act_quant says: a head whose delta-rule output is far smaller than its inputs (its rms below the gated norm's
+sqrt(eps)) carries the rounding of its inputs into the normed output almost undamped (int16 x moved a token's logits
+by up to 6e-3 of their range on the tiny test models, 3e-2 after a 600-token prompt; exact: 4e-4). The output
+projection, after the norm, rounds as act_quant says (its rounding is not amplified: 7e-4 at 600 tokens). On the
+CPU, decode-sized exact calls take x as int16 hi + lo (cpu_kernels/exact_dot.py: ~1.25x the int16 dots' time, float
+x ~2x); prompts multiply float x, ~1.6x the int16 prefill (Q4_K, one thread; bench/results/qwen3next.md)."""
 
 
 def beta_alpha(be, part, layer, h):
@@ -48,7 +48,7 @@ def linear_attention(be, part, layer, s):
             be.delta_rule(mixed[rows], g[rows], beta[rows], state.delta(layer.index), out[rows], part)
             state.reached(layer.index, chunk.start + last)
     y = be.rmsnorm_gated(out, z.reshape(num_tokens, hv, dv), layer.ssm_norm, layer.eps)  # [T, Hv, Dv]
-    s["y"] = be.linear(layer.ssm_out, y.reshape(num_tokens, hv * dv), exact=True)
+    s["y"] = be.linear(layer.ssm_out, y.reshape(num_tokens, hv * dv))
 
 
 def gated_attention_inputs(be, layer, h, positions):
