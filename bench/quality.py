@@ -73,14 +73,16 @@ def log_probs(path, chunks, context, skip, mode, **settings):
 
 
 def measure(args, chunks):
-    ref, targets = log_probs(args.ref, chunks, args.context, args.skip, args.path, act_quant="float", kv="f32")
+    ref, targets = log_probs(args.ref, chunks, args.context, args.skip, args.path, act_quant="float", kv="f32",
+                             threads=args.threads)
     rows = [("F32 (reference)", "float", "f32", ref, None)]
     runs = [("F32", args.ref, "float", kv) for kv in args.kvs if kv != "f32"]
     runs += [(name, path, act, kv) for name, path in args.weights for act in args.acts for kv in args.kvs]
     for name, path, act, kv in runs:
         t0 = time.perf_counter()
         try:
-            lp, _ = log_probs(path, chunks, args.context, args.skip, args.path, act_quant=act, kv=kv)
+            lp, _ = log_probs(path, chunks, args.context, args.skip, args.path, act_quant=act, kv=kv,
+                              threads=args.threads)
         except Exception as exc:  # a rounding this file's types lack: reported, not fatal
             rows.append((name, act, kv, None, f"{type(exc).__name__}: {exc}"))
             continue
