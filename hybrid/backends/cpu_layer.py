@@ -11,14 +11,14 @@ Shape legend: T tokens (one a sequence), H hidden, K top-k.
 import numba
 import numpy as np
 
-from ..arch.recipe import LayerRecipe
+from ..arch.recipe import LayerRecipe, MoE
 from ..blocks import block_steps
 from . import cpu_decode_ffn, cpu_decode_fused_ffn
 from .cpu_decode import DecodeStep, LayerPlan, compiles
 from .cpu_decode_fused import fused_layer, fuses, new_work
 
 FUSED_MIN_THREADS = 2  # from this many threads a compiled decode layer runs as one parallel region
-FUSED_WORK_KEPT = 4  # batch sizes whose fused-layer work arrays stay allocated
+FUSED_WORK_KEPT = 8  # (layer kind, batch size) pairs whose fused-layer work arrays stay allocated
 
 cpu_decode_ffn.register()
 cpu_decode_fused_ffn.register()
@@ -102,7 +102,9 @@ class CompiledRunner:
     def _fused(self, plan, layer, recipe, x, step, kv_layer, works, threads):
         be = self.backend
         if plan.shapes is None:
-            plan.shapes = (recipe, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.num_experts_per_tok,
+            ffn = recipe.ffn.part  # (layers whose work arrays match share them: gpt-oss's sliding and full ones)
+            plan.shapes = (type(recipe.mixer.part), type(ffn), isinstance(ffn, MoE) and ffn.shared is not None,
+                           layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.num_experts_per_tok,
                            tuple(w.shape for w in plan.weights))
         work = works.get(plan.shapes)
         if work is None:
