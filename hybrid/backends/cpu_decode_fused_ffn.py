@@ -264,13 +264,15 @@ def new_ffn_work(layer, part, num_tokens, num_workers):
     s_width = dense[0].shape[0] if dense is not None else 0
     pairs = num_tokens * top_k
     return (_f32(num_tokens, num_experts),  # router logits
-            _f32(pairs, width), _f32(pairs, width), _f32(pairs, hidden), _f32(num_tokens, hidden),  # gate, up, down, moe
+            _f32(pairs, width), _f32(pairs, width), _f32(pairs, hidden),  # gate, up, down
+            _f32(num_tokens, hidden),  # moe: the sum
             _f32(num_tokens, s_width), _f32(num_tokens, s_width),  # the dense FFN's gate, up
             _f32(num_tokens, hidden if dense is not None else 0),  # its down
             # per worker
             _f32(num_workers, num_tokens, hidden), _f32(num_workers, num_tokens, hidden),  # x2, h2
             _i64(num_workers, num_tokens, top_k), _f32(num_workers, num_tokens, top_k),  # ids, weights
-            _f32(num_workers, pairs, hidden), _f32(num_workers, pairs, width), _i64(num_workers, pairs),  # xs, act, rows
+            _f32(num_workers, pairs, hidden), _f32(num_workers, pairs, width),  # xs, act
+            _i64(num_workers, pairs),  # rows
             _f32(num_workers, num_tokens, num_experts), _i64(num_workers, pairs),  # router scratch, pair experts
             _f32(num_workers, num_tokens, s_width))  # the dense FFN's activation
 
@@ -311,8 +313,8 @@ def fused_ffn(backend, layer, block):
             down_bias, act, act_name, flags["DOWN_BIAS"] = glu.down_bias, clamped_act, "clamped", True
     route_args = _route_args(layer, part.router) if routed else ()
     name = "_".join(names + [route_name, act_name] + [key.lower() for key, on in flags.items() if on])
-    args = ((getattr(layer, block.norm), float(layer.eps)) + raws[:4] + (top_k, normalize, route_args, glu_args, down_bias)
-            + raws[4:])
+    args = ((getattr(layer, block.norm), float(layer.eps)) + raws[:4]
+            + (top_k, normalize, route_args, glu_args, down_bias) + raws[4:])
     worker = instance(ffn_worker_template, name, ROUTE=route, ACTIVATE=act, **flags, **kernels)
     return worker, ffn_prologue, args, "ffn_" + name, MOE_STAGES
 
