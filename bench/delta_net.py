@@ -18,7 +18,8 @@ HK, HV, DK, DV, WIDTH = 16, 32, 128, 128, 4
 
 
 def inputs(rng, num_tokens):
-    """q, k, v, g, beta, state, out, conv input, conv weight, conv state, conv out: random, the decay near 1."""
+    """q, k, v, g, beta, state, out, conv input, conv taps [W, C] (the weight transposed, as the kernel takes it),
+    conv state, conv out: random, the decay near 1."""
     channels = 2 * HK * DK + HV * DV
     return dict(
         q=rng.standard_normal((num_tokens, HK, DK), np.float32),
@@ -27,7 +28,7 @@ def inputs(rng, num_tokens):
         g=-0.1 * np.abs(rng.standard_normal((num_tokens, HV), np.float32)),
         beta=rng.random((num_tokens, HV), np.float32),
         state=np.zeros((HV, DK, DV), np.float32), out=np.empty((num_tokens, HV, DV), np.float32),
-        x=rng.standard_normal((num_tokens, channels), np.float32), w=rng.standard_normal((channels, WIDTH), np.float32),
+        x=rng.standard_normal((num_tokens, channels), np.float32), w=rng.standard_normal((WIDTH, channels), np.float32),
         conv_state=np.zeros((WIDTH - 1, channels), np.float32), conv_out=np.empty((num_tokens, channels), np.float32))
 
 
