@@ -9,12 +9,15 @@ import pytest
 
 from cpu_kernels.target import apply_isa_floor, set_threads
 
-PROBE = """
+PROBE_HEAD = """
 import hybrid  # applies STRATA_ISA_FLOOR before the kernels are imported
 import numpy as np
-from cpu_kernels import attention, f16, q8_0
+from cpu_kernels import attention
 from numba.core import config
 rng = np.random.default_rng(0)
+"""
+FORMATS = """
+from cpu_kernels import f16, q8_0
 raw = q8_0.random_blocks(rng, (37, 160), 0.05)
 w = np.empty((37, 160), np.float32); q8_0.dequantize(raw, w)
 x = rng.standard_normal(160).astype(np.float32); out = np.empty(37, np.float32)
@@ -25,12 +28,15 @@ assert np.allclose(out, w @ x, rtol=1e-4, atol=1e-4)
 halves = (rng.standard_normal((37, 160)) * 0.05).astype(np.float16)  # F16 weights: the integer widening without F16C
 f16.matvec(halves.view(np.uint8), x, out)
 assert np.allclose(out, halves.astype(np.float32) @ x, rtol=1e-4, atol=1e-5)
+"""
+ATTENTION = """
 q = rng.standard_normal((5, 2, 16)).astype(np.float32)
 k, v = (rng.standard_normal((1, 5, 2, 16)).astype(np.float32) for _ in range(2))
 o = np.empty_like(q); attention.attention(q, k, v, np.zeros(1, np.int32), 0, 0, 5, 0.25, o)
 asm = "".join(attention.attention.inspect_asm().values())
 print(config.CPU_NAME, repr(config.CPU_FEATURES), "fma" if "vfmadd" in asm else "no-fma")
 """
+PROBE = PROBE_HEAD + FORMATS + ATTENTION
 
 
 def test_floor_names_map_to_numba_settings(monkeypatch):
@@ -114,7 +120,7 @@ def test_numba_target_set_directly_picks_code_it_can_compile(tmp_path):
     env = {**os.environ, "NUMBA_CPU_NAME": "sandybridge", "NUMBA_CPU_FEATURES": "",
            "NUMBA_CACHE_DIR": str(tmp_path)}
     env.pop("STRATA_ISA_FLOOR", None)
-    probe = PROBE + "\nfrom cpu_kernels import q4_k\n" + (
+    probe = PROBE_HEAD + ATTENTION + "\nfrom cpu_kernels import q4_k\n" + (
         "raw = q4_k.random_blocks(rng, (9, 512), 0.05); w = np.empty((9, 512), np.float32); q4_k.dequantize(raw, w)\n"
         "x = rng.standard_normal(512).astype(np.float32); out = np.empty(9, np.float32); q4_k.matvec(raw, x, out)\n"
         "assert np.allclose(out, w @ x, rtol=1e-3, atol=1e-3)\n")
