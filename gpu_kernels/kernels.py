@@ -238,11 +238,11 @@ class Kernels(DeltaNetLaunchers):
     def _mm_threads(self, qtype, num_cols):
         return self._threads(num_cols // UNIT_WEIGHTS[Q(qtype)], cap=128)
 
-    def _mm_launch(self, qtype, kernel, num_rows, num_cols, row_bytes, one):
+    def _mm_launch(self, qtype, kernel, num_rows, num_cols, row_bytes, one, float_x=False):
         """(compiled kernel, blocks over the rows at one chunk a block, (R, C, B, tpr) as kernel scalars, shared
-        memory bytes) of a matmul launch (one: the one-token kernel's, `_1q` where x goes in as int16), kept per
-        shape: a decode step launches the same few shapes hundreds of times."""
-        key = (qtype, kernel, num_rows, num_cols, row_bytes)
+        memory bytes) of a matmul launch (one: the one-token kernel's, `_1q` where x goes in as int16 unless
+        float_x), kept per shape: a decode step launches the same few shapes hundreds of times."""
+        key = (qtype, kernel, num_rows, num_cols, row_bytes, float_x)
         launch = self._launches.get(key)
         if launch is None:
             slices, rem = divmod(num_cols, SLICE_WEIGHTS[Q(qtype)])
@@ -253,7 +253,8 @@ class Kernels(DeltaNetLaunchers):
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
             per_block = MATMUL_THREADS // tpr * rows_per_group
             shared = 0
-            if one and takes_int16(self.act_quant, qtype) and xq_shared_bytes(num_cols) <= XQ_MAX_SHARED:
+            int16 = one and not float_x and takes_int16(self.act_quant, qtype)
+            if int16 and xq_shared_bytes(num_cols) <= XQ_MAX_SHARED:
                 kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
             launch = self._launches[key] = (
                 self._mm(qtype, kernel), (num_rows + per_block - 1) // per_block,
@@ -282,12 +283,13 @@ class Kernels(DeltaNetLaunchers):
         chunks = self._row_chunks(fn, num_blocks, num_tiles, shared, one)
         return -(-num_blocks // chunks), np.int32(chunks)
 
-    def matmul(self, raw, qtype, x, out):
-        """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous."""
+    def matmul(self, raw, qtype, x, out, float_x=False):
+        """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous. float_x: x as float32 in the
+        one-token kernel too (not rounded to int16 whatever act_quant says)."""
         num_tokens, num_cols = x.shape
         one = num_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "matmul_1" if one else "matmul", raw.shape[0],
-                                                          num_cols, raw.shape[-1], one)
+                                                          num_cols, raw.shape[-1], one, float_x)
         num_tiles = 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, num_tiles, shared, one)
         self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars + (chunks,),

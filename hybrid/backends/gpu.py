@@ -213,9 +213,10 @@ class GpuBackend(GpuDeltaOps):
     # -- dense ops -------------------------------------------------------------------------
 
     def linear(self, weight, x, exact=False):
-        """x [T, C] @ weight[R, C].T -> [T, R] (x multiplied as float32: exact changes nothing here)."""
+        """x [T, C] @ weight[R, C].T -> [T, R]; exact: x as float32 also where one token's matmul would round it
+        to int16 (act_quant)."""
         out = self.rt.empty((x.shape[0], weight.shape[0]), np.float32)
-        self.kernels.matmul(self._weight(weight), weight.qtype, x, out)
+        self.kernels.matmul(self._weight(weight), weight.qtype, x, out, float_x=exact)
         return out
 
     def add_into(self, x, y):

@@ -241,9 +241,9 @@ class ProjectionCounter:
     def __getattr__(self, name):
         return getattr(self.kernels, name)
 
-    def matmul(self, raw, qtype, x, out):
+    def matmul(self, raw, qtype, x, out, float_x=False):
         self.matmul_rows.append((x.shape[0], raw.shape[0], qtype))
-        self.kernels.matmul(raw, qtype, x, out)
+        self.kernels.matmul(raw, qtype, x, out, float_x)
 
     def rope_neox(self, x, positions, inv_freq, scale=1.0):
         self.rope_heads.append(x.shape[:2])
