@@ -3,7 +3,8 @@ module (gpu_kernels/delta_launch.py), the sigmoid gates and the splits hybrid/li
 backend's device arrays. The delta rule runs token by token (a thread per state column, the tokens in order) for
 decode steps and short chunks, and in its chunked form (gpu_kernels/src/delta_net.cu: each 64-token chunk's
 triangular system solved in parallel over chunks and heads, then one pass over the chunks for the state) from
-CHUNKED_MIN_TOKENS tokens on.
+CHUNKED_MIN_TOKENS tokens on, where that is set: on an H100 at Qwen3-Next-80B's shapes the chunked form took 1.25-1.96x
+the token-by-token time for every chunk from 16 to 2,048 tokens (bench/results/qwen3next.md), so it is off.
 
 Shape legend: T tokens, C conv channels, W conv width, Hk / Hv key / value heads, Dk / Dv their head dims,
 G groups, L chunk tokens, NC chunks.
@@ -14,7 +15,7 @@ from gpu_kernels.delta_launch import DN_CHUNK
 
 from ..weight_formats import dequantize
 
-CHUNKED_MIN_TOKENS = DN_CHUNK  # a chunk of this many tokens or more takes the chunked form
+CHUNKED_MIN_TOKENS = None  # a chunk of this many tokens or more takes the chunked form (None: none does)
 
 
 class GpuDeltaOps:
@@ -67,7 +68,7 @@ class GpuDeltaOps:
         q, k, v = (xp.ascontiguousarray(mixed[:, lo:hi]) for lo, hi in ((0, qk), (qk, 2 * qk), (2 * qk, None)))
         q, k = (x.reshape(num_tokens, part.num_k_heads, part.key_dim) for x in (q, k))
         v = v.reshape(num_tokens, part.num_v_heads, part.value_dim)
-        if num_tokens < CHUNKED_MIN_TOKENS:
+        if CHUNKED_MIN_TOKENS is None or num_tokens < CHUNKED_MIN_TOKENS:
             self.kernels.delta_rule(q, k, v, g, beta, state, out, part.tiled)
         else:
             self._delta_rule_chunked(q, k, v, g, beta, state, out, part.tiled)

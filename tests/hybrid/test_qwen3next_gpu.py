@@ -29,13 +29,17 @@ def qwen3next_q8(tmp_path_factory, demo_tokenizer):
 
 @pytest.mark.parametrize("num_tokens", [1, 63, 64, 150])
 @pytest.mark.parametrize("tiled", [False, True])
-def test_gpu_delta_rule_matches_the_recurrence(num_tokens, tiled):
+def test_gpu_delta_rule_matches_the_recurrence(num_tokens, tiled, monkeypatch):
     """GpuBackend.delta_rule through the stand-in runtime: short chunks token by token, from CHUNKED_MIN_TOKENS on
-    the chunked form's four stages (each a NumPy stand-in of its kernel); out and the state as the recurrence's."""
+    (set here to one chunk; off by default) the chunked form's four stages (each a NumPy stand-in of its kernel); out
+    and the state as the recurrence's."""
+    from gpu_kernels.delta_launch import DN_CHUNK
     from gpu_kernels.numpy_runtime import NumpyRuntime
     from hybrid.arch.recipe import LinearAttention
-    from hybrid.backends.gpu_delta import CHUNKED_MIN_TOKENS
+    from hybrid.backends import gpu_delta
     from tests import delta_net_reference as ref
+
+    monkeypatch.setattr(gpu_delta, "CHUNKED_MIN_TOKENS", DN_CHUNK)
     from tests.gpu_kernels.conftest import ReferenceKernels
 
     part = LinearAttention(num_k_heads=2, num_v_heads=4, key_dim=16, value_dim=24, conv_width=4, tiled=tiled)
@@ -51,7 +55,7 @@ def test_gpu_delta_rule_matches_the_recurrence(num_tokens, tiled):
         "delta_chunk_state": lambda self, *a: calls.append("chunked") or ReferenceKernels.delta_chunk_state(self, *a)})()
     out, dev_state = np.zeros((num_tokens, 4, 24), np.float32), state.copy()
     backend.delta_rule(mixed, g, beta, dev_state, out, part)
-    assert calls == ["delta_rule" if num_tokens < CHUNKED_MIN_TOKENS else "chunked"]
+    assert calls == ["delta_rule" if num_tokens < DN_CHUNK else "chunked"]
     q, k, v = np.split(mixed, [32, 64], axis=1)
     expected, expected_state = ref.delta_rule_recurrent(q.reshape(-1, 2, 16), k.reshape(-1, 2, 16),
                                                         v.reshape(-1, 4, 24), g, beta, state, tiled)
