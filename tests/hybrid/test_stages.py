@@ -340,16 +340,17 @@ def test_profile_plans_the_stages_at_start_up(stand_in_gpus, gguf_models):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("share", SHARES)
-@pytest.mark.parametrize("cut", [1, 2])
-def test_one_gpu_as_two_logical_devices(gguf_models, cut, share):
+@pytest.mark.parametrize("size,target,cut", [("small", "Q8_0", 1), ("small", "Q8_0", 2), ("kquant", "Q4_K_M", 1)],
+                         ids=["split-1of3", "split-2of3", "split-1of2"])
+def test_one_gpu_as_two_logical_devices(gguf_models, size, target, cut, share):
     """llm.score within 2e-3 of the CPU engine's, greedy equal, and 4 slots equal to each alone, over one GPU
-    presented as two devices (--gpus 0,0)."""
+    presented as two devices (--gpus 0,0), at splits 1/3 and 2/3 (the 3-layer model) and 1/2 (the 2-layer one)."""
     from gpu_kernels.runtime import probe
     from hybrid import LLM
 
     if probe().runtime is None:
         pytest.skip("no GPU")
-    path, _ = gguf_models("small", "Q8_0")
+    path, _ = gguf_models(size, target)
     cpu = LLM(path, device="cpu", max_context=256, act_quant="float")
     resident = mask(cpu.config, share)
     llm = LLM(path, device="gpu", gpus=(0, 0), layer_split=(cut,), max_context=256, act_quant="float",
