@@ -262,13 +262,15 @@ GPU_MODELS = [("kquant", "UD_MIX"), ("kquant", "MXFP4_MOE"), ("kquant", "Q3_K_M"
 @pytest.mark.parametrize("size,target", GPU_MODELS, ids=[f"{s}-{t}" for s, t in GPU_MODELS])
 def test_gpu_engine_matches_cpu(runtime, gguf_models, size, target):
     """test_gpu_model's check on the new types: device="gpu" at 0, 50 and 100 % of the experts resident against
-    the CPU engine, logits within 2e-3 and 8 greedy tokens equal."""
+    the CPU engine, logits within 2e-3 and 8 greedy tokens equal. The CPU engine runs op by op: its compiled and
+    fused layers give the same logits (tests/hybrid/test_compiled_decode.py) but compile for minutes a format on a
+    cold many-core host."""
     from hybrid import LLM
 
     from .test_gpu_model import PROMPT, masks
 
     path, _ = gguf_models(size, target)
-    cpu = LLM(path, device="cpu", max_context=256)
+    cpu = LLM(path, device="cpu", max_context=256, compiled_decode=False)
     ref = cpu.score(PROMPT)
     ref_tokens = cpu.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True).token_ids
     for name, mask in masks(cpu.config.num_layers, cpu.config.num_experts).items():
