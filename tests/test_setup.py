@@ -143,8 +143,8 @@ def test_measurement_skips_the_gpus_cleanly_without_a_runtime():
 
     assert thread_counts(1) == [1] and thread_counts(6) == [1, 2, 4, 6] and thread_counts(8) == [1, 2, 4, 8]
     if probe().runtime is None:
-        gpus, note = measure_gpus()
-        assert gpus == () and note == probe().reason
+        gpus, note, attention = measure_gpus(heads=(8, 2, 64))
+        assert gpus == () and note == probe().reason and attention == {}
 
 
 def synthetic_sizes():
@@ -259,3 +259,45 @@ def test_a_gpu_too_small_for_the_dense_part_leaves_the_model_on_the_cpu():
                                                                         if c.name == "device")
     with pytest.raises(ValueError, match="^setup: the model does not fit these GPUs: GPU 0"):
         Chooser(tiny, synthetic_sizes(), 65536, fixed={"device": "gpu"}).choose()
+
+
+def test_predictions_grow_slower_with_the_measured_attention_per_key():
+    """A GPU box whose one-token attention was timed: each token of context adds its per-key time on every layer
+    with KV, so the prediction is for a stated context and falls as the context grows."""
+    from hybrid.setup.attention_time import AttentionCost
+    from hybrid.setup.choose import Chooser
+
+    cost = AttentionCost((256, 8192), (20e-6, 60e-6), "f16")
+    box = Machine(**{**GPU_BOX.__dict__, "gpus": GPU_BOX.gpus[:1], "attention": {"f16": cost, "int8": cost}})
+    plan = Chooser(box, synthetic_sizes(), 32768, predict_context=1500).choose()
+    assert plan.context == 1500 and plan.key_s == pytest.approx(4 * 40e-6 / 7936)
+    assert plan.alone_tok_s == pytest.approx(1 / (plan.step_s + 1500 * plan.key_s))
+    assert plan.alone_at(0) > plan.alone_tok_s > plan.alone_at(32768) > 0
+    assert plan.busy_at(1500) == pytest.approx(1 / (plan.busy_step_s + 2 * 1500 * plan.key_s))
+    unmeasured = Chooser(Machine(**{**box.__dict__, "attention": {}}), synthetic_sizes(), 32768).choose()
+    assert unmeasured.key_s == pytest.approx(4 * 2 * 4 * 128 * 2 / 900e9)  # f16 KV bytes at the copy bandwidth
+
+
+def test_the_attention_timing_fits_a_time_per_key():
+    """time_attention launches the one-token attention at each key count (query at the last position, every key
+    from 0) and keeps the best of its timed launches: a stand-in whose launch takes 5 us + 2 ns a key."""
+    from gpu_kernels.numpy_runtime import NumpyRuntime
+    from hybrid.setup.attention_time import time_attention
+
+    class Clock(NumpyRuntime):
+        def elapsed(self, start, stop):
+            return 5e-6 + 2e-9 * kernels.keys[-1]
+
+    class Kernels:
+        stream, keys = None, []
+
+        def paged_attention(self, kv, q, k_pool, v_pool, k_scale, v_scale, table, start, key_lo, scale, out):
+            assert q.shape == (1, 8, 64) and k_pool.shape[1:] == (64, 2, 64) and key_lo == 0
+            assert (k_scale is None) == (kv != "int8") and k_pool.shape[0] * 64 >= start + 1
+            self.keys.append(start + 1 - key_lo)
+
+    kernels = Kernels()
+    cost = time_attention(Clock(), kernels, 8, 2, 64, "int8", keys=(256, 1024), repeats=3)
+    assert kernels.keys == [256] * 4 + [1024] * 4
+    assert cost.per_key_s == pytest.approx(2e-9) and cost.seconds[0] == pytest.approx(5e-6 + 512e-9)
+    assert "ns a key" in cost.describe()

@@ -12,6 +12,7 @@ from placement.profile import ExpertProfile
 
 from ..config import SETTINGS
 
+PREDICT_CONTEXT = 2048  # the context (tokens a slot holds) the printed predictions are for, unless told
 CONTEXT_STEP = 1024  # max_context is lowered in steps of this many tokens
 RAM_KV_SHARE = 0.25  # of the RAM left after the model: for KV on the CPU (the conversation cache takes its own)
 VRAM_KV_SHARE = 1 / 3  # of a GPU's room after dense weights and scratch: for KV, the rest for experts
@@ -33,12 +34,15 @@ class Choice:
 
 @dataclass
 class Plan:
-    """Setup's choices and predictions."""
+    """Setup's choices and predictions. A decode step's time is a part that does not depend on the context and
+    a part that grows with it (attention over every token a slot holds): predictions are for a stated context."""
 
     choices: list = field(default_factory=list)
-    decode_tok_s: float = 0.0  # per slot, every slot decoding
-    alone_tok_s: float = 0.0  # one slot decoding alone
     parallel: int = 1  # the slots the predictions are for
+    context: int = PREDICT_CONTEXT  # tokens each slot holds in the predictions
+    step_s: float = 0.0  # one slot decoding alone, without its attention's growth with the context
+    busy_step_s: float = 0.0  # the same, every slot decoding
+    key_s: float = 0.0  # one slot's added step time per token of its context
     vram_mib: tuple = ()  # per GPU
     ram_mib: float = 0.0
     placement: object = None  # a Placement to save beside the config, or None
@@ -46,14 +50,32 @@ class Plan:
     def value(self, name):
         return next((c.value for c in self.choices if c.name == name), None)
 
+    def alone_at(self, context):
+        """Predicted decode tok/s of one slot decoding alone, holding `context` tokens."""
+        return 1 / (self.step_s + self.key_s * context) if self.step_s else 0.0
+
+    def busy_at(self, context):
+        """Predicted decode tok/s of each slot with every slot decoding, each holding `context` tokens."""
+        return 1 / (self.busy_step_s + self.parallel * self.key_s * context) if self.busy_step_s else 0.0
+
+    @property
+    def alone_tok_s(self):
+        return self.alone_at(self.context)
+
+    @property
+    def decode_tok_s(self):
+        return self.busy_at(self.context)
+
 
 class Chooser:
     """The choices of one model on one machine; `fixed` {name: value} are the user's and are not chosen."""
 
-    def __init__(self, machine, sizes, context_length, fixed=None, profile=None, model_bytes=None):
+    def __init__(self, machine, sizes, context_length, fixed=None, profile=None, model_bytes=None,
+                 predict_context=PREDICT_CONTEXT):
         self.m, self.sizes, self.context_length = machine, sizes, context_length
         self.fixed, self.profile = dict(fixed or {}), profile
         self.model_bytes = model_bytes if model_bytes is not None else _model_bytes(sizes)
+        self.predict_context = predict_context
         self.plan = Plan()
 
     def pick(self, name, value, why):
@@ -68,6 +90,7 @@ class Chooser:
 
     def choose(self):
         m = self.m
+        self.plan.context = self.predict_context
         why = (f"{len(m.gpus)} GPU(s) measured: " + ", ".join(f"{g.name} {g.vram_mib:.0f} MiB" for g in m.gpus)
                if m.gpus else f"no GPU ({m.gpu_note})")
         what, rates = (("the CPU decode kernels over this model's experts", m.expert_gbps) if m.expert_gbps else
@@ -83,6 +106,7 @@ class Chooser:
                 if self.fixed.get("device") == "gpu":
                     raise ValueError(f"setup: the model does not fit these GPUs: {exc}") from None
                 self.plan = Plan(choices=[c for c in self.plan.choices if c.name == "cpu_gbps"])
+                self.plan.context = self.predict_context
                 why = f"the GPUs cannot hold the model's dense part: {exc}"
         self.pick("device", "cpu", why)
         self._choose_cpu()
@@ -99,9 +123,10 @@ class Chooser:
         kv, context, why = self._fit_kv(("f32", "f16", "int8"), parallel, room, "RAM")
         kv = self.pick("kv", kv, why)
         context = self.pick("max_context", context, why)
-        overhead = self.sizes.num_layers * CPU_LAYER_S
-        self.plan.decode_tok_s = 1 / (self._step_bytes(kv, context, parallel) / (self.m.cpu_gbps * 1e9) + overhead)
-        self.plan.alone_tok_s = 1 / (self._step_bytes(kv, context, 1) / (self.m.cpu_gbps * 1e9) + overhead)
+        overhead, rate = self.sizes.num_layers * CPU_LAYER_S, self.m.cpu_gbps * 1e9
+        self.plan.busy_step_s = self._step_bytes(parallel) / rate + overhead
+        self.plan.step_s = self._step_bytes(1) / rate + overhead
+        self.plan.key_s = self._kv_bytes(kv, 1, 1) / rate  # attention on the CPU streams the KV
         self.plan.ram_mib = (self.model_bytes + self._kv_bytes(kv, context, parallel)) / MIB
 
     def _fit_kv(self, kvs, parallel, room, where):
@@ -120,13 +145,13 @@ class Chooser:
         return kv, min(context, limit), (f"the model's {limit} tokens x {parallel} slot(s) do not fit the "
                                          f"{room / MIB:.0f} MiB {where} budget even in {kv}: context lowered")
 
-    def _step_bytes(self, kv, context, parallel):
-        """Bytes a decode step of `parallel` slots reads: dense and head once, the distinct experts of its tokens
-        (expected, every expert equally likely), and each slot's KV at half the context."""
+    def _step_bytes(self, parallel):
+        """Bytes a decode step of `parallel` slots reads besides their KV: dense and head once, the distinct
+        experts of its tokens (expected, every expert equally likely), each slot's recurrent state."""
         s = self.sizes
         distinct = s.num_experts * (1 - (1 - s.num_experts_per_tok / s.num_experts) ** parallel)
         return (sum(s.layer_dense_bytes) + s.head_bytes + distinct * sum(s.expert_bytes)
-                + self._kv_bytes(kv, context // 2, parallel))
+                + parallel * s.state_bytes(range(s.num_layers)))
 
     def _choose_gpu(self):
         m = self.m
@@ -148,6 +173,15 @@ class Chooser:
         context = limit if window is not None else context
         context = self.pick("max_context", context, f"the model's context ({self.context_length} tokens)")
         self._place(parallel, context, kv, window, reserve)
+
+    def _gpu_key_seconds(self, kv, gpu_gbps):
+        """A slot's step time per token of context on the GPU: the measured one-token attention's per-key time
+        over every layer with KV, else (not measured) the KV's bytes at the on-device bandwidth."""
+        layers = self.sizes.kv_layers(range(self.sizes.num_layers))
+        cost = self.m.attention.get(kv)
+        if cost is not None:
+            return layers * cost.per_key_s
+        return self._kv_bytes(kv, 1, 1) / (gpu_gbps * 1e9)
 
     def _pinned_note(self, mib):
         limit = self.m.pinned_limit_mib
@@ -174,12 +208,12 @@ class Chooser:
             self.plan.placement = placement
         self.pick("gpu_gbps", speeds.gpu_gbps, "the slowest GPU's measured on-device copy bandwidth")
         overhead = s.num_layers * GPU_LAYER_S
-        step = parallel / placement.predicted["decode_tok_s"]  # the planner's rate is every slot's together
-        self.plan.decode_tok_s = 1 / (step + overhead)
         probs, _ = profile.decode_estimate()
-        alone = CostModel(probs, s, 1, speeds, context, kv)
         mask = placement.resident_mask(s.num_layers, s.num_experts)
-        self.plan.alone_tok_s = 1 / (alone.step_seconds(mask) + overhead)
+        # without KV (max_context 0): the attention's growth with the context is the measured key_s
+        self.plan.busy_step_s = CostModel(probs, s, parallel, speeds, 0, kv).step_seconds(mask) + overhead
+        self.plan.step_s = CostModel(probs, s, 1, speeds, 0, kv).step_seconds(mask) + overhead
+        self.plan.key_s = self._gpu_key_seconds(kv, speeds.gpu_gbps)
         self.plan.vram_mib = tuple(_used_mib(g.budget) for g in placement.gpus)
         pinned = 0 if window is None else self._kv_bytes(kv, max(context - window, 0), parallel)
         self.plan.ram_mib = (self.model_bytes + pinned) / MIB
@@ -204,8 +238,10 @@ def _model_bytes(sizes):
             + sizes.head_bytes)
 
 
-def choose(machine, weights, fixed=None, profile=None):
-    """The Plan for `weights` (hybrid.formats) on `machine`, keeping the user's `fixed` values."""
+def choose(machine, weights, fixed=None, profile=None, predict_context=PREDICT_CONTEXT):
+    """The Plan for `weights` (hybrid.formats) on `machine`, keeping the user's `fixed` values; its predictions
+    are for slots holding `predict_context` tokens."""
     sizes = ModelSizes.from_weights(weights)
     model_bytes = int(sum(np.int64(t.raw.nbytes) for t in weights.tensors.values()))
-    return Chooser(machine, sizes, weights.config.context_length, fixed, profile, model_bytes).choose()
+    return Chooser(machine, sizes, weights.config.context_length, fixed, profile, model_bytes,
+                   predict_context).choose()

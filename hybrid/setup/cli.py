@@ -5,6 +5,7 @@ import logging
 import os
 
 from ..cli_types import existing_file, int_at_least, output_file
+from .choose import PREDICT_CONTEXT
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,9 @@ def add_setup(sub, build_parser):
     p.add_argument("--check", action="store_true", help="then generate a few tokens with the result and compare "
                                                         "the decode speed with the prediction")
     p.add_argument("--check-tokens", type=int_at_least(2), default=32, help="tokens --check generates (default 32)")
+    p.add_argument("--predict-context", type=int_at_least(1), default=PREDICT_CONTEXT, metavar="TOKENS",
+                   help="the context (tokens a conversation holds) the decode predictions are for (default "
+                        f"{PREDICT_CONTEXT}; they are also printed at the chosen max_context)")
     p.add_argument("--read-mib", type=int_at_least(8), default=512,
                    help="MiB the DRAM bandwidth is timed over (default 512: beyond any cache)")
     p.set_defaults(func=run_setup, build_parser=build_parser)
@@ -55,7 +59,7 @@ def run_setup(args):
     machine = measure_box(args.read_mib, weights)
     profile_path = args.profile or (_record_profile(args, model) if args.prompts else None)
     profile = _profile(profile_path, weights)
-    plan = choose(machine, weights, fixed, profile)
+    plan = choose(machine, weights, fixed, profile, args.predict_context)
     choices = [Choice("model", os.path.abspath(model), f"the model setup measured for ({weights.config.arch}, "
                                                         f"{weights.config.num_layers} layers)")] + plan.choices
     placement_path = os.path.splitext(args.output)[0] + ".placement.json"
@@ -157,7 +161,9 @@ def _profile(path, weights):
 def _predictions(machine, plan):
     gpus = ", ".join(f"GPU {i}: {mib:.0f} of {g.vram_mib:.0f} MiB" for i, (mib, g) in
                      enumerate(zip(plan.vram_mib, machine.gpus))) or "no GPU"
-    slots = plan.parallel
+    slots, longest = plan.parallel, plan.value("max_context")
     busy = f", {plan.decode_tok_s:.1f} per slot with {slots} decoding" if slots > 1 else ""
-    return (f"predicted: decode {plan.alone_tok_s:.1f} tok/s alone{busy}; VRAM {gpus}; RAM {plan.ram_mib:.0f} of "
-            f"{machine.free_ram_mib:.0f} MiB free")
+    full = (f" (at {longest} tokens: {plan.alone_at(longest):.1f} alone)"
+            if isinstance(longest, int) and longest > plan.context else "")
+    return (f"predicted: decode {plan.alone_tok_s:.1f} tok/s alone{busy} at {plan.context} tokens of context{full}; "
+            f"VRAM {gpus}; RAM {plan.ram_mib:.0f} of {machine.free_ram_mib:.0f} MiB free")

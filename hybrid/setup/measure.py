@@ -16,6 +16,7 @@ READ_MIB = 512  # the array the DRAM read is timed over: far beyond any last-lev
 COPY_MIB = 256  # the GPU copies timed
 REPEATS = 3  # best of
 EXPERT_SAMPLE_MIB = 256  # the model's expert weights the decode kernels are timed over
+GPU_KVS = ("f16", "int8")  # the KV types setup chooses among on a GPU
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Machine:
     expert_gbps: dict = field(default_factory=dict)  # threads -> GB/s of the decode kernels over the model's experts
     gpus: tuple = ()
     gpu_note: str = ""  # why there is no GPU
+    attention: dict = field(default_factory=dict)  # KV dtype -> AttentionCost of GPU 0 at the model's heads
 
     @property
     def cpu_gbps(self):
@@ -59,6 +61,7 @@ class Machine:
                 f"{n}: {v:g}" for n, v in sorted(self.expert_gbps.items())))
         lines += [f"GPU {g.index} {g.name}: {g.vram_mib:.0f} MiB, {g.free_mib:.0f} free, host to device "
                   f"{g.h2d_gbps:g} GB/s, on-device copy {g.vram_gbps:g} GB/s" for g in self.gpus]
+        lines += [cost.describe() for cost in self.attention.values()]
         return lines if self.gpus else lines + [f"no GPU ({self.gpu_note})"]
 
 
@@ -192,21 +195,33 @@ def _expert_call(tensor):
     return kernel, (raw,), x, ids, starts, (np.empty((num_experts, num_rows), np.float32),)
 
 
-def measure_gpus(copy_mib=COPY_MIB):
-    """(tuple of Gpu, note): every GPU the runtime finds, or () and why there is none."""
+def measure_gpus(copy_mib=COPY_MIB, heads=None):
+    """(tuple of Gpu, note, {KV dtype: AttentionCost}): every GPU the runtime finds, or () and why there is none;
+    heads (query heads, kv heads, head dim): the model's, whose decode attention is timed on GPU 0."""
     from gpu_kernels.runtime import CupyRuntime, probe
 
     found = probe()
     if found.runtime is None:
         log.info("no GPU: %s", found.reason)
-        return (), found.reason
+        return (), found.reason, {}
     count = found.runtime.cp.cuda.runtime.getDeviceCount()
     gpus = tuple(_measure_gpu(found.runtime if i == 0 else CupyRuntime(i), i, copy_mib) for i in range(count))
     found.runtime.device.use()
+    attention = _time_attention(found.runtime, heads) if heads else {}
     cp = found.runtime.cp  # the copies' buffers back to the driver: --check's engine budgets the VRAM free
     cp.get_default_memory_pool().free_all_blocks()
     cp.get_default_pinned_memory_pool().free_all_blocks()
-    return gpus, ""
+    return gpus, "", attention
+
+
+def _time_attention(rt, heads):
+    """{KV dtype: AttentionCost} of the KV types setup chooses among, on `rt`'s device."""
+    from gpu_kernels.kernels import Kernels
+
+    from .attention_time import time_attention
+
+    kernels = Kernels(rt, rt.stream())
+    return {kv: time_attention(rt, kernels, *heads, kv) for kv in GPU_KVS}
 
 
 def _measure_gpu(rt, index, copy_mib):
@@ -243,6 +258,8 @@ def measure(read_mib=READ_MIB, weights=None, gpus=True):
     counts = thread_counts(cores)
     dram = dram_bandwidth(counts, read_mib)
     experts = expert_bandwidth(weights, counts) if weights is not None else {}
-    found, note = measure_gpus() if gpus else ((), "not measured")
+    heads = None if weights is None else (weights.config.num_heads, weights.config.num_kv_heads,
+                                          weights.config.head_dim)
+    found, note, attention = measure_gpus(heads=heads) if gpus else ((), "not measured", {})
     return Machine(cores, isa, features, numa_nodes(), info.get("MemTotal", 0.0), info.get("MemAvailable", 0.0),
-                   pinned_limit_mib(), dram, experts, found, note)
+                   pinned_limit_mib(), dram, experts, found, note, attention)
