@@ -124,12 +124,16 @@ def test_the_config_setup_writes_starts_the_server(box, demo_path, tmp_path):
 
 @pytest.mark.slow
 def test_setup_measures_this_box_and_checks_its_prediction(demo_path, tmp_path, capsys, monkeypatch):
-    """The real measurement (no GPU on CI: skipped cleanly) and --check's short run."""
+    """The real measurement (no GPU on CI: skipped cleanly) and --check's short runs, after a short prompt and
+    after one of the predictions' context."""
     monkeypatch.setenv("HOME", str(tmp_path))
     path = tmp_path / "strata.toml"
-    assert setup(demo_path, path, "--read-mib", "64", "--check", "--check-tokens", "8") == 0
+    assert setup(demo_path, path, "--read-mib", "64", "--check", "--check-tokens", "8", "--predict-context",
+                 "200") == 0
     out = capsys.readouterr().out
-    assert "check: decode" in out and "predicted" in out
+    assert "at 200 tokens of context" in out
+    checks = [line for line in out.splitlines() if line.startswith("check: decode")]
+    assert len(checks) == 2 and "at ~204 tokens of context" in checks[1] and "predicted for one slot" in checks[1]
     assert file_config(path)[0].cpu_gbps > 0
     assert "# measured: expert decode kernels GB/s by threads: 1: " in path.read_text()
     other = tmp_path / "other.toml"

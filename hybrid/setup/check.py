@@ -1,12 +1,12 @@
-"""`strata setup --check`: a short greedy generation with the written config, its decode speed against
-setup's prediction."""
+"""`strata setup --check`: short greedy generations with the written config, after a short prompt and after one
+of the predictions' context, their decode speed against setup's prediction at the context each held."""
 TOLERANCE = 0.25  # the acceptance bound of the prediction
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 def check(path, plan, num_tokens):
-    """One line: measured decode tok/s of one slot over `num_tokens` against the plan's prediction for one
-    slot alone at the context it held, and whether it is within TOLERANCE."""
+    """Lines: measured decode tok/s of one slot over `num_tokens`, after the short PROMPT and after a prompt of
+    about plan.context tokens, each against the plan's prediction for one slot alone at the context it held."""
     from hybrid.config import resolve_sources
     from hybrid.config_file import read_config
     from hybrid.llm import LLM
@@ -15,9 +15,21 @@ def check(path, plan, num_tokens):
     llm = LLM(config=config.with_settings(kv_sequences=1))
     try:
         llm.warm_up()
-        out = llm.generate(PROMPT, max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+        short = llm.tokenizer.encode(PROMPT)
+        longest = llm.max_context - num_tokens
+        prompts = [short] + ([_repeated(short, plan.context)] if len(short) < plan.context <= longest else [])
+        return "\n".join(_line(llm, ids, plan, num_tokens) for ids in prompts)
     finally:
         llm.close()
+
+
+def _repeated(ids, length):
+    """`ids` repeated to `length` tokens."""
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def _line(llm, ids, plan, num_tokens):
+    out = llm.generate(ids, max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     measured, made = out.timings["predicted_per_second"], out.timings["predicted_n"]
     context = out.timings["prompt_n"] + made // 2  # the tokens the slot held, on average over its decode
     predicted = plan.alone_at(context)
