@@ -12,6 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .delta_launch import DeltaNetLaunchers
+from .ops_launch import OpsLaunchers
 from .sources import INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_key
     return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)
 
 
-class Kernels(DeltaNetLaunchers):
+class Kernels(DeltaNetLaunchers, OpsLaunchers):
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
     key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: "auto";
@@ -408,21 +409,6 @@ class Kernels(DeltaNetLaunchers):
         threads = MAX_THREADS
         self._launch(self._ops("swiglu"), ((n + threads - 1) // threads,), threads, (gate, up, out, np.int64(n)))
 
-    def route_topk(self, logits, k, normalize, ids, weights):
-        """logits [T, E] -> ids int32 [T, K], weights f32 [T, K]."""
-        num_tokens, num_experts = logits.shape
-        threads = self._threads(num_tokens, cap=128)
-        self._launch(self._ops("route_topk"), ((num_tokens + threads - 1) // threads,), threads,
-                     (logits, ids, weights, np.int32(num_tokens), np.int32(num_experts), np.int32(k),
-                      np.int32(bool(normalize))))
-
-    def route_topk_softmax(self, logits, k, ids, weights):
-        """logits [T, E] -> the K largest (ids int32 [T, K]) and the softmax over those K (weights f32 [T, K])."""
-        num_tokens, num_experts = logits.shape
-        threads = self._threads(num_tokens, cap=128)
-        self._launch(self._ops("route_topk_softmax"), ((num_tokens + threads - 1) // threads,), threads,
-                     (logits, ids, weights, np.int32(num_tokens), np.int32(num_experts), np.int32(k)))
-
     def clamped_swiglu(self, gate, up, order, ids, gate_bias, up_bias, alpha, limit, out):
         """gpt-oss's experts' activation over pair rows gate, up [N, F]: with e = ids.flat[order[n]] the pair's
         expert, g = min(gate + gate_bias[e], limit), u = clip(up + up_bias[e], -limit, limit), out = (u + 1) * g *
@@ -479,16 +465,6 @@ class Kernels(DeltaNetLaunchers):
         n = out.size
         self._launch(self._ops("add_into"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
                      (out, src, np.int64(n)))
-
-    def route_sigmoid(self, logits, bias, k, num_groups, topk_groups, normalize, scale, ids, weights):
-        """logits [T, E], choice bias [E] -> ids int32 [T, K], weights f32 [T, K] (moe_parts.cu route_sigmoid)."""
-        num_tokens, num_experts = logits.shape
-        if num_groups > 64 or num_experts % num_groups:
-            raise ValueError(f"route_sigmoid: {num_experts} experts in {num_groups} groups (at most 64 equal ones)")
-        threads = self._threads(num_tokens, cap=128)
-        self._launch(self._ops("route_sigmoid"), ((num_tokens + threads - 1) // threads,), threads,
-                     (logits, bias, ids, weights, np.int32(num_tokens), np.int32(num_experts), np.int32(k),
-                      np.int32(num_groups), np.int32(topk_groups), np.int32(bool(normalize)), np.float32(scale)))
 
     def add_bias(self, x, bias):
         """x [T, R] += bias [R] in place (contiguous x)."""

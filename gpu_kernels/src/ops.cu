@@ -1,5 +1,5 @@
-// The forward pass's other ops: RMSNorm, NeoX RoPE, the merge of two attention parts, SwiGLU, router softmax
-// top-k, and moving rows between token order and expert-sorted pair order.
+// The forward pass's other ops: RMSNorm, NeoX RoPE, the merge of two attention parts, SwiGLU, and moving rows
+// between token order and expert-sorted pair order (the routers: routing.cu).
 //
 // Shape legend: T tokens, H hidden (or head dim for per-head norms), nH heads, D head dim,
 // Hq / Hkv query / kv heads, S cache positions, E experts, K top-k, N pair rows, F expert width.
@@ -73,41 +73,6 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, float* out
     out[i] = silu * up[i];
 }
 
-// Router: softmax over logits [T, E], the K largest (ties to the lower id, highest first) ->
-// ids [T, K] int32, weights [T, K] (renormalized over the K when normalize). One thread a token.
-extern "C" __global__ void route_topk(const float* logits, int* ids, float* weights, int T, int E, int K,
-                                      int normalize) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= T) return;
-    const float* lt = logits + (i64)t * E;
-    int* it = ids + (i64)t * K;
-    float* wt = weights + (i64)t * K;
-    float best = lt[0];
-    for (int e = 1; e < E; ++e) best = fmaxf(best, lt[e]);
-    double total = 0.0;
-    for (int e = 0; e < E; ++e) total += (double)expf(lt[e] - best);
-    float inv_total = (float)(1.0 / total);
-    int kept = 0;
-    for (int e = 0; e < E; ++e) {
-        float pe = expf(lt[e] - best) * inv_total;
-        if (kept == K && pe <= wt[K - 1]) continue;
-        int slot = min(kept, K - 1);
-        while (slot > 0 && wt[slot - 1] < pe) {
-            wt[slot] = wt[slot - 1];
-            it[slot] = it[slot - 1];
-            --slot;
-        }
-        wt[slot] = pe;
-        it[slot] = e;
-        kept = min(kept + 1, K);
-    }
-    if (normalize) {
-        float sum = 0.0f;
-        for (int j = 0; j < K; ++j) sum += wt[j];
-        for (int j = 0; j < K; ++j) wt[j] /= sum;
-    }
-}
-
 // gpt-oss's experts: over pair rows gate, up [N, F] (n = N * F values), e = ids[order[row]] the row's expert:
 // g = min(gate + gate_bias[e], limit), u = clamp(up + up_bias[e], -limit, limit), out = (u + 1) * g *
 // sigmoid(alpha * g); out may alias gate or up.
@@ -129,36 +94,6 @@ extern "C" __global__ void add_pair_bias(float* rows, const int* order, const in
     if (i >= n) return;
     i64 row = i / H;
     rows[i] += bias[(i64)ids[order[row]] * H + (i - row * H)];
-}
-
-// Router (gpt-oss): the K largest of logits [T, E] (ties to the lower id, highest first) -> ids [T, K] int32,
-// then the softmax over those K -> weights [T, K]. One thread a token.
-extern "C" __global__ void route_topk_softmax(const float* logits, int* ids, float* weights, int T, int E, int K) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= T) return;
-    const float* lt = logits + (i64)t * E;
-    int* it = ids + (i64)t * K;
-    float* wt = weights + (i64)t * K;
-    int kept = 0;
-    for (int e = 0; e < E; ++e) {
-        float v = lt[e];
-        if (kept == K && v <= wt[K - 1]) continue;
-        int slot = min(kept, K - 1);
-        while (slot > 0 && wt[slot - 1] < v) {
-            wt[slot] = wt[slot - 1];
-            it[slot] = it[slot - 1];
-            --slot;
-        }
-        wt[slot] = v;
-        it[slot] = e;
-        kept = min(kept + 1, K);
-    }
-    float best = wt[0], total = 0.0f;
-    for (int j = 0; j < K; ++j) {
-        wt[j] = expf(wt[j] - best);
-        total += wt[j];
-    }
-    for (int j = 0; j < K; ++j) wt[j] /= total;
 }
 
 // out [N, H]: out[i] = x[order[i] / K] (x [T, H], order int32 [N]). grid (N).

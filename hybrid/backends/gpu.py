@@ -327,7 +327,7 @@ class GpuBackend(GpuDeltaOps):
         return ids, weights
 
     def route_sigmoid(self, router_logits, bias, k, num_groups, topk_groups, normalize, scale):
-        """The SigmoidTopK router (moe_parts.cu): router_logits [T, E], bias [E] -> (ids int32 [T, K], weights [T, K])."""
+        """The SigmoidTopK router (routing.cu): router_logits [T, E], bias [E] -> (ids int32 [T, K], weights [T, K])."""
         num_tokens = router_logits.shape[0]
         ids = self.rt.empty((num_tokens, k), np.int32)  # [T, K]
         weights = self.rt.empty((num_tokens, k), np.float32)  # [T, K]

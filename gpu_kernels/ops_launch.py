@@ -1,0 +1,43 @@
+"""Python launchers of the routers (src/routing.cu) and the fused small ops of a decode step (src/ops.cu), a mixin of
+gpu_kernels.kernels.Kernels: device arrays in, results written into caller-owned arrays.
+
+Shape legend: T tokens, E experts, K top-k, H hidden, nH heads, D head dim.
+"""
+import numpy as np
+
+ROUTE_LANES = 32  # routing.cu's ROUTE_LANES: lanes routing a token
+ROUTE_MAX_EXPERTS = 32 * 16  # ROUTE_LANES * routing.cu's ROUTE_HELD
+ROUTE_TOKENS = 4  # tokens a router block
+
+
+class OpsLaunchers:
+    """Kernels' launchers of the routers and fused ops (uses Kernels' rt, _ops, _launch, _threads)."""
+
+    def _route(self, name, logits, k, arrays, after=()):
+        """A router launch (routing.cu), arguments (logits, *arrays, T, E, K, *after): a group of ROUTE_LANES lanes a
+        token, ROUTE_TOKENS tokens a block."""
+        num_tokens, num_experts = logits.shape
+        if not (1 <= k <= min(ROUTE_LANES, num_experts) and num_experts <= ROUTE_MAX_EXPERTS):
+            raise ValueError(f"{name}: top {k} of {num_experts} experts (at most {ROUTE_MAX_EXPERTS} experts and "
+                             f"top {ROUTE_LANES})")
+        if num_tokens == 0:
+            return
+        per_block = min(ROUTE_TOKENS, num_tokens)
+        self._launch(self._ops(name), (-(-num_tokens // per_block),), ROUTE_LANES * per_block,
+                     (logits, *arrays, np.int32(num_tokens), np.int32(num_experts), np.int32(k), *after))
+
+    def route_topk(self, logits, k, normalize, ids, weights):
+        """logits [T, E] -> ids int32 [T, K], weights f32 [T, K]."""
+        self._route("route_topk", logits, k, (ids, weights), (np.int32(bool(normalize)),))
+
+    def route_topk_softmax(self, logits, k, ids, weights):
+        """logits [T, E] -> the K largest (ids int32 [T, K]) and the softmax over those K (weights f32 [T, K])."""
+        self._route("route_topk_softmax", logits, k, (ids, weights))
+
+    def route_sigmoid(self, logits, bias, k, num_groups, topk_groups, normalize, scale, ids, weights):
+        """logits [T, E], choice bias [E] -> ids int32 [T, K], weights f32 [T, K] (routing.cu route_sigmoid)."""
+        num_experts = logits.shape[1]
+        if num_groups > 64 or num_experts % num_groups:
+            raise ValueError(f"route_sigmoid: {num_experts} experts in {num_groups} groups (at most 64 equal ones)")
+        self._route("route_sigmoid", logits, k, (bias, ids, weights),
+                    (np.int32(num_groups), np.int32(topk_groups), np.int32(bool(normalize)), np.float32(scale)))
