@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import IQ4_NL as _GGUF_IQ4_NL
 from numba import njit
 
-from . import quant_driver, simd
+from . import quant_driver, simd, table_words
 from .half import read_half
 from .prefill_i16 import x_levels
 from .runs import Runs, run_blocks, table_runs
@@ -43,6 +43,8 @@ def _describe(builder, q, o):
 
 
 _block, _block_i16, _weights, _runs_i16 = run_blocks("iq4_nl", _describe, BLOCK_SIZE)
+if table_words.AVAILABLE:  # four blocks a step, word lookups (AVX-512 VBMI)
+    _block_i16 = table_words.word_dot("iq4_nl", BLOCK_BYTES, 2, KVALUES, table_words.half_scales, _block_i16)
 _X_LEVELS = x_levels(127)  # integer prefill: |x| levels for |weight integers| <= 127
 _kernels = quant_driver.instance("iq4_nl", quant_driver.INT16_DECODE, BLOCK_BYTES, BLOCK_SIZE, _unpack_row, _X_LEVELS,
                                  _block, _block_i16, _weights, _runs_i16)

@@ -13,7 +13,7 @@ from gguf.quants import MXFP4 as _GGUF_MXFP4
 from llvmlite import ir
 from numba import njit
 
-from . import quant_driver, simd
+from . import quant_driver, simd, table_words
 from .prefill_i16 import x_levels
 from .runs import Runs, e8m0_half, e8m0_half_scalar, load_bytes, run_blocks, table_runs
 from .tiles import format_api
@@ -44,6 +44,8 @@ def _describe(builder, q, o):
 
 
 _block, _block_i16, _weights, _runs_i16 = run_blocks("mxfp4", _describe, BLOCK_SIZE)
+if table_words.AVAILABLE:  # four blocks a step, word lookups (AVX-512 VBMI)
+    _block_i16 = table_words.word_dot("mxfp4", BLOCK_BYTES, 1, KVALUES, table_words.e8m0_scales, _block_i16)
 _X_LEVELS = x_levels(12)  # integer prefill: |x| levels for |weight integers| <= 12
 _kernels = quant_driver.instance("mxfp4", quant_driver.INT16_DECODE, BLOCK_BYTES, BLOCK_SIZE, _unpack_row, _X_LEVELS,
                                  _block, _block_i16, _weights, _runs_i16)
