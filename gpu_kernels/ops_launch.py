@@ -41,3 +41,21 @@ class OpsLaunchers:
             raise ValueError(f"route_sigmoid: {num_experts} experts in {num_groups} groups (at most 64 equal ones)")
         self._route("route_sigmoid", logits, k, (bias, ids, weights),
                     (np.int32(num_groups), np.int32(topk_groups), np.int32(bool(normalize)), np.float32(scale)))
+
+    def add_rmsnorm(self, x, y, weight, eps, out):
+        """x [T, H] += y [T, H], then out [T, H] = rmsnorm(x) (weight [H]): add_into and rmsnorm in one launch."""
+        num_rows, hidden = x.shape
+        threads = self._threads(hidden)
+        self._launch(self._ops("add_rmsnorm"), (num_rows,), threads,
+                     (x, y, weight, out, np.int32(hidden), np.float32(eps)), shared_mem=threads * 4)
+
+    def qk_norm_rope(self, x, q_weight, k_weight, num_q_heads, eps, positions, inv_freq, scale=1.0):
+        """In place over x [T, nH, D] (contiguous): each head RMSNormed (the first num_q_heads with q_weight [D], the
+        rest with k_weight [D]), then rope_neox's rotation of its first 2 * len(inv_freq) dims; positions int64 [T],
+        inv_freq f32 [R/2] on the device. rmsnorm over the heads, then rope_neox, in one launch."""
+        num_tokens, num_heads, head_dim = x.shape
+        threads = self._threads(head_dim)
+        self._launch(self._ops("qk_norm_rope"), (num_tokens * num_heads,), threads,
+                     (x, q_weight, k_weight, np.int32(num_heads), np.int32(num_q_heads), np.int32(head_dim),
+                      np.float32(eps), positions, inv_freq, np.int32(inv_freq.shape[0]), np.float32(scale)),
+                     shared_mem=4 * (threads + head_dim))

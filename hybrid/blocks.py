@@ -34,6 +34,9 @@ def attention_inputs(backend, part, layer, h, positions):
     if part.qkv_bias:
         for x, bias in ((q, layer.attn_q_bias), (k, layer.attn_k_bias), (v, layer.attn_v_bias)):
             backend.add_bias(x.reshape(x.shape[0], -1), bias)
+    if part.qk_norm and backend.capabilities.fused_norms:
+        backend.qk_norm_rope(q, k, qk, layer, positions)
+        return q, k, v
     if part.qk_norm:
         backend.rmsnorm_heads(q, layer.attn_q_norm, layer.eps)
         backend.rmsnorm_heads(k, layer.attn_k_norm, layer.eps)

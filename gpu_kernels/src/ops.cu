@@ -1,5 +1,6 @@
-// The forward pass's other ops: RMSNorm, NeoX RoPE, the merge of two attention parts, SwiGLU, and moving rows
-// between token order and expert-sorted pair order (the routers: routing.cu).
+// The forward pass's other ops: RMSNorm (alone, after a residual add, per q/k head with RoPE), NeoX RoPE, the
+// merge of two attention parts, SwiGLU, and moving rows between token order and expert-sorted pair order (the
+// routers: routing.cu).
 //
 // Shape legend: T tokens, H hidden (or head dim for per-head norms), nH heads, D head dim,
 // Hq / Hkv query / kv heads, S cache positions, E experts, K top-k, N pair rows, F expert width.
@@ -15,6 +16,55 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, i
     float total = block_sum(sum_sq, red);
     float inv_rms = (float)(1.0 / sqrt((double)total / H + (double)eps));
     for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv_rms);
+}
+
+// x [T, H] += y [T, H], then out [T, H] = rmsnorm(x) with weight w [H] (a residual add and the next norm in one
+// launch; the same sums as add_into then rmsnorm at one blockDim). grid (T); shared: blockDim floats.
+extern "C" __global__ void add_rmsnorm(float* x, const float* y, const float* w, float* out, int H, float eps) {
+    extern __shared__ float red[];
+    float* xr = x + (i64)blockIdx.x * H;
+    const float* yr = y + (i64)blockIdx.x * H;
+    float* orow = out + (i64)blockIdx.x * H;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        float v = xr[i] + yr[i];
+        xr[i] = v;
+        sum_sq += v * v;
+    }
+    float total = block_sum(sum_sq, red);
+    float inv_rms = (float)(1.0 / sqrt((double)total / H + (double)eps));
+    for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv_rms);
+}
+
+// The attention's q and k heads in place over x [T, nH, D]: each head RMSNormed (heads h < nq with wq [D], the
+// others with wk [D]: q and k side by side), then its first 2 * half dims NeoX-rotated as rope_neox rotates them
+// (the same sums and products as rmsnorm then rope_neox at one blockDim). grid (T * nH); shared: blockDim + D floats.
+extern "C" __global__ void qk_norm_rope(float* x, const float* wq, const float* wk, int nH, int nq, int D, float eps,
+                                        const i64* positions, const float* inv_freq, int half, float scale) {
+    extern __shared__ float red[];  // [blockDim] for the sum, then the normed head [D]
+    float* row = red + blockDim.x;
+    float* xr = x + (i64)blockIdx.x * D;
+    const float* w = (int)(blockIdx.x % nH) < nq ? wq : wk;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) sum_sq += xr[i] * xr[i];
+    float total = block_sum(sum_sq, red);
+    float inv_rms = (float)(1.0 / sqrt((double)total / D + (double)eps));
+    for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = w[i] * (xr[i] * inv_rms);
+    __syncthreads();
+    float pos = (float)positions[blockIdx.x / nH];
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float v = row[i];
+        if (i < 2 * half) {
+            int j = i < half ? i : i - half;
+            float s, c;
+            sincosf(pos * inv_freq[j], &s, &c);
+            s *= scale;
+            c *= scale;
+            float x1 = row[j], x2 = row[j + half];
+            v = i < half ? x1 * c - x2 * s : x2 * c + x1 * s;
+        }
+        xr[i] = v;
+    }
 }
 
 // In place over x [T, nH, D]: NeoX rotation of the pairs (i, i + half) of the first R = 2 * half dims

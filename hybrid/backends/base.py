@@ -35,6 +35,9 @@ class Capabilities:
     (placement/dynamic.py) may swap experts in and out of.
     parallel_min_tokens: `parallel_min_tokens(config)` gives the fewest tokens of a prompt chunk with which
     every op takes its parallel kernel (hybrid/warm_up.py).
+    fused_norms: `qk_norm_rope(q, k, qk, layer, positions)` does rmsnorm_heads of q and k (layer.attn_q_norm,
+    attn_k_norm) and their rope (layer.rope_freqs, rope_scale) in one launch where qk (project_qkv's) is given, and
+    `add_rmsnorm(x, y, weight, eps)` does add_into(x, y) and returns rmsnorm(x) in one.
     """
 
     compiled_decode_layer: bool = False
@@ -47,6 +50,7 @@ class Capabilities:
     host_decode_experts: bool = False
     expert_cache: bool = False
     parallel_min_tokens: bool = False
+    fused_norms: bool = False
 
 
 @dataclass(frozen=True, eq=False)

@@ -62,7 +62,8 @@ class GpuBackend(GpuDeltaOps):
 
     name = "gpu"
     capabilities = Capabilities(graphed_decode=True, step_graph=True, decode_experts=True,
-                                max_decode_pairs=MAX_DECODE_PAIRS, decode_relay_device=True, expert_cache=True)
+                                max_decode_pairs=MAX_DECODE_PAIRS, decode_relay_device=True, expert_cache=True,
+                                fused_norms=True)
 
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
                  max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
@@ -304,10 +305,26 @@ class GpuBackend(GpuDeltaOps):
     def rope(self, x, positions, freqs, scale=1.0):
         """In place over x [T, nH, D]: its first 2 * len(freqs) dims rotated (freqs: a layer's rope_freqs, uploaded
         at place), cos and sin times scale; positions int64 [T] on the host."""
+        self.kernels.rope_neox(x, self._device_positions(positions), self._weight(freqs), scale)
+
+    def _device_positions(self, positions):
+        """positions (int64 [T] on the host) on the device: uploaded once a batch, or use_device_positions' array."""
         if self._positions[0] is not positions:
             self._positions = (positions, self.staging.upload("positions", np.ascontiguousarray(positions),
                                                               self.stream))
-        self.kernels.rope_neox(x, self._positions[1], self._weight(freqs), scale)
+        return self._positions[1]
+
+    def qk_norm_rope(self, q, k, qk, layer, positions):
+        """In place: each head of q [T, Hq, D] and k [T, Hkv, D] RMSNormed (layer.attn_q_norm, attn_k_norm), then
+        RoPE over its first 2 * len(layer.rope_freqs) dims (as rmsnorm_heads then rope): one launch over qk (q and k
+        as one view) where given, else one for each."""
+        pos, freqs = self._device_positions(positions), self._weight(layer.rope_freqs)
+        q_norm, k_norm = self._weight(layer.attn_q_norm), self._weight(layer.attn_k_norm)
+        if qk is not None:
+            self.kernels.qk_norm_rope(qk, q_norm, k_norm, q.shape[1], layer.eps, pos, freqs, layer.rope_scale)
+            return
+        for x, weight in ((q, q_norm), (k, k_norm)):
+            self.kernels.qk_norm_rope(x, weight, weight, x.shape[1], layer.eps, pos, freqs, layer.rope_scale)
 
     def route_topk_softmax(self, router_logits, k):
         """router_logits [T, E] -> (ids [T, K], weights [T, K]): the top k, softmax over those k (gpt-oss)."""

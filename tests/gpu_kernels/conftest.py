@@ -143,6 +143,18 @@ class ReferenceKernels:
         x1, x2 = x[..., :half].astype(np.float64), x[..., half:2 * half].astype(np.float64)
         x[..., :half], x[..., half:2 * half] = x1 * c - x2 * s, x2 * c + x1 * s
 
+    def add_rmsnorm(self, x, y, weight, eps, out):
+        x += y
+        x64 = x.astype(np.float64)
+        out[:] = weight * (x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + eps))
+
+    def qk_norm_rope(self, x, q_weight, k_weight, num_q_heads, eps, positions, inv_freq, scale=1.0):
+        num_heads = x.shape[1]
+        weight = np.concatenate([np.tile(q_weight, (num_q_heads, 1)), np.tile(k_weight, (num_heads - num_q_heads, 1))])
+        x64 = x.astype(np.float64)
+        x[:] = weight * (x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps))
+        object.__getattribute__(self, "rope_neox")(x, positions, inv_freq, scale)
+
     def attn_sinks(self, out, lse, sinks):
         with np.errstate(over="ignore"):
             out *= (1.0 / (1.0 + np.exp(sinks[None, :].astype(np.float64) - lse)))[..., None]

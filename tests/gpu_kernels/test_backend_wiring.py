@@ -233,7 +233,8 @@ def test_a_decode_step_of_several_users_runs_its_resident_pairs_from_the_device_
 
 
 class ProjectionCounter:
-    """Reference kernels that count the dense matmuls of each row count and the RoPE launches of each head count."""
+    """Reference kernels that count the dense matmuls of each row count and the RoPE launches (alone or with the
+    heads' norms) of each head count."""
 
     def __init__(self, kernels):
         self.kernels, self.matmul_rows, self.rope_heads = kernels, [], []
@@ -248,6 +249,10 @@ class ProjectionCounter:
     def rope_neox(self, x, positions, inv_freq, scale=1.0):
         self.rope_heads.append(x.shape[:2])
         self.kernels.rope_neox(x, positions, inv_freq, scale)
+
+    def qk_norm_rope(self, x, *args):
+        self.rope_heads.append(x.shape[:2])
+        self.kernels.qk_norm_rope(x, *args)
 
 
 @pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
