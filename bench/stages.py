@@ -16,6 +16,7 @@ Two physical GPUs: the same command with --gpus 0,1 measures the two-card speed-
 import argparse
 import gc
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,13 +32,23 @@ log = logging.getLogger("bench.stages")
 MIB = 1 << 20
 
 
-def rates(llm, decode_tokens, prompt_tokens):
-    """(decode tok/s of one user after a 32-token prompt, prompt-read tok/s of a prompt_tokens prompt), after a
-    warm-up that compiles the kernels."""
+def rates(llm, decode_tokens, prompt_tokens, runs):
+    """([decode tok/s of one user after a 32-token prompt], [prompt-read tok/s of a prompt_tokens prompt]), one of
+    each a run, after a warm-up that compiles the kernels."""
     llm.generate(prompt(llm, 32, 0), max_tokens=4, temperature=0, ignore_eos=True)
-    decode = llm.generate(prompt(llm, 32, 1), max_tokens=decode_tokens, temperature=0, ignore_eos=True)
-    read = llm.generate(prompt(llm, prompt_tokens, 2), max_tokens=1, temperature=0, ignore_eos=True)
-    return decode.timings["predicted_per_second"], read.timings["prompt_per_second"]
+    decode, read = [], []
+    for run in range(runs):
+        out = llm.generate(prompt(llm, 32, 1 + run), max_tokens=decode_tokens, temperature=0, ignore_eos=True)
+        decode.append(out.timings["predicted_per_second"])
+        out = llm.generate(prompt(llm, prompt_tokens, 100 + run), max_tokens=1, temperature=0, ignore_eos=True)
+        read.append(out.timings["prompt_per_second"])
+    return decode, read
+
+
+def spread(values, digits):
+    """'median (low-high)' of a run's values."""
+    return (f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+            if len(values) > 1 else f"{values[0]:.{digits}f}")
 
 
 def together(llm, users, num_tokens):
@@ -81,6 +92,7 @@ def main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--users", type=int, default=4)
+    p.add_argument("--runs", type=int, default=3, help="decode and prompt-read runs of each engine (medians)")
     p.add_argument("--output", type=Path, help="also write the tables here")
     args = p.parse_args(argv)
     args.split = args.split if args.split == "auto" else tuple(int(k) for k in args.split.split(","))
@@ -95,7 +107,8 @@ def main(argv=None):
             key = name if trim is None else f"{name}, trim {'on' if trim else 'off'}"
             measured[key] = dict(ram=(copied_bytes(llm) if name == "one device" else llm.model.host_bytes) / MIB)
             if trim is not True:
-                measured[key].update(zip(("decode", "read"), rates(llm, args.decode_tokens, args.prompt_tokens)))
+                measured[key].update(zip(("decode", "read"), rates(llm, args.decode_tokens, args.prompt_tokens,
+                                                                     args.runs)))
                 if name == "stages":
                     for groups in (1, "auto"):
                         llm.model.batch_groups = groups
@@ -117,10 +130,12 @@ def main(argv=None):
 
 def tables(m, args):
     one, stages, trimmed = m["one device"], m["stages, trim off"], m["stages, trim on"]
-    overhead = lambda a, b: f"{100 * (1 - b / a):+.1f} %"  # noqa: E731
-    return ["| engine | decode tok/s | prompt read tok/s |", "|---|---|---|",
-            f"| one device | {one['decode']:.1f} | {one['read']:.0f} |",
-            f"| two stages | {stages['decode']:.1f} | {stages['read']:.0f} |",
+    med = statistics.median
+    overhead = lambda a, b: f"{100 * (1 - med(b) / med(a)):+.1f} %"  # noqa: E731
+    return [f"Medians of {args.runs} runs (lowest-highest):", "",
+            "| engine | decode tok/s | prompt read tok/s |", "|---|---|---|",
+            f"| one device | {spread(one['decode'], 1)} | {spread(one['read'], 0)} |",
+            f"| two stages | {spread(stages['decode'], 1)} | {spread(stages['read'], 0)} |",
             f"| stages' cost | {overhead(one['decode'], stages['decode'])} | {overhead(one['read'], stages['read'])} |",
             "", f"{args.users} users at once, {args.decode_tokens} tokens each (total tok/s):", "",
             "| one device | two stages in sequence (--batch-groups 1) | two stages pipelined (auto) |",
