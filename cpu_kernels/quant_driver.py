@@ -164,7 +164,7 @@ def dequantize(raw, out):
 
 def prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2])  # [W, 6]
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
@@ -174,7 +174,7 @@ def prepare(raws, x, expert_ids, row_starts, act_quant):
 
 def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2])  # [W, 6]
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
@@ -186,7 +186,7 @@ def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
 def prepare_sums(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part; x rounded for the
     int16 dots by _quantize_rows (quantize_rows, or quantize_rows_split), for the int8 ones in NIBBLE_ORDER."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1])  # [W, 6]
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2])  # [W, 6]
     xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from cpu_kernels.prefill import PARALLEL_MIN_PANELS, token_panels
-from cpu_kernels.tiles import (DECODE_ITEMS_PER_THREAD, DECODE_MAX_ROWS_PER_ITEM, DECODE_MAX_TOKENS, PARALLEL_MIN_SUM_ROWS,
-                               ROWS_PER_ITEM, TOKENS_PER_ITEM, decode_rows_per_item, sub_block_sums, work_items)
+from cpu_kernels.tiles import (DECODE_ITEMS_PER_THREAD, DECODE_MAX_ITEM_BYTES, DECODE_MAX_ROWS_PER_ITEM, DECODE_MAX_TOKENS,
+                               PARALLEL_MIN_SUM_ROWS, ROWS_PER_ITEM, TOKENS_PER_ITEM, decode_rows_per_item, sub_block_sums,
+                               work_items)
 
 
 @pytest.mark.parametrize("num_rows", [16, 200, 768])
@@ -40,6 +41,41 @@ def test_decode_items_grow_while_every_thread_keeps_enough():
     assert decode_rows_per_item(1, 256, 16) == ROWS_PER_ITEM  # 16 threads: 16 items of the fewest rows
     span = decode_rows_per_item(8, 768, 16)
     assert 8 * -(-768 // span) >= DECODE_ITEMS_PER_THREAD * 16 > 8 * -(-768 // (2 * span))
+
+
+def test_decode_items_of_short_rows_grow_to_the_byte_limit():
+    """Short rows (a Q6_K expert down projection of 512 columns: 420 bytes) take items of up to
+    DECODE_MAX_ITEM_BYTES; long rows, or rows of unknown size, at most DECODE_MAX_ROWS_PER_ITEM rows."""
+    assert decode_rows_per_item(10, 2048, 1) == DECODE_MAX_ROWS_PER_ITEM
+    assert decode_rows_per_item(10, 2048, 1, 4608) == DECODE_MAX_ROWS_PER_ITEM
+    assert decode_rows_per_item(10, 2048, 1, 420) == 1024 and 1024 * 420 <= DECODE_MAX_ITEM_BYTES < 2048 * 420
+    assert decode_rows_per_item(10, 2048, 1, 1152) == 256 and 256 * 1152 <= DECODE_MAX_ITEM_BYTES < 512 * 1152
+    span = decode_rows_per_item(10, 2048, 16, 420)  # threads still keep enough items each
+    assert 10 * -(-2048 // span) >= DECODE_ITEMS_PER_THREAD * 16 > 10 * -(-2048 // (2 * span))
+    expert_ids, row_starts = np.arange(10, dtype=np.int64)[::-1].copy(), np.arange(11, dtype=np.int64)
+    items = work_items(expert_ids, row_starts, 10, 2000, 420)  # [W, 6]
+    covered = np.zeros((10, 2000), dtype=np.int64)
+    for expert, r0, t0, t1, _, r1 in items:
+        covered[t0:t1, r0:r1] += 1
+    assert (covered == 1).all() and (items[:, 5] - items[:, 1]).max() == 1024
+
+
+def test_decode_items_of_short_rows_give_the_kernels_results():
+    """Q6_K decode dots over items of more than DECODE_MAX_ROWS_PER_ITEM short rows, against NumPy."""
+    import gguf
+
+    from cpu_kernels import q6_k
+
+    rng = np.random.default_rng(7)
+    raw = q6_k.random_blocks(rng, (3, 600, 256), 0.02)  # [E, R, B]: rows of 210 bytes
+    x = rng.standard_normal((6, 256)).astype(np.float32)  # [N, C]: one token a group
+    expert_ids, row_starts = np.array([2, 0, 1, 2, 0, 1], dtype=np.int64), np.arange(7, dtype=np.int64)
+    assert decode_rows_per_item(6, 600, 1, 210) > DECODE_MAX_ROWS_PER_ITEM
+    out = np.full((6, 600), np.nan, dtype=np.float32)
+    q6_k.moe_matmul(raw, x, expert_ids, row_starts, out, act_quant="float")
+    for n, e in enumerate(expert_ids):
+        w = gguf.quants.dequantize(raw[e], q6_k.QTYPE).astype(np.float64)  # [R, C]
+        np.testing.assert_allclose(out[n], w @ x[n], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("num_rows", [1, 7, PARALLEL_MIN_SUM_ROWS - 1, PARALLEL_MIN_SUM_ROWS, 700])
