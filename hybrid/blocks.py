@@ -204,7 +204,30 @@ def block_steps(block):
     return (Step("norm", norm, True),) + part + (Step("residual", residual, part[-1].capturable, step_graph=True),)
 
 
+def residual_norm_step(residual, block):
+    """A block's residual add and the next block's norm as one step, one launch where the backend fuses them
+    (Capabilities.fused_norms). Only for a captured residual: h, a new array each run, then stays in its region."""
+
+    def residual_norm(be, layer, s):
+        if be.capabilities.fused_norms:
+            s["h"] = be.add_rmsnorm(s["x"], s["y"], getattr(layer, block.norm), layer.eps)
+            return
+        residual.run(be, layer, s)
+        s["h"] = be.rmsnorm(s["x"], getattr(layer, block.norm), layer.eps)
+
+    return Step("residual_norm", residual_norm, True, step_graph=True)
+
+
 def layer_steps(recipe):
-    """The layer's steps in order, or None where a part has no implementation here."""
+    """The layer's steps in order, or None where a part has no implementation here. A captured residual add and the
+    next block's norm are one step."""
     blocks = [block_steps(block) for block in recipe.blocks]
-    return None if any(b is None for b in blocks) else tuple(step for b in blocks for step in b)
+    if any(b is None for b in blocks):
+        return None
+    steps = list(blocks[0])
+    for block, block_of_steps in zip(recipe.blocks[1:], blocks[1:]):
+        if steps[-1].capturable:
+            steps[-1:] = [residual_norm_step(steps[-1], block)] + list(block_of_steps[1:])
+        else:
+            steps.extend(block_of_steps)
+    return tuple(steps)

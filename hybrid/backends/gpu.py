@@ -227,6 +227,14 @@ class GpuBackend(GpuDeltaOps):
             raise ValueError(f"add_into: {x.shape} and {y.shape}: expected contiguous arrays of one shape")
         self.kernels.add_into(x, y)
 
+    def add_rmsnorm(self, x, y, weight, eps):
+        """x += y in place, then rmsnorm(x) as a new array: add_into and rmsnorm in one launch."""
+        if x.shape != y.shape or not (x.flags.c_contiguous and y.flags.c_contiguous):
+            raise ValueError(f"add_rmsnorm: {x.shape} and {y.shape}: expected contiguous arrays of one shape")
+        out = self.rt.empty(x.shape, np.float32)
+        self.kernels.add_rmsnorm(x, y, self._weight(weight), eps, out)
+        return out
+
     def project_qkv(self, layer, h):
         """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], qk). One token: one launch for each run of
         the weights that share a device array (_upload_projections), and where q and k share one, qk is

@@ -210,7 +210,7 @@ def test_dense_graphs_match_the_default_launches(runtime, gguf_models, target):
                 assert [key[0] for key in graphs._regions] == ["step", "step"], name
                 assert all(graph is not None for _, _, graph in graphs._regions.values()), name
             elif dense:
-                assert model.runner.regions() == [("norm", "project"), ("output", "residual", "norm", "route")], name
+                assert model.runner.regions() == [("norm", "project"), ("output", "residual_norm", "route")], name
                 assert graphs.enabled and len(graphs._regions) == 2 * c.num_layers, name
                 assert all(graph is not None for _, _, graph in graphs._regions.values()), name
             model.close()

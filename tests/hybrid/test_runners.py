@@ -8,10 +8,11 @@ RECIPE = ARCHS["qwen3moe"].recipe
 
 def test_graph_regions_merge_the_capturable_steps():
     """qwen3moe's layer: the norm and q/k/v in one region, the attention alone (it takes each step's start), the
-    output projection through the routing in another, the experts and their residual add alone."""
+    output projection through the routing in another (its residual add and the FFN's norm one step), the experts and
+    their residual add alone."""
     program = graph_regions(PlainRunner(RECIPE).steps)
     assert [(region, tuple(step.name for step in steps)) for region, steps in program] == [
-        (0, ("norm", "project")), (None, ("attention",)), (1, ("output", "residual", "norm", "route")),
+        (0, ("norm", "project")), (None, ("attention",)), (1, ("output", "residual_norm", "route")),
         (None, ("experts",)), (None, ("residual",))]
 
 
@@ -35,5 +36,5 @@ def test_the_runner_follows_the_capabilities():
     graphs = FakeBackend(Capabilities(graphed_decode=True), layer_graphs=object())
     runner = choose_runner(RECIPE, graphs, True, None)
     assert isinstance(runner, GraphRunner) and runner.regions() == [("norm", "project"),
-                                                                    ("output", "residual", "norm", "route")]
+                                                                    ("output", "residual_norm", "route")]
     assert isinstance(choose_runner(RECIPE, FakeBackend(Capabilities(graphed_decode=True)), True, None), PlainRunner)
