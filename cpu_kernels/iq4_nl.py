@@ -43,11 +43,13 @@ def _describe(builder, q, o):
 
 
 _block, _block_i16, _weights, _runs_i16 = run_blocks("iq4_nl", _describe, BLOCK_SIZE)
-if table_words.AVAILABLE:  # four blocks a step, word lookups (AVX-512 VBMI)
+_words = {}  # four blocks a step, word lookups, x in their order (AVX-512 VBMI)
+if table_words.AVAILABLE:
     _block_i16 = table_words.word_dot("iq4_nl", BLOCK_BYTES, 2, KVALUES, table_words.half_scales, _block_i16)
+    _words = dict(_quantize_rows=table_words.quantize_rows_words)
 _X_LEVELS = x_levels(127)  # integer prefill: |x| levels for |weight integers| <= 127
 _kernels = quant_driver.instance("iq4_nl", quant_driver.INT16_DECODE, BLOCK_BYTES, BLOCK_SIZE, _unpack_row, _X_LEVELS,
-                                 _block, _block_i16, _weights, _runs_i16)
+                                 _block, _block_i16, _weights, _runs_i16, **_words)
 _rows_dot, _rows_dot_i16 = _kernels.rows_dot, _kernels.rows_dot_i16
 _prepare, _run_item, _moe_matmul = _kernels.prepare, _kernels.run_item, _kernels.moe_matmul
 

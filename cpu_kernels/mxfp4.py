@@ -44,11 +44,13 @@ def _describe(builder, q, o):
 
 
 _block, _block_i16, _weights, _runs_i16 = run_blocks("mxfp4", _describe, BLOCK_SIZE)
-if table_words.AVAILABLE:  # four blocks a step, word lookups (AVX-512 VBMI)
+_words = {}  # four blocks a step, word lookups, x in their order (AVX-512 VBMI)
+if table_words.AVAILABLE:
     _block_i16 = table_words.word_dot("mxfp4", BLOCK_BYTES, 1, KVALUES, table_words.e8m0_scales, _block_i16)
+    _words = dict(_quantize_rows=table_words.quantize_rows_words)
 _X_LEVELS = x_levels(12)  # integer prefill: |x| levels for |weight integers| <= 12
 _kernels = quant_driver.instance("mxfp4", quant_driver.INT16_DECODE, BLOCK_BYTES, BLOCK_SIZE, _unpack_row, _X_LEVELS,
-                                 _block, _block_i16, _weights, _runs_i16)
+                                 _block, _block_i16, _weights, _runs_i16, **_words)
 _rows_dot, _rows_dot_i16 = _kernels.rows_dot, _kernels.rows_dot_i16
 _prepare, _run_item, _moe_matmul = _kernels.prepare, _kernels.run_item, _kernels.moe_matmul
 

@@ -168,7 +168,7 @@ def prepare(raws, x, expert_ids, row_starts, act_quant):
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
-    xq, xaux = quantize_rows(x, items, without_int8(act_quant))  # [N, C], [N, C/16] (empty unless int16 decode)
+    xq, xaux = _quantize_rows(x, items, without_int8(act_quant))  # noqa: F821 ([N, C], [N, C/16] or empty)
     return items, (xq, xaux, panels, pxq, pdx, psums)
 
 
@@ -270,9 +270,11 @@ def instance(name, shape, block_bytes, block_size, unpack_row, x_levels, block, 
     unpack_row(row [B], dst f32 [C]): the scalar dequantizer; x_levels: prefill_i16.x_levels of its weights;
     int_prefill: False for a format whose weights are no int16 rows with one factor and min per 32 columns
         (Q2_K's mins per 16): its prefill multiplies in float (runs_i16 must still build; it never runs);
-    shape_globals: what the shape's templates read besides (SUMS_DECODE: _quantize_rows).
+    shape_globals: what the shape's templates read besides (_quantize_rows: how x is rounded for the int16 decode
+        dots, act_quant.quantize_rows unless given; SUMS_DECODE gives its own).
     """
-    names = dict(_X_LEVELS=x_levels, _INT_PREFILL=int_prefill, _unpack_row=unpack_row, **shape_globals,
+    names = dict(_X_LEVELS=x_levels, _INT_PREFILL=int_prefill, _unpack_row=unpack_row,
+                 **{"_quantize_rows": quantize_rows, **shape_globals},
                  _unpack_row_fast=simd.unpack_row_intrinsic(weights, block_bytes, block_size),
                  _unpack_row_i16=unpack_row_i16_intrinsic(runs_i16, block_bytes, block_size))
     for suffix, block_fn in (("", block), ("_i16", block_i16), ("_i8", block_i8)):

@@ -7,28 +7,35 @@ on one core. Here a step reads four blocks (4 x 17 or 4 x 18 bytes) of a row as 
 and one vpermi2b gathers their 64 index bytes, ordered so that word w holds block k = w // 8's index bytes m and
 8 + m (m = w % 8). Its four nibbles (bits 0-3, 4-7, 8-11, 12-15) are then weights m, 16 + m, 8 + m and 24 + m of
 block k: each is looked up as a word by one vpermw (the level table repeated in its 32 entries, so the index
-needs no mask, only a shift), and each such vector of levels dots with eight x values of every block, one
-128-bit lane of x's four 32-value blocks (a transpose of lanes the rows of a dot loop share). The four dots sum
+needs no mask, only a shift), and each such vector of levels dots with eight x values of every block: x is
+stored in that order once per token (quantize_rows_words, WORD_ORDER), so each dot loads its x whole. The four dots sum
 in int32 (vpdpwssd where the target has AVX-512 VNNI), lane i of the sum belonging to block i // 4, so one
 conversion and one FMA serve four blocks. A block's factor comes from the same loads: MXFP4's E8M0 byte as
 dx * 2^(e - 128) through vscalefps (exact, subnormals included), IQ4_NL's f16 through vcvtph2ps.
 
 The integer dots are exact; the float result differs from the generic block code's by the order of its
-roundings only. A row's last (blocks % 4) blocks take the generic code (`tail`).
+roundings only. A row's last (blocks % 4) blocks take the generic code (`tail`), their x in column order.
 
-Shape legend: `q` a row's bytes, `o` a step's first byte offset, b its first block's number; xq int16 [C],
-aux f32 [C/16] of (dx, sum) pairs, one per 32 columns.
+Shape legend: `q` a row's bytes, `o` a step's first byte offset, b its first block's number; xq int16 [C]
+(WORD_ORDER), aux f32 [C/16] of (dx, sum) pairs, one per 32 columns; N rows of x.
 """
+import numpy as np
 from llvmlite import ir
+from numba import njit
 from numba.core import cgutils
 
 from . import simd
+from .act_quant import quantize_rows
 from .simd import F32, I8, I16, I32, I64
 from .target import has_byte_permutes, int_dot_width, vnni_width
 
 STEP = 4  # blocks a step
 AVAILABLE = has_byte_permutes() and int_dot_width() == 32  # vpermi2b, vpermb, vpermw on 512 bits
 _X_AT = (0, 16, 8, 24)  # the first weight (in its block) of the nibble at bits 4s..4s + 3 of a word
+GROUP = 32 * STEP  # x values a step reads
+# [128]: the column (in a step's 4 blocks) of the x value stored at each position: 32 s + w holds the x of word w's
+# nibble s, weight _X_AT[s] + w % 8 of block w // 8
+WORD_ORDER = np.array([32 * (w // 8) + _X_AT[s] + w % 8 for s in range(4) for w in range(32)], dtype=np.int64)
 
 
 def _call(builder, name, ret, args):
@@ -48,15 +55,14 @@ def _gather_indices(block_bytes, qs_at):
     return out
 
 
-def _int_dots(builder, words, xall, table, vnni):
-    """<16 x i32>: the four nibble dots of `words` (<32 x i16>) with x (xall <128 x i16>, four blocks) summed."""
+def _int_dots(builder, words, xs, table, vnni):
+    """<16 x i32>: the four nibble dots of `words` (<32 x i16>) with their x (xs: 4 x <32 x i16>) summed."""
     i16x, i32x = simd.vec(I16, 32), simd.vec(I32, 16)
     levels = simd.const_vec(I16, [int(table[i % 16]) for i in range(32)])  # vpermw reads index bits 0-4
     dots = None
-    for s in range(4):
+    for s, xv in enumerate(xs):
         index = words if s == 0 else builder.lshr(words, simd.splat_const(I16, 32, 4 * s))
         values = _call(builder, "llvm.x86.avx512.permvar.hi.512", i16x, [levels, index])
-        xv = simd.lanes(builder, xall, [32 * (w // 8) + _X_AT[s] + w % 8 for w in range(32)])
         if dots is None:
             dots = simd.madd_i16(builder, values, xv, 32)
         elif vnni:
@@ -72,7 +78,7 @@ def word_dot(name, block_bytes, qs_at, table, scales, tail, vnni=None):
     bytes, 16 index bytes at `qs_at`, levels `table` (16 int8); scales(builder, head, dx) -> <16 x float> the
     factor times dx of block i // 4 in lane i, head <64 x i8> the step's first 64 bytes, dx <16 x float> x's
     scale of block i // 4; tail: the generic block_i16 for the row's last blocks. vnni: sum the dots through
-    vpdpwssd (None: where the target has AVX-512 VNNI)."""
+    vpdpwssd (None: where the target has AVX-512 VNNI). x comes from quantize_rows_words."""
     vnni = vnni_width() == 64 if vnni is None else vnni
     indices = simd.const_vec(I8, _gather_indices(block_bytes, qs_at))
     second = STEP * block_bytes - 64
@@ -83,9 +89,8 @@ def word_dot(name, block_bytes, qs_at, table, scales, tail, vnni=None):
         rest = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, second)), i8x64)
         qs = _call(builder, "llvm.x86.avx512.vpermi2var.qi.512", i8x64, [head, indices, rest])
         xo = builder.mul(b, ir.Constant(I64, 32))
-        xs = [simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, 32 * k)), i16x) for k in range(STEP)]
-        xall = simd.concat(builder, simd.concat(builder, xs[0], xs[1]), simd.concat(builder, xs[2], xs[3]))
-        dots = _int_dots(builder, builder.bitcast(qs, i16x), xall, table, vnni)
+        xs = [simd.load_at(builder, xq, builder.add(xo, ir.Constant(I64, 32 * s)), i16x) for s in range(4)]
+        dots = _int_dots(builder, builder.bitcast(qs, i16x), xs, table, vnni)
         pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 2)), simd.vec(F32, 2 * STEP))
         dx = simd.lanes(builder, pairs, [2 * (i // 4) for i in range(16)])
         return simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), scales(builder, head, dx), acc)
@@ -115,3 +120,17 @@ def half_scales(builder, head, dx):
     halves = simd.lanes(builder, builder.bitcast(halves, simd.vec(I16, 32)), range(16))
     d = builder.fpext(builder.bitcast(halves, simd.vec(ir.HalfType(), 16)), simd.vec(F32, 16))
     return builder.fmul(d, dx, flags=simd.FAST)
+
+
+@njit(nogil=True, cache=True)
+def quantize_rows_words(x, items, act_quant):
+    """act_quant.quantize_rows with each whole step's 128 int16 values in WORD_ORDER (xq int16 [N, C]; the last
+    C % 128 values and aux f32 [N, C/16] stay in column order)."""
+    xq, aux = quantize_rows(x, items, act_quant)
+    step = np.empty(GROUP, dtype=np.int16)
+    for n in range(xq.shape[0]):
+        for base in range(0, xq.shape[1] // GROUP * GROUP, GROUP):
+            for i in range(GROUP):
+                step[i] = xq[n, base + WORD_ORDER[i]]
+            xq[n, base:base + GROUP] = step
+    return xq, aux

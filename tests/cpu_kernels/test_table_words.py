@@ -39,10 +39,21 @@ def rows_dot(fmt, vnni):
     return dot
 
 
-def int16_x(x):
-    """x f32 [1, C] -> (xq int16 [C], aux f32 [C/16]) as the decode kernels round it."""
-    xq, aux = quantize_rows(x, work_items(np.zeros(1, np.int64), np.array([0, 1]), 1, R), ACT_QUANTS["int16"])
+def int16_x(x, words=True):
+    """x f32 [1, C] -> (xq int16 [C], aux f32 [C/16]) as the word dot (words) or the generic block code reads it."""
+    items = work_items(np.zeros(1, np.int64), np.array([0, 1]), 1, R)
+    xq, aux = (table_words.quantize_rows_words if words else quantize_rows)(x, items, ACT_QUANTS["int16"])
     return xq[0], aux[0]
+
+
+def test_word_order_keeps_every_value():
+    x = np.random.default_rng(5).standard_normal((1, C)).astype(np.float32)
+    (words, aux), (plain, plain_aux) = int16_x(x), int16_x(x, words=False)
+    assert sorted(table_words.WORD_ORDER) == list(range(table_words.GROUP))
+    steps = C // table_words.GROUP * table_words.GROUP
+    for base in range(0, steps, table_words.GROUP):
+        assert np.array_equal(words[base:base + table_words.GROUP], plain[base + table_words.WORD_ORDER])
+    assert np.array_equal(words[steps:], plain[steps:]) and np.array_equal(aux, plain_aux)
 
 
 def check(out, raw, fmt, x, act_rounding_bound):
@@ -88,10 +99,9 @@ def test_e8m0_factors_match_the_generic_block():
     for column in (0, 17, 40, 127):
         x = np.zeros((1, cols), np.float32)
         x[0, column] = rng.uniform(0.5, 2.0)
-        xq, aux = int16_x(x)
         got, want = np.empty(251, np.float32), np.empty(251, np.float32)
-        word(raw, 0, 251, xq, aux, got)
-        generic(raw, xq, aux, want)
+        word(raw, 0, 251, *int16_x(x), got)
+        generic(raw, *int16_x(x, words=False), want)
         assert np.array_equal(got, want), column
 
 
