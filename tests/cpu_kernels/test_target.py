@@ -60,13 +60,48 @@ def test_unknown_floor_is_refused():
         apply_isa_floor("sse9")
 
 
+def start_probe(probe, cache_dir, floor=None, numba_target=None):
+    """A fresh process running `probe` with an empty Numba cache, under STRATA_ISA_FLOOR=floor or with Numba's
+    target (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES) set directly."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
+    for name in ("STRATA_ISA_FLOOR", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
+        env.pop(name, None)
+    if floor is not None:
+        env["STRATA_ISA_FLOOR"] = floor
+    if numba_target is not None:
+        env["NUMBA_CPU_NAME"], env["NUMBA_CPU_FEATURES"] = numba_target
+    return subprocess.Popen([sys.executable, "-c", probe], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def probe_output(proc):
+    """The probe's printed words, once it has exited 0."""
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-2000:]
+    return tuple(stdout.split())
+
+
 def run_probe(floor, cache_dir):
-    env = {**os.environ, "STRATA_ISA_FLOOR": floor, "NUMBA_CACHE_DIR": str(cache_dir)}
-    env.pop("NUMBA_CPU_NAME", None)
-    env.pop("NUMBA_CPU_FEATURES", None)
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return tuple(proc.stdout.split())
+    return probe_output(start_probe(PROBE, cache_dir, floor=floor))
+
+
+DIRECT_TARGET_PROBE = PROBE_HEAD + ATTENTION + "\nfrom cpu_kernels import q4_k\n" + (
+    "raw = q4_k.random_blocks(rng, (9, 512), 0.05); w = np.empty((9, 512), np.float32); q4_k.dequantize(raw, w)\n"
+    "x = rng.standard_normal(512).astype(np.float32); out = np.empty(9, np.float32); q4_k.matvec(raw, x, out)\n"
+    "assert np.allclose(out, w @ x, rtol=1e-3, atol=1e-3)\n")
+
+
+@pytest.fixture(scope="module")
+def default_probes(tmp_path_factory):
+    """The default tests' two probe processes, started together: each compiles cold (~25 s), one core each."""
+    procs = {"avx2": start_probe(PROBE, tmp_path_factory.mktemp("avx2"), floor="avx2"),
+             "direct": start_probe(DIRECT_TARGET_PROBE, tmp_path_factory.mktemp("direct"),
+                                   numba_target=("sandybridge", ""))}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 @pytest.mark.slow  # a cold compile of its own (~25 s); test_avx2_floor_keeps_fma checks the floor by default
@@ -75,9 +110,9 @@ def test_avx_floor_compiles_without_fma(tmp_path):
     assert run_probe("avx", tmp_path / "avx") == ("sandybridge", "''", "no-fma")
 
 
-def test_avx2_floor_keeps_fma(tmp_path):
+def test_avx2_floor_keeps_fma(default_probes):
     """The probe does see FMA where the floor allows it (so the test above can fail)."""
-    assert run_probe("avx2", tmp_path / "avx2") == ("haswell", "''", "fma")
+    assert probe_output(default_probes["avx2"]) == ("haswell", "''", "fma")
 
 
 def test_threads_setting():
@@ -114,16 +149,7 @@ def test_threads_that_start_later_take_the_chosen_count():
         numba.set_num_threads(before)
 
 
-def test_numba_target_set_directly_picks_code_it_can_compile(tmp_path):
+def test_numba_target_set_directly_picks_code_it_can_compile(default_probes):
     """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set without STRATA_ISA_FLOOR: kernels follow Numba's target,
     not the host (AVX-512 code for a Sandy Bridge target crashes LLVM)."""
-    env = {**os.environ, "NUMBA_CPU_NAME": "sandybridge", "NUMBA_CPU_FEATURES": "",
-           "NUMBA_CACHE_DIR": str(tmp_path)}
-    env.pop("STRATA_ISA_FLOOR", None)
-    probe = PROBE_HEAD + ATTENTION + "\nfrom cpu_kernels import q4_k\n" + (
-        "raw = q4_k.random_blocks(rng, (9, 512), 0.05); w = np.empty((9, 512), np.float32); q4_k.dequantize(raw, w)\n"
-        "x = rng.standard_normal(512).astype(np.float32); out = np.empty(9, np.float32); q4_k.matvec(raw, x, out)\n"
-        "assert np.allclose(out, w @ x, rtol=1e-3, atol=1e-3)\n")
-    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert tuple(proc.stdout.split()) == ("sandybridge", "''", "no-fma")
+    assert probe_output(default_probes["direct"]) == ("sandybridge", "''", "no-fma")
