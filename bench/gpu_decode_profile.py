@@ -32,8 +32,9 @@ def kernel_names(runtime):
             for name, fn in functions.items()}
 
 
-def profile(llm, steps, users, spin_cycles):
-    """({kernel: [GPU seconds of each launch]}, launches per step) over `steps` decode steps of `users` sequences."""
+def profile(llm, steps, users, spin_cycles, context=32):
+    """({kernel: [GPU seconds of each launch]}, launches per step) over `steps` decode steps of `users` sequences
+    after a `context`-token prompt each."""
     import cupy
 
     from hybrid.batch import Batch, SeqChunk
@@ -41,9 +42,10 @@ def profile(llm, steps, users, spin_cycles):
     model, be = llm.model, llm.model.backend
     spin = cupy.RawKernel(SPIN, "spin")
     rng = np.random.default_rng(0)
-    kvs = [model.new_sequence(64 + steps) for _ in range(users)]
+    kvs = [model.new_sequence(context + 32 + steps) for _ in range(users)]
     for kv in kvs:
-        model.forward(Batch([SeqChunk(kv, 0, rng.integers(10, 1000, 32), "last")]))
+        for lo in range(0, context, 512):
+            model.forward(Batch([SeqChunk(kv, lo, rng.integers(10, 1000, min(512, context - lo)), "last")]))
     times, launched = defaultdict(list), []
     real_launch = be.kernels._launch
 
@@ -69,14 +71,16 @@ def profile(llm, steps, users, spin_cycles):
     return times, len(launched) / steps
 
 
-def step_seconds(llm, users, steps=16):
-    """Median seconds of a decode step of `users` sequences the default way (graphs on)."""
+def step_seconds(llm, users, steps=16, context=32):
+    """Median seconds of a decode step of `users` sequences after a `context`-token prompt each, the default way
+    (graphs on)."""
     from hybrid.batch import Batch, SeqChunk
 
     model, rng = llm.model, np.random.default_rng(1)
-    kvs = [model.new_sequence(64 + steps) for _ in range(users)]
+    kvs = [model.new_sequence(context + 32 + steps) for _ in range(users)]
     for kv in kvs:
-        model.forward(Batch([SeqChunk(kv, 0, rng.integers(10, 1000, 32), "last")]))
+        for lo in range(0, context, 512):
+            model.forward(Batch([SeqChunk(kv, lo, rng.integers(10, 1000, min(512, context - lo)), "last")]))
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -96,7 +100,8 @@ def markdown(args, times, per_step, graphed_s, gpu_name):
     total = sum(sum(v) for v in times.values()) / args.steps
     rows = f", attention {args.attention_rows} heads a block" if args.attention_rows else ""
     lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
-             f"{args.steps} decode steps, {per_step:.0f} launches a step. GPU time of the launches back to back: "
+             f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
+             f"of the launches back to back: "
              f"{total * 1e3:.2f} ms a step; the default (graphed) step took {graphed_s * 1e3:.2f} ms of wall time.", "",
              "| kernel | launches a step | us a launch (median) | us a step | share |", "|---|---|---|---|---|"]
     for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
@@ -115,20 +120,23 @@ def main(argv=None):
     p.add_argument("--spin-ms", type=float, default=200.0, help="how long the stream waits while a step is queued")
     p.add_argument("--attention-rows", type=int, default=None, choices=(1, 2, 4, 8),
                    help="most heads a one-token attention block takes (default: the kernels')")
+    p.add_argument("--context", type=int, default=32, help="prompt tokens each user holds before the decode steps")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from hybrid import LLM
 
-    graphed = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=512, kv_sequences=args.users),
+    graphed = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=args.context + 512,
+                        kv_sequences=args.users),
                     args)
-    graphed_s = step_seconds(graphed, args.users)
+    graphed_s = step_seconds(graphed, args.users, context=args.context)
     gpu_name = graphed.model.backend.rt.device_name
     graphed.close()
     del graphed
-    llm = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=512, kv_sequences=args.users,
+    llm = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=args.context + 512,
+                    kv_sequences=args.users,
                     dense_graphs=False, decode_graphs=False, step_graphs=False), args)
-    times, per_step = profile(llm, args.steps, args.users, int(args.spin_ms * 2e6))
+    times, per_step = profile(llm, args.steps, args.users, int(args.spin_ms * 2e6), args.context)
     text = markdown(args, times, per_step, graphed_s, gpu_name)
     print(text)
     if args.output:
