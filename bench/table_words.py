@@ -46,7 +46,8 @@ def main(name, cols, rounds):
     if not table_words.AVAILABLE:
         sys.exit("the target has no AVX-512 VBMI: no word dot to compare")
     fmt = importlib.import_module(f"cpu_kernels.{name}")
-    variants = {"generic": generic_dot(fmt), "words vpdpwssd": rows_dot(fmt, True), "words pmaddwd": rows_dot(fmt, False)}
+    variants = {"generic": generic_dot(fmt), "words vpdpwssd": rows_dot(fmt, True),
+                "words pmaddwd": rows_dot(fmt, False)}
     rng = np.random.default_rng(0)
     row_bytes = cols // 32 * fmt.BLOCK_BYTES
     num_rows = int(6e8 // row_bytes) // 128 * 128

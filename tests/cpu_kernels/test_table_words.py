@@ -106,13 +106,20 @@ def test_e8m0_factors_match_the_generic_block():
 
 
 @pytest.mark.slow
-def test_public_kernels_on_long_rows(fmt, act_rounding_bound):
-    """matvec and a moe_matmul decode group through the format's own compiled dot (the word dot on this target)."""
+def test_public_kernels_on_long_rows(fmt, act_rounding_bound, prefill_rounding_bound):
+    """matvec and a moe_matmul decode group through the format's own compiled dot (the word dot on this target,
+    x rounded by its prepare), and a 33-token prefill of the same rows (prefill_i16, unchanged by the word dot)."""
     raw = fmt.random_blocks(np.random.default_rng(3), (2, R, C), 0.02)  # [E, R, B]
-    x = np.random.default_rng(4).standard_normal((1, C)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((33, C)).astype(np.float32)  # [T, C]
     out = np.empty(R, dtype=np.float32)
     fmt.matvec(raw[1], x[0], out, act_quant="int16")
-    check(out, raw[1], fmt, x, act_rounding_bound)
+    check(out, raw[1], fmt, x[:1], act_rounding_bound)
     out = np.full((1, R), np.nan, dtype=np.float32)
-    fmt.moe_matmul(raw, x, np.array([1]), np.array([0, 1]), out, act_quant="int16")
-    check(out[0], raw[1], fmt, x, act_rounding_bound)
+    fmt.moe_matmul(raw, x[:1], np.array([1]), np.array([0, 1]), out, act_quant="int16")
+    check(out[0], raw[1], fmt, x[:1], act_rounding_bound)
+    out = np.empty((33, R), dtype=np.float32)
+    fmt.matmul(raw[1], x, out, act_quant="int16")
+    w = gguf.quants.dequantize(raw[1], fmt.QTYPE).astype(np.float64)  # [R, C]
+    bound = C * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w).T)
+    bound += prefill_rounding_bound(fmt, x, np.abs(w), "int16")
+    assert np.all(np.abs(out - x.astype(np.float64) @ w.T) <= bound)
