@@ -34,11 +34,19 @@ def numba_threads(request):
 # machine. The default suite keeps the formats whose fused layer other default tests compile anyway (F16 and Q4_K_M
 # in test_fused_layer_is_bit_identical; Q8_0 in the GPU wiring tests' CPU reference; Q4_K_M, whose Q6_K tensors
 # take the Q6_K code, in test_act_quant's int8 decode); the other five run with `slow`. One thread covers every
-# format by default.
+# format by default but Q4_K, whose kernels Q4_K_M's compiled layer runs on its Q4_K tensors (q, k, gate and up; a
+# compiled layer per format costs ~15 s cold).
 FUSED_BY_DEFAULT = {"F16", "Q8_0", "Q4_K_M"}
-THREADED_CASES = [pytest.param(s, t, n, id=f"threads-{n}-{s}-{t}",
-                               marks=[pytest.mark.slow] if n == "all" and t not in FUSED_BY_DEFAULT else [])
-                  for n in (1, "all") for s, t in CASES]
+COMPILED_SLOW = {"Q4_K"}
+
+
+def threaded_case(size, target, threads):
+    slow = target not in FUSED_BY_DEFAULT if threads == "all" else target in COMPILED_SLOW
+    return pytest.param(size, target, threads, id=f"threads-{threads}-{size}-{target}",
+                        marks=[pytest.mark.slow] if slow else [])
+
+
+THREADED_CASES = [threaded_case(s, t, n) for n in (1, "all") for s, t in CASES]
 
 
 def decode(model, compiled, prompts, steps, capacity=64):

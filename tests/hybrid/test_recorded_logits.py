@@ -13,6 +13,7 @@ from tests.recorded_logits import check
 CASES = [("small", "F32"), ("small", "F16"), ("small", "BF16"), ("small", "Q8_0"), ("small", "Q4_0"),
          ("kquant", "Q4_K"), ("kquant", "Q5_K"), ("kquant", "Q6_K"), ("kquant", "Q4_K_M")]
 FUSED_BY_DEFAULT = {"F16", "Q8_0", "Q4_K_M"}  # formats whose fused layer other default tests compile
+COMPILED_SLOW = {"Q4_K"}  # Q4_K_M's compiled layer runs its kernels (tests/hybrid/test_compiled_decode.py)
 PROMPTS = ([5, 17, 300, 42, 7, 99, 12, 64], [8, 250, 11, 3, 77])
 
 
@@ -33,7 +34,8 @@ def prefill_then_decode(model, steps=3):
 def runner_params():
     for size, target in CASES:
         yield pytest.param(size, target, "op_by_op", id=f"op_by_op-{target}")
-        yield pytest.param(size, target, "compiled", id=f"compiled-{target}")
+        yield pytest.param(size, target, "compiled", id=f"compiled-{target}",
+                           marks=[pytest.mark.slow] if target in COMPILED_SLOW else [])
         yield pytest.param(size, target, "fused", id=f"fused-{target}",
                            marks=[] if target in FUSED_BY_DEFAULT else [pytest.mark.slow])
 
