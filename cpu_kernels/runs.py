@@ -12,7 +12,8 @@ two runs summed before one conversion and FMA with f_j * dx_j; the mins from x's
 group mins from x's integer sums per 16 values, which the rows of a dot loop share), the float unpacking of
 prefill (`weights`) and the int16 unpacking of the integer prefill (`runs_i16`).
 Table formats (IQ4_NL, IQ4_XS, MXFP4) map their 4-bit indices through a 16-entry table with `lookup16`,
-one pshufb per 16 to 64 indices.
+one pshufb per 16 to 64 indices (where the target has AVX-512, IQ4_XS's int16 decode dot looks them up as words
+instead, and MXFP4's and IQ4_NL's take cpu_kernels.table_words, four blocks a step, with AVX-512 VBMI).
 
 Shape legend: R runs per block (1 or 8); `q` uint8 raw bytes, `o` a block's byte offset (i64 value).
 """
