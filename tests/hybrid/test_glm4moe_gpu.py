@@ -34,13 +34,15 @@ def masks(num_layers, num_experts):
 
 
 def test_gpu_backend_wiring_matches_cpu(glm_q8):
-    """The stand-in multiplies in float, and so does the CPU engine here (act_quant="float")."""
+    """The stand-in multiplies in float, and so does the CPU engine here (act_quant="float"), op by op: its compiled
+    and fused layers give the same logits (tests/hybrid/test_compiled_families.py), and their glm4moe Q8_0
+    instances would be compiled for this test alone (~75 s cold in CI)."""
     from gpu_kernels.numpy_runtime import NumpyRuntime
     from tests.gpu_kernels.conftest import ReferenceKernels
 
     weights = load_model(glm_q8[0])
     c = weights.config
-    ref = score(Model(weights, CpuBackend(act_quant="float")))
+    ref = score(Model(weights, CpuBackend(act_quant="float"), compiled_decode=False))
     for name, mask in masks(c.num_layers, c.num_experts).items():
         backend = GpuBackend(NumpyRuntime(), max_context=256, kv_sequences=2, resident=mask)
         backend.kernels = ReferenceKernels()
