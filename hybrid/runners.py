@@ -100,7 +100,7 @@ class GraphRunner:
         x = self.graphs.begin_step(be, x, batch.positions)  # [1, H], the fixed buffer the graphs read
         bound = step_graph_bound(model, batch) if self._step_graph_ready(model, be) else None
         if bound is not None:
-            key = ("step", id(batch.chunks[0].kv), bound)
+            key = (*be.step_graph_key(batch.chunks[0].kv, bound), model.usage is not None)  # usage: keeps routing
             outputs = self.graphs.run_step(be, key, lambda: queue_step(model, x, batch, self.plain.steps_of,
                                                                        self.graphs.position, bound))
             record_step_routing(model, outputs)

@@ -24,8 +24,8 @@ def step_graph_bound(model, batch):
 
 def queue_step(model, x, batch, steps_of, position, bound):
     """Every layer's steps over x [1, H] with the position read on the device; returns the graph's outputs: the
-    (routing row, layer index) of the layers whose routing the graph keeps (with a usage record), and the KV, held
-    so that its id stays its own."""
+    (routing row, layer index) of the layers whose routing the graph keeps (with a usage record), and a KV with a
+    recurrent state (its graph is its own: held so that its id stays its own)."""
     be, keep_routing, routed = model.backend, model.usage is not None, []
     be.begin_step_graph(position, bound)
     try:
@@ -38,7 +38,8 @@ def queue_step(model, x, batch, steps_of, position, bound):
                 routed.append((i, layer.index))
     finally:
         be.end_step_graph()
-    return {"routed_layers": tuple(routed), "kv": batch.chunks[0].kv}
+    kv = batch.chunks[0].kv
+    return {"routed_layers": tuple(routed), **({"kv": kv} if kv.recurrent is not None else {})}
 
 
 def record_step_routing(model, outputs):

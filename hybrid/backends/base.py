@@ -21,8 +21,9 @@ class Capabilities:
     graphed_decode: `layer_graphs` (a gpu_layer_graphs.LayerGraphs, or None when turned off) captures and
     replays a one-token decode layer's graph regions (hybrid/runners.py GraphRunner; the GPU's).
     step_graph: with graphed_decode, a whole one-token step may be one graph: `prepare_step_graph(kv, start,
-    num_layers, top_k)` (a keys bound, or None), `begin_step_graph(position, bound)` / `end_step_graph()`
-    around its queuing, `keep_step_routing(layer_index, ids)` and `queue_step_routing()` (gpu_step.py).
+    num_layers, top_k)` (a keys bound, or None), `step_graph_key(kv, bound)` (which captured graph serves the
+    step), `begin_step_graph(position, bound)` / `end_step_graph()` around its queuing,
+    `keep_step_routing(layer_index, ids)` and `queue_step_routing()` (gpu_step.py).
     decode_experts: as a split's device, `submit(layer, h, ids, weights)` (no groups) finds a decode step's
     resident pairs from the routing it holds (nothing read back).
     max_decode_pairs: the most (token, expert) pairs of such a step (None: no limit).

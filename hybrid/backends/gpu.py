@@ -291,6 +291,9 @@ class GpuBackend(GpuDeltaOps):
         """The keys bound of a step graph at `start` over `kv`, or None where the step needs the host."""
         return None if self.step is None else self.step.prepare(self, kv, start, num_layers, top_k)
 
+    def step_graph_key(self, kv, bound):
+        return self.step.graph_key(kv, bound)
+
     def begin_step_graph(self, position, bound):
         """Until end_step_graph, the KV writes and attention read the step's position from `position` (int64 [1]
         on the device) and plan for `bound` keys, and the experts queue their launches into the step's graph."""

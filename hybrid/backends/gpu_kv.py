@@ -37,7 +37,11 @@ class DeviceSequenceKV(SequenceKV):
         self._table_dev = None
 
     def device_table(self):
-        """The block table on the device (uploaded, through the stream, when it changed)."""
+        """The block table on the device (uploaded, through the stream, when it changed); while a step graph is
+        queued, the step graphs' own copy of it (gpu_step.py)."""
+        step = self.backend.step
+        if step is not None and step.active is not None:
+            return step.table
         if self._table_dev is None:
             used = max(1, self.host_blocks + len(self.blocks))
             if self._table_buf is None or len(self._table_buf) < used:
@@ -52,8 +56,7 @@ class DeviceSequenceKV(SequenceKV):
         table = self.device_table()
         step = self.backend.step.active if self.backend.step is not None else None
         start_at = None if step is None else (step[0], None)
-        self.backend.kernels.kv_write(self.dtype, k, kp, ks, table, start, start_at=start_at)
-        self.backend.kernels.kv_write(self.dtype, v, vp, vs, table, start, start_at=start_at)
+        self.backend.kernels.kv_write(self.dtype, k, kp, ks, table, start, start_at=start_at, second=(v, vp, vs))
 
     def commit(self, length):
         super().commit(length)

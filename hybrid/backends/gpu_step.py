@@ -6,7 +6,10 @@ supply once the position is on the device: the KV writes and the attention read 
 routing the device holds. So the step is captured once and replayed with one launch, instead of a
 few graphs and single launches a layer with the host in between. The attention's key splits are
 planned for a bound on the position (a power of two from KEYS_MIN), so a graph serves every step
-until the sequence passes it, and is then captured again.
+until the sequence passes it, and is then captured again. The graphs read the stepped sequence's block table
+from one buffer of their own, copied in before each step, so a graph serves every sequence (a new request
+does not capture again) unless the sequence has state of its own that the graph reads in place (a recurrent
+state).
 Shape legend: L layers, K top-k.
 """
 import numpy as np
@@ -31,13 +34,23 @@ class StepCapture:
     def __init__(self):
         self.active = None
         self.routing = None
+        self.table = None  # int32 [blocks] on the device: the stepped sequence's block table, copied in a step
+
+    def graph_key(self, kv, bound):
+        """The key of the step graph that serves `kv` at `bound` keys: shared by every sequence, except one with a
+        recurrent state of its own."""
+        return ("step", bound, id(self.table), None if kv.recurrent is None else id(kv))
 
     def prepare(self, be, kv, start, num_layers, top_k):
         """The keys bound of a step graph at position `start` over `kv`, or None where this step needs the host
-        (timed experts, a KV with a part in RAM). Uploads the KV's block table now: the graph reads it in place."""
+        (timed experts, a KV with a part in RAM). Queues the copy of the KV's block table into `table`, which the
+        graphs read (a larger table gets a new buffer, and so new graphs)."""
         if be.time_experts or kv.host_blocks or kv.resident_blocks is not None:
             return None
-        kv.device_table()
+        table = kv.device_table()
+        if self.table is None or len(self.table) < len(kv.table):
+            self.table = be.rt.empty((len(kv.table),), np.int32)
+        be.rt.copy_on_device_async(self.table[:len(table)], table, be.stream)
         if self.routing is None or self.routing.shape != (num_layers, top_k):
             self.routing = be.rt.zeros((num_layers, top_k), np.int32)
         return keys_bound(start)

@@ -77,8 +77,8 @@ def test_decode_expert_graphs_replay_per_layer(gguf_models, numpy_runtime, refer
         # prompt (a step that small runs as a decode step there)
         assert numpy_runtime.captures == c.num_layers and (1, 0) not in expert_graphs and expert_graphs[(5, 1)]
         assert all(g.launches == (4 if tokens == 1 else 1) for (tokens, _), g in expert_graphs.items())
-        # each graph: tiles, gather, gate, up, SwiGLU, down, combine
-        assert all(len(g.calls) == 7 for g in expert_graphs.values())
+        # each graph: tiles and gather, gate and up (one launch: one format), SwiGLU, down, combine
+        assert all(len(g.calls) == 5 for g in expert_graphs.values())
     else:
         assert numpy_runtime.captures == 0 and not backend.device_experts._graphs
 
@@ -119,7 +119,7 @@ def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runti
     """STRATA_DENSE_GRAPHS=1: two sequences decoding in turn give the logits of the same backend without the
     graphs, bit for bit; each layer's two regions run once as they are, are captured at the next decode step and
     replayed at every one after, over that step's residual stream and position; with every expert resident, the
-    whole step is one graph a sequence instead."""
+    whole step is one graph instead, which both sequences replay."""
     weights = load_model(gguf_models("kquant" if "_K" in target else "small", target)[0])
     c = weights.config
     resident = np.random.default_rng(3).random((c.num_layers, c.num_experts)) < fraction
@@ -142,9 +142,9 @@ def test_dense_graphs_replay_each_layer_bit_identically(gguf_models, numpy_runti
     np.testing.assert_array_equal(got, ref)
     assert plain.layer_graphs is None
     regions = graphed.layer_graphs._regions
-    if fraction == 1.0:  # every expert resident: each sequence's whole step is one graph
-        assert [key[0] for key in regions] == ["step", "step"]
-        assert all(graph is not None and graph.launches == 3 - 1 for _, _, graph in regions.values())
+    if fraction == 1.0:  # every expert resident: the whole step is one graph, shared by both sequences
+        assert [key[0] for key in regions] == ["step"]
+        assert all(graph is not None and graph.launches == 2 * 3 - 1 for _, _, graph in regions.values())
         return
     assert sorted(regions) == sorted((r, i) for r in (0, 1) for i in range(c.num_layers))  # two regions a layer
     assert all(graph is not None and graph.launches == 2 * 3 - 1 for _, _, graph in regions.values())
@@ -458,6 +458,47 @@ def test_a_fully_resident_step_is_one_graph_across_its_keys_bound(gguf_models, n
     for name in ("prefill", "decode", "coactivation"):
         np.testing.assert_array_equal(getattr(whole.usage, name), getattr(by_layer.usage, name), err_msg=name)
     assert whole.usage.tokens_decode == 10
+
+
+def test_one_step_graph_serves_every_sequence(gguf_models, numpy_runtime, reference_kernels):
+    """Sequences decoding in turn, and a new one after another was dropped, share one step graph (captured once: a
+    new request does not capture again), each step reading its own sequence's block table; the logits are the
+    layer-by-layer graphs' bit for bit, and a dropped sequence's blocks go back to the pool (no graph holds it)."""
+    import gc
+
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, c.vocab_size, n) for n in (70, 9, 40)]
+
+    def decode(step_graphs, steps=3):
+        backend = GpuBackend(numpy_runtime, max_context=512, resident=np.ones((c.num_layers, c.num_experts), bool),
+                             step_graphs=step_graphs)
+        backend.kernels = reference_kernels
+        model = Model(weights, backend, host=CpuBackend())
+        free = model.kv_pool.blocks_free
+        kvs = [model.new_sequence(512) for _ in prompts[:2]]
+        out = [model.forward(Batch([SeqChunk(kvs[u], 0, prompts[u], "last")])) for u in range(2)]
+        captures = numpy_runtime.captures
+        for t in range(steps):
+            for u in range(2):
+                out.append(model.forward(Batch([SeqChunk(kvs[u], kvs[u].length, np.asarray([TOKENS[t]]))])))
+        del kvs[0]
+        gc.collect()
+        kvs.append(model.new_sequence(512))
+        out.append(model.forward(Batch([SeqChunk(kvs[-1], 0, prompts[2], "last")])))
+        for t in range(steps):
+            out.append(model.forward(Batch([SeqChunk(kvs[-1], kvs[-1].length, np.asarray([TOKENS[t]]))])))
+        del kvs
+        gc.collect()
+        assert model.kv_pool.blocks_free == free
+        return np.concatenate(out), model, numpy_runtime.captures - captures
+
+    ref, _, _ = decode(False)
+    got, whole, captures = decode(True)
+    np.testing.assert_array_equal(got, ref)
+    steps = [key for key in whole.backend.layer_graphs._regions if key[0] == "step"]
+    assert whole.runner.last_path == "step graph" and captures == 1 and len(steps) == 1
 
 
 def _long_score(model, tokens, chunk):

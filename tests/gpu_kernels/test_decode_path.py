@@ -180,8 +180,9 @@ def test_a_decode_step_of_several_users_through_the_relay_matches_the_cpu_engine
 def test_dense_graphs_match_the_default_launches(runtime, gguf_models, target):
     """dense_graphs=True (a decode layer's dense launches as two captured graphs, the default) gives the logits of
     dense_graphs=False (the launches one by one), bit for bit, at 0, 50 and 100 % resident (the relay on), over two
-    sequences decoding in turn, and every region of every layer was captured and replayed; at 100 % each sequence's
-    whole step is one graph (its attention's key splits planned for 256 keys: these few keys fall in the first)."""
+    sequences decoding in turn, and every region of every layer was captured and replayed; at 100 % the whole step
+    is one graph, shared by both sequences (its attention's key splits planned for 256 keys: these few keys fall in
+    the first)."""
     from hybrid import LLM
     from hybrid.batch import Batch, SeqChunk
 
@@ -207,7 +208,7 @@ def test_dense_graphs_match_the_default_launches(runtime, gguf_models, target):
             whole = dense and name == "100%"  # every expert resident: each sequence's step is one graph
             assert model.runner.last_path == ("step graph" if whole else "graphs" if dense else "plain"), name
             if whole:
-                assert [key[0] for key in graphs._regions] == ["step", "step"], name
+                assert [key[0] for key in graphs._regions] == ["step"], name  # one graph serves both sequences
                 assert all(graph is not None for _, _, graph in graphs._regions.values()), name
             elif dense:
                 assert model.runner.regions() == [("norm", "project"), ("output", "residual_norm", "route")], name
