@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .delta_launch import DeltaNetLaunchers
-from .ops_launch import OpsLaunchers
+from .ops_launch import MATMUL_THREADS, OpsLaunchers
 from .sources import INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,6 @@ SLICE_WEIGHTS = {Q.F32: 4, Q.F16: 8, Q.BF16: 8, Q.Q8_0: 8, Q.Q4_0: 16, Q.Q4_K: 3
                  Q.Q2_K: 32, Q.Q3_K: 32, Q.IQ4_XS: 32, Q.MXFP4: 32, Q.IQ3_S: 32, Q.IQ2_XXS: 32, Q.Q4_1: 32, Q.Q5_0: 32,
                 Q.Q5_1: 32, Q.IQ4_NL: 32, Q.IQ3_XXS: 32, Q.IQ2_XS: 32, Q.IQ2_S: 32, Q.IQ1_S: 32, Q.IQ1_M: 32}
 MAX_THREADS = 256
-MATMUL_THREADS = 256  # common.cuh's MATMUL_THREADS: a matmul block, groups of `tpr` lanes each on its own rows
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
 LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
 # Per format (DECODE_ROWS, LANE_SLICES) of the one-token kernels where a sweep found better than the default
@@ -106,6 +105,12 @@ def takes_int16(act_quant, qtype):
     """Whether qtype's one-token matmuls take x as int16 under gpu_act_quant's `act_quant`."""
     q = Q(qtype)
     return q in INT_DECODE and (act_quant == "int16" or (act_quant == "auto" and q in GPU_INT16_FORMATS))
+
+
+def fuses_glu(act_quant, qtype, num_cols):
+    """Whether the one-row expert matmul of qtype over num_cols columns takes the SwiGLU in (moe_matmul_glu: its
+    x rounded to int16 in shared memory, under gpu_act_quant's `act_quant`)."""
+    return takes_int16(act_quant, qtype) and xq_shared_bytes(num_cols) <= XQ_MAX_SHARED
 
 
 def xq_shared_bytes(num_cols):
@@ -383,17 +388,19 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
                          (target, target_lse, out, self._or_dummy(lse), np.int32(lse is not None),
                           np.int32(plan.splits), np.int32(num_rows), np.int32(head_dim)), shared_mem=4 * plan.splits)
 
-    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None):
+    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None, second=None):
         """Encode rows x [n, Hkv, D] f32 of positions start .. start + n - 1 into pool [NB, BT, Hkv, D]
         through table int32 [nb] (pool blocks only); scale [NB, BT, Hkv] gets int8's row scales (else None).
-        start_at: as paged_attention's (start read on the device)."""
+        start_at: as paged_attention's (start read on the device). second: (x, pool, scale) of another pool of
+        the same shapes written in the same launch (v's beside k's), or None."""
         num_rows, num_kv_heads, head_dim = x.shape
         if num_rows == 0:
             return
         threads = self._threads(head_dim)
-        self._launch(self._kv(kv_dtype, "kv_write"), (num_rows * num_kv_heads,), threads,
-                     (x, pool, self._or_dummy(scale), table, np.int32(start), np.int32(num_kv_heads),
-                      np.int32(head_dim), np.int32(pool.shape[1]), self._address(start_at)),
+        x2, pool2, scale2 = second if second is not None else (x, pool, scale)
+        self._launch(self._kv(kv_dtype, "kv_write"), (num_rows * num_kv_heads, 1 if second is None else 2), threads,
+                     (x, pool, self._or_dummy(scale), x2, pool2, self._or_dummy(scale2), table, np.int32(start),
+                      np.int32(num_kv_heads), np.int32(head_dim), np.int32(pool.shape[1]), self._address(start_at)),
                      shared_mem=threads * 4)
 
     def attn_merge(self, out_a, lse_a, out_b, lse_b, out):

@@ -1,9 +1,13 @@
-"""Python launchers of the routers (src/routing.cu) and the fused small ops of a decode step (src/ops.cu), a mixin of
-gpu_kernels.kernels.Kernels: device arrays in, results written into caller-owned arrays.
+"""Python launchers of the routers (src/routing.cu) and the fused launches of a decode step (src/ops.cu, the expert
+matmuls' pair and SwiGLU kernels of src/matmul.cu), a mixin of gpu_kernels.kernels.Kernels: device arrays in, results
+written into caller-owned arrays.
 
-Shape legend: T tokens, E experts, K top-k, H hidden, nH heads, D head dim.
+Shape legend: T tokens, E experts, K top-k, H hidden, nH heads, D head dim, S expert slots, R rows, C columns, B bytes
+a row, N pair rows, P pairs.
 """
 import numpy as np
+
+MATMUL_THREADS = 256  # common.cuh's MATMUL_THREADS: a matmul block, groups of `tpr` lanes each on its own rows
 
 ROUTE_LANES = 32  # routing.cu's ROUTE_LANES: lanes routing a token
 ROUTE_MAX_EXPERTS = 32 * 16  # ROUTE_LANES * routing.cu's ROUTE_HELD
@@ -11,7 +15,8 @@ ROUTE_TOKENS = 4  # tokens a router block
 
 
 class OpsLaunchers:
-    """Kernels' launchers of the routers and fused ops (uses Kernels' rt, _ops, _launch, _threads)."""
+    """Kernels' launchers of the routers and fused ops (uses Kernels' rt, _ops, _launch, _threads, _mm_launch,
+    _mm_grid_x)."""
 
     def _route(self, name, logits, k, arrays, after=()):
         """A router launch (routing.cu), arguments (logits, *arrays, T, E, K, *after): a group of ROUTE_LANES lanes a
@@ -59,3 +64,29 @@ class OpsLaunchers:
                      (x, q_weight, k_weight, np.int32(num_heads), np.int32(num_q_heads), np.int32(head_dim),
                       np.float32(eps), positions, inv_freq, np.int32(inv_freq.shape[0]), np.float32(scale)),
                      shared_mem=4 * (threads + head_dim))
+
+    def decode_pairs(self, ids, slot_map, k, tiles, x, xs):
+        """decode_tiles(ids, slot_map, tiles) over ids int32 [1, P] and gather_rows(x, arange(P), k, xs) (x [P / k, H]
+        -> xs [P, H]) in one launch."""
+        num_pairs, hidden = ids.shape[1], x.shape[1]
+        self._launch(self._ops("decode_pairs"), (num_pairs,), self._threads(hidden),
+                     (ids, slot_map, np.int32(num_pairs), np.int32(k), tiles, x, xs, np.int32(hidden)))
+
+    def moe_matmul2(self, raw, raw2, qtype, x, out, out2, tile_slot, tile_row, tile_count):
+        """moe_matmul's one-row kernel of raw and of raw2 (one format and shape [S, R, B]: gate and up) over the same
+        x and tiles into out and out2 [N, R], in one launch."""
+        fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul2_1", raw.shape[1], x.shape[1],
+                                                          raw.shape[-1], True)
+        grid_x, chunks = self._mm_grid_x(fn, num_blocks, 2 * len(tile_slot), shared, True)
+        self._launch(fn, (grid_x, 2 * len(tile_slot)), MATMUL_THREADS,
+                     (raw, raw2, x, out, out2, tile_slot, tile_row, tile_count) + scalars + (chunks,),
+                     shared_mem=shared)
+
+    def moe_matmul_glu(self, raw, qtype, gate, up, out, tile_slot, tile_row, tile_count):
+        """moe_matmul's one-row kernel over silu(gate) * up (gate, up [N, C]: the swiglu kernel's values) into out
+        [N, R], in one launch; only where fuses_glu(act_quant, qtype, C)."""
+        fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul_glu_1", raw.shape[1], gate.shape[1],
+                                                          raw.shape[-1], True)
+        grid_x, chunks = self._mm_grid_x(fn, num_blocks, len(tile_slot), shared, True)
+        self._launch(fn, (grid_x, len(tile_slot)), MATMUL_THREADS,
+                     (raw, gate, up, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)

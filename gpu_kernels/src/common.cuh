@@ -130,7 +130,20 @@ struct XQ {
 // Groups of 32 threads take 32-value blocks (shuffles of width 32 work on waves of 32 and 64); a group loads
 // XQ_LOADS blocks' values before it reduces any, so that their reads are in flight together.
 #define XQ_LOADS 4
-__device__ __forceinline__ XQ stage_xq(const float* __restrict__ x, int C, unsigned char* smem) {
+// silu(g) * u, as the swiglu kernel computes it (no exp of a large positive value).
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    float silu;
+    if (g >= 0.0f) silu = g / (1.0f + expf(-g));
+    else {
+        float e = expf(g);
+        silu = g * e / (1.0f + e);
+    }
+    return silu * u;
+}
+
+// up: where given, x is silu_mul(x, up) (an expert's SwiGLU, staged without a launch of its own).
+__device__ __forceinline__ XQ stage_xq(const float* __restrict__ x, int C, unsigned char* smem,
+                                       const float* __restrict__ up = nullptr) {
     XQ xq;
     i8* hi = (i8*)smem;
     i8* lo = hi + C;
@@ -142,7 +155,8 @@ __device__ __forceinline__ XQ stage_xq(const float* __restrict__ x, int C, unsig
 #pragma unroll
         for (int u = 0; u < XQ_LOADS; ++u) {
             int b = b0 + u * groups;
-            v[u] = b < num_blocks ? x[XQ_BLOCK * b + lane] : 0.0f;
+            int i = XQ_BLOCK * b + lane;
+            v[u] = b >= num_blocks ? 0.0f : up ? silu_mul(x[i], up[i]) : x[i];
         }
 #pragma unroll
         for (int u = 0; u < XQ_LOADS; ++u) {

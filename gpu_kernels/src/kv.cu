@@ -478,9 +478,16 @@ extern "C" __global__ void paged_attention_merge(const float* part, const float*
 // Rows x [n, Hkv, D] f32 of positions start .. start + n - 1 (start_at: start on the device, or null),
 // encoded (as hybrid/kv_store.py's encode) into pool [NB, BT, Hkv, D] through table (pool blocks only); int8
 // also writes scale [NB, BT, Hkv].
-// grid (n * Hkv); shared (int8): blockDim floats, blockDim a power of two.
-extern "C" __global__ void kv_write(const float* x, kv_t* pool, float* scale, const int* table, int start, int Hkv,
-                                    int D, int BT, const i64* start_at) {
+// grid (n * Hkv, 1 or 2): blocks of y = 1 write x2 into pool2 and scale2 instead (v's rows beside k's, one launch).
+// shared (int8): blockDim floats, blockDim a power of two.
+extern "C" __global__ void kv_write(const float* x, kv_t* pool, float* scale, const float* x2, kv_t* pool2,
+                                    float* scale2, const int* table, int start, int Hkv, int D, int BT,
+                                    const i64* start_at) {
+    if (blockIdx.y) {
+        x = x2;
+        pool = pool2;
+        scale = scale2;
+    }
     if (start_at) start = (int)start_at[0];
     int p = start + blockIdx.x / Hkv, b = p / BT;
     i64 row = ((i64)table[b] * BT + (p - b * BT)) * Hkv + blockIdx.x % Hkv;

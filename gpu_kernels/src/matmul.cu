@@ -193,12 +193,13 @@ __device__ __forceinline__ void walk_matmul_body(const u8* __restrict__ raw, con
 }
 
 // moe_matmul_body's one-token twin on the walk: grid (ceil(R / (RPT * blockDim / tpr * chunks)), W).
+// w: the block's work tile (blockIdx.y, or of the pair kernels' half).
 template <int RPT, int TT>
 __device__ __forceinline__ void walk_moe_matmul_body(const u8* __restrict__ raw, const float* __restrict__ x,
                                                      float* __restrict__ out, const int* tile_slot, const int* tile_row,
                                                      const int* tile_count, int R, int C, i64 row_bytes, int tpr,
-                                                     int chunks) {
-    int w = blockIdx.y, row0 = tile_row[w], n = tile_count[w];
+                                                     int chunks, int w) {
+    int row0 = tile_row[w], n = tile_count[w];
     if (n <= 0) return;  // a decode pair whose expert is not resident (decode_tiles): nothing to read
     const u8* expert = raw + (i64)tile_slot[w] * R * row_bytes;
     Walk wk = block_walk<RPT>(R, tpr, chunks);
@@ -212,6 +213,17 @@ __device__ __forceinline__ void walk_moe_matmul_body(const u8* __restrict__ raw,
 #define MOE_ARGS                                                                                        \
     const u8 *raw, const float *x, float *out, const int *tile_slot, const int *tile_row, const int *tile_count, \
         int R, int C, i64 row_bytes, int tpr, int chunks
+// The pair kernels: two weights of one format and shape (an expert's gate and up) over the same rows x in one launch,
+// grid (.., 2W): blocks of y < W multiply raw into out with tile y, the others raw2 into out2 with tile y - W.
+#define MOE2_ARGS                                                                                                 \
+    const u8 *raw, const u8 *raw2, const float *x, float *out, float *out2, const int *tile_slot, const int *tile_row, \
+        const int *tile_count, int R, int C, i64 row_bytes, int tpr, int chunks
+#define MOE2_PICK                                        \
+    int half = gridDim.y / 2, w = blockIdx.y % half;     \
+    if (blockIdx.y >= half) {                            \
+        raw = raw2;                                      \
+        out = out2;                                      \
+    }
 
 // The tiled kernels take one run of rows a block: `chunks` is there for the common argument list (the host passes 1).
 extern "C" __global__ void matmul(MATMUL_ARGS) { matmul_body<1, TILE_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr); }
@@ -225,7 +237,13 @@ extern "C" __global__ void moe_matmul(MOE_ARGS) {
 }
 
 extern "C" __global__ void DECODE_BOUNDS moe_matmul_1(MOE_ARGS) {
-    walk_moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks);
+    walk_moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks,
+                                         blockIdx.y);
+}
+
+extern "C" __global__ void DECODE_BOUNDS moe_matmul2_1(MOE2_ARGS) {
+    MOE2_PICK
+    walk_moe_matmul_body<DECODE_ROWS, 1>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks, w);
 }
 
 #ifdef INT_DECODE
@@ -240,17 +258,38 @@ extern "C" __global__ void DECODE_BOUNDS matmul_1q(MATMUL_ARGS) {
     rows_dot_store<DECODE_ROWS, 1>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur, out);
 }
 
-extern "C" __global__ void DECODE_BOUNDS moe_matmul_1q(MOE_ARGS) {
-    int w = blockIdx.y, row0 = tile_row[w];
+// up: where given, x is the gate and the rows multiplied are silu_mul(x, up) (stage_xq).
+__device__ __forceinline__ void moe_1q_body(const u8* __restrict__ raw, const float* __restrict__ x,
+                                            float* __restrict__ out, const int* tile_slot, const int* tile_row,
+                                            const int* tile_count, int R, int C, i64 row_bytes, int tpr, int chunks,
+                                            int w, const float* __restrict__ up = nullptr) {
+    int row0 = tile_row[w];
     if (tile_count[w] <= 0) return;  // the whole block: a pair whose expert is not resident
     extern __shared__ float4 xq_smem[];
     const u8* expert = raw + (i64)tile_slot[w] * R * row_bytes;
     Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
     Slice cur[DECODE_ROWS];
     first_slices<DECODE_ROWS>(expert, row_bytes, R, wk.r0, C, tpr, cur);
-    XQ xq = stage_xq(x + (i64)row0 * C, C, (unsigned char*)xq_smem);
+    XQ xq = stage_xq(x + (i64)row0 * C, C, (unsigned char*)xq_smem, up ? up + (i64)row0 * C : nullptr);
     rows_dot_store<DECODE_ROWS, 1>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur,
                                    out + (i64)row0 * R);
+}
+
+extern "C" __global__ void DECODE_BOUNDS moe_matmul_1q(MOE_ARGS) {
+    moe_1q_body(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks, blockIdx.y);
+}
+
+extern "C" __global__ void DECODE_BOUNDS moe_matmul2_1q(MOE2_ARGS) {
+    MOE2_PICK
+    moe_1q_body(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks, w);
+}
+
+// moe_matmul_1q of the experts' SwiGLU: the rows multiplied are silu_mul(x, up) of x [N, C] (the gate) and up [N, C].
+extern "C" __global__ void DECODE_BOUNDS moe_matmul_glu_1q(const u8* raw, const float* x, const float* up, float* out,
+                                                           const int* tile_slot, const int* tile_row,
+                                                           const int* tile_count, int R, int C, i64 row_bytes, int tpr,
+                                                           int chunks) {
+    moe_1q_body(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks, blockIdx.y, up);
 }
 #endif
 

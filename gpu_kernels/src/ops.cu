@@ -116,11 +116,7 @@ extern "C" __global__ void attn_sinks(float* out, float* lse, const float* sinks
 // out [n] = silu(gate) * up; out may alias gate or up.
 extern "C" __global__ void swiglu(const float* gate, const float* up, float* out, i64 n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float g = gate[i], silu;
-    if (g >= 0.0f) silu = g / (1.0f + expf(-g));
-    else { float e = expf(g); silu = g * e / (1.0f + e); }
-    out[i] = silu * up[i];
+    if (i < n) out[i] = silu_mul(gate[i], up[i]);
 }
 
 // gpt-oss's experts: over pair rows gate, up [N, F] (n = N * F values), e = ids[order[row]] the row's expert:
@@ -180,6 +176,24 @@ extern "C" __global__ void decode_tiles(const int* ids, const int* slot_map, int
     tiles[K + j] = j;
     tiles[2 * K + j] = slot < 0 ? 0 : 1;
     tiles[3 * K + j] = slot < 0 ? -1 : j;
+}
+
+// decode_tiles and gather_rows of a decode step's P = T * K pairs (pair p = t * K + j, in order) in one launch:
+// tiles int32 [4, P] as decode_tiles writes them from ids [P] and slot_map [E], and xs [P, H] = x [T, H] row p / K.
+// grid (P).
+extern "C" __global__ void decode_pairs(const int* ids, const int* slot_map, int P, int K, int* tiles,
+                                        const float* x, float* xs, int H) {
+    int p = blockIdx.x;
+    if (threadIdx.x == 0) {
+        int slot = slot_map[ids[p]];
+        tiles[p] = slot < 0 ? 0 : slot;
+        tiles[P + p] = p;
+        tiles[2 * P + p] = slot < 0 ? 0 : 1;
+        tiles[3 * P + p] = slot < 0 ? -1 : p;
+    }
+    const float* src = x + (i64)(p / K) * H;
+    float* dst = xs + (i64)p * H;
+    for (int d = threadIdx.x; d < H; d += blockDim.x) dst[d] = src[d];
 }
 
 // One decode token's routing and row side by side (the decode expert graphs' inputs and one host copy):

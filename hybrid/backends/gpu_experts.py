@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from gpu_kernels.kernels import MAX_THREADS, TILE_TOKENS
+from gpu_kernels.kernels import MAX_THREADS, TILE_TOKENS, fuses_glu
 
 from .gpu_staging import Pending
 
@@ -132,14 +132,19 @@ class GpuExperts:
         a relayed step's n * K <= MAX_DECODE_PAIRS): a kernel finds them from the routing and the cache's slot
         map, so nothing is read back. The launches read fixed scratch (the inputs are copied in), so each
         layer's are captured once a token count as a graph and replayed with one call. Returns a Pending."""
-        s = self.stage_decode(be, x, ids, weights)
+        in_step_graph = be.step is not None and be.step.active is not None  # its launches go into the step's graph
+        if in_step_graph and all(a.flags.c_contiguous for a in (x, ids, weights)):
+            # the step's graph keeps its own arrays: the launches read them where they are (no pack_decode)
+            s = dict(self._decode_scratch(be, ids.shape[0], ids.shape[1], x.shape[1]), ids=ids,
+                     ids_flat=ids.reshape(1, -1), weights=weights, x=x)
+        else:
+            s = self.stage_decode(be, x, ids, weights)
         self._staged = None  # a later step's arrays may reuse these objects' memory
         pending = Pending(s["out"][layer.index])  # [n, H], this layer's own: read by later kernels only
         if be.time_experts:  # the layer's own pair of timing events, read before its next step
             pending.start, pending.stop = self._timing_events(be, layer.index)
             pending.start.record(be.stream)
         key = (x.shape[0], layer.index)
-        in_step_graph = be.step is not None and be.step.active is not None  # its launches go into the step's graph
         graph = self._graphs.get(key, _UNCAPTURED) if self.decode_graphs and not in_step_graph else None
         if graph is _UNCAPTURED:
             graph = self._graphs[key] = self._capture(be, lambda: _queue_decode_experts(be, layer, s))
@@ -206,13 +211,19 @@ class GpuExperts:
 def _queue_decode_experts(be, layer, s):
     k = s["ids"].shape[1]
     kn, tiles = be.kernels, s["tiles"]
-    kn.decode_tiles(s["ids_flat"], be.cache.slot_map[layer.index], tiles)
-    kn.gather_rows(s["x"], s["order"], k, s["xs"])
+    kn.decode_pairs(s["ids_flat"], be.cache.slot_map[layer.index], k, tiles, s["x"], s["xs"])  # order: every pair
     slabs = be.cache.layers[layer.index]
-    kn.moe_matmul(slabs[0], layer.gate_exps.qtype, s["xs"], s["gate"], tiles[0], tiles[1], tiles[2], 1)
-    kn.moe_matmul(slabs[1], layer.up_exps.qtype, s["xs"], s["up"], tiles[0], tiles[1], tiles[2], 1)
-    activate(be, layer, s["gate"], s["up"], s["order"], s["ids_flat"])
-    kn.moe_matmul(slabs[2], layer.down_exps.qtype, s["gate"], s["down"], tiles[0], tiles[1], tiles[2], 1)
+    if layer.gate_exps.qtype == layer.up_exps.qtype and slabs[0].shape == slabs[1].shape:
+        kn.moe_matmul2(slabs[0], slabs[1], layer.gate_exps.qtype, s["xs"], s["gate"], s["up"], *tiles[:3])
+    else:
+        kn.moe_matmul(slabs[0], layer.gate_exps.qtype, s["xs"], s["gate"], tiles[0], tiles[1], tiles[2], 1)
+        kn.moe_matmul(slabs[1], layer.up_exps.qtype, s["xs"], s["up"], tiles[0], tiles[1], tiles[2], 1)
+    down_qtype = layer.down_exps.qtype
+    if layer.expert_glu is None and fuses_glu(kn.act_quant, down_qtype, s["gate"].shape[1]):
+        kn.moe_matmul_glu(slabs[2], down_qtype, s["gate"], s["up"], s["down"], tiles[0], tiles[1], tiles[2])
+    else:
+        activate(be, layer, s["gate"], s["up"], s["order"], s["ids_flat"])
+        kn.moe_matmul(slabs[2], down_qtype, s["gate"], s["down"], tiles[0], tiles[1], tiles[2], 1)
     add_down_bias(be, layer, s["down"], s["order"], s["ids_flat"])
     kn.combine_rows(s["down"], tiles[3], s["weights"], k, s["out"][layer.index])
 

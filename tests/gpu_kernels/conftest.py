@@ -101,6 +101,10 @@ class ReferenceKernels:
             w = dequant(raw[slot], qtype, x.shape[1]).astype(np.float64)
             out[row:row + count] = x[row:row + count].astype(np.float64) @ w.T
 
+    def moe_matmul2(self, raw, raw2, qtype, x, out, out2, tile_slot, tile_row, tile_count):
+        for weights, target in ((raw, out), (raw2, out2)):
+            object.__getattribute__(self, "moe_matmul")(weights, qtype, x, target, tile_slot, tile_row, tile_count)
+
     def dequant_rows(self, raw, qtype, row_ids, out):
         out[:] = dequant(raw[row_ids], qtype, out.shape[1])
 
@@ -205,7 +209,9 @@ class ReferenceKernels:
                 row_lse = (m + np.log(total))[..., 0]  # [Hkv, T*G]
             lse[:] = row_lse.reshape(num_kv_heads, num_tokens, group).transpose(1, 0, 2).reshape(lse.shape)
 
-    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None):
+    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None, second=None):
+        if second is not None:
+            object.__getattribute__(self, "kv_write")(kv_dtype, *second, table, start, start_at)
         if start_at is not None:
             start = int(start_at[0][0])
         positions = start + np.arange(x.shape[0])
@@ -251,6 +257,10 @@ class ReferenceKernels:
         slots = slot_map[ids[0]]  # [K]
         k = len(slots)
         tiles[:] = [np.maximum(slots, 0), np.arange(k), slots >= 0, np.where(slots >= 0, np.arange(k), -1)]
+
+    def decode_pairs(self, ids, slot_map, k, tiles, x, xs):
+        object.__getattribute__(self, "decode_tiles")(ids, slot_map, tiles)
+        xs[:] = x[np.arange(ids.shape[1]) // k]
 
     def add_into(self, out, src):
         out += src
