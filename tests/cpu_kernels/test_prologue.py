@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from cpu_kernels.prefill import PARALLEL_MIN_PANELS, token_panels
-from cpu_kernels.tiles import (DECODE_ITEMS_PER_THREAD, DECODE_MAX_ITEM_BYTES, DECODE_MAX_ROWS_PER_ITEM, DECODE_MAX_TOKENS,
-                               PARALLEL_MIN_SUM_ROWS, ROWS_PER_ITEM, TOKENS_PER_ITEM, decode_rows_per_item, sub_block_sums,
-                               work_items)
+from cpu_kernels.tiles import (DECODE_ITEMS_PER_THREAD, DECODE_MAX_ITEM_BYTES, DECODE_MAX_ROWS_PER_ITEM,
+                               DECODE_MAX_TOKENS, PARALLEL_MIN_SUM_ROWS, ROWS_PER_ITEM, TOKENS_PER_ITEM,
+                               decode_rows_per_item, sub_block_sums, work_items)
 
 
 @pytest.mark.parametrize("num_rows", [16, 200, 768])
