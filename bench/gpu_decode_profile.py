@@ -93,12 +93,16 @@ def tuned(llm, args):
     """llm with the kernel tuning the arguments ask for (before its first step: graphs capture the launches)."""
     if args.attention_rows:
         llm.model.backend.kernels.attention_rows = args.attention_rows
+    if args.fill_sms:
+        llm.model.backend.kernels.fill_sms = True
+        llm.model.backend.kernels._launches.clear()  # the shapes launched while loading, planned again
     return llm
 
 
 def markdown(args, times, per_step, graphed_s, gpu_name):
     total = sum(sum(v) for v in times.values()) / args.steps
     rows = f", attention {args.attention_rows} heads a block" if args.attention_rows else ""
+    rows += ", fill_sms" if args.fill_sms else ""
     lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
              f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
              f"of the launches back to back: "
@@ -121,6 +125,9 @@ def main(argv=None):
     p.add_argument("--attention-rows", type=int, default=None, choices=(1, 2, 4, 8),
                    help="most heads a one-token attention block takes (default: the kernels')")
     p.add_argument("--context", type=int, default=32, help="prompt tokens each user holds before the decode steps")
+    p.add_argument("--fill-sms", action="store_true",
+                   help="one-token matmuls with fewer blocks than multiprocessors take fewer rows a lane group "
+                        "(gpu_kernels.kernels.Kernels fill_sms)")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

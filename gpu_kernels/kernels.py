@@ -170,10 +170,12 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
     key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: "auto";
     "auto" is float on an AMD chip without has_dot4).
-    row_chunks: runs of rows a one-token matmul block walks (matmul.cu's block_walk); None: _row_chunks decides."""
+    row_chunks: runs of rows a one-token matmul block walks (matmul.cu's block_walk); None: _row_chunks decides.
+    fill_sms: a one-token matmul whose blocks would be fewer than the GPU's multiprocessors takes fewer rows a lane
+    group (halved until they are not, down to 1), so that more multiprocessors read its weights."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
-                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None):
+                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, fill_sms=False):
         self.rt, self.stream = runtime, stream
         self.act_quant = gpu_act_quant(act_quant)
         chip = getattr(runtime, "chip", None)
@@ -182,10 +184,10 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
             self.act_quant = "float"
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
-        self.min_blocks, self.row_chunks = min_blocks, row_chunks
+        self.min_blocks, self.row_chunks, self.fill_sms = min_blocks, row_chunks, fill_sms
         self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
-        self._functions = {}  # (qtype or KV dtype, kernel name) -> compiled function
-        self._launches = {}  # (qtype, kernel name, R, C, B) -> _mm_launch's (kernel, blocks, scalars)
+        self._functions = {}  # (qtype or KV dtype, kernel name(, rows)) -> compiled function
+        self._launches = {}  # (qtype, kernel name, R, C, B, ...) -> _mm_launch's (kernel, blocks, scalars)
         self._dummy = None  # stands in for an absent array argument
         self.attention_rows = PD_MAX_ROWS  # most heads a one-token attention block takes (attention_plan)
         self._split_out = self._split_lse = None  # paged_attention's partial results, grown as needed
@@ -203,13 +205,21 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
         return (self.decode_rows or rows, self.lane_slices or slices,
                 blocks if self.min_blocks is None else self.min_blocks)
 
-    def _mm(self, qtype, name):
-        key = (qtype, name)
+    def _mm(self, qtype, name, rows=None):
+        key = (qtype, name, rows)
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
-            rows, _, blocks = self.tuning(qtype)
+            tuned_rows, _, blocks = self.tuning(qtype)
+            rows = rows or tuned_rows
             self._functions[key] = self.rt.compile(tuned_module_name(qtype, rows, blocks),
                                                    tuned_source(qtype, rows, blocks), matmul_kernels(qtype))[name]
         return self._functions[key]
+
+    def _filling_rows(self, rows, tpr, num_rows, num_tiles):
+        """fill_sms' rows a lane group: `rows` halved while the launch's blocks are fewer than the multiprocessors."""
+        groups = MATMUL_THREADS // tpr
+        while rows > 1 and -(-num_rows // (groups * rows)) * num_tiles < self.rt.multiprocessors:
+            rows //= 2
+        return rows
 
     def _kv(self, kv_dtype, name):
         key = (kv_dtype, name)
@@ -244,11 +254,12 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
     def _mm_threads(self, qtype, num_cols):
         return self._threads(num_cols // UNIT_WEIGHTS[Q(qtype)], cap=128)
 
-    def _mm_launch(self, qtype, kernel, num_rows, num_cols, row_bytes, one, float_x=False):
+    def _mm_launch(self, qtype, kernel, num_rows, num_cols, row_bytes, one, float_x=False, num_tiles=1):
         """(compiled kernel, blocks over the rows at one chunk a block, (R, C, B, tpr) as kernel scalars, shared
         memory bytes) of a matmul launch (one: the one-token kernel's, `_1q` where x goes in as int16 unless
-        float_x), kept per shape: a decode step launches the same few shapes hundreds of times."""
-        key = (qtype, kernel, num_rows, num_cols, row_bytes, float_x)
+        float_x; num_tiles: its work tiles, for fill_sms), kept per shape: a decode step launches the same few
+        shapes hundreds of times."""
+        key = (qtype, kernel, num_rows, num_cols, row_bytes, float_x, num_tiles)
         launch = self._launches.get(key)
         if launch is None:
             slices, rem = divmod(num_cols, SLICE_WEIGHTS[Q(qtype)])
@@ -257,13 +268,15 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
                                  f"{SLICE_WEIGHTS[Q(qtype)]}")
             rows_per_group, lane_slices = self.tuning(qtype)[:2] if one else (1, self.lane_slices or LANE_SLICES)
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
+            if one and self.fill_sms:
+                rows_per_group = self._filling_rows(rows_per_group, tpr, num_rows, num_tiles)
             per_block = MATMUL_THREADS // tpr * rows_per_group
             shared = 0
             int16 = one and not float_x and takes_int16(self.act_quant, qtype)
             if int16 and xq_shared_bytes(num_cols) <= XQ_MAX_SHARED:
                 kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
             launch = self._launches[key] = (
-                self._mm(qtype, kernel), (num_rows + per_block - 1) // per_block,
+                self._mm(qtype, kernel, rows_per_group if one else None), (num_rows + per_block - 1) // per_block,
                 (np.int32(num_rows), np.int32(num_cols), np.int64(row_bytes), np.int32(tpr)), shared)
         return launch
 
@@ -306,7 +319,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
         of at most `tile_tokens` rows (1: the one-row kernel, else TILE_TOKENS)."""
         one = tile_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul_1" if one else "moe_matmul",
-                                                          raw.shape[1], x.shape[1], raw.shape[-1], one)
+                                                          raw.shape[1], x.shape[1], raw.shape[-1], one,
+                                                          num_tiles=len(tile_slot))
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, len(tile_slot), shared, one)
         self._launch(fn, (grid_x, len(tile_slot)), MATMUL_THREADS,
                      (raw, x, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)

@@ -76,7 +76,7 @@ class OpsLaunchers:
         """moe_matmul's one-row kernel of raw and of raw2 (one format and shape [S, R, B]: gate and up) over the same
         x and tiles into out and out2 [N, R], in one launch."""
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul2_1", raw.shape[1], x.shape[1],
-                                                          raw.shape[-1], True)
+                                                          raw.shape[-1], True, num_tiles=2 * len(tile_slot))
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, 2 * len(tile_slot), shared, True)
         self._launch(fn, (grid_x, 2 * len(tile_slot)), MATMUL_THREADS,
                      (raw, raw2, x, out, out2, tile_slot, tile_row, tile_count) + scalars + (chunks,),
@@ -86,7 +86,7 @@ class OpsLaunchers:
         """moe_matmul's one-row kernel over silu(gate) * up (gate, up [N, C]: the swiglu kernel's values) into out
         [N, R], in one launch; only where fuses_glu(act_quant, qtype, C)."""
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul_glu_1", raw.shape[1], gate.shape[1],
-                                                          raw.shape[-1], True)
+                                                          raw.shape[-1], True, num_tiles=len(tile_slot))
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, len(tile_slot), shared, True)
         self._launch(fn, (grid_x, len(tile_slot)), MATMUL_THREADS,
                      (raw, gate, up, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)

@@ -190,3 +190,28 @@ def test_moe_matmul_glu_takes_the_swiglu_in(runtime, reference_kernels, qtype, n
     reference_kernels.moe_matmul(down, qtype, x_ref, ref, *tiles)
     held = tiles[2] > 0
     assert rel_err(got[held], ref[held]) < tol
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F32], ids=lambda q: q.name)
+def test_fill_sms_keeps_the_one_token_results(runtime, reference_kernels, qtype):
+    """Kernels(fill_sms=True): one-token matmuls of the 30B-A3B decode shapes with fewer blocks than multiprocessors
+    take fewer rows a lane group; the results stay the default tuning's and the reference's."""
+    from gpu_kernels.kernels import Kernels
+
+    default, filled = Kernels(runtime), Kernels(runtime, fill_sms=True)
+    rng = np.random.default_rng(int(qtype))
+    for rows, cols in ((4608, 2048), (512, 2048), (128, 2048)):
+        raw = quant(rng, qtype, (rows, cols))
+        x = rng.standard_normal((1, cols)).astype(np.float32)
+        outs = [runtime.empty((1, rows), np.float32) for _ in range(2)]
+        for kernels, out in zip((default, filled), outs):
+            kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+        got, want = runtime.to_host(outs[1]), runtime.to_host(outs[0])
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+        x_ref, tol = decode_x(default.act_quant, qtype, x)
+        ref = np.empty((1, rows), np.float32)
+        reference_kernels.matmul(raw, qtype, x_ref, ref)
+        assert rel_err(got, ref) < tol
+    fn, num_blocks, _, _ = filled._mm_launch(qtype, "matmul_1", 4608, 2048, raw.shape[-1], True)
+    assert num_blocks >= min(runtime.multiprocessors, default._mm_launch(qtype, "matmul_1", 4608, 2048,
+                                                                         raw.shape[-1], True)[1] * 4)
