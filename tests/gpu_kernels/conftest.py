@@ -105,6 +105,10 @@ class ReferenceKernels:
         for weights, target in ((raw, out), (raw2, out2)):
             object.__getattribute__(self, "moe_matmul")(weights, qtype, x, target, tile_slot, tile_row, tile_count)
 
+    def moe_matmul_glu(self, raw, qtype, gate, up, out, tile_slot, tile_row, tile_count):
+        act = (silu(gate) * up).astype(np.float32)  # the swiglu kernel's float32 rows
+        object.__getattribute__(self, "moe_matmul")(raw, qtype, act, out, tile_slot, tile_row, tile_count)
+
     def dequant_rows(self, raw, qtype, row_ids, out):
         out[:] = dequant(raw[row_ids], qtype, out.shape[1])
 
