@@ -8,9 +8,47 @@ transformers running on the weights that gguf-py dequantizes from that file.
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 import pytest
+
+# a run of this many tests (the suite) starts tests/cache_warmer.py; STRATA_TEST_WARMER=1: any run, 0: none
+WARMER_MIN_TESTS = 500
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_WARMER = pytest.StashKey()  # the warmer's (process, work directory)
+
+
+def pytest_collection_finish(session):
+    """A suite-sized run compiles the decode layers in a second process too (tests/cache_warmer.py)."""
+    wanted = os.environ.get("STRATA_TEST_WARMER")
+    if wanted == "0" or (wanted != "1" and len(session.items) < WARMER_MIN_TESTS):
+        return
+    from tests.cache_warmer import LOCK_NAME, lock_cache_saves
+
+    work = tempfile.mkdtemp(prefix="strata-cache-warmer-")
+    lock_cache_saves(os.path.join(work, LOCK_NAME))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    with open(os.path.join(work, "warmer.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.cache_warmer", work], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    session.config.stash[_WARMER] = proc, work
+
+
+def pytest_sessionfinish(session):
+    proc, work = session.config.stash.get(_WARMER, (None, None))
+    if proc is None:
+        return
+    if proc.poll() is None:
+        proc.kill()
+    elif proc.returncode:  # a warmer that failed only leaves the tests their own compiles: say so
+        with open(os.path.join(work, "warmer.log")) as log:
+            sys.stderr.write(f"tests/cache_warmer.py exited {proc.returncode}:\n{log.read()[-3000:]}\n")
+    proc.wait()
+    shutil.rmtree(work, ignore_errors=True)
+
 
 TINY = {  # not powers of two where the formats allow
     "small": dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
