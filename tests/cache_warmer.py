@@ -3,9 +3,10 @@
 A cold run of the suite spends most of its time compiling, one function at a time in one process (Numba holds a
 compiler lock), so a 2-core CI machine leaves a core idle. tests/conftest.py starts this module in a subprocess for
 a suite-sized run: it builds the tests' tiny models (the same recipes and formats, so the same compiled instances)
-and decodes a few steps of each at one thread (the compiled layer) and at all threads (the fused layer), in about
-the order the suite first needs them. The tests then load those layers from the cache instead of compiling them;
-what they check is unchanged, and a layer the warmer has not reached yet the test compiles itself.
+and decodes a few steps of each at one thread (the compiled layer), at all threads (the fused layer) or on the GPU
+stand-in (the host experts' layer), in about the order the suite first needs them. The tests then load those
+layers from the cache instead of compiling them; what they check is unchanged, and a layer the warmer has not reached
+yet the test compiles itself.
 
 Both processes save to one cache, so each save (read the function's index, write its data file and index) runs
 under an exclusive lock on a file they share (lock_cache_saves): two processes saving overloads of one function
@@ -17,13 +18,23 @@ import contextlib
 import fcntl
 import os
 import sys
+import traceback
+from types import SimpleNamespace
+
+import gguf
 
 LOCK_NAME = "numba-save.lock"
-# (family, size, file type, thread counts to decode at) in about the order the suite first compiles them
+# (family, size, file type, what to decode with) in about the order the suite first compiles them: 1 / "all" the CPU
+# engine at one / every thread (the compiled / fused layer), "host" the GPU stand-in with half of the experts on
+# the host (the host experts' compiled layer, as tests/gpu_kernels/test_backend_wiring.py runs it)
 JOBS = [("qwen3moe", "kquant", "Q4_K_M", ("all", 1)), ("qwen3moe", "small", "Q8_0", ("all", 1)),
+        ("qwen3moe", "small", "F16", ("host",)), ("qwen3moe", "small", "BF16", ("host",)),
+        ("qwen3moe", "small", "F32", ("host",)), ("qwen3moe", "small", "Q4_0", ("host",)),
+        ("qwen3moe", "kquant", "Q5_K", ("host",)),
         ("qwen3moe", "small", "F32", (1, "all")), ("qwen3moe", "small", "F16", (1, "all")),
         ("qwen3moe", "small", "BF16", (1,)), ("qwen3moe", "small", "Q4_0", (1,)),
         ("qwen3moe", "kquant", "Q5_K", (1,)), ("qwen3moe", "kquant", "Q6_K", (1,)),
+        ("experts", "read-only", "Q8_0 Q4_K Q6_K", (1,)),
         ("glm4moe", "small", "F32", ("all",)),
         ("gpt-oss", "small", "MXFP4_MOE", ("all",))]
 
@@ -99,17 +110,72 @@ def decode_steps(llm, threads):
         numba.set_num_threads(before)
 
 
+def host_decode_steps(path):
+    """decode_steps on the GPU stand-in (NumPy arrays, reference kernels) with half of the experts resident."""
+    import numpy as np
+
+    from gpu_kernels.numpy_runtime import NumpyRuntime
+    from hybrid.backends import CpuBackend
+    from hybrid.backends.gpu import GpuBackend
+    from hybrid.formats import load_model
+    from hybrid.model import Model
+    from tests.gpu_kernels.conftest import ReferenceKernels
+
+    weights = load_model(path)
+    c = weights.config
+    backend = GpuBackend(NumpyRuntime(), max_context=256, kv_sequences=2,
+                         resident=np.random.default_rng(3).random((c.num_layers, c.num_experts)) < 0.5)
+    backend.kernels = ReferenceKernels()
+    model = Model(weights, backend, host=CpuBackend(act_quant="float"))
+    try:
+        decode_steps(SimpleNamespace(model=model), 1)
+    finally:
+        model.close()
+
+
+def read_only_experts(names):
+    """The CPU backend's experts on read-only (file-mapped) weights of each format, as tests/hybrid/
+    test_cpu_backend.py runs them."""
+    import numba
+
+    from cpu_kernels.formats import format_for
+    from tests.hybrid.test_cpu_backend import test_experts_match_format_api
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        for name in names.split():
+            test_experts_match_format_api(format_for(getattr(gguf.GGMLQuantizationType, name)), 1, 1)
+    finally:
+        numba.set_num_threads(before)
+
+
+def run_job(family, size, target, ways, directory, tokenizer):
+    import hybrid
+
+    if family == "experts":
+        return read_only_experts(target)
+    path = model_file(family, size, target, directory, tokenizer)
+    llm = None
+    for way in ways:
+        if way == "host":
+            host_decode_steps(path)
+        else:
+            llm = llm or hybrid.LLM(path, device="cpu")
+            decode_steps(llm, way)
+
+
 def main(directory):
     lock_cache_saves(os.path.join(directory, LOCK_NAME))
-    import hybrid
     from hybrid.demo_tokenizer import build_demo_tokenizer
 
     tokenizer = build_demo_tokenizer()
-    for family, size, target, thread_counts in JOBS:
-        llm = hybrid.LLM(model_file(family, size, target, directory, tokenizer), device="cpu")
-        for threads in thread_counts:
-            decode_steps(llm, threads)
-        print(f"warmed {family} {size} {target}", flush=True)
+    for job in JOBS:
+        try:
+            run_job(*job, directory, tokenizer)
+        except Exception:  # the tests compile what the warmer could not: go on with the next job
+            traceback.print_exc()
+        print("warmed", *job, flush=True)
 
 
 if __name__ == "__main__":
