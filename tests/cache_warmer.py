@@ -31,12 +31,12 @@ JOBS = [("qwen3moe", "kquant", "Q4_K_M", ("all", 1)), ("qwen3moe", "small", "Q8_
         ("qwen3moe", "small", "F16", ("host",)), ("qwen3moe", "small", "BF16", ("host",)),
         ("qwen3moe", "small", "F32", ("host",)), ("qwen3moe", "small", "Q4_0", ("host",)),
         ("qwen3moe", "kquant", "Q5_K", ("host",)),
-        ("qwen3moe", "small", "F32", (1, "all")), ("qwen3moe", "small", "F16", (1, "all")),
+        ("qwen3moe", "small", "F32", (1,)), ("qwen3moe", "small", "F16", (1, "all")),
         ("qwen3moe", "small", "BF16", (1,)), ("qwen3moe", "small", "Q4_0", (1,)),
         ("qwen3moe", "kquant", "Q5_K", (1,)), ("qwen3moe", "kquant", "Q6_K", (1,)),
         ("experts", "read-only", "Q8_0 Q4_K Q6_K", (1,)),
-        ("glm4moe", "small", "F32", ("all",)),
-        ("gpt-oss", "small", "MXFP4_MOE", ("all",))]
+        ("gpt-oss", "small", "MXFP4_MOE", ("all",)), ("qwen3moe", "small", "F32", ("all",)),
+        ("glm4moe", "small", "F32", ("all",))]
 
 
 def lock_cache_saves(lock_path):
