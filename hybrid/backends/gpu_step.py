@@ -35,11 +35,12 @@ class StepCapture:
         self.active = None
         self.routing = None
         self.table = None  # int32 [blocks] on the device: the stepped sequence's block table, copied in a step
+        self.tables = 0  # how many `table` buffers there were: graphs of an older one are never launched again
 
     def graph_key(self, kv, bound):
         """The key of the step graph that serves `kv` at `bound` keys: shared by every sequence, except one with a
         recurrent state of its own."""
-        return ("step", bound, id(self.table), None if kv.recurrent is None else id(kv))
+        return ("step", bound, self.tables, None if kv.recurrent is None else id(kv))
 
     def prepare(self, be, kv, start, num_layers, top_k):
         """The keys bound of a step graph at position `start` over `kv`, or None where this step needs the host
@@ -49,7 +50,7 @@ class StepCapture:
             return None
         table = kv.device_table()
         if self.table is None or len(self.table) < len(kv.table):
-            self.table = be.rt.empty((len(kv.table),), np.int32)
+            self.table, self.tables = be.rt.empty((len(kv.table),), np.int32), self.tables + 1
         be.rt.copy_on_device_async(self.table[:len(table)], table, be.stream)
         if self.routing is None or self.routing.shape != (num_layers, top_k):
             self.routing = be.rt.zeros((num_layers, top_k), np.int32)
