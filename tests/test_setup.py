@@ -306,3 +306,17 @@ def test_the_attention_timing_fits_a_time_per_key():
     assert kernels.keys == [256] * (1 + GRAPHED) + [1024] * (1 + GRAPHED)  # the stand-in's capture runs them
     assert cost.per_key_s == pytest.approx(2e-9) and cost.seconds[0] == pytest.approx(5e-6 + 512e-9)
     assert "ns a key" in cost.describe()
+
+
+def test_an_attention_the_kernels_refuse_is_left_untimed(monkeypatch):
+    """Heads the attention kernel refuses (or a runtime error) leave the predictions to the KV's bytes, with a
+    warning, instead of ending setup."""
+    import hybrid.setup.attention_time as attention_time
+    from gpu_kernels.numpy_runtime import NumpyRuntime
+    from hybrid.setup.measure import _time_attention
+
+    def refuse(*args):
+        raise ValueError("paged_attention: head dim at most 256")
+
+    monkeypatch.setattr(attention_time, "time_attention", refuse)
+    assert _time_attention(NumpyRuntime(), (8, 2, 512)) == {}

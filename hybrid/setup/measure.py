@@ -221,7 +221,11 @@ def _time_attention(rt, heads):
     from .attention_time import time_attention
 
     kernels = Kernels(rt, rt.stream())
-    return {kv: time_attention(rt, kernels, *heads, kv) for kv in GPU_KVS}
+    try:
+        return {kv: time_attention(rt, kernels, *heads, kv) for kv in GPU_KVS}
+    except Exception as exc:  # the kernel refuses these heads, or CuPy's runtime errors: predict from the KV's bytes
+        log.warning("the GPU's one-token attention was not timed (%s): predictions count the KV's bytes only", exc)
+        return {}
 
 
 def _measure_gpu(rt, index, copy_mib):
