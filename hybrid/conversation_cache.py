@@ -188,7 +188,7 @@ class ConversationCache:
             if entry.num_tokens >= len(ids) and common_prefix(entry.token_ids, ids) == len(ids):
                 self._touch(entry)  # already parked
                 return
-        arrays = kv_store.pack(*seq_kv.export(len(ids)), self.store)
+        arrays = kv_store.pack(*seq_kv.export(len(ids)), self.store, owned=True)  # export copies
         nbytes = sum(a.nbytes for a in arrays.values()) + ids.nbytes + sum(c.nbytes for c in checkpoints)
         entry = Parked(ids, arrays, nbytes, checkpoints=checkpoints)
         if entry.nbytes > self.budget_bytes:

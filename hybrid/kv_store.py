@@ -42,14 +42,15 @@ def decode(data, scale=None):
     return data.astype(np.float32) * scale[..., None]
 
 
-def pack(k, v, store):
-    """k, v: float32 [L, n, Hkv, D] -> dict of arrays to keep."""
+def pack(k, v, store, owned=False):
+    """k, v: float32 [L, n, Hkv, D] -> dict of arrays to keep. owned: k and v are the caller's own fresh copies
+    (a sequence's export), kept as they are where the store is float32 instead of copied again."""
     if store not in STORES:
         raise ValueError(f"KV store must be one of {', '.join(STORES)}, got {store!r}")
     arrays = {}
     for name, x in (("k", k), ("v", v)):
         data, scale = encode(x, store)
-        arrays[name] = data.copy() if data is x else data
+        arrays[name] = data.copy() if data is x and not owned else data
         if scale is not None:
             arrays[f"{name}_scale"] = scale
     return arrays

@@ -121,7 +121,7 @@ class DeviceSequenceKV(SequenceKV):
             held = self.host[name][:, :from_host] if from_host else np.empty((self.num_layers, 0) + pool.shape[2:],
                                                                                 pool.dtype)
             fresh = rt.to_host(pool[:, rt.to_device(pool_blocks)], stream=stream) if len(pool_blocks) else held[:, :0]
-            both = np.concatenate([held, fresh], axis=1)  # [L, blocks, BT, ...]
+            both = np.concatenate([held, fresh], axis=1) if from_host else fresh  # [L, blocks, BT, ...]
             parts[name] = both.reshape((self.num_layers, -1) + both.shape[3:])[:, :n]
         return tuple(kv_store.decode(parts[name], parts.get(f"{name}_scale")) for name in ("k", "v"))
 
