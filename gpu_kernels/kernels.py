@@ -12,6 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .delta_launch import DeltaNetLaunchers
+from .gemm import GEMM_MIN_TOKENS, GemmLaunchers, gemm_fits
 from .ops_launch import MATMUL_THREADS, OpsLaunchers
 from .sources import INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source
 
@@ -165,7 +166,7 @@ def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_key
     return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)
 
 
-class Kernels(DeltaNetLaunchers, OpsLaunchers):
+class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
     key splits of paged_attention (1: none). act_quant: "int16" or "float" (gpu_act_quant; None: "auto";
@@ -306,6 +307,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous. float_x: x as float32 in the
         one-token kernel too (not rounded to int16 whatever act_quant says)."""
         num_tokens, num_cols = x.shape
+        if num_tokens >= GEMM_MIN_TOKENS and gemm_fits(qtype, num_cols):
+            return self.gemm(raw, qtype, x, out)
         one = num_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "matmul_1" if one else "matmul", raw.shape[0],
                                                           num_cols, raw.shape[-1], one, float_x)
@@ -316,7 +319,10 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=TILE_TOKENS):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W]
-        of at most `tile_tokens` rows (1: the one-row kernel, else TILE_TOKENS)."""
+        of at most `tile_tokens` rows (1: the one-row kernel; up to TILE_TOKENS: the tiled one; more, up to
+        GEMM_TOKENS: the tiled GEMM, for formats where gemm.moe_tile_tokens gives it)."""
+        if tile_tokens > TILE_TOKENS:
+            return self.moe_gemm(raw, qtype, x, out, tile_slot, tile_row, tile_count)
         one = tile_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul_1" if one else "moe_matmul",
                                                           raw.shape[1], x.shape[1], raw.shape[-1], one,
@@ -330,13 +336,6 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
         num_cols = out.shape[1]
         self._launch(self._mm(qtype, "dequant_rows"), (len(row_ids),), self._mm_threads(qtype, num_cols),
                      (raw, row_ids, out, np.int32(num_cols), np.int64(raw.shape[-1])))
-
-    def rmsnorm(self, x, weight, eps, out):
-        """x [rows, H], weight [H] -> out [rows, H]; out may be x."""
-        num_rows, hidden = x.shape
-        threads = self._threads(hidden)
-        self._launch(self._ops("rmsnorm"), (num_rows,), threads, (x, weight, out, np.int32(hidden), np.float32(eps)),
-                     shared_mem=threads * 4)
 
     def rope_neox(self, x, positions, inv_freq, scale=1.0):
         """In place over x [T, nH, D]: the first R = 2 * len(inv_freq) dims rotated, cos and sin times scale;
@@ -492,9 +491,3 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers):
         n = x.size
         self._launch(self._ops("add_bias"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
                      (x, bias, np.int64(n), np.int32(bias.shape[0])))
-
-    def combine_rows(self, expert_out, row_of_pair, weights, k, out):
-        """out [T, H] = per token the weighted sum of its pair rows held in expert_out [N, H]."""
-        self._launch(self._ops("combine_rows"), (out.shape[0],), self._threads(out.shape[1]),
-                     (expert_out, row_of_pair, weights, out, np.int32(k), np.int32(out.shape[1])))
-

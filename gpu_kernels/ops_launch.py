@@ -12,11 +12,32 @@ MATMUL_THREADS = 256  # common.cuh's MATMUL_THREADS: a matmul block, groups of `
 ROUTE_LANES = 32  # routing.cu's ROUTE_LANES: lanes routing a token
 ROUTE_MAX_EXPERTS = 32 * 16  # ROUTE_LANES * routing.cu's ROUTE_HELD
 ROUTE_TOKENS = 4  # tokens a router block
+NORM_MAX_THREADS = 1024  # a norm block's threads (ops.cu norm_row): a float4 each up to rows of 4096
+COMBINE_THREADS = 128  # a combine_rows block's threads (4 columns each): a one-token row over several blocks
 
 
 class OpsLaunchers:
-    """Kernels' launchers of the routers and fused ops (uses Kernels' rt, _ops, _launch, _threads, _mm_launch,
+    """Kernels' launchers of the routers, norms and fused ops (uses Kernels' rt, _ops, _launch, _threads, _mm_launch,
     _mm_grid_x)."""
+
+    def norm_threads(self, hidden):
+        """Threads of a norm block over rows of `hidden` values (ops.cu norm_row: a float4 a thread up to 1024 threads
+        where hidden % 4 == 0)."""
+        return self._threads(hidden // 4 if hidden % 4 == 0 else hidden, cap=NORM_MAX_THREADS)
+
+    def rmsnorm(self, x, weight, eps, out):
+        """x [rows, H], weight [H] -> out [rows, H]; out may be x."""
+        num_rows, hidden = x.shape
+        threads = self.norm_threads(hidden)
+        self._launch(self._ops("rmsnorm"), (num_rows,), threads, (x, weight, out, np.int32(hidden), np.float32(eps)),
+                     shared_mem=threads // 8)
+
+    def combine_rows(self, expert_out, row_of_pair, weights, k, out):
+        """out [T, H] = per token the weighted sum of its pair rows held in expert_out [N, H]."""
+        num_tokens, hidden = out.shape
+        threads = self._threads(-(-hidden // 4), cap=COMBINE_THREADS)
+        self._launch(self._ops("combine_rows"), (num_tokens, -(-hidden // (4 * threads))), threads,
+                     (expert_out, row_of_pair, weights, out, np.int32(k), np.int32(hidden)), shared_mem=8 * k)
 
     def _route(self, name, logits, k, arrays, after=()):
         """A router launch (routing.cu), arguments (logits, *arrays, T, E, K, *after): a group of ROUTE_LANES lanes a
@@ -50,9 +71,9 @@ class OpsLaunchers:
     def add_rmsnorm(self, x, y, weight, eps, out):
         """x [T, H] += y [T, H], then out [T, H] = rmsnorm(x) (weight [H]): add_into and rmsnorm in one launch."""
         num_rows, hidden = x.shape
-        threads = self._threads(hidden)
+        threads = self.norm_threads(hidden)
         self._launch(self._ops("add_rmsnorm"), (num_rows,), threads,
-                     (x, y, weight, out, np.int32(hidden), np.float32(eps)), shared_mem=threads * 4)
+                     (x, y, weight, out, np.int32(hidden), np.float32(eps)), shared_mem=threads // 8)
 
     def qk_norm_rope(self, x, q_weight, k_weight, num_q_heads, eps, positions, inv_freq, scale=1.0):
         """In place over x [T, nH, D] (contiguous): each head RMSNormed (the first num_q_heads with q_weight [D], the

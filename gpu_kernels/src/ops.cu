@@ -6,34 +6,92 @@
 // Hq / Hkv query / kv heads, S cache positions, E experts, K top-k, N pair rows, F expert width.
 // Block sizes are powers of two chosen by the host; dynamic shared memory as each kernel says.
 
-// out [T, H] = w * x * rsqrt(mean(x^2) + eps); out may be x. grid (T); shared: blockDim floats.
+// Sum of v over the block, blockDim a power of two, at least 32: shuffles within groups of 32 lanes (on waves of 32
+// and 64), then every thread adds the groups' sums in group order. red: blockDim / 32 floats of shared memory (not
+// synced again after: once a kernel).
+__device__ float block_sum32(float v, float* red) {
+    for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m, 32);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int g = 0; g < (int)(blockDim.x >> 5); ++g) total += red[g];
+    return total;
+}
+
+__device__ __forceinline__ float inv_rms(float sum_sq, int H, float eps) {
+    return (float)(1.0 / sqrt((double)sum_sq / H + (double)eps));
+}
+
+__device__ __forceinline__ float sum_sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+__device__ __forceinline__ float4 scale4(float4 w, float4 v, float s) {
+    return make_float4(w.x * (v.x * s), w.y * (v.y * s), w.z * (v.z * s), w.w * (v.w * s));
+}
+
+// One row: x [H] (+ y [H] where y is given, the sum written back into xw) -> out [H] = w * x * inv_rms. Float4s where
+// H % 4 == 0 and the rows are 16-byte aligned; a block with a float4 a thread loads w before the sum is reduced.
+// red: blockDim / 32 floats.
+__device__ __forceinline__ void norm_row(const float* x, const float* y, float* xw, const float* w, float* out, int H,
+                                         float eps, float* red) {
+    bool vec = (H & 3) == 0 && (((size_t)x | (size_t)xw | (size_t)w | (size_t)out | (size_t)y) & 15) == 0;
+    int n4 = H >> 2, i = threadIdx.x;
+    if (vec && n4 <= (int)blockDim.x) {
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f), g = v;
+        if (i < n4) {
+            v = ((const float4*)x)[i];
+            g = ((const float4*)w)[i];
+            if (y) {
+                v = add4(v, ((const float4*)y)[i]);
+                ((float4*)xw)[i] = v;
+            }
+        }
+        float s = inv_rms(block_sum32(i < n4 ? sum_sq4(v) : 0.0f, red), H, eps);
+        if (i < n4) ((float4*)out)[i] = scale4(g, v, s);
+        return;
+    }
+    float sum_sq = 0.0f;
+    if (vec) {
+        for (int j = i; j < n4; j += blockDim.x) {
+            float4 v = ((const float4*)x)[j];
+            if (y) {
+                v = add4(v, ((const float4*)y)[j]);
+                ((float4*)xw)[j] = v;
+            }
+            sum_sq += sum_sq4(v);
+        }
+    } else {
+        for (int j = i; j < H; j += blockDim.x) {
+            float v = y ? x[j] + y[j] : x[j];
+            if (y) xw[j] = v;
+            sum_sq += v * v;
+        }
+    }
+    const float* xs = y ? xw : x;
+    float s = inv_rms(block_sum32(sum_sq, red), H, eps);
+    if (vec) {
+        for (int j = i; j < n4; j += blockDim.x) ((float4*)out)[j] = scale4(((const float4*)w)[j], ((const float4*)xs)[j], s);
+    } else {
+        for (int j = i; j < H; j += blockDim.x) out[j] = w[j] * (xs[j] * s);
+    }
+}
+
+// out [T, H] = w * x * rsqrt(mean(x^2) + eps); out may be x. grid (T), blockDim >= 32; shared: blockDim / 32 floats.
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, int H, float eps) {
     extern __shared__ float red[];
-    const float* xr = x + (i64)blockIdx.x * H;
-    float* orow = out + (i64)blockIdx.x * H;
-    float sum_sq = 0.0f;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) sum_sq += xr[i] * xr[i];
-    float total = block_sum(sum_sq, red);
-    float inv_rms = (float)(1.0 / sqrt((double)total / H + (double)eps));
-    for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv_rms);
+    i64 o = (i64)blockIdx.x * H;
+    norm_row(x + o, nullptr, nullptr, w, out + o, H, eps, red);
 }
 
 // x [T, H] += y [T, H], then out [T, H] = rmsnorm(x) with weight w [H] (a residual add and the next norm in one
-// launch; the same sums as add_into then rmsnorm at one blockDim). grid (T); shared: blockDim floats.
+// launch; the same sums as add_into then rmsnorm at one blockDim). grid (T); shared: blockDim / 32 floats.
 extern "C" __global__ void add_rmsnorm(float* x, const float* y, const float* w, float* out, int H, float eps) {
     extern __shared__ float red[];
-    float* xr = x + (i64)blockIdx.x * H;
-    const float* yr = y + (i64)blockIdx.x * H;
-    float* orow = out + (i64)blockIdx.x * H;
-    float sum_sq = 0.0f;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        float v = xr[i] + yr[i];
-        xr[i] = v;
-        sum_sq += v * v;
-    }
-    float total = block_sum(sum_sq, red);
-    float inv_rms = (float)(1.0 / sqrt((double)total / H + (double)eps));
-    for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv_rms);
+    i64 o = (i64)blockIdx.x * H;
+    norm_row(x + o, y + o, x + o, w, out + o, H, eps, red);
 }
 
 // The attention's q and k heads in place over x [T, nH, D]: each head RMSNormed (heads h < nq with wq [D], the
@@ -150,17 +208,45 @@ extern "C" __global__ void gather_rows(const float* x, const int* order, float* 
 }
 
 // out [T, H] = sum over slots j of weights[t*K + j] * expert_out[row_of_pair[t*K + j]], skipping
-// pairs not held here (row -1); expert_out [N, H]. Slot order is fixed, so the sum is too. grid (T).
+// pairs not held here (row -1); expert_out [N, H]. Slot order is fixed, so the sum is too. grid (T, ceil(H / (4 *
+// blockDim))): a thread sums 4 columns (float4s where H % 4 == 0 and the arrays are 16-byte aligned), with its
+// token's K rows and weights staged in shared memory (2K words).
 extern "C" __global__ void combine_rows(const float* expert_out, const int* row_of_pair, const float* weights,
                                         float* out, int K, int H) {
+    extern __shared__ int pick[];  // [K] rows, then [K] weights (float bits)
     int t = blockIdx.x;
-    for (int d = threadIdx.x; d < H; d += blockDim.x) {
+    for (int j = threadIdx.x; j < K; j += blockDim.x) {
+        pick[j] = row_of_pair[t * K + j];
+        pick[K + j] = __float_as_int(weights[t * K + j]);
+    }
+    __syncthreads();
+    int d0 = 4 * (blockIdx.y * blockDim.x + threadIdx.x);
+    if (d0 >= H) return;
+    float* orow = out + (i64)t * H;
+    if ((H & 3) == 0 && (((size_t)expert_out | (size_t)out) & 15) == 0) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+        for (int j = 0; j < K; ++j) {
+            int i = pick[j];
+            if (i >= 0) {
+                float wj = __int_as_float(pick[K + j]);
+                float4 e = *(const float4*)(expert_out + (i64)i * H + d0);
+                acc.x += wj * e.x;
+                acc.y += wj * e.y;
+                acc.z += wj * e.z;
+                acc.w += wj * e.w;
+            }
+        }
+        *(float4*)(orow + d0) = acc;
+        return;
+    }
+    for (int d = d0; d < min(d0 + 4, H); ++d) {
         float acc = 0.0f;
         for (int j = 0; j < K; ++j) {
-            int i = row_of_pair[t * K + j];
-            if (i >= 0) acc += weights[t * K + j] * expert_out[(i64)i * H + d];
+            int i = pick[j];
+            if (i >= 0) acc += __int_as_float(pick[K + j]) * expert_out[(i64)i * H + d];
         }
-        out[(i64)t * H + d] = acc;
+        orow[d] = acc;
     }
 }
 

@@ -67,32 +67,64 @@ __device__ __forceinline__ unsigned held_mask(int lane, int E, unsigned long lon
 }
 
 // The K best of the lane's held values vals [ROUTE_HELD] (slots in held_mask's `mask`), in ranks_before's order:
-// lane j < K gets pick j in (v, id); the others keep (ROUTE_LOWEST, ROUTE_NO_ID).
-__device__ __forceinline__ void group_topk(const float* vals, unsigned mask, int K, int lane, float& v, int& id) {
-    float last_v = 0.0f;
-    int last_id = -1;  // none picked yet
+// lane j < K gets pick j in (v, id); the others keep (ROUTE_LOWEST, ROUTE_NO_ID). N: the slots that can hold an
+// expert (a power of two, 32 N >= E). Each lane sorts its slots once (those not in the mask last, as (-inf,
+// ROUTE_NO_ID), which ranks after every expert); each pick is the group's first of the lanes' heads, and the lane it
+// came from drops its head. A pick past the experts there are is (-inf, ROUTE_NO_ID).
+template <int N>
+__device__ __forceinline__ void group_topk_sorted(const float* vals, unsigned mask, int K, int lane, float& v,
+                                                  int& id) {
+    float sv[N];
+    int si[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        bool held = (mask >> i) & 1u;
+        sv[i] = held ? vals[i] : NEG_INF;
+        si[i] = held ? lane + ROUTE_LANES * i : ROUTE_NO_ID;
+    }
+#pragma unroll
+    for (int a = 0; a < N - 1; ++a)
+#pragma unroll
+        for (int b = N - 1; b > a; --b)
+            if (ranks_before(sv[b], si[b], sv[b - 1], si[b - 1])) {
+                float tv = sv[b];
+                int ti = si[b];
+                sv[b] = sv[b - 1];
+                si[b] = si[b - 1];
+                sv[b - 1] = tv;
+                si[b - 1] = ti;
+            }
     v = ROUTE_LOWEST;
     id = ROUTE_NO_ID;
     for (int j = 0; j < K; ++j) {
-        float bv = NEG_INF;
-        int bid = ROUTE_NO_ID;
-#pragma unroll
-        for (int i = 0; i < ROUTE_HELD; ++i) {
-            int e = lane + ROUTE_LANES * i;
-            if (((mask >> i) & 1u) && (last_id < 0 || ranks_before(last_v, last_id, vals[i], e))
-                && ranks_before(vals[i], e, bv, bid)) {
-                bv = vals[i];
-                bid = e;
-            }
-        }
+        float bv = sv[0];
+        int bid = si[0];
         group_first(bv, bid);
         if (lane == j) {
             v = bv;
             id = bid;
         }
-        last_v = bv;
-        last_id = bid;
+        if (bid == si[0]) {  // this lane's head was picked (or nothing is left anywhere)
+#pragma unroll
+            for (int i = 0; i < N - 1; ++i) {
+                sv[i] = sv[i + 1];
+                si[i] = si[i + 1];
+            }
+            sv[N - 1] = NEG_INF;
+            si[N - 1] = ROUTE_NO_ID;
+        }
     }
+}
+
+// group_topk_sorted over the slots E experts need.
+__device__ __forceinline__ void group_topk(const float* vals, unsigned mask, int K, int lane, int E, float& v,
+                                           int& id) {
+    int n = (E + ROUTE_LANES - 1) / ROUTE_LANES;
+    if (n <= 1) group_topk_sorted<1>(vals, mask, K, lane, v, id);
+    else if (n <= 2) group_topk_sorted<2>(vals, mask, K, lane, v, id);
+    else if (n <= 4) group_topk_sorted<4>(vals, mask, K, lane, v, id);
+    else if (n <= 8) group_topk_sorted<8>(vals, mask, K, lane, v, id);
+    else group_topk_sorted<ROUTE_HELD>(vals, mask, K, lane, v, id);
 }
 
 // The sum over lanes j < K of x (lane j's), added in j order as a serial loop adds (every lane gets it).
@@ -127,6 +159,7 @@ extern "C" __global__ void route_topk(const float* logits, int* ids, float* weig
     double total = 0.0;
 #pragma unroll
     for (int i = 0; i < ROUTE_HELD; ++i) {
+        if (ROUTE_LANES * i >= E) break;  // the same in the whole group
         if (lane + ROUTE_LANES * i < E) {
             vals[i] = expf(vals[i] - best);
             total += (double)vals[i];
@@ -137,7 +170,7 @@ extern "C" __global__ void route_topk(const float* logits, int* ids, float* weig
     for (int i = 0; i < ROUTE_HELD; ++i) vals[i] *= inv_total;
     float v;
     int id;
-    group_topk(vals, held_mask(lane, E, ~0ull, E), K, lane, v, id);
+    group_topk(vals, held_mask(lane, E, ~0ull, E), K, lane, E, v, id);
     if (normalize) v /= serial_sum(v, K);
     if (lane < K) {
         ids[(i64)t * K + lane] = id;
@@ -159,7 +192,7 @@ extern "C" __global__ void route_topk_softmax(const float* logits, int* ids, flo
     }
     float v;
     int id;
-    group_topk(vals, held_mask(lane, E, ~0ull, E), K, lane, v, id);
+    group_topk(vals, held_mask(lane, E, ~0ull, E), K, lane, E, v, id);
     float best = ROUTE_SHFL(v, 0);
     v = lane < K ? expf(v - best) : 0.0f;
     v /= serial_sum(v, K);
@@ -219,7 +252,7 @@ extern "C" __global__ void route_sigmoid(const float* logits, const float* bias,
     }
     float v;
     int id;
-    group_topk(vals, held_mask(lane, E, allowed, size), K, lane, v, id);
+    group_topk(vals, held_mask(lane, E, allowed, size), K, lane, E, v, id);
     v = lane < K && id != ROUTE_NO_ID ? sigmoid_of(lt[id]) : 0.0f;
     float sum = serial_sum(v, K);
     v *= normalize ? scale / (sum + 1e-20f) : scale;

@@ -1,0 +1,190 @@
+"""GPU time of each kernel of a one-token decode step at the Qwen3-30B-A3B shapes, as a step graph runs it: each
+kernel captured `--reps` times back to back in one CUDA graph, replayed, the best replay's time over reps. Beside
+the kernels of the tree: the ones they replaced (tests/gpu_kernels/previous_ops.cu) and the attention's plans
+(heads a block, fewest keys a split) at several context lengths.
+
+    python3 bench/gpu_decode_ops.py [--reps 100] [--output FILE]
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, MOE_FF, EPS = 2048, 32, 4, 128, 128, 8, 768, 1e-6
+PREVIOUS = ("prev_rmsnorm", "prev_add_rmsnorm", "prev_combine_rows", "prev_route_topk")
+
+
+def graph_us(rt, stream, queue, reps, replays=5):
+    """Microseconds a launch of queue()'s work, captured reps times in one graph, best of `replays` replays (run once
+    before: compiles and scratch buffers come before the capture)."""
+    queue()
+    stream.synchronize()
+    graph = rt.capture(stream, lambda: [queue() for _ in range(reps)])
+    graph.launch(stream)
+    stream.synchronize()
+    best = float("inf")
+    for _ in range(replays):
+        start, stop = rt.event(timing=True), rt.event(timing=True)
+        start.record(stream)
+        graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+        best = min(best, rt.elapsed(start, stop))
+    return best * 1e6 / reps
+
+
+def previous_module(rt):
+    from gpu_kernels.sources import SRC
+
+    source = (SRC / "common.cuh").read_text() + (ROOT / "tests/gpu_kernels/previous_ops.cu").read_text()
+    return rt.compile("previous_ops", source, PREVIOUS)
+
+
+def small_ops(rt, kn, prev, rng):
+    """[(name, {variant: launch})] of the norms, the router's top-k and the expert rows' combine."""
+    dev = rt.to_device
+    x, y, w = (dev(rng.standard_normal((1, HIDDEN)).astype(np.float32)) for _ in range(3))
+    w = w.reshape(-1)
+    out = rt.empty((1, HIDDEN), np.float32)
+    h, eps = np.int32(HIDDEN), np.float32(EPS)
+    logits = dev(rng.standard_normal((1, EXPERTS)).astype(np.float32))
+    ids, weights = rt.empty((1, TOP_K), np.int32), rt.empty((1, TOP_K), np.float32)
+    rows, row_of_pair = dev(rng.standard_normal((TOP_K, HIDDEN)).astype(np.float32)), dev(np.arange(TOP_K,
+                                                                                                    dtype=np.int32))
+    pair_w = dev(rng.random(TOP_K).astype(np.float32))
+    heads = dev(rng.standard_normal((1, HEADS + KV_HEADS, HEAD_DIM)).astype(np.float32))
+    hw = dev(rng.standard_normal(HEAD_DIM).astype(np.float32))
+    from cpu_kernels.rope import inv_freq_f32
+
+    pos, freq = dev(np.array([40], np.int64)), dev(inv_freq_f32(1e6, HEAD_DIM))
+
+    def prev_launch(name, grid, block, args, shared):
+        return lambda: rt.launch(prev[name], grid, (block,), args, shared_mem=shared, stream=kn.stream)
+
+    return [
+        ("add_into [1, 2048] (a floor)", {"tree": lambda: kn.add_into(x, y)}),
+        ("rmsnorm [1, 2048]", {"tree": lambda: kn.rmsnorm(x, w, EPS, out),
+                               "previous": prev_launch("prev_rmsnorm", (1,), 256, (x, w, out, h, eps), 1024)}),
+        ("add_rmsnorm [1, 2048]", {"tree": lambda: kn.add_rmsnorm(x, y, w, EPS, out),
+                                   "previous": prev_launch("prev_add_rmsnorm", (1,), 256, (x, y, w, out, h, eps),
+                                                           1024)}),
+        ("qk_norm_rope [1, 36, 128]", {"tree": lambda: kn.qk_norm_rope(heads, hw, hw, HEADS, EPS, pos, freq)}),
+        ("route_topk 128 experts top 8", {
+            "tree": lambda: kn.route_topk(logits, TOP_K, True, ids, weights),
+            "previous": prev_launch("prev_route_topk", (1,), 32, (logits, ids, weights, np.int32(1),
+                                                                  np.int32(EXPERTS), np.int32(TOP_K), np.int32(1)), 0)}),
+        ("combine_rows 8 rows of 2048", {
+            "tree": lambda: kn.combine_rows(rows, row_of_pair, pair_w, TOP_K, out),
+            "previous": prev_launch("prev_combine_rows", (1,), 256, (rows, row_of_pair, pair_w, out, np.int32(TOP_K),
+                                                                     h), 0)}),
+    ]
+
+
+def attention_ops(rt, kn, rng, contexts):
+    """[(name, {variant: launch})] of the one-token attention at each context: heads a block 1..8, splits from 64
+    or 256 keys (gpu_kernels.kernels.SPLIT_MIN_KEYS)."""
+    import gpu_kernels.kernels as kmod
+
+    block_tokens, longest = 16, max(contexts)
+    num_blocks = -(-longest // block_tokens)
+    dev = rt.to_device
+    k_pool, v_pool = (dev(rng.standard_normal((num_blocks, block_tokens, KV_HEADS, HEAD_DIM)).astype(np.float32))
+                      for _ in range(2))
+    table = dev(rng.permutation(num_blocks).astype(np.int32))
+    q = dev(rng.standard_normal((1, HEADS, HEAD_DIM)).astype(np.float32))
+    out = rt.empty((1, HEADS, HEAD_DIM), np.float32)
+    scale = 1.0 / np.sqrt(HEAD_DIM)
+
+    def launch(keys, rows, split_min):
+        def run():
+            kn.attention_rows, saved, kmod.SPLIT_MIN_KEYS = rows, kmod.SPLIT_MIN_KEYS, split_min
+            try:
+                kn.paged_attention("f32", q, k_pool, v_pool, None, None, table, keys - 1, 0, scale, out)
+            finally:
+                kmod.SPLIT_MIN_KEYS = saved
+        return run
+
+    found = []
+    for keys in contexts:
+        variants = {f"{rows} heads, splits from {split_min}": launch(keys, rows, split_min)
+                    for split_min in (256, 64) for rows in (8, 4, 2, 1)
+                    if split_min == 256 or keys >= 2 * 64}
+        found.append((f"paged_attention one token, {keys} keys", variants))
+    kn.attention_rows = kmod.PD_MAX_ROWS
+    return found
+
+
+def matmul_ops(rt, kn_default, kn_fill, rng):
+    """[(name, {variant: launch})] of the dense one-token matmuls and the expert pair kernels, default and fill_sms."""
+    from hybrid.formats.synthetic import encode
+
+    dev = rt.to_device
+
+    def raw(qtype, shape):
+        return dev(encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw)
+
+    found = []
+    for label, qtype, rows, cols in (("q+k Q4_K", Q.Q4_K, 4608, HIDDEN), ("v Q6_K", Q.Q6_K, 512, HIDDEN),
+                                     ("output Q6_K", Q.Q6_K, HIDDEN, HEADS * HEAD_DIM),
+                                     ("router F32", Q.F32, EXPERTS, HIDDEN)):
+        w, x, out = raw(qtype, (rows, cols)), dev(rng.standard_normal((1, cols)).astype(np.float32)), \
+            rt.empty((1, rows), np.float32)
+        found.append((f"matmul {label} {rows} x {cols}",
+                      {name: (lambda k=k, w=w, x=x, out=out, q=qtype: k.matmul(w, q, x, out))
+                       for name, k in (("default", kn_default), ("fill_sms", kn_fill))}))
+    gate, up = raw(Q.Q4_K, (16, MOE_FF, HIDDEN)), raw(Q.Q4_K, (16, MOE_FF, HIDDEN))
+    down = raw(Q.Q6_K, (16, HIDDEN, MOE_FF))
+    xs = dev(rng.standard_normal((TOP_K, HIDDEN)).astype(np.float32))
+    g, u = (dev(rng.standard_normal((TOP_K, MOE_FF)).astype(np.float32)) for _ in range(2))
+    d = rt.empty((TOP_K, HIDDEN), np.float32)
+    tiles = [dev(np.ascontiguousarray(t)) for t in np.stack([rng.permutation(16)[:TOP_K], np.arange(TOP_K),
+                                                             np.ones(TOP_K)]).astype(np.int32)]
+    found.append(("moe_matmul2 gate+up Q4_K 8 pairs", {name: (lambda k=k: k.moe_matmul2(gate, up, Q.Q4_K, xs, g, u,
+                                                                                          *tiles))
+                                                       for name, k in (("default", kn_default), ("fill_sms", kn_fill))}))
+    found.append(("moe_matmul_glu down Q6_K 8 pairs", {name: (lambda k=k: k.moe_matmul_glu(down, Q.Q6_K, g, u, d,
+                                                                                             *tiles))
+                                                       for name, k in (("default", kn_default), ("fill_sms", kn_fill))}))
+    return found
+
+
+def main(argv=None, runtime=None):
+    """runtime: a runtime to time on (a dry run's stand-in), else the GPU's."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=100)
+    p.add_argument("--contexts", default="40,256,1024,4096", help="keys of the attention timings")
+    p.add_argument("--skip-matmuls", action="store_true")
+    p.add_argument("--output")
+    args = p.parse_args(argv)
+    from gpu_kernels.kernels import Kernels
+    from gpu_kernels.runtime import probe
+
+    rt = runtime or probe().runtime
+    if rt is None:
+        raise SystemExit("no GPU")
+    stream = rt.stream()
+    kn, kn_fill = Kernels(rt, stream), Kernels(rt, stream, fill_sms=True)
+    rng = np.random.default_rng(0)
+    groups = small_ops(rt, kn, previous_module(rt), rng)
+    groups += attention_ops(rt, kn, rng, [int(c) for c in args.contexts.split(",")])
+    if not args.skip_matmuls:
+        groups += matmul_ops(rt, kn, kn_fill, rng)
+    lines = [f"{rt.device_name}: us a launch, {args.reps} launches back to back in one graph (best of 5 replays)", "",
+             "| kernel | variant | us |", "|---|---|---|"]
+    for name, variants in groups:
+        for variant, run in variants.items():
+            lines.append(f"| {name} | {variant} | {graph_us(rt, stream, run, args.reps):.2f} |")
+        print("\n".join(lines[-len(variants):]), flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
