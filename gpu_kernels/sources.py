@@ -48,6 +48,9 @@ MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "moe_matmu
 INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q", "moe_matmul2_1q", "moe_matmul_glu_1q")
 # formats whose header defines INT_DECODE (slice_dot_q)
 INT_DECODE = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.IQ3_S})
+# prompt chunks' tiled GEMM (gemm.cu, gpu_kernels/gemm.py): formats whose matmul module has it
+GEMM_FORMATS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+GEMM_KERNELS = ("gemm", "moe_gemm")
 KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type
 KV_KERNELS = ("paged_attention", "paged_attention_1", "paged_attention_merge", "kv_write")
 DELTA_NET_KERNELS = ("delta_conv1d_silu", "delta_gates", "delta_rule", "delta_l2norm", "delta_chunk_prep",
@@ -66,7 +69,8 @@ def kv_module_name(kv_dtype):
 
 def matmul_kernels(qtype):
     """The kernel names of qtype's matmul module."""
-    return MATMUL_KERNELS + (INT_DECODE_KERNELS if Q(qtype) in INT_DECODE else ())
+    return (MATMUL_KERNELS + (INT_DECODE_KERNELS if Q(qtype) in INT_DECODE else ())
+            + (GEMM_KERNELS if Q(qtype) in GEMM_FORMATS else ()))
 
 
 def all_modules():
@@ -87,7 +91,7 @@ def module_source(name):
     else:
         qtype = Q[name.removeprefix("matmul_").upper()]
         prefix = "".join(f"#define {key} {value}\n" for key, value in FORMAT_DEFINES.get(qtype, {}).items())
-        files = ("common.cuh", *FORMAT_HEADERS[qtype], "matmul.cu")
+        files = ("common.cuh", *FORMAT_HEADERS[qtype], "matmul.cu") + (("gemm.cu",) if qtype in GEMM_FORMATS else ())
         if qtype in FORMAT_TABLES:
             levels, grids = FORMAT_TABLES[qtype]
             prefix += level_defines(levels)

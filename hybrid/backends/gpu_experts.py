@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from gpu_kernels.gemm import moe_tile_tokens
 from gpu_kernels.kernels import MAX_THREADS, TILE_TOKENS, fuses_glu
 
 from .gpu_staging import Pending
@@ -87,7 +88,10 @@ class GpuExperts:
             parts.append((be.cache.layers[layer.index], be.cache.slot_of[layer.index][groups.expert_ids], groups))
         if borrowed is not None and borrowed.num_groups:
             parts.append((self._borrow(be, layer, borrowed.expert_ids), np.arange(borrowed.num_groups), borrowed))
-        tile_tokens = 1 if num_tokens == 1 else TILE_TOKENS
+        hidden, width = x.shape[1], layer.gate_exps.shape[1]
+        projections = ((layer.gate_exps.qtype, hidden), (layer.up_exps.qtype, hidden), (layer.down_exps.qtype, width))
+        tile_tokens = 1 if num_tokens == 1 else moe_tile_tokens(
+            projections, sum(len(g.order) for *_, g in parts), sum(g.num_groups for *_, g in parts), TILE_TOKENS)
         order, pair_rows, tile_args = _pair_layout(be, parts, num_tokens * k, tile_tokens)
         num_pairs, width = len(order), layer.gate_exps.shape[1]
         xs = be.rt.empty((num_pairs, x.shape[1]), np.float32)  # [N, H]

@@ -1,0 +1,125 @@
+// Shared-memory tiled matmuls for prompt chunks, compiled into each format's matmul module after matmul.cu: they read
+// the format's UNIT_WEIGHTS and unit_dequant (bit-exact with gguf), so every format has them.
+// A block computes an output tile of GEMM_ROWS weight rows x GEMM_TOKENS tokens. Per step of GEMM_K columns its
+// threads dequantize the weight tile into shared memory (thread i: row i) and stage the x tile beside it; then each
+// thread accumulates its micro-tile of GEMM_TM rows x GEMM_TN tokens in float32 from the two tiles. A weight is
+// dequantized once per block, for all the block's tokens (the TILE_TOKENS kernels do it once per 8 tokens).
+// Threads whose tokens lie past the tile's count skip the products (a MoE tile holds its expert's pairs only).
+//
+// Shape legend: R output rows, C columns (a multiple of GEMM_K), B bytes per row, T tokens, N pair rows,
+// W work tiles, n tokens of a tile (<= GEMM_TOKENS).
+
+#ifndef GEMM_TOKENS
+#define GEMM_TOKENS 64
+#endif
+#define GEMM_ROWS 128
+#define GEMM_K 32
+#define GEMM_THREADS 128  // = GEMM_ROWS: thread i dequantizes row i of the tile
+#define GEMM_TM 8         // rows a thread: two runs of 4, GEMM_ROWS / 2 apart (float4 reads without bank conflicts)
+#define GEMM_TN 8         // tokens a thread, side by side
+#define GEMM_RG (GEMM_ROWS / GEMM_TM)  // row groups: thread t takes row group t % GEMM_RG, token group t / GEMM_RG
+
+// w [GEMM_K] = columns k0 .. k0 + GEMM_K - 1 of `row`, by the format's unit_dequant.
+__device__ __forceinline__ void gemm_dequant(const u8* __restrict__ row, int k0, float (&w)[GEMM_K]) {
+#pragma unroll
+    for (int u = 0; u < GEMM_K / UNIT_WEIGHTS; ++u) unit_dequant(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
+}
+
+// xs [GEMM_K][GEMM_TOKENS] = x [n, C]'s columns k0 .. k0 + GEMM_K - 1, transposed; tokens past n are zeros.
+__device__ __forceinline__ void gemm_stage_x(const float* __restrict__ x, int C, int n, int k0, float* xs) {
+    for (int i = threadIdx.x; i < GEMM_TOKENS * GEMM_K / 4; i += GEMM_THREADS) {
+        int t = i % GEMM_TOKENS, q = i / GEMM_TOKENS;  // neighbouring threads: neighbouring tokens (no bank conflicts)
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (t < n) v = *(const float4*)(x + (i64)t * C + k0 + 4 * q);
+        xs[(4 * q + 0) * GEMM_TOKENS + t] = v.x;
+        xs[(4 * q + 1) * GEMM_TOKENS + t] = v.y;
+        xs[(4 * q + 2) * GEMM_TOKENS + t] = v.z;
+        xs[(4 * q + 3) * GEMM_TOKENS + t] = v.w;
+    }
+}
+
+// acc [GEMM_TM][GEMM_TN] += the thread's rows of ws [GEMM_K][GEMM_ROWS] times its tokens of xs [GEMM_K][GEMM_TOKENS].
+__device__ __forceinline__ void gemm_products(const float4* ws, const float4* xs, int rg, int tg,
+                                              float (&acc)[GEMM_TM][GEMM_TN]) {
+#pragma unroll 8
+    for (int k = 0; k < GEMM_K; ++k) {
+        float4 a0 = ws[k * (GEMM_ROWS / 4) + rg], a1 = ws[k * (GEMM_ROWS / 4) + GEMM_RG + rg];
+        float4 b0 = xs[k * (GEMM_TOKENS / 4) + 2 * tg], b1 = xs[k * (GEMM_TOKENS / 4) + 2 * tg + 1];
+        float a[GEMM_TM] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+        float b[GEMM_TN] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+        for (int i = 0; i < GEMM_TM; ++i)
+#pragma unroll
+            for (int j = 0; j < GEMM_TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+}
+
+// out [n, R] (rows t R apart): the thread's micro-tile of rows r0 + .. and tokens 8 tg + .., within R and n.
+__device__ __forceinline__ void gemm_store(float* __restrict__ out, int R, int r0, int n, int rg, int tg,
+                                           const float (&acc)[GEMM_TM][GEMM_TN]) {
+#pragma unroll
+    for (int j = 0; j < GEMM_TN; ++j) {
+        int t = GEMM_TN * tg + j;
+        if (t >= n) break;
+        float* dst = out + (i64)t * R;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int r = r0 + h * (GEMM_ROWS / 2) + 4 * rg;
+            if ((R & 3) == 0 && r + 3 < R) {
+                *(float4*)(dst + r) = make_float4(acc[4 * h][j], acc[4 * h + 1][j], acc[4 * h + 2][j], acc[4 * h + 3][j]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    if (r + i < R) dst[r + i] = acc[4 * h + i][j];
+            }
+        }
+    }
+}
+
+// out [n, R] = x [n, C] @ dequant(raw [R, B]).T for the block's GEMM_ROWS rows from r0 (rows past R: clamped reads,
+// no stores).
+__device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const float* __restrict__ x,
+                                          float* __restrict__ out, int n, int R, int C, i64 row_bytes, int r0) {
+    __shared__ float4 ws[GEMM_K * GEMM_ROWS / 4];    // [GEMM_K][GEMM_ROWS]
+    __shared__ float4 xs[GEMM_K * GEMM_TOKENS / 4];  // [GEMM_K][GEMM_TOKENS]
+    int rg = threadIdx.x % GEMM_RG, tg = threadIdx.x / GEMM_RG;
+    bool active = GEMM_TN * tg < n;
+    const u8* row = raw + (i64)min(r0 + (int)threadIdx.x, R - 1) * row_bytes;
+    float acc[GEMM_TM][GEMM_TN];
+#pragma unroll
+    for (int i = 0; i < GEMM_TM; ++i)
+#pragma unroll
+        for (int j = 0; j < GEMM_TN; ++j) acc[i][j] = 0.0f;
+    float* wsf = (float*)ws;
+    for (int k0 = 0; k0 < C; k0 += GEMM_K) {
+        float w[GEMM_K];
+        gemm_dequant(row, k0, w);
+#pragma unroll
+        for (int k = 0; k < GEMM_K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
+        gemm_stage_x(x, C, n, k0, (float*)xs);
+        __syncthreads();
+        if (active) gemm_products(ws, xs, rg, tg, acc);
+        __syncthreads();
+    }
+    if (active) gemm_store(out, R, r0, n, rg, tg, acc);
+}
+
+// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / GEMM_ROWS), ceil(T / GEMM_TOKENS)), GEMM_THREADS.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+    gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes) {
+    int t0 = blockIdx.y * GEMM_TOKENS;
+    gemm_body(raw, x + (i64)t0 * C, out + (i64)t0 * R, min(GEMM_TOKENS, T - t0), R, C, row_bytes,
+              blockIdx.x * GEMM_ROWS);
+}
+
+// moe_matmul with work tiles of up to GEMM_TOKENS pair rows: tile w covers rows [tile_row[w], + tile_count[w]) of
+// x [N, C], all of expert slot tile_slot[w]; out [N, R] = x @ dequant(raw [S, R, B][slot]).T.
+// grid (ceil(R / GEMM_ROWS), W), GEMM_THREADS.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+    moe_gemm(const u8* raw, const float* x, float* out, const int* tile_slot, const int* tile_row,
+             const int* tile_count, int R, int C, i64 row_bytes) {
+    int w = blockIdx.y, row0 = tile_row[w], n = tile_count[w];
+    if (n <= 0) return;
+    gemm_body(raw + (i64)tile_slot[w] * R * row_bytes, x + (i64)row0 * C, out + (i64)row0 * R, n, R, C, row_bytes,
+              blockIdx.x * GEMM_ROWS);
+}

@@ -1,0 +1,84 @@
+"""The prompt chunks' tiled GEMM (gpu_kernels/gemm.py, src/gemm.cu): which launches take it, and (marked gpu) its
+results against NumPy on gguf's dequantized weights at prefill sizes, with ragged row and token edges."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from gpu_kernels.gemm import GEMM_MIN_PAIRS, GEMM_TOKENS, gemm_fits, moe_tile_tokens
+from gpu_kernels.sources import GEMM_FORMATS
+from hybrid.backends.gpu_experts import work_tiles
+from hybrid.formats.synthetic import encode
+
+FORMATS = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K, Q.F16, Q.BF16, Q.F32]
+TOL = 1e-5  # float32 sums of the dequantized weights against float64
+
+
+def rel_err(got, ref):
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def quant(rng, qtype, shape):
+    return encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw
+
+
+def reference(raw, qtype, x):
+    """x [T, C] @ gguf's dequantized raw [R, B] in float64."""
+    return x.astype(np.float64) @ np.asarray(gguf_dequantize(raw, qtype), np.float64).T
+
+
+def test_tile_tokens_take_the_gemm_where_every_projection_fits():
+    fits = ((Q.Q4_K, 2048), (Q.Q4_K, 2048), (Q.Q6_K, 768))
+    assert moe_tile_tokens(fits, 4096, 128, 8) == GEMM_TOKENS
+    assert moe_tile_tokens(fits, GEMM_MIN_PAIRS * 128 - 1, 128, 8) == 8  # few pairs an expert: the 8-row tiles
+    assert moe_tile_tokens(fits[:2] + ((Q.IQ3_S, 768),), 4096, 128, 8) == 8  # a format without the GEMM
+    assert moe_tile_tokens(((Q.F32, 40),), 4096, 128, 8) == 8  # columns not a multiple of GEMM_K
+    assert moe_tile_tokens(fits, 0, 0, 8) == 8
+    assert all(gemm_fits(q, 256) for q in FORMATS) and set(FORMATS) == GEMM_FORMATS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [17, 64, 200, 512])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_gemm_matches_numpy(runtime, kernels, qtype, num_tokens):
+    """Rows past the last block's (200 = 128 + 72) and tokens past the last tile's; through Kernels.matmul, which
+    takes the GEMM from GEMM_MIN_TOKENS tokens."""
+    rng = np.random.default_rng(int(qtype) * 1000 + num_tokens)
+    raw = quant(rng, qtype, (200, 768))  # [R, B]
+    x = rng.standard_normal((num_tokens, 768)).astype(np.float32)  # [T, C]
+    out = runtime.empty((num_tokens, 200), np.float32)
+    kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+    assert rel_err(runtime.to_host(out), reference(raw, qtype, x)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.F32], ids=lambda q: q.name)
+def test_gemm_rows_not_a_multiple_of_four(runtime, kernels, qtype):
+    """67 rows: the stores of the last rows one by one (no float4 past the row's end)."""
+    rng = np.random.default_rng(int(qtype))
+    raw = quant(rng, qtype, (67, 512))  # [R, B]
+    x = rng.standard_normal((70, 512)).astype(np.float32)  # [T, C]
+    out = runtime.zeros((70, 67), np.float32)
+    kernels.gemm(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+    assert rel_err(runtime.to_host(out), reference(raw, qtype, x)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_moe_gemm_uneven_tiles(runtime, kernels, qtype):
+    """Groups of 70 (a full tile and 6), none, 1, 64, 200 (three full and 8) and 17 rows, slots in another order than
+    the groups, through Kernels.moe_matmul with tiles of GEMM_TOKENS rows."""
+    rng = np.random.default_rng(int(qtype) + 7)
+    raw = quant(rng, qtype, (6, 200, 768))  # [S, R, B]
+    sizes = np.array([70, 0, 1, 64, 200, 17])
+    slots = np.flatnonzero(sizes)[::-1].copy()
+    row_starts = np.concatenate([[0], np.cumsum(sizes[slots])])
+    tiles = work_tiles(row_starts, slots, GEMM_TOKENS)  # [3, W]
+    x = rng.standard_normal((row_starts[-1], 768)).astype(np.float32)  # [N, C]
+    out = runtime.empty((len(x), 200), np.float32)
+    kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
+                       *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles], tile_tokens=GEMM_TOKENS)
+    ref = np.empty((len(x), 200), np.float64)
+    for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
+        ref[start:stop] = reference(raw[slot], qtype, x[start:stop])
+    assert rel_err(runtime.to_host(out), ref) < TOL
