@@ -76,8 +76,8 @@ def small_ops(rt, kn, prev, rng):
         ("qk_norm_rope [1, 36, 128]", {"tree": lambda: kn.qk_norm_rope(heads, hw, hw, HEADS, EPS, pos, freq)}),
         ("route_topk 128 experts top 8", {
             "tree": lambda: kn.route_topk(logits, TOP_K, True, ids, weights),
-            "previous": prev_launch("prev_route_topk", (1,), 32, (logits, ids, weights, np.int32(1),
-                                                                  np.int32(EXPERTS), np.int32(TOP_K), np.int32(1)), 0)}),
+            "previous": prev_launch("prev_route_topk", (1,), 32, (logits, ids, weights, np.int32(1), np.int32(EXPERTS),
+                                                                  np.int32(TOP_K), np.int32(1)), 0)}),
         ("combine_rows 8 rows of 2048", {
             "tree": lambda: kn.combine_rows(rows, row_of_pair, pair_w, TOP_K, out),
             "previous": prev_launch("prev_combine_rows", (1,), 256, (rows, row_of_pair, pair_w, out, np.int32(TOP_K),
@@ -119,8 +119,46 @@ def attention_ops(rt, kn, rng, contexts):
     return found
 
 
-def matmul_ops(rt, kn_default, kn_fill, rng):
-    """[(name, {variant: launch})] of the dense one-token matmuls and the expert pair kernels, default and fill_sms."""
+def patched_kernels(rt, stream, patches, tag, **tuning):
+    """Kernels whose matmul modules compile from their source with `patches` ((old, new) text pairs) applied, under
+    module names ending in `tag` (a source-level variant timed beside the tree's)."""
+    from gpu_kernels import kernels as kmod
+
+    class Patched(kmod.Kernels):
+        def _mm(self, qtype, name, rows=None):
+            key = (qtype, name, rows)
+            if key not in self._functions:
+                tuned_rows, _, blocks = self.tuning(qtype)
+                rows = rows or tuned_rows
+                source = kmod.tuned_source(qtype, rows, blocks)
+                for old, new in patches:
+                    if old not in source:
+                        raise SystemExit(f"patch {old!r}: not in the source of {qtype!r}")
+                    source = source.replace(old, new)
+                module = kmod.tuned_module_name(qtype, rows, blocks) + tag
+                self._functions[key] = self.rt.compile(module, source, kmod.matmul_kernels(qtype))[name]
+            return self._functions[key]
+
+    return Patched(rt, stream, **tuning)
+
+
+def matmul_variants(rt, stream):
+    """{name: Kernels} of the one-token matmuls' settings to time: the default, fill_sms, smaller lane groups' work
+    (rows a group, slices a lane) for launches too small to fill the GPU, and x staged in one batch of loads."""
+    from gpu_kernels.kernels import Kernels
+
+    found = {"default": Kernels(rt, stream), "fill_sms": Kernels(rt, stream, fill_sms=True)}
+    for rows, slices in ((1, 1), (1, 2), (2, 2), (1, 4)):
+        found[f"rows {rows} slices {slices}"] = Kernels(rt, stream, decode_rows=rows, lane_slices=slices)
+    found["xq 16 loads"] = patched_kernels(rt, stream, [("#define XQ_LOADS 4", "#define XQ_LOADS 16")], "_xq16")
+    found["xq 16 loads, rows 1 slices 2"] = patched_kernels(rt, stream, [("#define XQ_LOADS 4",
+                                                                          "#define XQ_LOADS 16")], "_xq16",
+                                                            decode_rows=1, lane_slices=2)
+    return found
+
+
+def matmul_ops(rt, variants, rng):
+    """[(name, {variant: launch})] of the dense one-token matmuls and the expert pair kernels in each variant."""
     from hybrid.formats.synthetic import encode
 
     dev = rt.to_device
@@ -136,7 +174,7 @@ def matmul_ops(rt, kn_default, kn_fill, rng):
             rt.empty((1, rows), np.float32)
         found.append((f"matmul {label} {rows} x {cols}",
                       {name: (lambda k=k, w=w, x=x, out=out, q=qtype: k.matmul(w, q, x, out))
-                       for name, k in (("default", kn_default), ("fill_sms", kn_fill))}))
+                       for name, k in variants.items()}))
     gate, up = raw(Q.Q4_K, (16, MOE_FF, HIDDEN)), raw(Q.Q4_K, (16, MOE_FF, HIDDEN))
     down = raw(Q.Q6_K, (16, HIDDEN, MOE_FF))
     xs = dev(rng.standard_normal((TOP_K, HIDDEN)).astype(np.float32))
@@ -146,10 +184,10 @@ def matmul_ops(rt, kn_default, kn_fill, rng):
                                                              np.ones(TOP_K)]).astype(np.int32)]
     found.append(("moe_matmul2 gate+up Q4_K 8 pairs", {name: (lambda k=k: k.moe_matmul2(gate, up, Q.Q4_K, xs, g, u,
                                                                                           *tiles))
-                                                       for name, k in (("default", kn_default), ("fill_sms", kn_fill))}))
+                                                       for name, k in variants.items()}))
     found.append(("moe_matmul_glu down Q6_K 8 pairs", {name: (lambda k=k: k.moe_matmul_glu(down, Q.Q6_K, g, u, d,
                                                                                              *tiles))
-                                                       for name, k in (("default", kn_default), ("fill_sms", kn_fill))}))
+                                                       for name, k in variants.items()}))
     return found
 
 
@@ -157,7 +195,7 @@ def main(argv=None, runtime=None):
     """runtime: a runtime to time on (a dry run's stand-in), else the GPU's."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=100)
-    p.add_argument("--contexts", default="40,256,1024,4096", help="keys of the attention timings")
+    p.add_argument("--contexts", default="8,40,256,1024,4096", help="keys of the attention timings")
     p.add_argument("--skip-matmuls", action="store_true")
     p.add_argument("--output")
     args = p.parse_args(argv)
@@ -168,12 +206,12 @@ def main(argv=None, runtime=None):
     if rt is None:
         raise SystemExit("no GPU")
     stream = rt.stream()
-    kn, kn_fill = Kernels(rt, stream), Kernels(rt, stream, fill_sms=True)
+    kn = Kernels(rt, stream)
     rng = np.random.default_rng(0)
     groups = small_ops(rt, kn, previous_module(rt), rng)
     groups += attention_ops(rt, kn, rng, [int(c) for c in args.contexts.split(",")])
     if not args.skip_matmuls:
-        groups += matmul_ops(rt, kn, kn_fill, rng)
+        groups += matmul_ops(rt, matmul_variants(rt, stream), rng)
     lines = [f"{rt.device_name}: us a launch, {args.reps} launches back to back in one graph (best of 5 replays)", "",
              "| kernel | variant | us |", "|---|---|---|"]
     for name, variants in groups:

@@ -88,9 +88,9 @@ class OpsLaunchers:
 
     def decode_pairs(self, ids, slot_map, k, tiles, x, xs):
         """decode_tiles(ids, slot_map, tiles) over ids int32 [1, P] and gather_rows(x, arange(P), k, xs) (x [P / k, H]
-        -> xs [P, H]) in one launch."""
+        -> xs [P, H]) in one launch (a float4 a thread where H % 4 == 0)."""
         num_pairs, hidden = ids.shape[1], x.shape[1]
-        self._launch(self._ops("decode_pairs"), (num_pairs,), self._threads(hidden),
+        self._launch(self._ops("decode_pairs"), (num_pairs,), self._threads(-(-hidden // 4), cap=512),
                      (ids, slot_map, np.int32(num_pairs), np.int32(k), tiles, x, xs, np.int32(hidden)))
 
     def moe_matmul2(self, raw, raw2, qtype, x, out, out2, tile_slot, tile_row, tile_count):

@@ -73,7 +73,8 @@ __device__ __forceinline__ void norm_row(const float* x, const float* y, float* 
     const float* xs = y ? xw : x;
     float s = inv_rms(block_sum32(sum_sq, red), H, eps);
     if (vec) {
-        for (int j = i; j < n4; j += blockDim.x) ((float4*)out)[j] = scale4(((const float4*)w)[j], ((const float4*)xs)[j], s);
+        for (int j = i; j < n4; j += blockDim.x)
+            ((float4*)out)[j] = scale4(((const float4*)w)[j], ((const float4*)xs)[j], s);
     } else {
         for (int j = i; j < H; j += blockDim.x) out[j] = w[j] * (xs[j] * s);
     }
@@ -96,7 +97,8 @@ extern "C" __global__ void add_rmsnorm(float* x, const float* y, const float* w,
 
 // The attention's q and k heads in place over x [T, nH, D]: each head RMSNormed (heads h < nq with wq [D], the
 // others with wk [D]: q and k side by side), then its first 2 * half dims NeoX-rotated as rope_neox rotates them
-// (the same sums and products as rmsnorm then rope_neox at one blockDim). grid (T * nH); shared: blockDim + D floats.
+// (rmsnorm's products and rope_neox's; the sum of squares by block_sum32). grid (T * nH), blockDim >= 32; shared:
+// blockDim + D floats.
 extern "C" __global__ void qk_norm_rope(float* x, const float* wq, const float* wk, int nH, int nq, int D, float eps,
                                         const i64* positions, const float* inv_freq, int half, float scale) {
     extern __shared__ float red[];  // [blockDim] for the sum, then the normed head [D]
@@ -105,9 +107,8 @@ extern "C" __global__ void qk_norm_rope(float* x, const float* wq, const float* 
     const float* w = (int)(blockIdx.x % nH) < nq ? wq : wk;
     float sum_sq = 0.0f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) sum_sq += xr[i] * xr[i];
-    float total = block_sum(sum_sq, red);
-    float inv_rms = (float)(1.0 / sqrt((double)total / D + (double)eps));
-    for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = w[i] * (xr[i] * inv_rms);
+    float s_rms = inv_rms(block_sum32(sum_sq, red), D, eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = w[i] * (xr[i] * s_rms);
     __syncthreads();
     float pos = (float)positions[blockIdx.x / nH];
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
@@ -279,6 +280,10 @@ extern "C" __global__ void decode_pairs(const int* ids, const int* slot_map, int
     }
     const float* src = x + (i64)(p / K) * H;
     float* dst = xs + (i64)p * H;
+    if ((H & 3) == 0 && (((size_t)src | (size_t)dst) & 15) == 0) {
+        for (int d = threadIdx.x; d < H / 4; d += blockDim.x) ((float4*)dst)[d] = ((const float4*)src)[d];
+        return;
+    }
     for (int d = threadIdx.x; d < H; d += blockDim.x) dst[d] = src[d];
 }
 
