@@ -73,7 +73,7 @@ __device__ float block_max(float v, float* red) {
 // The 4 bytes at p + 4i .. p + 4i + 3 (p 2-byte aligned) from the aligned words that hold them:
 // no read leaves the 4-byte words of the requested bytes.
 __device__ __forceinline__ void load_words_a2(const u8* p, u32* out, int num_words) {
-    const u32* w = (const u32*)((size_t)p & ~(size_t)3);
+    const u32* w = (const u32*)(p - ((size_t)p & 2u));  // from p, not from an integer: it stays a global load
     u32 shift = ((u32)(size_t)p & 2u) * 8u;  // 0 or 16
     u32 lo = w[0];
     for (int i = 0; i < num_words; ++i) {

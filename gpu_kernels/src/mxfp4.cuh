@@ -15,7 +15,8 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     levels_values(q, d, w);
 }
 
-// Blocks are byte-aligned: the quant words come from the aligned words that hold them.
+// Blocks are byte-aligned: a block's 17 bytes lie in the 5 aligned words from the one that holds its first byte
+// (at o = its address % 4); e is byte o of the first, quant word i the 4 bytes after it, by funnel shifts.
 #define SLICE_WEIGHTS 32
 struct Slice {
     u32 q[4], e;
@@ -23,9 +24,15 @@ struct Slice {
 
 __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
     const u8* b = row + 17 * s;
+    u32 o = (u32)(size_t)b & 3u;
+    const u32* w = (const u32*)(b - o);
+    u32 words[5];
+#pragma unroll
+    for (int i = 0; i < 5; ++i) words[i] = w[i];
     Slice sl;
-    sl.e = b[0];
-    load_words_a1(b + 1, sl.q, 4);
+    sl.e = (words[0] >> (8 * o)) & 0xffu;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sl.q[i] = funnel_right(words[i], words[i + 1], 8 * o + 8);
     return sl;
 }
 
