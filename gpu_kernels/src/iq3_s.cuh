@@ -9,9 +9,31 @@ __device__ __forceinline__ float iq3s_db(u16 d, u32 scale_byte, int j) {
     return __fmul_rn(half_to_float(d), (float)(1 + 2 * ((scale_byte >> (4 * (j & 1))) & 15u)));
 }
 
-__device__ __forceinline__ u32 iq3s_row(const u32 (&qs)[2], u32 qh, int g) {
-    return IQ3S_GRID[((qs[g >> 2] >> (8 * (g & 3))) & 0xffu) | (((qh >> g) & 1u) << 8)];
+// Grid row g of a slice from `grid` (IQ3S_GRID or its copy in shared memory).
+__device__ __forceinline__ u32 iq3s_row(const u32* grid, const u32 (&qs)[2], u32 qh, int g) {
+    return grid[((qs[g >> 2] >> (8 * (g & 3))) & 0xffu) | (((qh >> g) & 1u) << 8)];
 }
+
+// The `_1q` kernels look the grid up in shared memory: a block copies it there before it stages x (matmul.cu's
+// STAGE_TABLES; stage_xq's sync publishes both). A warp's 32 scattered reads of the 2 KiB table cost a few bank
+// conflicts there, where through L1 they touched up to 16 cache lines each.
+__shared__ u32 iq3s_grid_smem[512];
+
+// A 4-bit sign field as a byte mask: byte c 0xFF where bit c is set.
+__device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
+
+#ifdef IQ3S_SIGN_TABLE
+// With IQ3S_SIGN_TABLE, the byte masks of both grid rows of a sign byte, by that byte: one shared read a byte.
+__shared__ uint2 iq3s_sign_smem[256];
+#endif
+
+__device__ __forceinline__ void iq3s_stage_grid() {
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) iq3s_grid_smem[i] = IQ3S_GRID[i];
+#ifdef IQ3S_SIGN_TABLE
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) iq3s_sign_smem[i] = make_uint2(sign_bytes(i & 15u), sign_bytes(i >> 4));
+#endif
+}
+#define STAGE_TABLES() iq3s_stage_grid()
 
 __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     const u8* b = row + 110 * (u >> 3);
@@ -22,7 +44,7 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     float db = iq3s_db(load_u16(b), b[106 + j / 2], j);
 #pragma unroll
     for (int g = 0; g < 8; ++g) {
-        u32 values = iq3s_row(qs, b[66 + j], g);
+        u32 values = iq3s_row(IQ3S_GRID, qs, b[66 + j], g);
 #pragma unroll
         for (int c = 0; c < 4; ++c)
             w[4 * g + c] = flip_sign(__fmul_rn(db, BYTE_FLOAT(values, c, 0.0f)), (signs >> (4 * g + c)) & 1u);
@@ -40,7 +62,7 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
     Slice sl;
     load_words_a2(b + 2 + 8 * j, sl.qs, 2);
     load_words_a2(b + 74 + 4 * j, &sl.signs, 1);
-    sl.tail = (u32)load_u16(b) | ((u32)b[66 + j] << 16) | ((u32)b[106 + j / 2] << 24);
+    sl.tail = (u32)*(const u16*)b | ((u32)b[66 + j] << 16) | ((u32)b[106 + j / 2] << 24);  // b: 2-byte aligned
     return sl;
 }
 
@@ -58,7 +80,7 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
         float w[RPT][4];
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
-            u32 values = iq3s_row(sl[r].qs, (sl[r].tail >> 16) & 0xffu, g);
+            u32 values = iq3s_row(IQ3S_GRID, sl[r].qs, (sl[r].tail >> 16) & 0xffu, g);
 #pragma unroll
             for (int c = 0; c < 4; ++c) w[r][c] = flip_sign(BYTE_FLOAT(values, c, 0.0f), (sl[r].signs >> (4 * g + c)) & 1u);
         }
@@ -84,7 +106,6 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
 // (a byte mask m from the 4 sign bits; (v ^ m) + (m & 1) negates the masked bytes, and as every grid value is 1..15
 // no byte carries into the next) and dotted with x's two bytes by two dp4a, exact in int32.
 #define INT_DECODE 1
-__device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
 
 template <int RPT>
 __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
@@ -96,8 +117,13 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
         int a = 0, b = 0;
 #pragma unroll
         for (int g = 0; g < 8; ++g) {
-            int v = (int)iq3s_row(sl[r].qs, (sl[r].tail >> 16) & 0xffu, g);
+            int v = (int)iq3s_row(iq3s_grid_smem, sl[r].qs, (sl[r].tail >> 16) & 0xffu, g);
+#ifdef IQ3S_SIGN_TABLE
+            uint2 pair = iq3s_sign_smem[(sl[r].signs >> (8 * (g >> 1))) & 0xffu];
+            u32 m = g & 1 ? pair.y : pair.x;
+#else
             u32 m = sign_bytes((sl[r].signs >> (4 * g)) & 15u);
+#endif
             int w = (int)(((u32)v ^ m) + (m & 0x01010101u));
             int xh = (int)(g < 4 ? WORD(h0, g) : WORD(h1, g - 4)), xl = (int)(g < 4 ? WORD(l0, g) : WORD(l1, g - 4));
             a = dp4a(w, xh, a);

@@ -247,6 +247,12 @@ extern "C" __global__ void DECODE_BOUNDS moe_matmul2_1(MOE2_ARGS) {
 }
 
 #ifdef INT_DECODE
+// A format's tables that its slice_dot_q reads from shared memory, copied there by the whole block before stage_xq
+// (whose sync publishes them); none by default.
+#ifndef STAGE_TABLES
+#define STAGE_TABLES()
+#endif
+
 // The one-token kernels with x rounded to int16 once per block (XQ_SHARED_BYTES(C) of dynamic shared memory):
 // the same grids, lane groups and rows as matmul_1 and moe_matmul_1.
 extern "C" __global__ void DECODE_BOUNDS matmul_1q(MATMUL_ARGS) {
@@ -254,6 +260,7 @@ extern "C" __global__ void DECODE_BOUNDS matmul_1q(MATMUL_ARGS) {
     Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
     Slice cur[DECODE_ROWS];
     first_slices<DECODE_ROWS>(raw, row_bytes, R, wk.r0, C, tpr, cur);
+    STAGE_TABLES();
     XQ xq = stage_xq(x, C, (unsigned char*)xq_smem);
     rows_dot_store<DECODE_ROWS, 1>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur, out);
 }
@@ -270,6 +277,7 @@ __device__ __forceinline__ void moe_1q_body(const u8* __restrict__ raw, const fl
     Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
     Slice cur[DECODE_ROWS];
     first_slices<DECODE_ROWS>(expert, row_bytes, R, wk.r0, C, tpr, cur);
+    STAGE_TABLES();
     XQ xq = stage_xq(x + (i64)row0 * C, C, (unsigned char*)xq_smem, up ? up + (i64)row0 * C : nullptr);
     rows_dot_store<DECODE_ROWS, 1>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur,
                                    out + (i64)row0 * R);

@@ -29,6 +29,7 @@ PRELUDE = r"""
 #define __HIP_PLATFORM_AMD__ 1
 #define __device__
 #define __forceinline__ inline
+#define __shared__
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct float4 { float x, y, z, w; };
@@ -71,6 +72,10 @@ extern "C" void dot_int(const u8* row0, const u8* row1, const i8* hi, const i8* 
     xq.lo = lo;
     xq.scale = scale;
     xq.sum = sum;
+#ifdef STAGE_TABLES
+    blockDim.x = 1;  // one thread copies the format's tables into its "shared memory"
+    STAGE_TABLES();
+#endif
     float acc[2][1] = {{0.0f}, {0.0f}};
     for (int s = 0; s < C / SLICE_WEIGHTS; ++s) {
         Slice sl[2] = {load_slice(row0, s), load_slice(row1, s)};
