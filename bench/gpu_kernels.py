@@ -14,21 +14,25 @@ as float and / or rounded to int16 in shared memory (the `_1q` kernels, formats 
 the others take float whatever --act says). --chunks runs each with blocks that walk that many runs of rows
 (matmul.cu's block_walk; "auto": Kernels' choice, the fewest runs that fit the launch on the GPU at once).
 --tiled also times each format's tiled kernel (prefill: PREFILL_ROWS rows an expert, tiles of TILE_TOKENS).
+--variants runs each one-token case again per macro NAME with `#define NAME 1` before its module's source (a kernel's
+compile-time alternative, side by side with the plain source: the x column names it).
 
     python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--rows 1,2,4] [--slices 1,2,4]
-        [--blocks 0] [--act int16,float] [--chunks auto,1] [--tiled] [--repeats 20]
+        [--blocks 0] [--act int16,float] [--chunks auto,1] [--tiled] [--variants ,NAME] [--repeats 20]
 
 Prints the table; --output also writes it to a file (bench/results/gpu_kernels.md keeps the history by hand).
 """
 import argparse
 import logging
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import gpu_kernels.kernels as kernels_module  # noqa: E402
 from gpu_kernels.kernels import DECODE_TUNING, TILE_TOKENS, Kernels  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from gpu_kernels.sources import INT_DECODE  # noqa: E402
@@ -81,28 +85,43 @@ def _layer(rt, qtype):
     return one, layers, x, out, tiles
 
 
-def expert_bandwidth(rt, tunings, acts, chunk_counts, qtype, repeats):
-    """{(decode_rows, lane_slices, min_blocks, x as, runs of rows a block): (bytes per second, seconds queued,
-    seconds alone, registers a thread, local bytes a thread: spills)} of one decode step over a layer."""
+@contextmanager
+def compiled_with(macro):
+    """Kernels made inside compile their matmul modules with `#define <macro> 1` first, under names of their own
+    (macro "": the plain source)."""
+    source, name = kernels_module.tuned_source, kernels_module.tuned_module_name
+    if macro:
+        kernels_module.tuned_source = lambda q, r, b, defines="": source(q, r, b, f"#define {macro} 1\n{defines}")
+        kernels_module.tuned_module_name = lambda q, r, b: f"{name(q, r, b)}_{macro.lower()}"
+    try:
+        yield
+    finally:
+        kernels_module.tuned_source, kernels_module.tuned_module_name = source, name
+
+
+def expert_bandwidth(rt, tunings, acts, chunk_counts, qtype, repeats, variants=("",)):
+    """{(decode_rows, lane_slices, min_blocks, x as (and variant), runs of rows a block): (bytes per second, seconds
+    queued, seconds alone, registers a thread, local bytes a thread: spills)} of one decode step over a layer."""
     one, layers, x, out, tiles = _layer(rt, qtype)
     step = iter(range(1 << 30))
     results = {}
-    for rows, lane_slices, blocks in tunings:
-        for act in acts if qtype in INT_DECODE else ["float"]:
-            for chunks in chunk_counts:
-                kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices, min_blocks=blocks, act_quant=act,
-                                  row_chunks=None if chunks == "auto" else int(chunks))
+    cases = [(t, a, c, v) for t in tunings for a in (acts if qtype in INT_DECODE else ["float"]) for c in chunk_counts
+             for v in variants]
+    for (rows, lane_slices, blocks), act, chunks, variant in cases:
+        with compiled_with(variant):
+            kernels = Kernels(rt, decode_rows=rows, lane_slices=lane_slices, min_blocks=blocks, act_quant=act,
+                              row_chunks=None if chunks == "auto" else int(chunks))
 
-                def run():
-                    kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
+            def run():
+                kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
 
-                seconds, alone = timed(rt, run, repeats), timed(rt, run, repeats, queued=0)
-                fn, num_blocks, _, shared = kernels._mm_launch(qtype, "moe_matmul_1", ROWS, COLS, one.shape[-1], True)
-                runs = int(kernels._row_chunks(fn, num_blocks, NUM_EXPERTS, shared, True))
-                runs = f"{runs}" + (" (auto)" if chunks == "auto" else "")
-                results[rows, lane_slices, blocks, act, runs] = (
-                    one.nbytes / seconds, seconds, alone, getattr(fn, "num_regs", "?"),
-                    getattr(fn, "local_size_bytes", "?"))
+            seconds, alone = timed(rt, run, repeats), timed(rt, run, repeats, queued=0)
+            fn, num_blocks, _, shared = kernels._mm_launch(qtype, "moe_matmul_1", ROWS, COLS, one.shape[-1], True)
+            runs = int(kernels._row_chunks(fn, num_blocks, NUM_EXPERTS, shared, True))
+            runs = f"{runs}" + (" (auto)" if chunks == "auto" else "")
+            results[rows, lane_slices, blocks, f"{act} {variant}".strip(), runs] = (
+                one.nbytes / seconds, seconds, alone, getattr(fn, "num_regs", "?"),
+                getattr(fn, "local_size_bytes", "?"))
     return one.nbytes, results
 
 
@@ -135,6 +154,7 @@ def main(argv=None):
     p.add_argument("--act", default="int16,float", help="x as int16 and / or float (INT_DECODE formats)")
     p.add_argument("--chunks", default="auto", help="runs of rows a block walks, swept; auto: Kernels' choice")
     p.add_argument("--tiled", action="store_true", help="also time the tiled (prefill) kernel of each format")
+    p.add_argument("--variants", default="", help="macros each defined in a run of its own ('' the plain source)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--output", type=Path, help="also write the table here")
     args = p.parse_args(argv)
@@ -160,7 +180,7 @@ def main(argv=None):
         tunings = ([(int(r), int(s), int(b)) for r in args.rows.split(",") for s in args.slices.split(",")
                     for b in args.blocks.split(",")] if qtype in sweep else [Kernels(rt).tuning(qtype)])
         nbytes, results = expert_bandwidth(rt, tunings, args.act.split(","), args.chunks.split(","), qtype,
-                                           args.repeats)
+                                           args.repeats, args.variants.split(","))
         for (rows, lane_slices, blocks, act, runs), (bw, seconds, alone, regs, local) in results.items():
             lines.append(f"| {qtype.name} | {act} | {rows} | {lane_slices} | {blocks} | {runs} | {regs} | {local} | "
                          f"{nbytes / 2**20:.1f} | {seconds * 1e6:.1f} | {alone * 1e6:.1f} | {bw / 1e9:.0f} | "
