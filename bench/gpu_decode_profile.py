@@ -93,9 +93,14 @@ def tuned(llm, args):
     """llm with the kernel tuning the arguments ask for (before its first step: graphs capture the launches)."""
     if args.attention_rows:
         llm.model.backend.kernels.attention_rows = args.attention_rows
+    kernels = llm.model.backend.kernels
     if args.fill_sms:
-        llm.model.backend.kernels.fill_sms = True
-        llm.model.backend.kernels._launches.clear()  # the shapes launched while loading, planned again
+        kernels.fill_sms = True
+    if args.decode_rows:
+        kernels.decode_rows = args.decode_rows
+    if args.lane_slices:
+        kernels.lane_slices = args.lane_slices
+    kernels._launches.clear()  # the shapes launched while loading, planned again
     return llm
 
 
@@ -103,6 +108,8 @@ def markdown(args, times, per_step, graphed_s, gpu_name):
     total = sum(sum(v) for v in times.values()) / args.steps
     rows = f", attention {args.attention_rows} heads a block" if args.attention_rows else ""
     rows += ", fill_sms" if args.fill_sms else ""
+    rows += f", one-token matmuls {args.decode_rows} rows a group" if args.decode_rows else ""
+    rows += f", {args.lane_slices} slices a lane" if args.lane_slices else ""
     lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
              f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
              f"of the launches back to back: "
@@ -128,6 +135,9 @@ def main(argv=None):
     p.add_argument("--fill-sms", action="store_true",
                    help="one-token matmuls with fewer blocks than multiprocessors take fewer rows a lane group "
                         "(gpu_kernels.kernels.Kernels fill_sms)")
+    p.add_argument("--decode-rows", type=int, default=None, choices=(1, 2, 4, 8),
+                   help="rows a lane group of every one-token matmul (default: each format's DECODE_TUNING)")
+    p.add_argument("--lane-slices", type=int, default=None, help="slices a lane of every one-token matmul")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
