@@ -4,6 +4,9 @@
 // values 1..15 a word); weight 4g + c's sign bit c + 4 (g % 2) of signs[4j + g / 2]; scale
 // db = d * (1 + 2 ((scales[j / 2] >> 4 (j % 2)) & 15)); weight = +-(db * value).
 #define UNIT_WEIGHTS 32
+#ifndef SLICE_UNROLL
+#define SLICE_UNROLL 2  // registers allowing: the int16 decode loop without copies of its loads in flight
+#endif
 
 __device__ __forceinline__ float iq3s_db(u16 d, u32 scale_byte, int j) {
     return __fmul_rn(half_to_float(d), (float)(1 + 2 * ((scale_byte >> (4 * (j & 1))) & 15u)));

@@ -3,6 +3,9 @@
 // ((scales_h >> 2j & 3) << 4); qs[16j .. 16j + 15]: low nibbles weights 0..15, high ones 16..31;
 // weight = (d * (ls - 32)) * LEVELS[nibble] (levels.cuh: IQ4_NL's 16 levels).
 #define UNIT_WEIGHTS 32
+#ifndef SLICE_UNROLL
+#define SLICE_UNROLL 2  // registers allowing: the int16 decode loop without copies of its loads in flight
+#endif
 
 // ls - 32 of sub-block j from the block's first two words (d | scales_h << 16, scales_l).
 __device__ __forceinline__ int iq4xs_scale(u32 head, u32 scales_l, int j) {

@@ -98,6 +98,12 @@ __device__ __forceinline__ void first_slices(const u8* __restrict__ raw, i64 row
     }
 }
 
+// Times a lane's slice loop is unrolled (a format's header may set it): 2 spares the copies of the loads in flight into
+// the slices dotted next, at the cost of registers.
+#ifndef SLICE_UNROLL
+#define SLICE_UNROLL 1
+#endif
+
 // out [n, R] (rows t R apart), rows of each chunk = those rows of `raw` dotted with the n token rows of xs;
 // cur: first_slices' loads. The group sums its lanes with shuffles and its first lane stores.
 template <int RPT, int TT, class X>
@@ -117,6 +123,7 @@ __device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 r
 #pragma unroll
             for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
         }
+#pragma unroll SLICE_UNROLL
         for (int i = 0; i < per_lane; ++i) {  // the next slices' loads are in flight while these are dotted
             int s = lane + i * tpr;
             bool last = i + 1 == per_lane;

@@ -2,6 +2,9 @@
 // 16..31); weight = d * LEVELS[nibble] (levels.cuh: the E2M1 values doubled), d = 2^(e - 128) as
 // ggml_e8m0_to_fp32_half makes it (e < 2: the subnormals 0x00200000 << e). One unit = one slice = one block.
 #define UNIT_WEIGHTS 32
+#ifndef SLICE_UNROLL
+#define SLICE_UNROLL 2  // registers allowing: the int16 decode loop without copies of its loads in flight
+#endif
 
 __device__ __forceinline__ float e8m0_half(u32 e) {
     return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);

@@ -181,6 +181,32 @@ def test_int16_matvec(runtime, qtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (4, 4, 2), (4, 8, 1)])
+@pytest.mark.parametrize("qtype", sorted(set(NEW_FORMATS) & INT_DECODE), ids=lambda q: Q(q).name)
+def test_int16_moe_matvec_tunings(runtime, qtype, rows, slices, chunks):
+    """The one-token expert kernel with x as int16 at several tunings: an odd or even count of slices a lane (the
+    unrolled slice loop's tail), lanes of unequal counts (rows 1, slices 1: 48 slices over 32 lanes), one or several
+    runs of rows a block (the loads carried from one run into the next), the tables a block stages."""
+    from gpu_kernels.kernels import Kernels
+
+    from .conftest import xq_rounded
+
+    rng = np.random.default_rng(int(qtype) * 10 + rows)
+    num_slots, num_rows, num_cols = 3, 150, 1536
+    raw = random_rows(rng, qtype, num_slots * num_rows, num_cols).reshape(num_slots, num_rows, -1)  # [S, R, B]
+    x = (rng.standard_normal((4, num_cols)) * rng.uniform(0.01, 10, (4, num_cols // 32)).repeat(32, axis=1))
+    x = x.astype(np.float32)  # [N, C]: one pair row a tile
+    tile_slot, tile_row = np.array([2, 0, 1, 0], dtype=np.int32), np.arange(4, dtype=np.int32)
+    kernels = Kernels(runtime, decode_rows=rows, lane_slices=slices, act_quant="int16", row_chunks=chunks)
+    out = runtime.empty((4, num_rows), np.float32)
+    kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out, runtime.to_device(tile_slot),
+                       runtime.to_device(tile_row), runtime.to_device(np.ones(4, dtype=np.int32)), tile_tokens=1)
+    ref = np.concatenate([xq_rounded(x[i:i + 1]) @ dequant(raw[s], qtype).astype(np.float64).T
+                          for i, s in enumerate(tile_slot)])
+    assert rel_err(runtime.to_host(out), ref) < 1e-4
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens", [1, 8])
 @pytest.mark.parametrize("qtype", NEW_FORMATS, ids=lambda q: q.name)
 def test_moe_matmul(runtime, float_kernels, qtype, tile_tokens):
