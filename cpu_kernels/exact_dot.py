@@ -60,12 +60,14 @@ def q4_k_block_hi_lo(builder, q, o, b, xq, aux, acc):
         parts = [builder.and_(packed, mask(15)), builder.and_(builder.lshr(packed, mask(8)), mask(15)),
                  builder.and_(builder.lshr(packed, mask(4)), mask(15)), builder.lshr(packed, mask(12))]
         for pair in range(2):  # low nibbles: sub-blocks 4h, 4h + 2; high nibbles: 4h + 1, 4h + 3
-            dots = []
+            joined = None
             for base in (0, QK_K):  # hi x, then lo x (QK_K values on)
-                at = [base + 4 * SUB * h + SUB * (2 * pair + odd) for odd in range(2)]
-                dots.append(builder.add(*(simd.madd_i16(builder, parts[2 * pair + odd], x_at(at[odd]), INT_DOT_WIDTH)
-                                          for odd in range(2))))
-            joined = builder.add(builder.shl(dots[0], levels), dots[1])
+                if joined is not None:  # hi's dot shifted, then lo's added on: one chain of vpdpwssd
+                    joined = builder.shl(joined, levels)
+                for odd in range(2):
+                    at = base + 4 * SUB * h + SUB * (2 * pair + odd)
+                    dot = simd.madd_i16(builder, parts[2 * pair + odd], x_at(at), INT_DOT_WIDTH)
+                    joined = dot if joined is None else builder.add(joined, dot)
             j = 4 * h + pair
             factor = simd.lanes(builder, factors, [j] * 8 + [j + 2] * 8)
             acc = simd.fma(builder, builder.sitofp(joined, simd.vec(simd.F32, 16)), factor, acc)

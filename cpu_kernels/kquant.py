@@ -199,15 +199,45 @@ def split_block_i16(low_offset):
     return block_i16
 
 
+# Lanes of _int_block_start's 16 unpacked 6-bit values: 0-7 the mins, 8-15 the scales of sub-blocks 0-7 (scale_min),
+# from the block's first 16 bytes (d, dmin, then the 12 packed bytes): the byte holding the low bits, their shift
+# and mask, the byte holding the top 2 bits (sub-blocks 4-7) and where they go.
+_LOW_BYTE = [8 + j for j in range(8)] + [4 + (j if j < 4 else j + 4) for j in range(8)]
+_LOW_SHIFT = [0] * 4 + [4] * 4 + [0] * 8
+_LOW_MASK = ([63] * 4 + [15] * 4) * 2
+_TOP_BYTE = [0] * 4 + [4 + j for j in range(4, 8)] + [0] * 4 + [j for j in range(4, 8)]
+_TOP_MASK = ([0] * 4 + [0x30] * 4) * 2
+
+
 def _int_block_start(builder, q, o, b, aux, acc):
-    """What an integer-x block dot does first: (factors <8 x float> = d * scale_j * dx_j, acc minus the
-    sub-blocks' dmin * min_j * sum(x), the block's first x index), aux [C/16] holding (dx, sum) pairs."""
-    scale_values, min_values = _scales_mins(builder, q, o)
-    pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
-    dx, sums = simd.lanes(builder, pairs, range(0, 16, 2)), simd.lanes(builder, pairs, range(1, 16, 2))
-    factors = builder.fmul(_scaled(builder, q, o, scale_values, 0), dx, flags=simd.FAST)  # [8]
-    acc = _subtract_mins(builder, acc, builder.fmul(_scaled(builder, q, o, min_values, 2), sums, flags=simd.FAST))
-    return factors, acc, builder.mul(b, ir.Constant(I64, QK_K))
+    """What an integer-x block dot does first: (factors <8 x float> = d * scale_j * dx_j, acc <16 x float> minus
+    the sub-blocks' dmin * min_j * sum(x) in lanes 0-7, the block's first x index), aux [C/16] holding (dx, sum)
+    pairs. One 16-byte load gives d, dmin and the packed 6-bit scales and mins, unpacked side by side as 16
+    words (mins, then scales) and scaled by one <16 x float> of dmin x 8, d x 8."""
+    head = simd.load_at(builder, q, o, simd.vec(I8, 16))
+    i16x = simd.vec(simd.I16, 16)
+    low = builder.zext(simd.lanes(builder, head, _LOW_BYTE), i16x)
+    top = builder.zext(simd.lanes(builder, head, _TOP_BYTE), i16x)
+    low = builder.and_(builder.lshr(low, simd.const_vec(simd.I16, _LOW_SHIFT)), simd.const_vec(simd.I16, _LOW_MASK))
+    top = builder.and_(builder.lshr(top, simd.splat_const(simd.I16, 16, 2)), simd.const_vec(simd.I16, _TOP_MASK))
+    values = builder.uitofp(builder.or_(low, top), simd.vec(F32, 16))  # min_j, then scale_j
+    dmin_d = _dmin_d(builder, q, o, head)
+    pairs = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))  # (dx, sum) x 8
+    sums_dx = simd.lanes(builder, pairs, list(range(1, 16, 2)) + list(range(0, 16, 2)))
+    terms = builder.fmul(builder.fmul(values, dmin_d, flags=simd.FAST), sums_dx, flags=simd.FAST)
+    if acc.type.count != 16:
+        raise ValueError(f"_int_block_start: a <16 x float> accumulator, not {acc.type}")
+    in_mins = simd.const_vec(ir.IntType(1), [1] * 8 + [0] * 8)
+    acc = builder.select(in_mins, builder.fsub(acc, terms, flags=simd.FAST), acc)
+    return simd.lanes(builder, terms, range(8, 16)), acc, builder.mul(b, ir.Constant(I64, QK_K))
+
+
+def _dmin_d(builder, q, o, head):
+    """<16 x float> dmin x 8, d x 8 of the block at byte o (head: its first 16 bytes)."""
+    if not simd.has_f16c():
+        return simd.load_halves(builder, q, [builder.add(o, ir.Constant(I64, at)) for at in [2] * 8 + [0] * 8])
+    halves = simd.lanes(builder, builder.bitcast(head, simd.vec(simd.I16, 8)), [1] * 8 + [0] * 8)
+    return builder.fpext(builder.bitcast(halves, simd.vec(ir.HalfType(), 16)), simd.vec(F32, 16))
 
 
 def _subtract_mins(builder, acc, min_terms):
