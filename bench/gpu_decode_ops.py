@@ -87,8 +87,8 @@ def small_ops(rt, kn, prev, rng):
 
 def attention_ops(rt, kn, rng, contexts):
     """[(name, {variant: launch})] of the one-token attention at each context: heads a block 1..8, splits from 64
-    or 256 keys (gpu_kernels.kernels.SPLIT_MIN_KEYS)."""
-    import gpu_kernels.kernels as kmod
+    or 256 keys (gpu_kernels.attention_plan.SPLIT_MIN_KEYS)."""
+    import gpu_kernels.attention_plan as kmod
 
     block_tokens, longest = 16, max(contexts)
     num_blocks = -(-longest // block_tokens)

@@ -6,11 +6,12 @@ E experts, K top-k, N pair rows, W work tiles, M gathered rows; paged KV: NB poo
 a block, nS stage blocks, nb logical blocks.
 """
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from .attention_plan import (MAX_SPLITS, PA_MAX_HEAD_DIM, PA_OUTS, PA_THREADS, PD_KEYS,  # noqa: F401
+                             PD_MAX_ROWS, _pow2_at_least, attention_plan, split_scratch_sizes)
 from .delta_launch import DeltaNetLaunchers
 from .gemm import GEMM_MIN_TOKENS, GemmLaunchers, gemm_fits
 from .ops_launch import MATMUL_THREADS, OpsLaunchers
@@ -36,6 +37,11 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
+# One-token launches whose weights are fewer bytes than SMALL_LAUNCH_BYTES (a decode step's dense matmuls and its
+# few experts' rows) are latency-bound: they take SMALL_TUNING (rows a lane group, slices a lane) where it is set,
+# shorter chains of loads a lane and more blocks, instead of DECODE_TUNING's (swept on a 128-expert launch).
+SMALL_LAUNCH_BYTES = 32 << 20
+SMALL_TUNING = None
 ACT_QUANTS = ("int16", "float", "int8")  # the act_quant setting's values (cpu_kernels.act_quant)
 # Formats whose one-token matmuls take x as int16 with act_quant unset ("auto"): where that measured faster than
 # float x (bench/results/gpu_kernels.md, bench/results/formats_h200_host.md): every format with an integer dot.
@@ -46,16 +52,6 @@ GPU_INT16_FORMATS = INT_DECODE
 AMD_DOT4_CHIPS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx940", "gfx941", "gfx942", "gfx950",
                             *(f"gfx103{i}" for i in range(7))})
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
-PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
-PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
-PA_MAX_ROWS = 16  # query rows (token, head) of a tiled block, sharing each K/V tile it loads
-PA_MAX_HEAD_DIM = 256  # shared memory stays under 48 KiB up to here
-PD_KEYS = 32  # kv.cu's PD_KEYS: keys a tile of the one-token kernel
-PD_MAX_ROWS = 8  # heads of a one-token block
-PD_MAX_HEAD_DIM = 128  # the one-token kernel's lane groups hold 4 values a lane, 32 lanes at most
-SPLIT_BLOCKS = 512  # keys are split (flash-decoding) until a launch has about this many blocks
-SPLIT_MIN_KEYS = 256  # fewest keys a split takes
-MAX_SPLITS = 64
 
 
 def gpu_act_quant(name="auto"):
@@ -119,53 +115,6 @@ def xq_shared_bytes(num_cols):
     return 2 * num_cols + 8 * (num_cols // 32)
 
 
-def _pow2_at_least(n):
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """A paged attention launch: which kernel, its rows (token, query head) a block and its key splits."""
-
-    kernel: str  # "paged_attention_1" (one token) or "paged_attention" (tiles of rows)
-    rows: int  # rows a block, of one kv head's T * G
-    width: int  # lanes a key (one-token) or keys a tile (tiled)
-    num_tiles: int  # blocks over a kv head's rows
-    splits: int  # key splits (1: the kernel writes `out` itself)
-    split_keys: int  # keys a split
-    shared_mem: int  # bytes
-
-
-def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_size=32, max_splits=MAX_SPLITS,
-                   one_token_rows=PD_MAX_ROWS):
-    """The paged attention launch over T tokens of G query heads a kv head and `num_keys` keys (those
-    of the longest row). One token: its G heads share each K/V row in registers; more: tiles of rows
-    share K/V tiles in shared memory. Keys split while the blocks are few (decode, long contexts).
-    one_token_rows: most heads a one-token block takes (1, 2, 4 or 8: fewer make more, shorter blocks)."""
-    if num_tokens == 1 and head_dim <= 4 * min(32, warp_size):
-        kernel, rows = "paged_attention_1", min(one_token_rows, _pow2_at_least(group))
-        width, tile_keys, num_tiles = max(8, _pow2_at_least(-(-head_dim // 4))), PD_KEYS, -(-group // rows)
-        shared = rows * PD_KEYS + 5 * rows + PA_THREADS // width * rows * head_dim
-    else:
-        kernel, rows = "paged_attention", min(PA_MAX_ROWS, PA_OUTS * PA_THREADS // head_dim, num_tokens * group)
-        width = tile_keys = 32 if head_dim <= 128 else 16
-        num_tiles = -(-num_tokens * group // rows)
-        shared = rows * head_dim + tile_keys * (2 * head_dim + 1) + rows * tile_keys + 3 * rows
-    blocks, num_keys = num_tiles * num_kv_heads, max(int(num_keys), 1)
-    splits = min(max_splits, -(-SPLIT_BLOCKS // blocks), num_keys // SPLIT_MIN_KEYS)
-    split_keys = -(-num_keys // max(1, splits) // tile_keys) * tile_keys if splits > 1 else num_keys
-    return AttentionPlan(kernel, rows, width, num_tiles, -(-num_keys // split_keys), split_keys, 4 * shared)
-
-
-def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_keys, warp_size, max_splits,
-                        one_token_rows=PD_MAX_ROWS):
-    """(values, rows) of the split scratch paged_attention needs over num_keys keys (0, 0: no splits)."""
-    plan = attention_plan(num_tokens, num_q_heads // num_kv_heads, num_kv_heads, head_dim, num_keys, warp_size,
-                          max_splits, one_token_rows)
-    rows = num_tokens * num_q_heads
-    return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)
-
-
 class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
     """decode_rows, lane_slices, min_blocks: tuning of the one-token matmuls for every format (the benchmark
     sweeps them); None: each format's DECODE_TUNING / DECODE_MIN_BLOCKS, else the defaults. max_splits: most
@@ -173,10 +122,12 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
     "auto" is float on an AMD chip without has_dot4).
     row_chunks: runs of rows a one-token matmul block walks (matmul.cu's block_walk); None: _row_chunks decides.
     fill_sms: a one-token matmul whose blocks would be fewer than the GPU's multiprocessors takes fewer rows a lane
-    group (halved until they are not, down to 1), so that more multiprocessors read its weights."""
+    group (halved until they are not, down to 1), so that more multiprocessors read its weights.
+    small_tuning: (rows a lane group, slices a lane) of one-token launches over fewer than SMALL_LAUNCH_BYTES of
+    weights, or None (every launch its format's tuning)."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
-                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, fill_sms=False):
+                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, fill_sms=False, small_tuning=SMALL_TUNING):
         self.rt, self.stream = runtime, stream
         self.act_quant = gpu_act_quant(act_quant)
         chip = getattr(runtime, "chip", None)
@@ -186,6 +137,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
         self.min_blocks, self.row_chunks, self.fill_sms = min_blocks, row_chunks, fill_sms
+        self.small_tuning = small_tuning
         self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
         self._functions = {}  # (qtype or KV dtype, kernel name(, rows)) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B, ...) -> _mm_launch's (kernel, blocks, scalars)
@@ -214,6 +166,12 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
             self._functions[key] = self.rt.compile(tuned_module_name(qtype, rows, blocks),
                                                    tuned_source(qtype, rows, blocks), matmul_kernels(qtype))[name]
         return self._functions[key]
+
+    def _small(self, weight_bytes):
+        """Whether a one-token launch over weight_bytes takes small_tuning (set, and no tuning given to every
+        format)."""
+        return (self.small_tuning is not None and weight_bytes < SMALL_LAUNCH_BYTES and self.decode_rows is None
+                and self.lane_slices is None)
 
     def _filling_rows(self, rows, tpr, num_rows, num_tiles):
         """fill_sms' rows a lane group: `rows` halved while the launch's blocks are fewer than the multiprocessors."""
@@ -268,6 +226,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                 raise ValueError(f"{Q(qtype).name} matmul: {num_cols} columns, not a multiple of "
                                  f"{SLICE_WEIGHTS[Q(qtype)]}")
             rows_per_group, lane_slices = self.tuning(qtype)[:2] if one else (1, self.lane_slices or LANE_SLICES)
+            if one and self._small(num_rows * row_bytes * num_tiles):
+                rows_per_group, lane_slices = self.small_tuning
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
             if one and self.fill_sms:
                 rows_per_group = self._filling_rows(rows_per_group, tpr, num_rows, num_tiles)

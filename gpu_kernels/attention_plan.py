@@ -1,0 +1,62 @@
+"""The paged attention's launch plans (kv.cu's paged_attention and paged_attention_1): which kernel, heads a block,
+key splits. Shape legend: T tokens, G query heads a kv head, Hkv kv heads, D head dim.
+"""
+from dataclasses import dataclass
+
+PA_THREADS = 128  # kv.cu's PA_THREADS: threads of a paged attention block
+PA_OUTS = 16  # kv.cu's PA_OUTS: output values a thread of the tiled kernel holds (rows * D <= PA_OUTS * PA_THREADS)
+PA_MAX_ROWS = 16  # query rows (token, head) of a tiled block, sharing each K/V tile it loads
+PA_MAX_HEAD_DIM = 256  # shared memory stays under 48 KiB up to here
+PD_KEYS = 32  # kv.cu's PD_KEYS: keys a tile of the one-token kernel
+PD_MAX_ROWS = 8  # heads of a one-token block
+PD_MAX_HEAD_DIM = 128  # the one-token kernel's lane groups hold 4 values a lane, 32 lanes at most
+SPLIT_BLOCKS = 512  # keys are split (flash-decoding) until a launch has about this many blocks
+SPLIT_MIN_KEYS = 256  # fewest keys a split takes
+MAX_SPLITS = 64
+
+
+def _pow2_at_least(n):
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """A paged attention launch: which kernel, its rows (token, query head) a block and its key splits."""
+
+    kernel: str  # "paged_attention_1" (one token) or "paged_attention" (tiles of rows)
+    rows: int  # rows a block, of one kv head's T * G
+    width: int  # lanes a key (one-token) or keys a tile (tiled)
+    num_tiles: int  # blocks over a kv head's rows
+    splits: int  # key splits (1: the kernel writes `out` itself)
+    split_keys: int  # keys a split
+    shared_mem: int  # bytes
+
+
+def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_size=32, max_splits=MAX_SPLITS,
+                   one_token_rows=PD_MAX_ROWS):
+    """The paged attention launch over T tokens of G query heads a kv head and `num_keys` keys (those
+    of the longest row). One token: its G heads share each K/V row in registers; more: tiles of rows
+    share K/V tiles in shared memory. Keys split while the blocks are few (decode, long contexts).
+    one_token_rows: most heads a one-token block takes (1, 2, 4 or 8: fewer make more, shorter blocks)."""
+    if num_tokens == 1 and head_dim <= 4 * min(32, warp_size):
+        kernel, rows = "paged_attention_1", min(one_token_rows, _pow2_at_least(group))
+        width, tile_keys, num_tiles = max(8, _pow2_at_least(-(-head_dim // 4))), PD_KEYS, -(-group // rows)
+        shared = rows * PD_KEYS + 5 * rows + PA_THREADS // width * rows * head_dim
+    else:
+        kernel, rows = "paged_attention", min(PA_MAX_ROWS, PA_OUTS * PA_THREADS // head_dim, num_tokens * group)
+        width = tile_keys = 32 if head_dim <= 128 else 16
+        num_tiles = -(-num_tokens * group // rows)
+        shared = rows * head_dim + tile_keys * (2 * head_dim + 1) + rows * tile_keys + 3 * rows
+    blocks, num_keys = num_tiles * num_kv_heads, max(int(num_keys), 1)
+    splits = min(max_splits, -(-SPLIT_BLOCKS // blocks), num_keys // SPLIT_MIN_KEYS)
+    split_keys = -(-num_keys // max(1, splits) // tile_keys) * tile_keys if splits > 1 else num_keys
+    return AttentionPlan(kernel, rows, width, num_tiles, -(-num_keys // split_keys), split_keys, 4 * shared)
+
+
+def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_keys, warp_size, max_splits,
+                        one_token_rows=PD_MAX_ROWS):
+    """(values, rows) of the split scratch paged_attention needs over num_keys keys (0, 0: no splits)."""
+    plan = attention_plan(num_tokens, num_q_heads // num_kv_heads, num_kv_heads, head_dim, num_keys, warp_size,
+                          max_splits, one_token_rows)
+    rows = num_tokens * num_q_heads
+    return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)
