@@ -107,30 +107,40 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
 
 // The same slice dotted with int16 activations (XQ, the `_1q` kernels): per grid row, its 4 values signed in place
 // (a byte mask m from the 4 sign bits; (v ^ m) + (m & 1) negates the masked bytes, and as every grid value is 1..15
-// no byte carries into the next) and dotted with x's two bytes by two dp4a, exact in int32.
+// no byte carries into the next) and dotted with x's two bytes by two dp4a, exact in int32. Grid rows go in pairs:
+// one byte permute puts their qs bytes in the two 16-bit halves of a word, one multiply their qh bits above them.
 #define INT_DECODE 1
+
+// The byte offsets in the grid table of grid rows 2k and 2k + 1 of a slice, in the low and high 16 bits.
+__device__ __forceinline__ u32 iq3s_pair_offsets(const u32 (&qs)[2], u32 qh, int k) {
+    u32 bytes = __byte_perm(qs[k >> 1], 0u, k & 1 ? 0x4342u : 0x4140u);  // qs bytes 2k, 2k + 1 as 16-bit halves
+    return (bytes << 2) | (((qh >> (2 * k)) * 0x02000400u) & 0x04000400u);  // qh bits 2k, 2k + 1 at bits 10, 26
+}
+
+__device__ __forceinline__ int iq3s_signed_row(u32 v, u32 m) { return (int)((v ^ m) + (m & 0x01010101u)); }
 
 template <int RPT>
 __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
     int at = XQ_BLOCK * s;
     uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
     uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
+    const u8* grid = (const u8*)iq3s_grid_smem;
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
         int a = 0, b = 0;
 #pragma unroll
-        for (int g = 0; g < 8; ++g) {
-            int v = (int)iq3s_row(iq3s_grid_smem, sl[r].qs, (sl[r].tail >> 16) & 0xffu, g);
+        for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
+            u32 offsets = iq3s_pair_offsets(sl[r].qs, (sl[r].tail >> 16) & 0xffu, k);
+            u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
 #ifdef IQ3S_SIGN_TABLE
-            uint2 pair = iq3s_sign_smem[(sl[r].signs >> (8 * (g >> 1))) & 0xffu];
-            u32 m = g & 1 ? pair.y : pair.x;
+            uint2 m = iq3s_sign_smem[(sl[r].signs >> (8 * k)) & 0xffu];
 #else
-            u32 m = sign_bytes((sl[r].signs >> (4 * g)) & 15u);
+            uint2 m = make_uint2(sign_bytes((sl[r].signs >> (8 * k)) & 15u), sign_bytes((sl[r].signs >> (8 * k + 4)) & 15u));
 #endif
-            int w = (int)(((u32)v ^ m) + (m & 0x01010101u));
-            int xh = (int)(g < 4 ? WORD(h0, g) : WORD(h1, g - 4)), xl = (int)(g < 4 ? WORD(l0, g) : WORD(l1, g - 4));
-            a = dp4a(w, xh, a);
-            b = dp4a(w, xl, b);
+            int w0 = iq3s_signed_row(v0, m.x), w1 = iq3s_signed_row(v1, m.y);
+            uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
+            a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
+            b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));
         }
         float db = iq3s_db((u16)(sl[r].tail & 0xffffu), sl[r].tail >> 24, s & 7);
         acc[r][0] = fmaf(db * xq.scale[s], (float)(256 * a + b), acc[r][0]);

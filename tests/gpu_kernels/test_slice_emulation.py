@@ -43,6 +43,7 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
     for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) << (8 * i);
     return r;
 }
+static inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
