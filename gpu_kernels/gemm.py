@@ -5,22 +5,45 @@ Kernels.moe_matmul for work tiles of more than TILE_TOKENS rows (moe_tile_tokens
 
 Shape legend: T tokens, R output rows, C columns, B bytes per row, S expert slots, N pair rows, W work tiles.
 """
+from functools import lru_cache
+
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from .sources import GEMM_FORMATS
-
+GEMM_FORMATS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # matmul modules with gemm.cu
+GEMM_KERNELS = ("gemm", "moe_gemm")
 GEMM_ROWS = 128  # gemm.cu's GEMM_ROWS: weight rows a block
 GEMM_TOKENS = 64  # gemm.cu's GEMM_TOKENS: tokens (pair rows) a block
-GEMM_K = 32  # gemm.cu's GEMM_K: columns a step (C must be a multiple)
 GEMM_THREADS = 128
+GEMM_STAGE_BYTES = 160  # a staged row's raw bytes at most where the format's blocks are smaller (gemm_geometry)
 GEMM_MIN_TOKENS = 16  # a dense matmul of at least this many tokens takes the tiled GEMM
 GEMM_MIN_PAIRS = 8  # a prompt chunk's expert groups take it where they average at least this many pairs
 
 
+@lru_cache(maxsize=None)
+def gemm_geometry(qtype):
+    """(stage columns, step columns GEMM_K) of qtype's GEMM: a stage is whole blocks of the format, at least 32
+    columns, doubled while its raw bytes a row stay within GEMM_STAGE_BYTES; steps of 32 columns, or 16 where the
+    stage takes more than 176 bytes a row (Q6_K: the raw, weight and x tiles then fit 48 KiB of shared memory)."""
+    block_weights, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
+    cols = max(block_weights, 32)
+    while block_weights < 256 and 2 * cols // block_weights * block_bytes <= GEMM_STAGE_BYTES:
+        cols *= 2
+    return cols, 16 if cols // block_weights * block_bytes > 176 else 32
+
+
+def gemm_defines(qtype):
+    """The #define lines gemm.cu reads for qtype (its block, stage and step)."""
+    block_weights, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
+    stage_cols, step = gemm_geometry(qtype)
+    return (f"#define GEMM_BLOCK_WEIGHTS {block_weights}\n#define GEMM_BLOCK_BYTES {block_bytes}\n"
+            f"#define GEMM_STAGE_COLS {stage_cols}\n#define GEMM_K {step}\n")
+
+
 def gemm_fits(qtype, num_cols):
-    """Whether qtype's matmul module has the tiled GEMM and it takes rows of num_cols columns."""
-    return Q(qtype) in GEMM_FORMATS and num_cols % GEMM_K == 0
+    """Whether qtype's matmul module has the tiled GEMM and it takes rows of num_cols columns (whole stages)."""
+    return Q(qtype) in GEMM_FORMATS and num_cols % gemm_geometry(qtype)[0] == 0
 
 
 def moe_tile_tokens(projections, num_pairs, num_groups, small):

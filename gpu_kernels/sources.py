@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from .gemm import GEMM_FORMATS, GEMM_KERNELS, gemm_defines
+
 SRC = Path(__file__).parent / "src"
 
 FORMAT_HEADERS = {  # quant type -> headers before matmul.cu
@@ -48,9 +50,6 @@ MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "moe_matmu
 INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q", "moe_matmul2_1q", "moe_matmul_glu_1q")
 # formats whose header defines INT_DECODE (slice_dot_q)
 INT_DECODE = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.IQ3_S})
-# prompt chunks' tiled GEMM (gemm.cu, gpu_kernels/gemm.py): formats whose matmul module has it
-GEMM_FORMATS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-GEMM_KERNELS = ("gemm", "moe_gemm")
 KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type
 KV_KERNELS = ("paged_attention", "paged_attention_1", "paged_attention_merge", "kv_write")
 DELTA_NET_KERNELS = ("delta_conv1d_silu", "delta_gates", "delta_rule", "delta_l2norm", "delta_chunk_prep",
@@ -92,6 +91,8 @@ def module_source(name):
         qtype = Q[name.removeprefix("matmul_").upper()]
         prefix = "".join(f"#define {key} {value}\n" for key, value in FORMAT_DEFINES.get(qtype, {}).items())
         files = ("common.cuh", *FORMAT_HEADERS[qtype], "matmul.cu") + (("gemm.cu",) if qtype in GEMM_FORMATS else ())
+        if qtype in GEMM_FORMATS:
+            prefix += gemm_defines(qtype)
         if qtype in FORMAT_TABLES:
             levels, grids = FORMAT_TABLES[qtype]
             prefix += level_defines(levels)

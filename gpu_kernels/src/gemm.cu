@@ -1,40 +1,90 @@
-// Shared-memory tiled matmuls for prompt chunks, compiled into each format's matmul module after matmul.cu: they read
-// the format's UNIT_WEIGHTS and unit_dequant (bit-exact with gguf), so every format has them.
-// A block computes an output tile of GEMM_ROWS weight rows x GEMM_TOKENS tokens. Per step of GEMM_K columns its
-// threads dequantize the weight tile into shared memory (thread i: row i) and stage the x tile beside it; then each
-// thread accumulates its micro-tile of GEMM_TM rows x GEMM_TN tokens in float32 from the two tiles. A weight is
-// dequantized once per block, for all the block's tokens (the TILE_TOKENS kernels do it once per 8 tokens).
-// Threads whose tokens lie past the tile's count skip the products (a MoE tile holds its expert's pairs only).
+// Shared-memory tiled matmuls for prompt chunks, compiled into the matmul modules of gemm.py's GEMM_FORMATS after
+// matmul.cu: they read the format's UNIT_WEIGHTS and unit_dequant (bit-exact with gguf).
+// A block computes an output tile of GEMM_ROWS weight rows x GEMM_TOKENS tokens. Its threads copy the raw bytes of a
+// stage of GEMM_STAGE_COLS columns of its rows into shared memory (neighbouring threads, neighbouring words); then per
+// step of GEMM_K columns thread i dequantizes row i's step from there into the weight tile (shared memory), the x
+// tile (loaded a step ahead) is stored beside it, and each thread accumulates its micro-tile of GEMM_TM rows x GEMM_TN tokens in float32.
+// A weight is dequantized once per block, for all the block's tokens (the TILE_TOKENS kernels do it once per 8
+// tokens). Threads whose tokens lie past the tile's count skip the products (a MoE tile holds its expert's pairs).
+// gemm.py's gemm_defines sets, per format: GEMM_BLOCK_WEIGHTS and GEMM_BLOCK_BYTES (the format's block),
+// GEMM_STAGE_COLS (whole blocks, a multiple of GEMM_K; C must be a multiple) and GEMM_K, so that the three tiles
+// stay within 48 KiB of static shared memory.
 //
-// Shape legend: R output rows, C columns (a multiple of GEMM_K), B bytes per row, T tokens, N pair rows,
-// W work tiles, n tokens of a tile (<= GEMM_TOKENS).
+// Shape legend: R output rows, C columns, B bytes per row, T tokens, N pair rows, W work tiles,
+// n tokens of a tile (<= GEMM_TOKENS).
 
-#ifndef GEMM_TOKENS
 #define GEMM_TOKENS 64
-#endif
 #define GEMM_ROWS 128
-#define GEMM_K 32
 #define GEMM_THREADS 128  // = GEMM_ROWS: thread i dequantizes row i of the tile
 #define GEMM_TM 8         // rows a thread: two runs of 4, GEMM_ROWS / 2 apart (float4 reads without bank conflicts)
 #define GEMM_TN 8         // tokens a thread, side by side
 #define GEMM_RG (GEMM_ROWS / GEMM_TM)  // row groups: thread t takes row group t % GEMM_RG, token group t / GEMM_RG
+#define GEMM_STAGE_BYTES (GEMM_STAGE_COLS / GEMM_BLOCK_WEIGHTS * GEMM_BLOCK_BYTES)  // a row's raw bytes a stage
+#define GEMM_STAGE_WORDS (((GEMM_STAGE_BYTES + 3) / 4) | 1)  // a staged row's stride: odd, no bank conflicts
 
-// w [GEMM_K] = columns k0 .. k0 + GEMM_K - 1 of `row`, by the format's unit_dequant.
-__device__ __forceinline__ void gemm_dequant(const u8* __restrict__ row, int k0, float (&w)[GEMM_K]) {
+// Compile-time alternatives (bench/gpu_gemm.py --variants times them side by side): GEMM_MIN_BLOCKS > 0 caps the
+// registers so that that many blocks fit on an SM (CUDA only; HIP's second bound is another quantity);
+// GEMM_DIRECT dequantizes from the rows in global memory (each thread its own row) instead of the staged bytes.
+#ifndef GEMM_MIN_BLOCKS
+#define GEMM_MIN_BLOCKS 0
+#endif
+#if GEMM_MIN_BLOCKS > 0 && !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC_RTC__)
+#define GEMM_BOUNDS __launch_bounds__(GEMM_THREADS, GEMM_MIN_BLOCKS)
+#else
+#define GEMM_BOUNDS __launch_bounds__(GEMM_THREADS)
+#endif
+
+// staged [GEMM_ROWS][GEMM_STAGE_WORDS] words = the stage's raw bytes (`offset` into each row) of rows r0 .. (clamped
+// to R - 1), copied in T-sized pieces (u32 where rows and stages are 4-byte multiples, else u16).
+template <class T>
+__device__ __forceinline__ void gemm_copy_raw(const u8* __restrict__ raw, i64 row_bytes, int R, int r0, i64 offset,
+                                              u32* staged) {
+    const int per_row = GEMM_STAGE_BYTES / sizeof(T), batch = 8;  // loads in flight before their stores
+    for (int i0 = threadIdx.x; i0 < GEMM_ROWS * per_row; i0 += batch * GEMM_THREADS) {
+        T v[batch];
+#pragma unroll
+        for (int b = 0; b < batch; ++b) {
+            int i = i0 + b * GEMM_THREADS, r = i / per_row;
+            if (i < GEMM_ROWS * per_row)
+                v[b] = ((const T*)(raw + (i64)min(r0 + r, R - 1) * row_bytes + offset))[i - r * per_row];
+        }
+#pragma unroll
+        for (int b = 0; b < batch; ++b) {
+            int i = i0 + b * GEMM_THREADS, r = i / per_row;
+            if (i < GEMM_ROWS * per_row) ((T*)(staged + r * GEMM_STAGE_WORDS))[i - r * per_row] = v[b];
+        }
+    }
+}
+
+// w [GEMM_K] = columns k0 .. k0 + GEMM_K - 1 of a stage whose bytes start at `row`, by the format's unit_dequant.
+__device__ __forceinline__ void gemm_dequant(const u8* row, int k0, float (&w)[GEMM_K]) {
 #pragma unroll
     for (int u = 0; u < GEMM_K / UNIT_WEIGHTS; ++u) unit_dequant(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
 }
 
-// xs [GEMM_K][GEMM_TOKENS] = x [n, C]'s columns k0 .. k0 + GEMM_K - 1, transposed; tokens past n are zeros.
-__device__ __forceinline__ void gemm_stage_x(const float* __restrict__ x, int C, int n, int k0, float* xs) {
-    for (int i = threadIdx.x; i < GEMM_TOKENS * GEMM_K / 4; i += GEMM_THREADS) {
-        int t = i % GEMM_TOKENS, q = i / GEMM_TOKENS;  // neighbouring threads: neighbouring tokens (no bank conflicts)
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (t < n) v = *(const float4*)(x + (i64)t * C + k0 + 4 * q);
-        xs[(4 * q + 0) * GEMM_TOKENS + t] = v.x;
-        xs[(4 * q + 1) * GEMM_TOKENS + t] = v.y;
-        xs[(4 * q + 2) * GEMM_TOKENS + t] = v.z;
-        xs[(4 * q + 3) * GEMM_TOKENS + t] = v.w;
+// A thread's part of the x tile of a step: GEMM_X_LOADS float4s of x [n, C] (tokens past n: zeros), loaded a step
+// ahead (gemm_load_x) so that their reads are in flight during the products, and stored into the tile transposed
+// (gemm_store_x): xs [GEMM_K][GEMM_TOKENS]. Neighbouring threads take neighbouring tokens (no bank conflicts).
+#define GEMM_X_LOADS (GEMM_TOKENS * GEMM_K / 4 / GEMM_THREADS)
+
+__device__ __forceinline__ void gemm_load_x(const float* __restrict__ x, int C, int n, int k0,
+                                            float4 (&v)[GEMM_X_LOADS]) {
+#pragma unroll
+    for (int l = 0; l < GEMM_X_LOADS; ++l) {
+        int i = threadIdx.x + l * GEMM_THREADS, t = i % GEMM_TOKENS, q = i / GEMM_TOKENS;
+        v[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (t < n) v[l] = *(const float4*)(x + (i64)t * C + k0 + 4 * q);
+    }
+}
+
+__device__ __forceinline__ void gemm_store_x(const float4 (&v)[GEMM_X_LOADS], float* xs) {
+#pragma unroll
+    for (int l = 0; l < GEMM_X_LOADS; ++l) {
+        int i = threadIdx.x + l * GEMM_THREADS, t = i % GEMM_TOKENS, q = i / GEMM_TOKENS;
+        xs[(4 * q + 0) * GEMM_TOKENS + t] = v[l].x;
+        xs[(4 * q + 1) * GEMM_TOKENS + t] = v[l].y;
+        xs[(4 * q + 2) * GEMM_TOKENS + t] = v[l].z;
+        xs[(4 * q + 3) * GEMM_TOKENS + t] = v[l].w;
     }
 }
 
@@ -84,28 +134,47 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
     __shared__ float4 xs[GEMM_K * GEMM_TOKENS / 4];  // [GEMM_K][GEMM_TOKENS]
     int rg = threadIdx.x % GEMM_RG, tg = threadIdx.x / GEMM_RG;
     bool active = GEMM_TN * tg < n;
-    const u8* row = raw + (i64)min(r0 + (int)threadIdx.x, R - 1) * row_bytes;
     float acc[GEMM_TM][GEMM_TN];
 #pragma unroll
     for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
         for (int j = 0; j < GEMM_TN; ++j) acc[i][j] = 0.0f;
+#ifdef GEMM_DIRECT
+    const u8* row = raw + (i64)min(r0 + (int)threadIdx.x, R - 1) * row_bytes;
+#else
+    __shared__ u32 staged[GEMM_ROWS * GEMM_STAGE_WORDS];  // [GEMM_ROWS][GEMM_STAGE_WORDS]
+    bool words = ((row_bytes | GEMM_STAGE_BYTES) & 3) == 0;
+    const u8* mine = (const u8*)(staged + threadIdx.x * GEMM_STAGE_WORDS);
+#endif
     float* wsf = (float*)ws;
-    for (int k0 = 0; k0 < C; k0 += GEMM_K) {
-        float w[GEMM_K];
-        gemm_dequant(row, k0, w);
+    float4 xv[GEMM_X_LOADS];
+    gemm_load_x(x, C, n, 0, xv);
+    for (int s0 = 0; s0 < C; s0 += GEMM_STAGE_COLS) {
+        i64 offset = (i64)(s0 / GEMM_BLOCK_WEIGHTS) * GEMM_BLOCK_BYTES;
+#ifdef GEMM_DIRECT
+        const u8* mine = row + offset;
+#else
+        if (words) gemm_copy_raw<u32>(raw, row_bytes, R, r0, offset, staged);
+        else gemm_copy_raw<u16>(raw, row_bytes, R, r0, offset, staged);
+        __syncthreads();
+#endif
+        for (int k0 = 0; k0 < GEMM_STAGE_COLS; k0 += GEMM_K) {
+            float w[GEMM_K];
+            gemm_dequant(mine, k0, w);
 #pragma unroll
-        for (int k = 0; k < GEMM_K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
-        gemm_stage_x(x, C, n, k0, (float*)xs);
-        __syncthreads();
-        if (active) gemm_products(ws, xs, rg, tg, acc);
-        __syncthreads();
+            for (int k = 0; k < GEMM_K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
+            gemm_store_x(xv, (float*)xs);
+            __syncthreads();
+            if (s0 + k0 + GEMM_K < C) gemm_load_x(x, C, n, s0 + k0 + GEMM_K, xv);
+            if (active) gemm_products(ws, xs, rg, tg, acc);
+            __syncthreads();
+        }
     }
     if (active) gemm_store(out, R, r0, n, rg, tg, acc);
 }
 
 // out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / GEMM_ROWS), ceil(T / GEMM_TOKENS)), GEMM_THREADS.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+extern "C" __global__ void GEMM_BOUNDS
     gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes) {
     int t0 = blockIdx.y * GEMM_TOKENS;
     gemm_body(raw, x + (i64)t0 * C, out + (i64)t0 * R, min(GEMM_TOKENS, T - t0), R, C, row_bytes,
@@ -115,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 // moe_matmul with work tiles of up to GEMM_TOKENS pair rows: tile w covers rows [tile_row[w], + tile_count[w]) of
 // x [N, C], all of expert slot tile_slot[w]; out [N, R] = x @ dequant(raw [S, R, B][slot]).T.
 // grid (ceil(R / GEMM_ROWS), W), GEMM_THREADS.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+extern "C" __global__ void GEMM_BOUNDS
     moe_gemm(const u8* raw, const float* x, float* out, const int* tile_slot, const int* tile_row,
              const int* tile_count, int R, int C, i64 row_bytes) {
     int w = blockIdx.y, row0 = tile_row[w], n = tile_count[w];

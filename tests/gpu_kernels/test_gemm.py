@@ -5,8 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from gpu_kernels.gemm import GEMM_MIN_PAIRS, GEMM_TOKENS, gemm_fits, moe_tile_tokens
-from gpu_kernels.sources import GEMM_FORMATS
+from gpu_kernels.gemm import GEMM_FORMATS, GEMM_MIN_PAIRS, GEMM_TOKENS, gemm_fits, moe_tile_tokens
 from hybrid.backends.gpu_experts import work_tiles
 from hybrid.formats.synthetic import encode
 
