@@ -47,7 +47,7 @@ def _one_token_launch(qtype, **tuning):
 def test_one_token_launch_takes_the_format_tuning(qtype):
     rows, slices = DECODE_TUNING.get(qtype, (DECODE_ROWS, LANE_SLICES))
     blocks = DECODE_MIN_BLOCKS.get(qtype, 0)
-    name, source, function, grid, tpr = _one_token_launch(qtype)
+    name, source, function, grid, tpr = _one_token_launch(qtype, small_tuning=None)
     int16 = qtype in INT_DECODE and qtype in GPU_INT16_FORMATS
     assert function == ("matmul_1q" if int16 else "matmul_1") and name.endswith(f"_r{rows}_b{blocks}")
     assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" in source
@@ -59,6 +59,20 @@ def test_explicit_tuning_wins_for_every_format():
     name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, decode_rows=1, lane_slices=1, min_blocks=3)
     assert name.endswith("_r1_b3") and "#define DECODE_MIN_BLOCKS 3\n" in source
     assert tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
+
+
+def test_small_one_token_launches_take_the_small_tuning(monkeypatch):
+    """Kernels(small_tuning=(rows, slices)): one-token launches over fewer than SMALL_LAUNCH_BYTES of weights take
+    it; larger ones, and every launch where a tuning is given to every format, their format's."""
+    import gpu_kernels.kernels as kmod
+
+    name, _, _, grid, tpr = _one_token_launch(Q.Q4_K, small_tuning=(1, 2))
+    assert name.endswith("_r1_b0") and tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
+    name, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2), decode_rows=2)
+    assert name.endswith("_r2_b0")
+    monkeypatch.setattr(kmod, "SMALL_LAUNCH_BYTES", 768 * 8)  # the launch's weights are no longer fewer
+    name, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2))
+    assert name.endswith(f"_r{DECODE_TUNING[Q.Q4_K][0]}_b0")
 
 
 def test_tiled_kernels_keep_the_default_lane_width():
