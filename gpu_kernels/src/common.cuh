@@ -123,6 +123,15 @@ struct XQ {
     const float* sum;    // [C / 32] the block's sum of x (float)
 };
 
+// Where value l (0..31) of a 32-value block sits in hi and lo: in order, or with XQ_NIBBLE_ORDER defined (before this
+// file) in the order levels.cuh's nibble lookup makes a word's levels in: value 4i + c (i, c < 4) at 8i + 2c, value
+// 16 + 4i + c at 8i + 2c + 1.
+#ifdef XQ_NIBBLE_ORDER
+#define XQ_POS(l) ((((l) & 12) << 1) | (((l) & 3) << 1) | ((l) >> 4))
+#else
+#define XQ_POS(l) (l)
+#endif
+
 // Dynamic shared memory bytes of a block's XQ for C columns.
 #define XQ_SHARED_BYTES(C) (2 * (C) + 8 * ((C) / XQ_BLOCK))
 
@@ -170,8 +179,8 @@ __device__ __forceinline__ XQ stage_xq(const float* __restrict__ x, int C, unsig
             float inv = amax > 0.0f ? XQ_LEVELS / amax : 0.0f;
             int q = __float2int_rn(v[u] * inv);
             int h = (q + 128) >> 8;
-            hi[XQ_BLOCK * b + lane] = (i8)h;
-            lo[XQ_BLOCK * b + lane] = (i8)(q - 256 * h);
+            hi[XQ_BLOCK * b + XQ_POS(lane)] = (i8)h;
+            lo[XQ_BLOCK * b + XQ_POS(lane)] = (i8)(q - 256 * h);
             if (lane == 0) {
                 scale[b] = amax / XQ_LEVELS;
                 sum[b] = total;

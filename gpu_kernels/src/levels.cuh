@@ -6,11 +6,17 @@
 // (ggml's get_int_from_table_16). Per 4 nibbles in their word order, a byte permute looks bits 0..2 up in each half
 // of the table and a third picks the half by bit 3; two more sort the bytes into low and high nibbles. 13 integer
 // instructions a word (byte permutes read 3 bits of each selector nibble).
-__device__ __forceinline__ void levels8(u32 q, u32& lo, u32& hi) {
+// levels8 before the sort: v0 the levels of nibbles 0..3 (bytes 0 and 1, low nibble first), v1 of nibbles 4..7.
+__device__ __forceinline__ void levels8_in_word_order(u32 q, u32& v0, u32& v1) {
     u32 half = ((q >> 1) & 0x44444444u) | 0x32103210u;  // nibble k: k % 4, plus 4 where nibble k's bit 3 is set
     u32 a = q & 0x7777u, b = (q >> 16) & 0x7777u;  // nibbles 0..3 (bytes 0, 1) and 4..7 (bytes 2, 3)
-    u32 v0 = __byte_perm(__byte_perm(LEVELS_0, LEVELS_1, a), __byte_perm(LEVELS_2, LEVELS_3, a), half & 0xffffu);
-    u32 v1 = __byte_perm(__byte_perm(LEVELS_0, LEVELS_1, b), __byte_perm(LEVELS_2, LEVELS_3, b), half >> 16);
+    v0 = __byte_perm(__byte_perm(LEVELS_0, LEVELS_1, a), __byte_perm(LEVELS_2, LEVELS_3, a), half & 0xffffu);
+    v1 = __byte_perm(__byte_perm(LEVELS_0, LEVELS_1, b), __byte_perm(LEVELS_2, LEVELS_3, b), half >> 16);
+}
+
+__device__ __forceinline__ void levels8(u32 q, u32& lo, u32& hi) {
+    u32 v0, v1;
+    levels8_in_word_order(q, v0, v1);
     lo = __byte_perm(v0, v1, 0x6420u);
     hi = __byte_perm(v0, v1, 0x7531u);
 }
@@ -101,10 +107,18 @@ __device__ __forceinline__ float levels_dot_q(const u32 (&q)[4], const XQ& xq, i
     int a = 0, b = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+#ifdef XQ_NIBBLE_ORDER  // x in the levels' word order (common.cuh's XQ_POS): words 2i, 2i + 1 of the block
+        u32 v0, v1;
+        levels8_in_word_order(q[i], v0, v1);
+        uint4 xh = i < 2 ? h0 : h1, xl = i < 2 ? l0 : l1;
+        a = dp4a((int)v0, (int)WORD(xh, 2 * (i & 1)), dp4a((int)v1, (int)WORD(xh, 2 * (i & 1) + 1), a));
+        b = dp4a((int)v0, (int)WORD(xl, 2 * (i & 1)), dp4a((int)v1, (int)WORD(xl, 2 * (i & 1) + 1), b));
+#else
         u32 lo, hi;
         levels8(q[i], lo, hi);
         a = dp4a((int)lo, (int)WORD(h0, i), dp4a((int)hi, (int)WORD(h1, i), a));
         b = dp4a((int)lo, (int)WORD(l0, i), dp4a((int)hi, (int)WORD(l1, i), b));
+#endif
     }
     return xq.scale[blk] * (float)(256 * a + b);
 }
