@@ -59,13 +59,21 @@ struct Slice {
     u32 qs[2], signs, tail;  // tail: d | qh[j] << 16 | the scale byte << 24
 };
 
+// Super-blocks are 2-byte aligned: qs and signs come from the aligned words w from the one that holds the super-block's
+// first byte (o = its address % 4, 0 or 2), at word indices from o and j, so that the compiler forms few addresses.
 __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
     const u8* b = row + 110 * (s >> 3);
     int j = s & 7;
+    u32 o = (u32)(size_t)b & 2u, shift = 16u - 8u * o;  // qs and signs start 2 bytes into a word where o is 0
+    const u32* w = (const u32*)(b - o);
+    const u32* q = w + 2 * j + (o >> 1);  // qs[8j ..] at b + 2 + 8j
+    const u32* g = w + 18 + j + (o >> 1);  // signs[4j ..] at b + 74 + 4j
+    u32 q0 = q[0], q1 = q[1], q2 = q[2], g0 = g[0], g1 = g[1];
     Slice sl;
-    load_words_a2(b + 2 + 8 * j, sl.qs, 2);
-    load_words_a2(b + 74 + 4 * j, &sl.signs, 1);
-    sl.tail = (u32)*(const u16*)b | ((u32)b[66 + j] << 16) | ((u32)b[106 + j / 2] << 24);  // b: 2-byte aligned
+    sl.qs[0] = funnel_right(q0, q1, shift);
+    sl.qs[1] = funnel_right(q1, q2, shift);
+    sl.signs = funnel_right(g0, g1, shift);
+    sl.tail = (u32)*(const u16*)b | ((u32)b[66 + j] << 16) | ((u32)b[106 + j / 2] << 24);
     return sl;
 }
 
