@@ -37,8 +37,8 @@ F16_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,)}  # b
 def random_raw(rng, qtype, shape):
     """uint8 [..., R, B]: random valid blocks of qtype (its f16 scales about 1e-3) for float shape [..., R, C]."""
     if qtype in (Q.F32, Q.F16):
-        values = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32 if qtype == Q.F32 else np.float16)
-        return values.view(np.uint8)
+        values = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        return values.astype(np.float32 if qtype == Q.F32 else np.float16).view(np.uint8)
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]
     num_blocks = int(np.prod(shape)) // block_size
     blocks = rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
@@ -84,6 +84,15 @@ def variant_gemm(rt, qtype, variant):
     return rt.compile(f"{tuned_module_name(qtype, rows, blocks)}_{name}{value}", source, GEMM_KERNELS)
 
 
+def describe(rt, kernels, qtype, variants):
+    """A line per variant: moe_gemm's registers a thread and blocks an SM holds."""
+    for variant in variants:
+        fn = variant_gemm(rt, qtype, variant)["moe_gemm"] if variant else kernels._mm(qtype, "moe_gemm")
+        blocks = rt.resident_blocks(fn, GEMM_THREADS) // rt.multiprocessors
+        print(f"# {qtype.name} {variant or 'default'}: {getattr(fn, 'num_regs', '?')} registers a thread, "
+              f"{blocks} blocks an SM")
+
+
 def moe_case(rt, kernels, qtype, raw, x, tiles_old, tiles_new, num_rows, variants, repeats):
     """(old seconds, {variant: (seconds, diff)}) of one projection over the grouped pairs x [N, C]."""
     out_old = rt.empty((x.shape[0], num_rows), np.float32)
@@ -95,7 +104,8 @@ def moe_case(rt, kernels, qtype, raw, x, tiles_old, tiles_new, num_rows, variant
         if variant:
             fn = variant_gemm(rt, qtype, variant)["moe_gemm"]
             args = (raw, x, out_new, *tiles_new, np.int32(num_rows), np.int32(x.shape[1]), np.int64(raw.shape[-1]))
-            call = lambda: kernels._launch(fn, (-(-num_rows // GEMM_ROWS), len(tiles_new[0])), GEMM_THREADS, args)  # noqa: E731
+            grid = (-(-num_rows // GEMM_ROWS), len(tiles_new[0]))
+            call = lambda: kernels._launch(fn, grid, GEMM_THREADS, args)  # noqa: E731
         else:
             call = lambda: kernels.moe_matmul(raw, qtype, x, out_new, *tiles_new, tile_tokens=GEMM_TOKENS)  # noqa: E731
         seconds = timed(rt, call, repeats)
@@ -154,8 +164,12 @@ def main():
           f"{sizes.min()}-{sizes.max()} an expert (mean {sizes.mean():.1f})\n")
     tiles = {t: [rt.to_device(np.ascontiguousarray(a)) for a in work_tiles(row_starts, slots, t)]
              for t in (TILE_TOKENS, GEMM_TOKENS)}
-    print("| case | format | rows x cols | tokens (pairs) | old ms | old TFLOPS | variant | GEMM ms | GEMM TFLOPS | speed-up "
-          "| diff |")
+    formats = [Q[name.strip().upper()] for name in args.formats.split(",")]
+    for qtype in formats:
+        describe(rt, kernels, qtype, variants)
+    print()
+    print("| case | format | rows x cols | tokens (pairs) | old ms | old TFLOPS | variant | GEMM ms | GEMM TFLOPS "
+          "| speed-up | diff |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def report(case, qtype, shape, tokens, old, results):
@@ -165,8 +179,7 @@ def main():
                   f"{flops / old / 1e12:.2f} | {variant or 'default'} | {seconds * 1e3:.3f} | "
                   f"{flops / seconds / 1e12:.2f} | {old / seconds:.2f}x | {diff:.1e} |", flush=True)
 
-    for name in args.formats.split(","):
-        qtype = Q[name.strip().upper()]
+    for qtype in formats:
         for case, (rows, cols) in (("moe gate/up", (WIDTH, HIDDEN)), ("moe down", (HIDDEN, WIDTH))):
             raw = rt.to_device(random_raw(rng, qtype, (NUM_EXPERTS, rows, cols)))
             x = rt.to_device(rng.standard_normal((num_pairs, cols), dtype=np.float32))

@@ -3,7 +3,8 @@
 // A block computes an output tile of GEMM_ROWS weight rows x GEMM_TOKENS tokens. Its threads copy the raw bytes of a
 // stage of GEMM_STAGE_COLS columns of its rows into shared memory (neighbouring threads, neighbouring words); then per
 // step of GEMM_K columns thread i dequantizes row i's step from there into the weight tile (shared memory), the x
-// tile (loaded a step ahead) is stored beside it, and each thread accumulates its micro-tile of GEMM_TM rows x GEMM_TN tokens in float32.
+// tile (loaded a step ahead) is stored beside it, and each thread accumulates its micro-tile of GEMM_TM rows x
+// GEMM_TN tokens in float32.
 // A weight is dequantized once per block, for all the block's tokens (the TILE_TOKENS kernels do it once per 8
 // tokens). Threads whose tokens lie past the tile's count skip the products (a MoE tile holds its expert's pairs).
 // gemm.py's gemm_defines sets, per format: GEMM_BLOCK_WEIGHTS and GEMM_BLOCK_BYTES (the format's block),
@@ -116,7 +117,8 @@ __device__ __forceinline__ void gemm_store(float* __restrict__ out, int R, int r
         for (int h = 0; h < 2; ++h) {
             int r = r0 + h * (GEMM_ROWS / 2) + 4 * rg;
             if ((R & 3) == 0 && r + 3 < R) {
-                *(float4*)(dst + r) = make_float4(acc[4 * h][j], acc[4 * h + 1][j], acc[4 * h + 2][j], acc[4 * h + 3][j]);
+                *(float4*)(dst + r) =
+                    make_float4(acc[4 * h][j], acc[4 * h + 1][j], acc[4 * h + 2][j], acc[4 * h + 3][j]);
             } else {
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
