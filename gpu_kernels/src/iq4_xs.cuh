@@ -32,8 +32,9 @@ struct Slice {
 __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
     const u8* b = row + 136 * (s >> 3);
     Slice sl;
-    sl.head = *(const u32*)b;
-    sl.scales_l = *(const u32*)(b + 4);
+    uint2 head = *(const uint2*)b;  // super-blocks are 8-byte multiples: aligned
+    sl.head = head.x;
+    sl.scales_l = head.y;
     const uint2* q = (const uint2*)(b + 8 + 16 * (s & 7));
     sl.q[0] = q[0];
     sl.q[1] = q[1];
