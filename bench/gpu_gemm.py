@@ -7,10 +7,11 @@ expert (one launch a projection, as GpuExperts.submit_groups queues them), and a
 --dense-tokens. Weights are random valid blocks (scales of about 1e-3), distinct for every expert. Times: CUDA
 events, median of --repeats runs of QUEUED launches back to back. Each GEMM result is checked against the old
 kernel's (the `diff` column: max |new - old| / max |old|). --variants times the GEMM again per entry NAME or
-NAME=VALUE with `#define NAME VALUE` before its module's source (gemm.cu's compile-time alternatives).
+NAME=VALUE (several joined by +) with `#define NAME VALUE` before its module's source (gemm.cu's compile-time
+alternatives; GEMM_TOKENS=32 also makes the work tiles 32 tokens).
 
     python bench/gpu_gemm.py [--formats q4_k,q6_k,q8_0] [--tokens 512] [--dense-tokens 16,64,512]
-        [--variants ,GEMM_DIRECT,GEMM_MIN_BLOCKS=4] [--repeats 10]
+        [--variants ,GEMM_DIRECT,GEMM_TOKENS=32+GEMM_MIN_BLOCKS=4] [--repeats 10]
 """
 import argparse
 import sys
@@ -76,12 +77,23 @@ def old_kernels():
         kernels_module.GEMM_MIN_TOKENS = saved
 
 
+def variant_defines(variant):
+    """{NAME: VALUE} of a variant "NAME[=VALUE][+NAME[=VALUE]...]" (VALUE 1 where not given)."""
+    return dict((part.partition("=")[0], part.partition("=")[2] or "1") for part in variant.split("+") if part)
+
+
 def variant_gemm(rt, qtype, variant):
-    """{kernel name: compiled function} of qtype's GEMM with `#define NAME VALUE` of variant "NAME[=VALUE]"."""
-    name, _, value = variant.partition("=")
+    """{kernel name: compiled function} of qtype's GEMM with variant_defines(variant) before its module's source."""
     rows, _, blocks = format_tuning(qtype)
-    source = f"#define {name} {value or 1}\n" + tuned_source(qtype, rows, blocks)
-    return rt.compile(f"{tuned_module_name(qtype, rows, blocks)}_{name}{value}", source, GEMM_KERNELS)
+    defines = "".join(f"#define {name} {value}\n" for name, value in variant_defines(variant).items())
+    suffix = "".join(f"_{name}{value}" for name, value in variant_defines(variant).items())
+    return rt.compile(f"{tuned_module_name(qtype, rows, blocks)}{suffix}", defines + tuned_source(qtype, rows, blocks),
+                      GEMM_KERNELS)
+
+
+def tile_tokens(variant):
+    """Tokens a GEMM block of the variant takes (its GEMM_TOKENS)."""
+    return int(variant_defines(variant).get("GEMM_TOKENS", GEMM_TOKENS))
 
 
 def describe(rt, kernels, qtype, variants):
@@ -93,21 +105,24 @@ def describe(rt, kernels, qtype, variants):
               f"{blocks} blocks an SM")
 
 
-def moe_case(rt, kernels, qtype, raw, x, tiles_old, tiles_new, num_rows, variants, repeats):
-    """(old seconds, {variant: (seconds, diff)}) of one projection over the grouped pairs x [N, C]."""
+def moe_case(rt, kernels, qtype, raw, x, tiles, num_rows, variants, repeats):
+    """(old seconds, {variant: (seconds, diff)}) of one projection over the grouped pairs x [N, C]; tiles: {tokens a
+    tile: device work tiles}."""
     out_old = rt.empty((x.shape[0], num_rows), np.float32)
     out_new = rt.empty((x.shape[0], num_rows), np.float32)
-    old = timed(rt, lambda: kernels.moe_matmul(raw, qtype, x, out_old, *tiles_old, tile_tokens=TILE_TOKENS), repeats)
+    old = timed(rt, lambda: kernels.moe_matmul(raw, qtype, x, out_old, *tiles[TILE_TOKENS], tile_tokens=TILE_TOKENS),
+                repeats)
     ref = rt.to_host(out_old)
     results = {}
     for variant in variants:
         if variant:
-            fn = variant_gemm(rt, qtype, variant)["moe_gemm"]
-            args = (raw, x, out_new, *tiles_new, np.int32(num_rows), np.int32(x.shape[1]), np.int64(raw.shape[-1]))
-            grid = (-(-num_rows // GEMM_ROWS), len(tiles_new[0]))
+            fn, own = variant_gemm(rt, qtype, variant)["moe_gemm"], tiles[tile_tokens(variant)]
+            args = (raw, x, out_new, *own, np.int32(num_rows), np.int32(x.shape[1]), np.int64(raw.shape[-1]))
+            grid = (-(-num_rows // GEMM_ROWS), len(own[0]))
             call = lambda: kernels._launch(fn, grid, GEMM_THREADS, args)  # noqa: E731
         else:
-            call = lambda: kernels.moe_matmul(raw, qtype, x, out_new, *tiles_new, tile_tokens=GEMM_TOKENS)  # noqa: E731
+            call = lambda: kernels.moe_matmul(raw, qtype, x, out_new, *tiles[GEMM_TOKENS],  # noqa: E731
+                                              tile_tokens=GEMM_TOKENS)
         seconds = timed(rt, call, repeats)
         results[variant] = seconds, float(np.abs(rt.to_host(out_new) - ref).max() / np.abs(ref).max())
     return old, results
@@ -126,7 +141,7 @@ def dense_case(rt, kernels, qtype, raw, x, variants, repeats):
             fn = variant_gemm(rt, qtype, variant)["gemm"]
             args = (raw, x, out_new, np.int32(num_tokens), np.int32(num_rows), np.int32(x.shape[1]),
                     np.int64(raw.shape[-1]))
-            grid = (-(-num_rows // GEMM_ROWS), -(-num_tokens // GEMM_TOKENS))
+            grid = (-(-num_rows // GEMM_ROWS), -(-num_tokens // tile_tokens(variant)))
             call = lambda: kernels._launch(fn, grid, GEMM_THREADS, args)  # noqa: E731
         else:
             call = lambda: kernels.gemm(raw, qtype, x, out_new)  # noqa: E731
@@ -163,7 +178,7 @@ def main():
     print(f"# {rt.device_name}: {args.tokens} tokens x top-{TOP_K} over {NUM_EXPERTS} experts = {num_pairs} pairs, "
           f"{sizes.min()}-{sizes.max()} an expert (mean {sizes.mean():.1f})\n")
     tiles = {t: [rt.to_device(np.ascontiguousarray(a)) for a in work_tiles(row_starts, slots, t)]
-             for t in (TILE_TOKENS, GEMM_TOKENS)}
+             for t in {TILE_TOKENS, GEMM_TOKENS, *map(tile_tokens, variants)}}
     formats = [Q[name.strip().upper()] for name in args.formats.split(",")]
     for qtype in formats:
         describe(rt, kernels, qtype, variants)
@@ -183,8 +198,7 @@ def main():
         for case, (rows, cols) in (("moe gate/up", (WIDTH, HIDDEN)), ("moe down", (HIDDEN, WIDTH))):
             raw = rt.to_device(random_raw(rng, qtype, (NUM_EXPERTS, rows, cols)))
             x = rt.to_device(rng.standard_normal((num_pairs, cols), dtype=np.float32))
-            old, results = moe_case(rt, kernels, qtype, raw, x, tiles[TILE_TOKENS], tiles[GEMM_TOKENS], rows,
-                                    variants, args.repeats)
+            old, results = moe_case(rt, kernels, qtype, raw, x, tiles, rows, variants, args.repeats)
             report(case, qtype, (rows, cols), num_pairs, old, results)
             del raw, x
         raw = rt.to_device(random_raw(rng, qtype, (DENSE_ROWS, HIDDEN)))

@@ -14,18 +14,21 @@
 // Shape legend: R output rows, C columns, B bytes per row, T tokens, N pair rows, W work tiles,
 // n tokens of a tile (<= GEMM_TOKENS).
 
+#ifndef GEMM_TOKENS
 #define GEMM_TOKENS 64
+#endif
 #define GEMM_ROWS 128
 #define GEMM_THREADS 128  // = GEMM_ROWS: thread i dequantizes row i of the tile
 #define GEMM_TM 8         // rows a thread: two runs of 4, GEMM_ROWS / 2 apart (float4 reads without bank conflicts)
-#define GEMM_TN 8         // tokens a thread, side by side
+#define GEMM_TN (GEMM_TOKENS / 8)  // tokens a thread, side by side (a multiple of 4)
 #define GEMM_RG (GEMM_ROWS / GEMM_TM)  // row groups: thread t takes row group t % GEMM_RG, token group t / GEMM_RG
 #define GEMM_STAGE_BYTES (GEMM_STAGE_COLS / GEMM_BLOCK_WEIGHTS * GEMM_BLOCK_BYTES)  // a row's raw bytes a stage
 #define GEMM_STAGE_WORDS (((GEMM_STAGE_BYTES + 3) / 4) | 1)  // a staged row's stride: odd, no bank conflicts
 
 // Compile-time alternatives (bench/gpu_gemm.py --variants times them side by side): GEMM_MIN_BLOCKS > 0 caps the
 // registers so that that many blocks fit on an SM (CUDA only; HIP's second bound is another quantity);
-// GEMM_DIRECT dequantizes from the rows in global memory (each thread its own row) instead of the staged bytes.
+// GEMM_DIRECT dequantizes from the rows in global memory (each thread its own row) instead of the staged bytes;
+// GEMM_TOKENS 32 (the launcher's tiles then 32 tokens) gives a thread 4 tokens.
 #ifndef GEMM_MIN_BLOCKS
 #define GEMM_MIN_BLOCKS 0
 #endif
@@ -95,9 +98,13 @@ __device__ __forceinline__ void gemm_products(const float4* ws, const float4* xs
 #pragma unroll 8
     for (int k = 0; k < GEMM_K; ++k) {
         float4 a0 = ws[k * (GEMM_ROWS / 4) + rg], a1 = ws[k * (GEMM_ROWS / 4) + GEMM_RG + rg];
-        float4 b0 = xs[k * (GEMM_TOKENS / 4) + 2 * tg], b1 = xs[k * (GEMM_TOKENS / 4) + 2 * tg + 1];
         float a[GEMM_TM] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-        float b[GEMM_TN] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+        float b[GEMM_TN];
+#pragma unroll
+        for (int q = 0; q < GEMM_TN / 4; ++q) {
+            float4 bq = xs[k * (GEMM_TOKENS / 4) + (GEMM_TN / 4) * tg + q];
+            b[4 * q] = bq.x, b[4 * q + 1] = bq.y, b[4 * q + 2] = bq.z, b[4 * q + 3] = bq.w;
+        }
 #pragma unroll
         for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
@@ -105,7 +112,7 @@ __device__ __forceinline__ void gemm_products(const float4* ws, const float4* xs
     }
 }
 
-// out [n, R] (rows t R apart): the thread's micro-tile of rows r0 + .. and tokens 8 tg + .., within R and n.
+// out [n, R] (rows t R apart): the thread's micro-tile of rows r0 + .. and tokens GEMM_TN tg + .., within R and n.
 __device__ __forceinline__ void gemm_store(float* __restrict__ out, int R, int r0, int n, int rg, int tg,
                                            const float (&acc)[GEMM_TM][GEMM_TN]) {
 #pragma unroll
