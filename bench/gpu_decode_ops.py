@@ -100,13 +100,14 @@ def attention_ops(rt, kn, rng, contexts):
     out = rt.empty((1, HEADS, HEAD_DIM), np.float32)
     scale = 1.0 / np.sqrt(HEAD_DIM)
 
-    def launch(keys, rows, split_min):
+    def launch(keys, rows, split_min, short=0):
         def run():
             kn.attention_rows, saved, kmod.SPLIT_MIN_KEYS = rows, kmod.SPLIT_MIN_KEYS, split_min
+            kn.short_attention_keys = short
             try:
                 kn.paged_attention("f32", q, k_pool, v_pool, None, None, table, keys - 1, 0, scale, out)
             finally:
-                kmod.SPLIT_MIN_KEYS = saved
+                kmod.SPLIT_MIN_KEYS, kn.short_attention_keys = saved, 0
         return run
 
     found = []
@@ -114,6 +115,8 @@ def attention_ops(rt, kn, rng, contexts):
         variants = {f"{rows} heads, splits from {split_min}": launch(keys, rows, split_min)
                     for split_min in (256, 64) for rows in (8, 4, 2, 1)
                     if split_min == 256 or keys >= 2 * 64}
+        if keys < 2 * kmod.SPLIT_MIN_KEYS:
+            variants["short kernel (a block a head)"] = launch(keys, 8, kmod.SPLIT_MIN_KEYS, short=keys)
         found.append((f"paged_attention one token, {keys} keys", variants))
     kn.attention_rows = kmod.PD_MAX_ROWS
     return found

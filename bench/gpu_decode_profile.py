@@ -100,6 +100,8 @@ def tuned(llm, args):
         kernels.decode_rows = args.decode_rows
     if args.lane_slices:
         kernels.lane_slices = args.lane_slices
+    if args.short_attention:
+        kernels.short_attention_keys = args.short_attention
     kernels._launches.clear()  # the shapes launched while loading, planned again
     return llm
 
@@ -110,6 +112,7 @@ def markdown(args, times, per_step, graphed_s, gpu_name):
     rows += ", fill_sms" if args.fill_sms else ""
     rows += f", one-token matmuls {args.decode_rows} rows a group" if args.decode_rows else ""
     rows += f", {args.lane_slices} slices a lane" if args.lane_slices else ""
+    rows += f", short attention up to {args.short_attention} keys" if args.short_attention else ""
     lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
              f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
              f"of the launches back to back: "
@@ -138,6 +141,8 @@ def main(argv=None):
     p.add_argument("--decode-rows", type=int, default=None, choices=(1, 2, 4, 8),
                    help="rows a lane group of every one-token matmul (default: each format's DECODE_TUNING)")
     p.add_argument("--lane-slices", type=int, default=None, help="slices a lane of every one-token matmul")
+    p.add_argument("--short-attention", type=int, default=None,
+                   help="one-token attention over at most this many keys by paged_attention_1s (a block a head)")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

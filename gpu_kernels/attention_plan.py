@@ -13,6 +13,9 @@ PD_MAX_HEAD_DIM = 128  # the one-token kernel's lane groups hold 4 values a lane
 SPLIT_BLOCKS = 512  # keys are split (flash-decoding) until a launch has about this many blocks
 SPLIT_MIN_KEYS = 256  # fewest keys a split takes
 MAX_SPLITS = 64
+# One token over at most this many keys (and no split) takes paged_attention_1s, a block a query head with rolled
+# loops; 0: never (paged_attention_1 at every length).
+SHORT_ATTENTION_KEYS = 0
 
 
 def _pow2_at_least(n):
@@ -33,11 +36,12 @@ class AttentionPlan:
 
 
 def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_size=32, max_splits=MAX_SPLITS,
-                   one_token_rows=PD_MAX_ROWS):
+                   one_token_rows=PD_MAX_ROWS, short_keys=SHORT_ATTENTION_KEYS):
     """The paged attention launch over T tokens of G query heads a kv head and `num_keys` keys (those
     of the longest row). One token: its G heads share each K/V row in registers; more: tiles of rows
     share K/V tiles in shared memory. Keys split while the blocks are few (decode, long contexts).
-    one_token_rows: most heads a one-token block takes (1, 2, 4 or 8: fewer make more, shorter blocks)."""
+    one_token_rows: most heads a one-token block takes (1, 2, 4 or 8: fewer make more, shorter blocks).
+    short_keys: one token over at most this many keys, without splits, takes paged_attention_1s."""
     if num_tokens == 1 and head_dim <= 4 * min(32, warp_size):
         kernel, rows = "paged_attention_1", min(one_token_rows, _pow2_at_least(group))
         width, tile_keys, num_tiles = max(8, _pow2_at_least(-(-head_dim // 4))), PD_KEYS, -(-group // rows)
@@ -50,6 +54,10 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
     blocks, num_keys = num_tiles * num_kv_heads, max(int(num_keys), 1)
     splits = min(max_splits, -(-SPLIT_BLOCKS // blocks), num_keys // SPLIT_MIN_KEYS)
     split_keys = -(-num_keys // max(1, splits) // tile_keys) * tile_keys if splits > 1 else num_keys
+    if num_tokens == 1 and splits <= 1 and num_keys <= short_keys and (
+            head_dim <= PA_THREADS or head_dim % 4 == 0 and head_dim <= PA_MAX_HEAD_DIM):  # kv.cu's PS_SPANS
+        shared = head_dim + num_keys + PA_THREADS // 32 + 4 * PA_THREADS
+        return AttentionPlan("paged_attention_1s", 1, 0, group, 1, num_keys, 4 * shared)
     return AttentionPlan(kernel, rows, width, num_tiles, -(-num_keys // split_keys), split_keys, 4 * shared)
 
 

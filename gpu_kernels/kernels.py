@@ -11,7 +11,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .attention_plan import (MAX_SPLITS, PA_MAX_HEAD_DIM, PA_OUTS, PA_THREADS, PD_KEYS,  # noqa: F401
-                             PD_MAX_ROWS, _pow2_at_least, attention_plan, split_scratch_sizes)
+                             PD_MAX_ROWS, SHORT_ATTENTION_KEYS, _pow2_at_least, attention_plan,
+                             split_scratch_sizes)
 from .delta_launch import DeltaNetLaunchers
 from .gemm import GEMM_MIN_TOKENS, GemmLaunchers, gemm_fits
 from .ops_launch import MATMUL_THREADS, OpsLaunchers
@@ -143,6 +144,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self._launches = {}  # (qtype, kernel name, R, C, B, ...) -> _mm_launch's (kernel, blocks, scalars)
         self._dummy = None  # stands in for an absent array argument
         self.attention_rows = PD_MAX_ROWS  # most heads a one-token attention block takes (attention_plan)
+        self.short_attention_keys = SHORT_ATTENTION_KEYS  # one token over at most this many keys: paged_attention_1s
         self._split_out = self._split_lse = None  # paged_attention's partial results, grown as needed
 
     def _threads(self, work, cap=MAX_THREADS):
@@ -337,7 +339,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         if window > 0:
             num_keys = min(num_keys, window + num_tokens - 1)
         plan = attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, self.warp, self.max_splits,
-                              self.attention_rows)
+                              self.attention_rows, self.short_attention_keys)
         num_rows = num_tokens * num_q_heads
         if plan.splits == 1:
             target, target_lse, want_lse = out, self._or_dummy(lse), int(lse is not None)
@@ -348,7 +350,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
             target, target_lse = self._split_buffers(plan.splits * num_rows * head_dim, plan.splits * num_rows)
             want_lse = 1
         k_stage, v_stage, k_stage_scale, v_stage_scale = (None,) * 4 if stage is None else stage
-        tokens = () if plan.kernel == "paged_attention_1" else (np.int32(num_tokens),)
+        tokens = () if plan.kernel.startswith("paged_attention_1") else (np.int32(num_tokens),)
         args = (q, k_pool, v_pool, *map(self._or_dummy, (k_scale, v_scale)), table,
                 *map(self._or_dummy, (k_stage, v_stage, k_stage_scale, v_stage_scale)), target, target_lse,
                 np.int32(want_lse), *tokens, np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim),
