@@ -25,14 +25,22 @@ __shared__ u32 iq3s_grid_smem[512];
 // A 4-bit sign field as a byte mask: byte c 0xFF where bit c is set.
 __device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
 
-#ifdef IQ3S_SIGN_TABLE
-// With IQ3S_SIGN_TABLE, the byte masks of both grid rows of a sign byte, by that byte: one shared read a byte.
+#if defined(IQ3S_SIGN_TABLE)
+// With IQ3S_SIGN_TABLE, by a sign byte: the byte masks m of its two grid rows and their ones (m & 0x01010101), one
+// shared read a byte; with IQ3S_SIGN_MASKS the masks alone.
+__shared__ uint4 iq3s_sign_smem[256];
+#elif defined(IQ3S_SIGN_MASKS)
 __shared__ uint2 iq3s_sign_smem[256];
 #endif
 
 __device__ __forceinline__ void iq3s_stage_grid() {
     for (int i = threadIdx.x; i < 512; i += blockDim.x) iq3s_grid_smem[i] = IQ3S_GRID[i];
-#ifdef IQ3S_SIGN_TABLE
+#if defined(IQ3S_SIGN_TABLE)
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        u32 m0 = sign_bytes(i & 15u), m1 = sign_bytes(i >> 4);
+        iq3s_sign_smem[i] = make_uint4(m0, m0 & 0x01010101u, m1, m1 & 0x01010101u);
+    }
+#elif defined(IQ3S_SIGN_MASKS)
     for (int i = threadIdx.x; i < 256; i += blockDim.x) iq3s_sign_smem[i] = make_uint2(sign_bytes(i & 15u), sign_bytes(i >> 4));
 #endif
 }
@@ -140,12 +148,16 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
         for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
             u32 offsets = iq3s_pair_offsets(sl[r].qs, (sl[r].tail >> 16) & 0xffu, k);
             u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
-#ifdef IQ3S_SIGN_TABLE
+#if defined(IQ3S_SIGN_TABLE)
+            uint4 m = iq3s_sign_smem[(sl[r].signs >> (8 * k)) & 0xffu];
+            int w0 = (int)((v0 ^ m.x) + m.y), w1 = (int)((v1 ^ m.z) + m.w);
+#elif defined(IQ3S_SIGN_MASKS)
             uint2 m = iq3s_sign_smem[(sl[r].signs >> (8 * k)) & 0xffu];
-#else
-            uint2 m = make_uint2(sign_bytes((sl[r].signs >> (8 * k)) & 15u), sign_bytes((sl[r].signs >> (8 * k + 4)) & 15u));
-#endif
             int w0 = iq3s_signed_row(v0, m.x), w1 = iq3s_signed_row(v1, m.y);
+#else
+            u32 m0 = sign_bytes((sl[r].signs >> (8 * k)) & 15u), m1 = sign_bytes((sl[r].signs >> (8 * k + 4)) & 15u);
+            int w0 = iq3s_signed_row(v0, m0), w1 = iq3s_signed_row(v1, m1);
+#endif
             uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
             a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
             b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));

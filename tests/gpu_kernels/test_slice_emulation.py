@@ -44,6 +44,7 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
     return r;
 }
 static inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
