@@ -1,5 +1,5 @@
 """A prompt chunk's matmuls on the GPU: the 8-token tiled kernels (matmul.cu's matmul / moe_matmul) against the
-shared-memory tiled GEMM (gemm.cu's gemm / moe_gemm), side by side in TFLOPS (2 x rows x columns x tokens / time).
+shared-memory tiled GEMM (gemm.cu's gemm), side by side in TFLOPS (2 x rows x columns x tokens / time).
 
 Cases, per format: one Qwen3-30B-A3B MoE layer's prompt chunk (--tokens x top-8 routed at random over 128 experts,
 all resident): the gate/up projection [768, 2048] and the down projection [2048, 768] over the pairs grouped by
@@ -97,9 +97,9 @@ def tile_tokens(variant):
 
 
 def describe(rt, kernels, qtype, variants):
-    """A line per variant: moe_gemm's registers a thread and blocks an SM holds."""
+    """A line per variant: the GEMM's registers a thread and blocks an SM holds."""
     for variant in variants:
-        fn = variant_gemm(rt, qtype, variant)["moe_gemm"] if variant else kernels._mm(qtype, "moe_gemm")
+        fn = variant_gemm(rt, qtype, variant)["gemm"] if variant else kernels._mm(qtype, "gemm")
         blocks = rt.resident_blocks(fn, GEMM_THREADS) // rt.multiprocessors
         print(f"# {qtype.name} {variant or 'default'}: {getattr(fn, 'num_regs', '?')} registers a thread, "
               f"{blocks} blocks an SM")
@@ -116,8 +116,9 @@ def moe_case(rt, kernels, qtype, raw, x, tiles, num_rows, variants, repeats):
     results = {}
     for variant in variants:
         if variant:
-            fn, own = variant_gemm(rt, qtype, variant)["moe_gemm"], tiles[tile_tokens(variant)]
-            args = (raw, x, out_new, *own, np.int32(num_rows), np.int32(x.shape[1]), np.int64(raw.shape[-1]))
+            fn, own = variant_gemm(rt, qtype, variant)["gemm"], tiles[tile_tokens(variant)]
+            args = (raw, x, out_new, *own, np.int32(x.shape[0]), np.int32(num_rows), np.int32(x.shape[1]),
+                    np.int64(raw.shape[-1]))
             grid = (-(-num_rows // GEMM_ROWS), len(own[0]))
             call = lambda: kernels._launch(fn, grid, GEMM_THREADS, args)  # noqa: E731
         else:
@@ -139,7 +140,8 @@ def dense_case(rt, kernels, qtype, raw, x, variants, repeats):
     for variant in variants:
         if variant:
             fn = variant_gemm(rt, qtype, variant)["gemm"]
-            args = (raw, x, out_new, np.int32(num_tokens), np.int32(num_rows), np.int32(x.shape[1]),
+            none = np.uint64(0)
+            args = (raw, x, out_new, none, none, none, np.int32(num_tokens), np.int32(num_rows), np.int32(x.shape[1]),
                     np.int64(raw.shape[-1]))
             grid = (-(-num_rows // GEMM_ROWS), -(-num_tokens // tile_tokens(variant)))
             call = lambda: kernels._launch(fn, grid, GEMM_THREADS, args)  # noqa: E731

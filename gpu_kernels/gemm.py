@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 GEMM_FORMATS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # matmul modules with gemm.cu
-GEMM_KERNELS = ("gemm", "moe_gemm")
+GEMM_KERNELS = ("gemm",)
 GEMM_ROWS = 128  # gemm.cu's GEMM_ROWS: weight rows a block
 GEMM_TOKENS = 64  # gemm.cu's GEMM_TOKENS: tokens (pair rows) a block
 GEMM_THREADS = 128
@@ -62,15 +62,15 @@ class GemmLaunchers:
     def gemm(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous, gemm_fits(qtype, C)."""
         num_tokens, num_cols = x.shape
-        num_rows = raw.shape[0]
+        num_rows, none = raw.shape[0], np.uint64(0)  # no work tiles: null pointers
         self._launch(self._mm(qtype, "gemm"), (-(-num_rows // GEMM_ROWS), -(-num_tokens // GEMM_TOKENS)),
-                     GEMM_THREADS, (raw, x, out, np.int32(num_tokens), np.int32(num_rows), np.int32(num_cols),
-                                    np.int64(raw.shape[-1])))
+                     GEMM_THREADS, (raw, x, out, none, none, none, np.int32(num_tokens), np.int32(num_rows),
+                                    np.int32(num_cols), np.int64(raw.shape[-1])))
 
     def moe_gemm(self, raw, qtype, x, out, tile_slot, tile_row, tile_count):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W] of at
         most GEMM_TOKENS rows; gemm_fits(qtype, C)."""
         num_rows, num_cols = raw.shape[1], x.shape[1]
-        self._launch(self._mm(qtype, "moe_gemm"), (-(-num_rows // GEMM_ROWS), len(tile_slot)), GEMM_THREADS,
-                     (raw, x, out, tile_slot, tile_row, tile_count, np.int32(num_rows), np.int32(num_cols),
-                      np.int64(raw.shape[-1])))
+        self._launch(self._mm(qtype, "gemm"), (-(-num_rows // GEMM_ROWS), len(tile_slot)), GEMM_THREADS,
+                     (raw, x, out, tile_slot, tile_row, tile_count, np.int32(x.shape[0]), np.int32(num_rows),
+                      np.int32(num_cols), np.int64(raw.shape[-1])))

@@ -182,22 +182,19 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
     if (active) gemm_store(out, R, r0, n, rg, tg, acc);
 }
 
-// out [T, R] = x [T, C] @ dequant(raw [R, B]).T; grid (ceil(R / GEMM_ROWS), ceil(T / GEMM_TOKENS)), GEMM_THREADS.
-extern "C" __global__ void GEMM_BOUNDS
-    gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes) {
-    int t0 = blockIdx.y * GEMM_TOKENS;
-    gemm_body(raw, x + (i64)t0 * C, out + (i64)t0 * R, min(GEMM_TOKENS, T - t0), R, C, row_bytes,
-              blockIdx.x * GEMM_ROWS);
-}
-
-// moe_matmul with work tiles of up to GEMM_TOKENS pair rows: tile w covers rows [tile_row[w], + tile_count[w]) of
-// x [N, C], all of expert slot tile_slot[w]; out [N, R] = x @ dequant(raw [S, R, B][slot]).T.
-// grid (ceil(R / GEMM_ROWS), W), GEMM_THREADS.
-extern "C" __global__ void GEMM_BOUNDS
-    moe_gemm(const u8* raw, const float* x, float* out, const int* tile_slot, const int* tile_row,
-             const int* tile_count, int R, int C, i64 row_bytes) {
-    int w = blockIdx.y, row0 = tile_row[w], n = tile_count[w];
+// out [N, R] = x [N, C] @ dequant(raw).T by work tiles of up to GEMM_TOKENS rows. With tiles (tile_slot not null,
+// moe_matmul's): tile w covers rows [tile_row[w], + tile_count[w]) of x, all of expert slot tile_slot[w] of
+// raw [S, R, B]. Without (a dense matmul): raw [R, B], tile w rows [w GEMM_TOKENS, + GEMM_TOKENS) of N = T.
+// grid (ceil(R / GEMM_ROWS), W or ceil(T / GEMM_TOKENS)), GEMM_THREADS. One kernel for both: it compiles once.
+extern "C" __global__ void GEMM_BOUNDS gemm(const u8* raw, const float* x, float* out, const int* tile_slot,
+                                            const int* tile_row, const int* tile_count, int T, int R, int C,
+                                            i64 row_bytes) {
+    int w = blockIdx.y, row0 = w * GEMM_TOKENS, n = min(GEMM_TOKENS, T - row0);
+    if (tile_slot) {
+        row0 = tile_row[w];
+        n = tile_count[w];
+        raw += (i64)tile_slot[w] * R * row_bytes;
+    }
     if (n <= 0) return;
-    gemm_body(raw + (i64)tile_slot[w] * R * row_bytes, x + (i64)row0 * C, out + (i64)row0 * R, n, R, C, row_bytes,
-              blockIdx.x * GEMM_ROWS);
+    gemm_body(raw, x + (i64)row0 * C, out + (i64)row0 * R, n, R, C, row_bytes, blockIdx.x * GEMM_ROWS);
 }

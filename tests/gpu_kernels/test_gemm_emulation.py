@@ -55,13 +55,13 @@ static void run_grid(unsigned grid_x, unsigned grid_y, unsigned threads, F body)
 HARNESS = r"""
 extern "C" void run_gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes) {
     run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, (T + GEMM_TOKENS - 1) / GEMM_TOKENS, GEMM_THREADS,
-             [=] { gemm(raw, x, out, T, R, C, row_bytes); });
+             [=] { gemm(raw, x, out, nullptr, nullptr, nullptr, T, R, C, row_bytes); });
 }
 
 extern "C" void run_moe_gemm(const u8* raw, const float* x, float* out, const int* tile_slot, const int* tile_row,
-                             const int* tile_count, int W, int R, int C, i64 row_bytes) {
+                             const int* tile_count, int W, int N, int R, int C, i64 row_bytes) {
     run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, W, GEMM_THREADS,
-             [=] { moe_gemm(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes); });
+             [=] { gemm(raw, x, out, tile_slot, tile_row, tile_count, N, R, C, row_bytes); });
 }
 """
 
@@ -119,7 +119,7 @@ def test_emulated_moe_gemm(build, qtype):
     tiles = [np.ascontiguousarray(t) for t in work_tiles(row_starts, slots, GEMM_TOKENS)]  # 3 x [W]
     x = rng.standard_normal((row_starts[-1] + 2, 256)).astype(np.float32)  # [N + 2, C]: 2 rows of no tile
     out = np.full((len(x), 136), 7.0, np.float32)
-    lib.run_moe_gemm(_ptr(raw), _ptr(x), _ptr(out), *map(_ptr, tiles), len(tiles[0]), 136, 256,
+    lib.run_moe_gemm(_ptr(raw), _ptr(x), _ptr(out), *map(_ptr, tiles), len(tiles[0]), len(x), 136, 256,
                      ctypes.c_int64(raw.shape[-1]))
     for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
         assert rel_err(out[start:stop], reference(raw[slot], qtype, x[start:stop])) < 1e-5
