@@ -3,15 +3,16 @@ shared-memory tiled GEMM (gemm.cu's gemm), side by side in TFLOPS (2 x rows x co
 
 Cases, per format: one Qwen3-30B-A3B MoE layer's prompt chunk (--tokens x top-8 routed at random over 128 experts,
 all resident): the gate/up projection [768, 2048] and the down projection [2048, 768] over the pairs grouped by
-expert (one launch a projection, as GpuExperts.submit_groups queues them), and a dense [4096, 2048] matmul at each
---dense-tokens. Weights are random valid blocks (scales of about 1e-3), distinct for every expert. Times: CUDA
-events, median of --repeats runs of QUEUED launches back to back. Each GEMM result is checked against the old
-kernel's (the `diff` column: max |new - old| / max |old|). --variants times the GEMM again per entry NAME or
+expert (one launch a projection, as GpuExperts.submit_groups queues them), and dense matmuls (--dense-shapes: the
+attention's q, o and k/v projections) at --dense-tokens. Weights are random valid blocks (scales of about 1e-3),
+distinct for every expert. Times: CUDA events, median of --repeats runs of QUEUED launches back to back. Each GEMM
+result is checked against the old kernel's (the `diff` column: max |new - old| / max |old|). --variants times the GEMM again per entry NAME or
 NAME=VALUE (several joined by +) with `#define NAME VALUE` before its module's source (gemm.cu's compile-time
-alternatives; GEMM_TOKENS=32 also makes the work tiles 32 tokens).
+alternatives; GEMM_TOKENS=32 also makes the work tiles 32 tokens); the entry `split` runs the dense GEMMs with
+their columns split where their blocks are few (Kernels.split_columns; the column gives the splits).
 
     python bench/gpu_gemm.py [--formats q4_k,q6_k,q8_0] [--tokens 512] [--dense-tokens 16,64,512]
-        [--variants ,GEMM_DIRECT,GEMM_TOKENS=32+GEMM_MIN_BLOCKS=4] [--repeats 10]
+        [--dense-shapes 4096x2048,2048x4096,512x2048] [--variants ,split,GEMM_DIRECT,GEMM_TOKENS=32] [--repeats 10]
 """
 import argparse
 import sys
@@ -30,7 +31,8 @@ from gpu_kernels.runtime import probe  # noqa: E402
 from gpu_kernels.sources import GEMM_KERNELS  # noqa: E402
 from hybrid.backends.gpu_experts import work_tiles  # noqa: E402
 
-NUM_EXPERTS, TOP_K, WIDTH, HIDDEN, DENSE_ROWS = 128, 8, 768, 2048, 4096
+NUM_EXPERTS, TOP_K, WIDTH, HIDDEN = 128, 8, 768, 2048
+SPLIT = "split"  # --variants entry: the default GEMM with its dense launches' columns split (split_columns)
 QUEUED = 4
 F16_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,)}  # byte offsets of a block's f16 scales
 
@@ -99,6 +101,8 @@ def tile_tokens(variant):
 def describe(rt, kernels, qtype, variants):
     """A line per variant: the GEMM's registers a thread and blocks an SM holds."""
     for variant in variants:
+        if variant == SPLIT:
+            continue
         fn = variant_gemm(rt, qtype, variant)["gemm"] if variant else kernels._mm(qtype, "gemm")
         blocks = rt.resident_blocks(fn, GEMM_THREADS) // rt.multiprocessors
         print(f"# {qtype.name} {variant or 'default'}: {getattr(fn, 'num_regs', '?')} registers a thread, "
@@ -115,6 +119,8 @@ def moe_case(rt, kernels, qtype, raw, x, tiles, num_rows, variants, repeats):
     ref = rt.to_host(out_old)
     results = {}
     for variant in variants:
+        if variant == SPLIT:
+            continue
         if variant:
             fn, own = variant_gemm(rt, qtype, variant)["gemm"], tiles[tile_tokens(variant)]
             args = (raw, x, out_new, *own, np.int32(x.shape[0]), np.int32(num_rows), np.int32(x.shape[1]),
@@ -138,7 +144,8 @@ def dense_case(rt, kernels, qtype, raw, x, variants, repeats):
     ref = rt.to_host(out_old)
     results = {}
     for variant in variants:
-        if variant:
+        kernels.split_columns = variant == SPLIT
+        if variant and variant != SPLIT:
             fn = variant_gemm(rt, qtype, variant)["gemm"]
             none = np.uint64(0)
             args = (raw, x, out_new, none, none, none, np.int32(num_tokens), np.int32(num_rows), np.int32(x.shape[1]),
@@ -149,6 +156,9 @@ def dense_case(rt, kernels, qtype, raw, x, variants, repeats):
             call = lambda: kernels.gemm(raw, qtype, x, out_new)  # noqa: E731
         seconds = timed(rt, call, repeats)
         results[variant] = seconds, float(np.abs(rt.to_host(out_new) - ref).max() / np.abs(ref).max())
+        if variant == SPLIT:
+            results[f"{SPLIT} {kernels.gemm_splits(qtype, num_tokens, num_rows, x.shape[1])}"] = results.pop(variant)
+    kernels.split_columns = False
     return old, results
 
 
@@ -164,6 +174,8 @@ def main():
     parser.add_argument("--formats", default="q4_k,q6_k,q8_0")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--dense-tokens", default="16,64,512")
+    parser.add_argument("--dense-shapes", default="4096x2048,2048x4096,512x2048",
+                        help="rows x columns; the first at every --dense-tokens, the others at the last")
     parser.add_argument("--variants", default="", help="comma-separated; the empty entry is the default GEMM")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
@@ -203,11 +215,13 @@ def main():
             old, results = moe_case(rt, kernels, qtype, raw, x, tiles, rows, variants, args.repeats)
             report(case, qtype, (rows, cols), num_pairs, old, results)
             del raw, x
-        raw = rt.to_device(random_raw(rng, qtype, (DENSE_ROWS, HIDDEN)))
-        for tokens in map(int, args.dense_tokens.split(",")):
-            x = rt.to_device(rng.standard_normal((tokens, HIDDEN), dtype=np.float32))
-            old, results = dense_case(rt, kernels, qtype, raw, x, variants, args.repeats)
-            report("dense", qtype, (DENSE_ROWS, HIDDEN), tokens, old, results)
+        dense_tokens = [int(t) for t in args.dense_tokens.split(",")]
+        for i, shape in enumerate(tuple(map(int, s.split("x"))) for s in args.dense_shapes.split(",")):
+            raw = rt.to_device(random_raw(rng, qtype, shape))
+            for tokens in dense_tokens if i == 0 else dense_tokens[-1:]:
+                x = rt.to_device(rng.standard_normal((tokens, shape[1]), dtype=np.float32))
+                old, results = dense_case(rt, kernels, qtype, raw, x, variants, args.repeats)
+                report("dense", qtype, shape, tokens, old, results)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,16 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 GEMM_FORMATS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # matmul modules with gemm.cu
-GEMM_KERNELS = ("gemm",)
+GEMM_KERNELS = ("gemm", "gemm_reduce")
 GEMM_ROWS = 128  # gemm.cu's GEMM_ROWS: weight rows a block
 GEMM_TOKENS = 64  # gemm.cu's GEMM_TOKENS: tokens (pair rows) a block
 GEMM_THREADS = 128
 GEMM_STAGE_BYTES = 160  # a staged row's raw bytes at most where the format's blocks are smaller (gemm_geometry)
 GEMM_MIN_TOKENS = 16  # a dense matmul of at least this many tokens takes the tiled GEMM
 GEMM_MIN_PAIRS = 8  # a prompt chunk's expert groups take it where they average at least this many pairs
+GEMM_MAX_SPLITS = 8  # a dense GEMM's column splits at most (GemmLaunchers.gemm_splits)
+GEMM_SPLIT_MIN_TOKENS = 128  # splits only from here: no decode step (a captured graph) gets their scratch allocation
+REDUCE_THREADS = 256
 
 
 @lru_cache(maxsize=None)
@@ -55,17 +58,49 @@ def moe_tile_tokens(projections, num_pairs, num_groups, small):
     return GEMM_TOKENS
 
 
+def split_count(num_blocks, num_stages, target_blocks):
+    """Column splits of a dense GEMM launch of num_blocks blocks over num_stages stages: doubled, up to
+    GEMM_MAX_SPLITS and while they divide the stages, until the blocks reach target_blocks."""
+    splits = 1
+    while num_blocks * splits < target_blocks and 2 * splits <= GEMM_MAX_SPLITS and num_stages % (2 * splits) == 0:
+        splits *= 2
+    return splits
+
+
 class GemmLaunchers:
-    """The tiled GEMM launches of Kernels (which supplies _mm, the compiled kernel of a format's matmul module, and
-    _launch)."""
+    """The tiled GEMM launches of Kernels (which supplies rt, _mm, the compiled kernel of a format's matmul module,
+    and _launch). split_columns: a dense GEMM of at least GEMM_SPLIT_MIN_TOKENS tokens whose blocks would not fill
+    every multiprocessor twice splits its columns (split_count) into partial sums, added up in order by gemm_reduce
+    (off unless set: bench/gpu_gemm.py measures it)."""
+
+    split_columns = False
+    _gemm_partial = None  # f32 scratch of the splits' partial sums, grown as needed
+
+    def gemm_splits(self, qtype, num_tokens, num_rows, num_cols):
+        """Column splits of the dense GEMM of [num_tokens, num_cols] by [num_rows, num_cols] (1: none)."""
+        if not self.split_columns or num_tokens < GEMM_SPLIT_MIN_TOKENS:
+            return 1
+        num_blocks = -(-num_rows // GEMM_ROWS) * -(-num_tokens // GEMM_TOKENS)
+        return split_count(num_blocks, num_cols // gemm_geometry(qtype)[0], 2 * self.rt.multiprocessors)
 
     def gemm(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous, gemm_fits(qtype, C)."""
         num_tokens, num_cols = x.shape
         num_rows, none = raw.shape[0], np.uint64(0)  # no work tiles: null pointers
-        self._launch(self._mm(qtype, "gemm"), (-(-num_rows // GEMM_ROWS), -(-num_tokens // GEMM_TOKENS)),
-                     GEMM_THREADS, (raw, x, out, none, none, none, np.int32(num_tokens), np.int32(num_rows),
+        splits = self.gemm_splits(qtype, num_tokens, num_rows, num_cols)
+        target = out
+        if splits > 1:
+            size = splits * num_tokens * num_rows
+            if self._gemm_partial is None or self._gemm_partial.size < size:
+                self._gemm_partial = self.rt.empty((size,), np.float32)
+            target = self._gemm_partial
+        self._launch(self._mm(qtype, "gemm"), (-(-num_rows // GEMM_ROWS), -(-num_tokens // GEMM_TOKENS), splits),
+                     GEMM_THREADS, (raw, x, target, none, none, none, np.int32(num_tokens), np.int32(num_rows),
                                     np.int32(num_cols), np.int64(raw.shape[-1])))
+        if splits > 1:
+            n = num_tokens * num_rows
+            self._launch(self._mm(qtype, "gemm_reduce"), (-(-n // REDUCE_THREADS),), REDUCE_THREADS,
+                         (target, out, np.int64(n), np.int32(splits)))
 
     def moe_gemm(self, raw, qtype, x, out, tile_slot, tile_row, tile_count):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W] of at

@@ -135,10 +135,11 @@ __device__ __forceinline__ void gemm_store(float* __restrict__ out, int R, int r
     }
 }
 
-// out [n, R] = x [n, C] @ dequant(raw [R, B]).T for the block's GEMM_ROWS rows from r0 (rows past R: clamped reads,
-// no stores).
+// out [n, R] = x [n, :cols] @ dequant(raw [R, B])[:, :cols].T for the block's GEMM_ROWS rows from r0 (rows past R:
+// clamped reads, no stores); x's rows are C apart.
 __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const float* __restrict__ x,
-                                          float* __restrict__ out, int n, int R, int C, i64 row_bytes, int r0) {
+                                          float* __restrict__ out, int n, int R, int C, int cols, i64 row_bytes,
+                                          int r0) {
     __shared__ float4 ws[GEMM_K * GEMM_ROWS / 4];    // [GEMM_K][GEMM_ROWS]
     __shared__ float4 xs[GEMM_K * GEMM_TOKENS / 4];  // [GEMM_K][GEMM_TOKENS]
     int rg = threadIdx.x % GEMM_RG, tg = threadIdx.x / GEMM_RG;
@@ -158,7 +159,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
     float* wsf = (float*)ws;
     float4 xv[GEMM_X_LOADS];
     gemm_load_x(x, C, n, 0, xv);
-    for (int s0 = 0; s0 < C; s0 += GEMM_STAGE_COLS) {
+    for (int s0 = 0; s0 < cols; s0 += GEMM_STAGE_COLS) {
         i64 offset = (i64)(s0 / GEMM_BLOCK_WEIGHTS) * GEMM_BLOCK_BYTES;
 #ifdef GEMM_DIRECT
         const u8* mine = row + offset;
@@ -174,7 +175,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
             for (int k = 0; k < GEMM_K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
             gemm_store_x(xv, (float*)xs);
             __syncthreads();
-            if (s0 + k0 + GEMM_K < C) gemm_load_x(x, C, n, s0 + k0 + GEMM_K, xv);
+            if (s0 + k0 + GEMM_K < cols) gemm_load_x(x, C, n, s0 + k0 + GEMM_K, xv);
             if (active) gemm_products(ws, xs, rg, tg, acc);
             __syncthreads();
         }
@@ -184,17 +185,30 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
 
 // out [N, R] = x [N, C] @ dequant(raw).T by work tiles of up to GEMM_TOKENS rows. With tiles (tile_slot not null,
 // moe_matmul's): tile w covers rows [tile_row[w], + tile_count[w]) of x, all of expert slot tile_slot[w] of
-// raw [S, R, B]. Without (a dense matmul): raw [R, B], tile w rows [w GEMM_TOKENS, + GEMM_TOKENS) of N = T.
-// grid (ceil(R / GEMM_ROWS), W or ceil(T / GEMM_TOKENS)), GEMM_THREADS. One kernel for both: it compiles once.
+// raw [S, R, B]. Without (a dense matmul): raw [R, B], tile w rows [w GEMM_TOKENS, + GEMM_TOKENS) of N = T; split
+// over gridDim.z runs of C / gridDim.z columns (whole stages), run z writing its partial sums to out [z] of
+// out [gridDim.z, T, R] (gemm_reduce adds them up). grid (ceil(R / GEMM_ROWS), W or ceil(T / GEMM_TOKENS), splits),
+// GEMM_THREADS. One kernel for both: it compiles once.
 extern "C" __global__ void GEMM_BOUNDS gemm(const u8* raw, const float* x, float* out, const int* tile_slot,
                                             const int* tile_row, const int* tile_count, int T, int R, int C,
                                             i64 row_bytes) {
-    int w = blockIdx.y, row0 = w * GEMM_TOKENS, n = min(GEMM_TOKENS, T - row0);
+    int w = blockIdx.y, row0 = w * GEMM_TOKENS, n = min(GEMM_TOKENS, T - row0), cols = C / gridDim.z;
     if (tile_slot) {
         row0 = tile_row[w];
         n = tile_count[w];
         raw += (i64)tile_slot[w] * R * row_bytes;
     }
     if (n <= 0) return;
-    gemm_body(raw, x + (i64)row0 * C, out + (i64)row0 * R, n, R, C, row_bytes, blockIdx.x * GEMM_ROWS);
+    raw += (i64)(blockIdx.z * cols / GEMM_BLOCK_WEIGHTS) * GEMM_BLOCK_BYTES;
+    gemm_body(raw, x + (i64)row0 * C + blockIdx.z * cols, out + (i64)blockIdx.z * T * R + (i64)row0 * R, n, R, C, cols,
+              row_bytes, blockIdx.x * GEMM_ROWS);
+}
+
+// out [n] = the sum of partial [splits, n] over its splits, in order; grid (ceil(n / blockDim)).
+extern "C" __global__ void gemm_reduce(const float* partial, float* out, i64 n, int splits) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float sum = partial[i];
+    for (int z = 1; z < splits; ++z) sum += partial[z * n + i];
+    out[i] = sum;
 }

@@ -5,7 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from gpu_kernels.gemm import GEMM_FORMATS, GEMM_MIN_PAIRS, GEMM_TOKENS, gemm_fits, moe_tile_tokens
+from gpu_kernels.gemm import GEMM_FORMATS, GEMM_MIN_PAIRS, GEMM_TOKENS, gemm_fits, moe_tile_tokens, split_count
 from hybrid.backends.gpu_experts import work_tiles
 from hybrid.formats.synthetic import encode
 
@@ -34,6 +34,15 @@ def test_tile_tokens_take_the_gemm_where_every_projection_fits():
     assert moe_tile_tokens(((Q.F32, 40),), 4096, 128, 8) == 8  # columns not a multiple of GEMM_K
     assert moe_tile_tokens(fits, 0, 0, 8) == 8
     assert all(gemm_fits(q, 256) for q in FORMATS) and set(FORMATS) == GEMM_FORMATS
+
+
+def test_column_splits_until_the_blocks_fill_the_target():
+    assert split_count(32, 8, 264) == 8  # [512, 2048] Q4_K at 512 tokens on 132 multiprocessors
+    assert split_count(128, 16, 264) == 4
+    assert split_count(256, 8, 264) == 2
+    assert split_count(300, 8, 264) == 1
+    assert split_count(32, 3, 264) == 1  # splits divide the stages
+    assert split_count(1, 64, 264) == 8  # GEMM_MAX_SPLITS
 
 
 @pytest.mark.gpu
@@ -81,3 +90,22 @@ def test_moe_gemm_uneven_tiles(runtime, kernels, qtype):
     for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
         ref[start:stop] = reference(raw[slot], qtype, x[start:stop])
     assert rel_err(runtime.to_host(out), ref) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda q: q.name)
+def test_gemm_column_splits(runtime, qtype):
+    """A dense GEMM split over runs of columns (few row blocks, many columns), its partial sums added by gemm_reduce;
+    then a larger one reusing the grown scratch."""
+    from gpu_kernels.kernels import Kernels
+
+    kernels = Kernels(runtime)
+    kernels.split_columns = True
+    rng = np.random.default_rng(int(qtype) + 99)
+    for num_rows, num_tokens in ((200, 130), (260, 256)):
+        raw = quant(rng, qtype, (num_rows, 2048))  # [R, B]
+        x = rng.standard_normal((num_tokens, 2048)).astype(np.float32)  # [T, C]
+        assert kernels.gemm_splits(qtype, num_tokens, num_rows, 2048) > 1
+        out = runtime.empty((num_tokens, num_rows), np.float32)
+        kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+        assert rel_err(runtime.to_host(out), reference(raw, qtype, x)) < TOL

@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
 
 from gpu_kernels.gemm import GEMM_ROWS, GEMM_THREADS, GEMM_TOKENS
 from gpu_kernels.sources import SRC, module_name, module_source
@@ -28,17 +29,20 @@ THREADS = r"""
 static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 static inline int min(int a, int b) { return a < b ? a : b; }
 static thread_local Dim3 threadIdx;
-static Dim3 blockIdx, blockDim;
+static Dim3 blockIdx, blockDim, gridDim;
 static std::barrier<>* block_barrier;
 static inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 
-// Block (bx, by) after block: `threads` OS threads run body, its shared arrays (static locals) shared between them.
+// Block (bx, by, bz) after block: `threads` OS threads run body, its shared arrays (static locals) shared between
+// them.
 template <class F>
-static void run_grid(unsigned grid_x, unsigned grid_y, unsigned threads, F body) {
+static void run_grid(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned threads, F body) {
     blockDim = Dim3{threads, 1, 1};
+    gridDim = Dim3{grid_x, grid_y, grid_z};
+    for (unsigned bz = 0; bz < grid_z; ++bz)
     for (unsigned by = 0; by < grid_y; ++by)
         for (unsigned bx = 0; bx < grid_x; ++bx) {
-            blockIdx = Dim3{bx, by, 0};
+            blockIdx = Dim3{bx, by, bz};
             std::barrier<> bar(threads);
             block_barrier = &bar;
             std::vector<std::thread> pool;
@@ -53,14 +57,14 @@ static void run_grid(unsigned grid_x, unsigned grid_y, unsigned threads, F body)
 """
 
 HARNESS = r"""
-extern "C" void run_gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes) {
-    run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, (T + GEMM_TOKENS - 1) / GEMM_TOKENS, GEMM_THREADS,
+extern "C" void run_gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes, int splits) {
+    run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, (T + GEMM_TOKENS - 1) / GEMM_TOKENS, splits, GEMM_THREADS,
              [=] { gemm(raw, x, out, nullptr, nullptr, nullptr, T, R, C, row_bytes); });
 }
 
 extern "C" void run_moe_gemm(const u8* raw, const float* x, float* out, const int* tile_slot, const int* tile_row,
                              const int* tile_count, int W, int N, int R, int C, i64 row_bytes) {
-    run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, W, GEMM_THREADS,
+    run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, W, 1, GEMM_THREADS,
              [=] { gemm(raw, x, out, tile_slot, tile_row, tile_count, N, R, C, row_bytes); });
 }
 """
@@ -103,8 +107,23 @@ def test_emulated_gemm(build, qtype):
         raw = np.ascontiguousarray(quant(rng, qtype, (num_rows, 512)))  # [R, B]
         x = rng.standard_normal((num_tokens, 512)).astype(np.float32)  # [T, C]
         out = np.full((num_tokens, num_rows), np.nan, np.float32)
-        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(out), num_tokens, num_rows, 512, ctypes.c_int64(raw.shape[1]))
+        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(out), num_tokens, num_rows, 512, ctypes.c_int64(raw.shape[1]), 1)
         assert rel_err(out, reference(raw, qtype, x)) < 1e-5
+
+
+def test_emulated_gemm_column_splits(build):
+    """Dense GEMMs split over 2 and 4 runs of columns: each run's partial sums in its own [T, R] of the output."""
+    lib, rng = build(Q.Q4_K), np.random.default_rng(11)
+    raw = np.ascontiguousarray(quant(rng, Q.Q4_K, (130, 1024)))  # [R, B]: 4 stages
+    x = rng.standard_normal((33, 1024)).astype(np.float32)  # [T, C]
+    for splits in (2, 4):
+        partial = np.full((splits, 33, 130), np.nan, np.float32)
+        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(partial), 33, 130, 1024, ctypes.c_int64(raw.shape[1]), splits)
+        cols = 1024 // splits
+        for z in range(splits):
+            part = slice(z * cols, (z + 1) * cols)
+            w = np.asarray(gguf_dequantize(raw, Q.Q4_K), np.float64)[:, part]
+            assert rel_err(partial[z], x[:, part].astype(np.float64) @ w.T) < 1e-5
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K], ids=lambda q: q.name)
