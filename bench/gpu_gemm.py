@@ -6,10 +6,10 @@ all resident): the gate/up projection [768, 2048] and the down projection [2048,
 expert (one launch a projection, as GpuExperts.submit_groups queues them), and dense matmuls (--dense-shapes: the
 attention's q, o and k/v projections) at --dense-tokens. Weights are random valid blocks (scales of about 1e-3),
 distinct for every expert. Times: CUDA events, median of --repeats runs of QUEUED launches back to back. Each GEMM
-result is checked against the old kernel's (the `diff` column: max |new - old| / max |old|). --variants times the GEMM again per entry NAME or
-NAME=VALUE (several joined by +) with `#define NAME VALUE` before its module's source (gemm.cu's compile-time
-alternatives; GEMM_TOKENS=32 also makes the work tiles 32 tokens); the entry `split` runs the dense GEMMs with
-their columns split where their blocks are few (Kernels.split_columns; the column gives the splits).
+result is checked against the old kernel's (the `diff` column: max |new - old| / max |old|). --variants times the
+GEMM again per entry NAME or NAME=VALUE (several joined by +) with `#define NAME VALUE` before its module's source
+(gemm.cu's compile-time alternatives; GEMM_TOKENS=32 also makes the work tiles 32 tokens); the entry `split` runs the
+dense GEMMs with their columns split where their blocks are few (Kernels.split_columns; the column gives the splits).
 
     python bench/gpu_gemm.py [--formats q4_k,q6_k,q8_0] [--tokens 512] [--dense-tokens 16,64,512]
         [--dense-shapes 4096x2048,2048x4096,512x2048] [--variants ,split,GEMM_DIRECT,GEMM_TOKENS=32] [--repeats 10]
