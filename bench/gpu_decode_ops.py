@@ -147,16 +147,17 @@ def patched_kernels(rt, stream, patches, tag, **tuning):
 
 def matmul_variants(rt, stream):
     """{name: Kernels} of the one-token matmuls' settings to time: the default, fill_sms, smaller lane groups' work
-    (rows a group, slices a lane) for launches too small to fill the GPU, and x staged in one batch of loads."""
+    (rows a group, slices a lane) for launches too small to fill the GPU, x staged in one batch of loads, more
+    slices in flight a lane (matmul.cu's DECODE_PREFETCH)."""
     from gpu_kernels.kernels import Kernels
 
     found = {"default": Kernels(rt, stream), "fill_sms": Kernels(rt, stream, fill_sms=True)}
-    for rows, slices in ((1, 1), (1, 2), (2, 2), (1, 4)):
+    for rows, slices in ((1, 1), (1, 2), (1, 4)):
         found[f"rows {rows} slices {slices}"] = Kernels(rt, stream, decode_rows=rows, lane_slices=slices)
     found["xq 16 loads"] = patched_kernels(rt, stream, [("#define XQ_LOADS 4", "#define XQ_LOADS 16")], "_xq16")
-    found["xq 16 loads, rows 1 slices 2"] = patched_kernels(rt, stream, [("#define XQ_LOADS 4",
-                                                                          "#define XQ_LOADS 16")], "_xq16",
-                                                            decode_rows=1, lane_slices=2)
+    found["prefetch 4"] = Kernels(rt, stream, prefetch=4)
+    found["prefetch 4, rows 1 slices 2"] = Kernels(rt, stream, prefetch=4, decode_rows=1, lane_slices=2)
+    found["prefetch 8, rows 1"] = Kernels(rt, stream, prefetch=8, decode_rows=1)
     return found
 
 

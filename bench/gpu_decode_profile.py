@@ -102,6 +102,9 @@ def tuned(llm, args):
         kernels.lane_slices = args.lane_slices
     if args.short_attention:
         kernels.short_attention_keys = args.short_attention
+    if args.prefetch:
+        kernels.prefetch = args.prefetch
+        kernels._functions.clear()  # compiled again with the ring
     kernels._launches.clear()  # the shapes launched while loading, planned again
     return llm
 
@@ -113,6 +116,7 @@ def markdown(args, times, per_step, graphed_s, gpu_name):
     rows += f", one-token matmuls {args.decode_rows} rows a group" if args.decode_rows else ""
     rows += f", {args.lane_slices} slices a lane" if args.lane_slices else ""
     rows += f", short attention up to {args.short_attention} keys" if args.short_attention else ""
+    rows += f", {args.prefetch} slices in flight" if args.prefetch else ""
     lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
              f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
              f"of the launches back to back: "
@@ -143,6 +147,8 @@ def main(argv=None):
     p.add_argument("--lane-slices", type=int, default=None, help="slices a lane of every one-token matmul")
     p.add_argument("--short-attention", type=int, default=None,
                    help="one-token attention over at most this many keys by paged_attention_1s (a block a head)")
+    p.add_argument("--prefetch", type=int, default=None, choices=(3, 4, 6, 8),
+                   help="one-token matmuls' slices in flight a lane plus one (matmul.cu's DECODE_PREFETCH; default 2)")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -125,10 +125,12 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
     fill_sms: a one-token matmul whose blocks would be fewer than the GPU's multiprocessors takes fewer rows a lane
     group (halved until they are not, down to 1), so that more multiprocessors read its weights.
     small_tuning: (rows a lane group, slices a lane) of one-token launches over fewer than SMALL_LAUNCH_BYTES of
-    weights, or None (every launch its format's tuning)."""
+    weights, or None (every launch its format's tuning). prefetch: slices a lane of the one-token kernels has in
+    flight plus one (matmul.cu's DECODE_PREFETCH; None: its default, 2)."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
-                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, fill_sms=False, small_tuning=SMALL_TUNING):
+                 max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, fill_sms=False, small_tuning=SMALL_TUNING,
+                 prefetch=None):
         self.rt, self.stream = runtime, stream
         self.act_quant = gpu_act_quant(act_quant)
         chip = getattr(runtime, "chip", None)
@@ -138,7 +140,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
         self.min_blocks, self.row_chunks, self.fill_sms = min_blocks, row_chunks, fill_sms
-        self.small_tuning = small_tuning
+        self.small_tuning, self.prefetch = small_tuning, prefetch
         self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
         self._functions = {}  # (qtype or KV dtype, kernel name(, rows)) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B, ...) -> _mm_launch's (kernel, blocks, scalars)
@@ -165,8 +167,10 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
             tuned_rows, _, blocks = self.tuning(qtype)
             rows = rows or tuned_rows
-            self._functions[key] = self.rt.compile(tuned_module_name(qtype, rows, blocks),
-                                                   tuned_source(qtype, rows, blocks), matmul_kernels(qtype))[name]
+            prefetch = f"_p{self.prefetch}" if self.prefetch else ""
+            source = tuned_source(qtype, rows, blocks, f"#define DECODE_PREFETCH {self.prefetch}\n" if prefetch else "")
+            self._functions[key] = self.rt.compile(tuned_module_name(qtype, rows, blocks) + prefetch, source,
+                                                   matmul_kernels(qtype))[name]
         return self._functions[key]
 
     def _small(self, weight_bytes):

@@ -104,6 +104,13 @@ __device__ __forceinline__ void first_slices(const u8* __restrict__ raw, i64 row
 #define SLICE_UNROLL 1
 #endif
 
+// Slices a lane has in flight while it dots one (DECODE_PREFETCH - 1): 2 is the double buffer below; more take the
+// ring of rows_dot_store_ring (the same products in the same order: the same sums), for launches too small to keep
+// the memory busy otherwise.
+#ifndef DECODE_PREFETCH
+#define DECODE_PREFETCH 2
+#endif
+
 // out [n, R] (rows t R apart), rows of each chunk = those rows of `raw` dotted with the n token rows of xs;
 // cur: first_slices' loads. The group sums its lanes with shuffles and its first lane stores.
 template <int RPT, int TT, class X>
@@ -141,6 +148,72 @@ __device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 r
         store_rows<RPT, TT>(out, R, rc, n, tpr, acc);
     }
 }
+
+#if DECODE_PREFETCH > 2
+// rows_dot_store with DECODE_PREFETCH slices in a ring: the lane's slices of every chunk in one sequence g = chunk *
+// per_lane + i (every lane of a group the same count; those past the row's slices load and dot nothing), slice g +
+// DECODE_PREFETCH loaded as soon as slice g is dotted.
+template <int RPT, int TT, class X>
+__device__ __forceinline__ void rows_dot_store_ring(const u8* __restrict__ raw, i64 row_bytes, int R, int r0,
+                                                    int stride, int chunks, const X& xs, int C, int n, int tpr,
+                                                    Slice (&cur)[RPT], float* out) {
+    int lane = threadIdx.x & (tpr - 1), num_slices = C / SLICE_WEIGHTS;
+    int per_lane = (num_slices + tpr - 1) / tpr, total = chunks * per_lane;
+    Slice ring[DECODE_PREFETCH][RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) ring[0][r] = cur[r];
+    int lc = 0, li = 0;  // chunk and index of the next slice to load
+#pragma unroll
+    for (int u = 1; u < DECODE_PREFETCH; ++u) {
+        if (++li == per_lane) {
+            li = 0;
+            ++lc;
+        }
+        int s = lane + li * tpr;
+        if (u < total && s < num_slices) {
+#pragma unroll
+            for (int r = 0; r < RPT; ++r)
+                ring[u][r] = load_slice(raw + (i64)min(r0 + lc * stride + r, R - 1) * row_bytes, s);
+        }
+    }
+    int c = 0, i = 0;  // chunk and index of the slice dotted
+    float acc[RPT][TT];
+    for (int g0 = 0; g0 < total; g0 += DECODE_PREFETCH) {
+#pragma unroll
+        for (int u = 0; u < DECODE_PREFETCH; ++u) {
+            if (g0 + u < total) {  // the same in the whole group
+                if (i == 0) {
+#pragma unroll
+                    for (int r = 0; r < RPT; ++r)
+#pragma unroll
+                        for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+                }
+                int s = lane + i * tpr;
+                if (s < num_slices) slice_run(ring[u], s, xs, acc);
+                if (++li == per_lane) {
+                    li = 0;
+                    ++lc;
+                }
+                int sn = lane + li * tpr;
+                if (g0 + u + DECODE_PREFETCH < total && sn < num_slices) {
+#pragma unroll
+                    for (int r = 0; r < RPT; ++r)
+                        ring[u][r] = load_slice(raw + (i64)min(r0 + lc * stride + r, R - 1) * row_bytes, sn);
+                }
+                if (++i == per_lane) {
+                    group_sum<RPT, TT>(acc, n, tpr);
+                    store_rows<RPT, TT>(out, R, r0 + c * stride, n, tpr, acc);
+                    i = 0;
+                    ++c;
+                }
+            }
+        }
+    }
+}
+#define ROWS_DOT_STORE rows_dot_store_ring
+#else
+#define ROWS_DOT_STORE rows_dot_store
+#endif
 
 // A lane group's rows in a grid of blocks over R rows: block b takes `chunks` runs of blockDim / tpr groups of
 // RPT rows (those of them that start below R).
@@ -195,7 +268,7 @@ __device__ __forceinline__ void walk_matmul_body(const u8* __restrict__ raw, con
     int t0 = blockIdx.y * TT, n = min(TT, T - t0);
     Slice cur[RPT];
     first_slices<RPT>(raw, row_bytes, R, wk.r0, C, tpr, cur);
-    rows_dot_store<RPT, TT>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, FloatRows{x + (i64)t0 * C, C, n}, C, n,
+    ROWS_DOT_STORE<RPT, TT>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, FloatRows{x + (i64)t0 * C, C, n}, C, n,
                             tpr, cur, out + (i64)t0 * R);
 }
 
@@ -212,7 +285,7 @@ __device__ __forceinline__ void walk_moe_matmul_body(const u8* __restrict__ raw,
     Walk wk = block_walk<RPT>(R, tpr, chunks);
     Slice cur[RPT];
     first_slices<RPT>(expert, row_bytes, R, wk.r0, C, tpr, cur);
-    rows_dot_store<RPT, TT>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks, FloatRows{x + (i64)row0 * C, C, n}, C,
+    ROWS_DOT_STORE<RPT, TT>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks, FloatRows{x + (i64)row0 * C, C, n}, C,
                             n, tpr, cur, out + (i64)row0 * R);
 }
 
@@ -269,7 +342,7 @@ extern "C" __global__ void DECODE_BOUNDS matmul_1q(MATMUL_ARGS) {
     first_slices<DECODE_ROWS>(raw, row_bytes, R, wk.r0, C, tpr, cur);
     STAGE_TABLES();
     XQ xq = stage_xq(x, C, (unsigned char*)xq_smem);
-    rows_dot_store<DECODE_ROWS, 1>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur, out);
+    ROWS_DOT_STORE<DECODE_ROWS, 1>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur, out);
 }
 
 // up: where given, x is the gate and the rows multiplied are silu_mul(x, up) (stage_xq).
@@ -286,7 +359,7 @@ __device__ __forceinline__ void moe_1q_body(const u8* __restrict__ raw, const fl
     first_slices<DECODE_ROWS>(expert, row_bytes, R, wk.r0, C, tpr, cur);
     STAGE_TABLES();
     XQ xq = stage_xq(x + (i64)row0 * C, C, (unsigned char*)xq_smem, up ? up + (i64)row0 * C : nullptr);
-    rows_dot_store<DECODE_ROWS, 1>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur,
+    ROWS_DOT_STORE<DECODE_ROWS, 1>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur,
                                    out + (i64)row0 * R);
 }
 

@@ -2,14 +2,17 @@
 and one shared-memory exchange; combine_rows: a row over several blocks; routing.cu's top-k: sorted held slots)
 against the kernels they replace (previous_ops.cu) on random data at decode (1 token) and prefill (64, 512 tokens)
 sizes: combine_rows and route_topk bit for bit, the norms to float32 rounding (their sums are added in another
-order), and the NumPy references."""
+order), and the NumPy references. The one-token matmuls with more slices in flight (matmul.cu's DECODE_PREFETCH
+ring) against the double buffer, bit for bit."""
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from gpu_kernels.sources import SRC
 
+from .test_kernels import quant
 from .test_routing_kernels import make_logits
 
 pytestmark = pytest.mark.gpu
@@ -118,3 +121,39 @@ def test_route_topk_bit_exact_with_the_previous_kernel(runtime, kernels, previou
         np.testing.assert_array_equal(runtime.to_host(ids), runtime.to_host(old_ids))
         np.testing.assert_array_equal(runtime.to_host(weights).view(np.uint32),
                                       runtime.to_host(old_weights).view(np.uint32))
+
+
+@pytest.mark.parametrize("prefetch", [4, 8])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F32, Q.F16], ids=lambda q: q.name)
+def test_prefetch_ring_bit_exact_with_the_double_buffer(runtime, qtype, prefetch):
+    """Kernels(prefetch=N): the one-token matmul (rows clamped at the end, blocks walking 1 or 3 runs of rows), the
+    expert pair kernel and the SwiGLU down projection (some tiles skipped) give the default kernels' results."""
+    from gpu_kernels.kernels import Kernels, fuses_glu
+
+    rng = np.random.default_rng(int(qtype) + prefetch)
+    dev = runtime.to_device
+    for cols, rows, chunks, decode_rows in ((2048, 300, None, None), (768, 1000, 3, 1), (2048, 77, 3, 2)):
+        raw, x = dev(quant(rng, qtype, (rows, cols))), dev(rng.standard_normal((1, cols)).astype(np.float32))
+        outs = []
+        for pf in (None, prefetch):
+            kern = Kernels(runtime, prefetch=pf, row_chunks=chunks, decode_rows=decode_rows)
+            out = runtime.zeros((1, rows), np.float32)
+            kern.matmul(raw, qtype, x, out)
+            outs.append(runtime.to_host(out))
+        np.testing.assert_array_equal(outs[1], outs[0])
+    slots, rows, cols, pairs = 4, 768, 512, 8
+    gate, up = dev(quant(rng, qtype, (slots, rows, cols))), dev(quant(rng, qtype, (slots, rows, cols)))
+    down = dev(quant(rng, qtype, (slots, cols, rows)))
+    tiles = [dev(np.ascontiguousarray(t)) for t in np.stack([rng.integers(0, slots, pairs), np.arange(pairs),
+                                                             rng.random(pairs) < 0.8]).astype(np.int32)]
+    xs = dev(rng.standard_normal((pairs, cols)).astype(np.float32))
+    got = []
+    for pf in (None, prefetch):
+        kern = Kernels(runtime, prefetch=pf)
+        g, u, d = (runtime.zeros(shape, np.float32) for shape in ((pairs, rows), (pairs, rows), (pairs, cols)))
+        kern.moe_matmul2(gate, up, qtype, xs, g, u, *tiles)
+        if fuses_glu(kern.act_quant, qtype, rows):
+            kern.moe_matmul_glu(down, qtype, g, u, d, *tiles)
+        got.append([runtime.to_host(a) for a in (g, u, d)])
+    for new, old in zip(got[1], got[0]):
+        np.testing.assert_array_equal(new, old)
