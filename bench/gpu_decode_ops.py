@@ -128,7 +128,7 @@ def patched_kernels(rt, stream, patches, tag, **tuning):
     from gpu_kernels import kernels as kmod
 
     class Patched(kmod.Kernels):
-        def _mm(self, qtype, name, rows=None):
+        def _mm(self, qtype, name, rows=None, prefetch=None):  # the tree's prefetch: the default double buffer
             key = (qtype, name, rows)
             if key not in self._functions:
                 tuned_rows, _, blocks = self.tuning(qtype)

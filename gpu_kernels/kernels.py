@@ -39,8 +39,9 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
 # One-token launches whose weights are fewer bytes than SMALL_LAUNCH_BYTES (a decode step's dense matmuls and its
-# few experts' rows) are latency-bound: they take SMALL_TUNING (rows a lane group, slices a lane) where it is set,
-# shorter chains of loads a lane and more blocks, instead of DECODE_TUNING's (swept on a 128-expert launch).
+# few experts' rows) are latency-bound: they take SMALL_TUNING (rows a lane group, slices a lane, slices in flight a
+# lane plus one or None) where it is set, shorter chains of loads a lane and more blocks, instead of DECODE_TUNING's
+# (swept on a 128-expert launch).
 SMALL_LAUNCH_BYTES = 32 << 20
 SMALL_TUNING = None
 ACT_QUANTS = ("int16", "float", "int8")  # the act_quant setting's values (cpu_kernels.act_quant)
@@ -124,9 +125,9 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
     row_chunks: runs of rows a one-token matmul block walks (matmul.cu's block_walk); None: _row_chunks decides.
     fill_sms: a one-token matmul whose blocks would be fewer than the GPU's multiprocessors takes fewer rows a lane
     group (halved until they are not, down to 1), so that more multiprocessors read its weights.
-    small_tuning: (rows a lane group, slices a lane) of one-token launches over fewer than SMALL_LAUNCH_BYTES of
-    weights, or None (every launch its format's tuning). prefetch: slices a lane of the one-token kernels has in
-    flight plus one (matmul.cu's DECODE_PREFETCH; None: its default, 2)."""
+    small_tuning: (rows a lane group, slices a lane, prefetch or None) of one-token launches over fewer than
+    SMALL_LAUNCH_BYTES of weights, or None (every launch its format's tuning). prefetch: slices a lane of the
+    one-token kernels has in flight plus one (matmul.cu's DECODE_PREFETCH; None: its default, 2)."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
                  max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, fill_sms=False, small_tuning=SMALL_TUNING,
@@ -162,14 +163,15 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         return (self.decode_rows or rows, self.lane_slices or slices,
                 blocks if self.min_blocks is None else self.min_blocks)
 
-    def _mm(self, qtype, name, rows=None):
-        key = (qtype, name, rows)
+    def _mm(self, qtype, name, rows=None, prefetch=None):
+        """qtype's kernel `name` at `rows` a lane group (None: its tuning's) and `prefetch` (None: self.prefetch)."""
+        key = (qtype, name, rows, prefetch)
         if key not in self._functions:  # the lookup runs at every launch: keep it to one dict read
             tuned_rows, _, blocks = self.tuning(qtype)
-            rows = rows or tuned_rows
-            prefetch = f"_p{self.prefetch}" if self.prefetch else ""
-            source = tuned_source(qtype, rows, blocks, f"#define DECODE_PREFETCH {self.prefetch}\n" if prefetch else "")
-            self._functions[key] = self.rt.compile(tuned_module_name(qtype, rows, blocks) + prefetch, source,
+            depth, rows = prefetch or self.prefetch, rows or tuned_rows
+            tag = f"_p{depth}" if depth else ""
+            source = tuned_source(qtype, rows, blocks, f"#define DECODE_PREFETCH {depth}\n" if tag else "")
+            self._functions[key] = self.rt.compile(tuned_module_name(qtype, rows, blocks) + tag, source,
                                                    matmul_kernels(qtype))[name]
         return self._functions[key]
 
@@ -232,8 +234,9 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                 raise ValueError(f"{Q(qtype).name} matmul: {num_cols} columns, not a multiple of "
                                  f"{SLICE_WEIGHTS[Q(qtype)]}")
             rows_per_group, lane_slices = self.tuning(qtype)[:2] if one else (1, self.lane_slices or LANE_SLICES)
+            prefetch = None
             if one and self._small(num_rows * row_bytes * num_tiles):
-                rows_per_group, lane_slices = self.small_tuning
+                rows_per_group, lane_slices, prefetch = self.small_tuning
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
             if one and self.fill_sms:
                 rows_per_group = self._filling_rows(rows_per_group, tpr, num_rows, num_tiles)
@@ -243,7 +246,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
             if int16 and xq_shared_bytes(num_cols) <= XQ_MAX_SHARED:
                 kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
             launch = self._launches[key] = (
-                self._mm(qtype, kernel, rows_per_group if one else None), (num_rows + per_block - 1) // per_block,
+                self._mm(qtype, kernel, rows_per_group if one else None, prefetch),
+                (num_rows + per_block - 1) // per_block,
                 (np.int32(num_rows), np.int32(num_cols), np.int64(row_bytes), np.int32(tpr)), shared)
         return launch
 

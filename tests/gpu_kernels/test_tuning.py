@@ -62,16 +62,20 @@ def test_explicit_tuning_wins_for_every_format():
 
 
 def test_small_one_token_launches_take_the_small_tuning(monkeypatch):
-    """Kernels(small_tuning=(rows, slices)): one-token launches over fewer than SMALL_LAUNCH_BYTES of weights take
-    it; larger ones, and every launch where a tuning is given to every format, their format's."""
+    """Kernels(small_tuning=(rows, slices, prefetch)): one-token launches over fewer than SMALL_LAUNCH_BYTES of
+    weights take it; larger ones, and every launch where a tuning is given to every format, their format's."""
     import gpu_kernels.kernels as kmod
 
-    name, _, _, grid, tpr = _one_token_launch(Q.Q4_K, small_tuning=(1, 2))
+    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, None))
     assert name.endswith("_r1_b0") and tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
-    name, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2), decode_rows=2)
+    assert "DECODE_PREFETCH" not in source.split("\n", 3)[2]
+    name, source, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, 4))
+    assert name.endswith("_r1_b0_p4") and source.startswith("#define DECODE_ROWS 1\n#define DECODE_MIN_BLOCKS 0\n"
+                                                            "#define DECODE_PREFETCH 4\n")
+    name, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, 4), decode_rows=2)
     assert name.endswith("_r2_b0")
     monkeypatch.setattr(kmod, "SMALL_LAUNCH_BYTES", 768 * 8)  # the launch's weights are no longer fewer
-    name, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2))
+    name, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, 4))
     assert name.endswith(f"_r{DECODE_TUNING[Q.Q4_K][0]}_b0")
 
 
