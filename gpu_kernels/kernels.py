@@ -34,7 +34,7 @@ LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's wi
 # (bench/results/gpu_kernels.md): more rows a group or slices a lane keep more loads in flight. BF16 is as fast
 # at every tuning.
 DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), Q.Q5_K: (2, 8), Q.Q6_K: (2, 4),
-                 Q.IQ4_XS: (4, 4), Q.MXFP4: (4, 4), Q.IQ3_S: (2, 4)}
+                 Q.IQ4_XS: (4, 4), Q.MXFP4: (2, 4), Q.IQ3_S: (4, 4)}
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
