@@ -30,6 +30,8 @@ FORMAT_DEFINES = {  # quant type -> the macros its headers read (float.cuh: a we
     Q.F32: {"FLOAT_BYTES": "4", "FLOAT_BITS": "u32", "TO_FLOAT": "__uint_as_float"},
     Q.F16: {"FLOAT_BYTES": "2", "FLOAT_BITS": "u16", "TO_FLOAT": "half_to_float"},
     Q.BF16: {"FLOAT_BYTES": "2", "FLOAT_BITS": "u16", "TO_FLOAT": "bf16_to_float"},
+    # the levels formats' int16 decode takes x in their nibble lookup's order (common.cuh's XQ_POS)
+    Q.IQ4_XS: {"XQ_NIBBLE_ORDER": "1"}, Q.MXFP4: {"XQ_NIBBLE_ORDER": "1"}, Q.IQ4_NL: {"XQ_NIBBLE_ORDER": "1"},
 }
 
 # quant type -> (the gguf.quants class whose 16 levels levels.cuh's LEVELS_* hold, {grid name: iq_grids table})

@@ -142,11 +142,25 @@ def test_float_slice_dot(build, qtype):
     assert _rel_err(got, w @ x.astype(np.float64)) < 1e-5
 
 
+XQ_NIBBLE_POS = np.array([((v & 12) << 1) | ((v & 3) << 1) | (v >> 4) for v in range(32)])  # common.cuh's XQ_POS
+
+
+def xq_layout(qtype, a):
+    """a [C] (a value of x each) laid out as the format's stage_xq keeps it: in order, or under XQ_NIBBLE_ORDER
+    value v of each 32-value block at XQ_POS(v)."""
+    if "#define XQ_NIBBLE_ORDER" not in module_source(module_name(qtype)):
+        return a
+    out = np.empty_like(a).reshape(-1, 32)
+    out[:, XQ_NIBBLE_POS] = a.reshape(-1, 32)
+    return out.reshape(-1)
+
+
 @pytest.mark.parametrize("qtype", sorted(INT_DECODE), ids=lambda q: Q(q).name)
 def test_int16_slice_dot(build, qtype):
     raw, x, w = _case(qtype)
     hi, lo, scale, total = xq_arrays(x)
-    got = _rows_dot(build(qtype), "dot_int", raw, _ptr(hi), _ptr(lo), _ptr(scale), _ptr(total))
+    got = _rows_dot(build(qtype), "dot_int", raw, _ptr(xq_layout(qtype, hi)), _ptr(xq_layout(qtype, lo)), _ptr(scale),
+                    _ptr(total))
     x_hat = (256 * hi.astype(np.float64) + lo) * np.repeat(scale.astype(np.float64), 32)
     assert np.abs(x_hat - x).max() <= np.repeat(scale, 32).max() / 2 * (1 + 1e-6)  # the split holds x's rounding
     assert _rel_err(got, w @ x_hat) < 1e-4  # K-quant min terms use the unrounded sums: measured up to 5.2e-5
