@@ -4,9 +4,6 @@
 // values 1..15 a word); weight 4g + c's sign bit c + 4 (g % 2) of signs[4j + g / 2]; scale
 // db = d * (1 + 2 ((scales[j / 2] >> 4 (j % 2)) & 15)); weight = +-(db * value).
 #define UNIT_WEIGHTS 32
-#ifndef SLICE_UNROLL
-#define SLICE_UNROLL 2  // registers allowing: the int16 decode loop without copies of its loads in flight
-#endif
 
 __device__ __forceinline__ float iq3s_db(u16 d, u32 scale_byte, int j) {
     return __fmul_rn(half_to_float(d), (float)(1 + 2 * ((scale_byte >> (4 * (j & 1))) & 15u)));
@@ -19,30 +16,16 @@ __device__ __forceinline__ u32 iq3s_row(const u32* grid, const u32 (&qs)[2], u32
 
 // The `_1q` kernels look the grid up in shared memory: a block copies it there before it stages x (matmul.cu's
 // STAGE_TABLES; stage_xq's sync publishes both). A warp's 32 scattered reads of the 2 KiB table cost a few bank
-// conflicts there, where through L1 they touched up to 16 cache lines each.
-__shared__ u32 iq3s_grid_smem[512];
-
-// A 4-bit sign field as a byte mask: byte c 0xFF where bit c is set.
-__device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
-
-#if defined(IQ3S_SIGN_TABLE)
-// With IQ3S_SIGN_TABLE, by a sign byte: the byte masks m of its two grid rows and their ones (m & 0x01010101), one
-// shared read a byte; with IQ3S_SIGN_MASKS the masks alone.
-__shared__ uint4 iq3s_sign_smem[256];
-#elif defined(IQ3S_SIGN_MASKS)
-__shared__ uint2 iq3s_sign_smem[256];
+// conflicts there, where through L1 they touched up to 16 cache lines each; the shared reads' bank conflicts then
+// bound the kernel (a sign-mask table read beside it slowed it by a third). IQ3S_GRID_COPIES (a power of two, 1 by
+// default) copies of each entry side by side let lane l read copy l % IQ3S_GRID_COPIES: fewer lanes to a bank.
+#ifndef IQ3S_GRID_COPIES
+#define IQ3S_GRID_COPIES 1
 #endif
+__shared__ u32 iq3s_grid_smem[512 * IQ3S_GRID_COPIES];
 
 __device__ __forceinline__ void iq3s_stage_grid() {
-    for (int i = threadIdx.x; i < 512; i += blockDim.x) iq3s_grid_smem[i] = IQ3S_GRID[i];
-#if defined(IQ3S_SIGN_TABLE)
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        u32 m0 = sign_bytes(i & 15u), m1 = sign_bytes(i >> 4);
-        iq3s_sign_smem[i] = make_uint4(m0, m0 & 0x01010101u, m1, m1 & 0x01010101u);
-    }
-#elif defined(IQ3S_SIGN_MASKS)
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) iq3s_sign_smem[i] = make_uint2(sign_bytes(i & 15u), sign_bytes(i >> 4));
-#endif
+    for (int i = threadIdx.x; i < 512 * IQ3S_GRID_COPIES; i += blockDim.x) iq3s_grid_smem[i] = IQ3S_GRID[i / IQ3S_GRID_COPIES];
 }
 #define STAGE_TABLES() iq3s_stage_grid()
 
@@ -133,6 +116,9 @@ __device__ __forceinline__ u32 iq3s_pair_offsets(const u32 (&qs)[2], u32 qh, int
     return (bytes << 2) | (((qh >> (2 * k)) * 0x02000400u) & 0x04000400u);  // qh bits 2k, 2k + 1 at bits 10, 26
 }
 
+// A 4-bit sign field as a byte mask: byte c 0xFF where bit c is set.
+__device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
+
 __device__ __forceinline__ int iq3s_signed_row(u32 v, u32 m) { return (int)((v ^ m) + (m & 0x01010101u)); }
 
 template <int RPT>
@@ -141,23 +127,21 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
     uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
     uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
     const u8* grid = (const u8*)iq3s_grid_smem;
+    u32 copy = 4u * (threadIdx.x & (IQ3S_GRID_COPIES - 1)) * 0x10001u;  // this lane's copy, in both halves
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
         int a = 0, b = 0;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
             u32 offsets = iq3s_pair_offsets(sl[r].qs, (sl[r].tail >> 16) & 0xffu, k);
-            u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
-#if defined(IQ3S_SIGN_TABLE)
-            uint4 m = iq3s_sign_smem[(sl[r].signs >> (8 * k)) & 0xffu];
-            int w0 = (int)((v0 ^ m.x) + m.y), w1 = (int)((v1 ^ m.z) + m.w);
-#elif defined(IQ3S_SIGN_MASKS)
-            uint2 m = iq3s_sign_smem[(sl[r].signs >> (8 * k)) & 0xffu];
-            int w0 = iq3s_signed_row(v0, m.x), w1 = iq3s_signed_row(v1, m.y);
+#ifdef IQ3S_SPLIT_GRID  // the pair's second row through L1 from the global table: the lookups share two pipes
+            u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = IQ3S_GRID[offsets >> 18];
 #else
+            offsets = offsets * IQ3S_GRID_COPIES + copy;  // both halves stay under 2^16 for up to 32 copies
+            u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
+#endif
             u32 m0 = sign_bytes((sl[r].signs >> (8 * k)) & 15u), m1 = sign_bytes((sl[r].signs >> (8 * k + 4)) & 15u);
             int w0 = iq3s_signed_row(v0, m0), w1 = iq3s_signed_row(v1, m1);
-#endif
             uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
             a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
             b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));
