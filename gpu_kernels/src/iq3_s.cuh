@@ -25,7 +25,14 @@ __device__ __forceinline__ u32 iq3s_row(const u32* grid, const u32 (&qs)[2], u32
 __shared__ u32 iq3s_grid_smem[512 * IQ3S_GRID_COPIES];
 
 __device__ __forceinline__ void iq3s_stage_grid() {
+#if IQ3S_GRID_COPIES >= 4
+    for (int i = threadIdx.x; i < 128 * IQ3S_GRID_COPIES; i += blockDim.x) {  // 4 copies a 16-byte store
+        u32 v = IQ3S_GRID[4 * i / IQ3S_GRID_COPIES];
+        ((uint4*)iq3s_grid_smem)[i] = make_uint4(v, v, v, v);
+    }
+#else
     for (int i = threadIdx.x; i < 512 * IQ3S_GRID_COPIES; i += blockDim.x) iq3s_grid_smem[i] = IQ3S_GRID[i / IQ3S_GRID_COPIES];
+#endif
 }
 #define STAGE_TABLES() iq3s_stage_grid()
 
