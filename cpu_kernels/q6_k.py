@@ -16,10 +16,11 @@ from numba import njit
 
 from . import quant_driver, simd
 from .half import read_half
+from .act_quant import quantize_rows
 from .kquant import QK_K, SUB, join_bits
 from .prefill_i16 import x_levels
-from .simd import F32, I8, I64
-from .target import int_dot_width
+from .simd import F32, I8, I32, I64
+from .target import int_dot_width, vnni_width
 from .tiles import format_api, random_weight
 
 QTYPE = GGMLQuantizationType.Q6_K
@@ -130,6 +131,54 @@ def _block_i16(builder, q, o, b, xq, aux, acc):
     return acc
 
 
+def _block_bytes(builder, q, o, b, xq, aux, acc):
+    """_block_i16 for targets with VNNI, int16 xq [C] held as bytes (quantize_rows_bytes): per two runs (64
+    weights, 4 scales) the unsigned quants (as _block_i8 unpacks them) dotted by vpdpbusd with the values' high
+    bytes (signed; the shared 32 * x taken off), shifted up 8 bits, then the low bytes (unsigned) with q (signed),
+    converted and FMA'd with d * scale * dx (lanes 4k..4k + 3 hold scale k's 16 weights): 64 products an
+    instruction where pmaddwd makes 32, no widening of the quants."""
+    dx_sums = simd.load_at(builder, aux, builder.mul(b, ir.Constant(I64, 16)), simd.vec(F32, 16))
+    dx = simd.lanes(builder, dx_sums, [2 * (k // 2) for k in range(16)])  # run k // 2's dx for scale k
+    factors = builder.fmul(_scales(builder, q, o), dx, flags=simd.FAST)  # [16]
+    xb = builder.bitcast(xq, I8.as_pointer())
+    base = builder.mul(b, ir.Constant(I64, 2 * QK_K))  # bytes
+    i8x, eight = simd.vec(I8, 2 * SUB), simd.splat_const(I32, 16, 8)
+
+    def const(value):
+        return simd.splat_const(I8, 2 * SUB, value)
+
+    for h in range(2):
+        low = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, 64 * h)), i8x)
+        high = simd.load_at(builder, q, builder.add(o, ir.Constant(I64, _QH + SUB * h)), simd.vec(I8, SUB))
+        high = simd.concat(builder, high, high)
+        for m, nibbles in enumerate((builder.and_(low, const(15)), builder.lshr(low, const(4)))):
+            top = builder.and_(simd.word_lshr(builder, high, [4 * m] * 16 + [4 * m + 2] * 16), const(3))
+            quants = builder.or_(nibbles, builder.shl(top, const(4)))  # runs 4h + 2m, 4h + 2m + 1; 0..63
+            at = builder.add(base, ir.Constant(I64, 128 * h + 64 * m))
+            dots = simd.dot_offset_u8i8(builder, quants, simd.load_at(builder, xb, at, i8x), 32)
+            x_low = simd.load_at(builder, xb, builder.add(at, ir.Constant(I64, QK_K)), i8x)
+            dots = simd.dot_u8i8(builder, builder.shl(dots, eight), x_low, builder.sub(quants, const(32)))
+            factor = simd.lanes(builder, factors, [8 * h + 4 * m + lane // 4 for lane in range(16)])
+            acc = simd.fma(builder, builder.sitofp(dots, simd.vec(F32, 16)), factor, acc)
+    return acc
+
+
+@njit(nogil=True, cache=True)
+def quantize_rows_bytes(x, items, act_quant):
+    """act_quant.quantize_rows with each 256-value super-block's int16 values stored as _block_bytes reads them:
+    their high bytes, then their low bytes (in xq int16 [N, C]'s bytes; aux f32 [N, C/16] as quantize_rows)."""
+    xq, aux = quantize_rows(x, items, act_quant)
+    block = np.empty(QK_K, dtype=np.int16)
+    for n in range(xq.shape[0]):
+        row = xq[n].view(np.uint8)
+        for base in range(0, xq.shape[1], QK_K):
+            block[:] = xq[n, base:base + QK_K]
+            for i in range(QK_K):
+                row[2 * base + i] = (block[i] >> 8) & 255
+                row[2 * base + QK_K + i] = block[i] & 255
+    return xq, aux
+
+
 def _block_i8(builder, q, o, b, xq, aux, acc):
     """acc <16 x float> += block b (at byte o of row q) . x for int8 xq [C] and (scale dx, sum) pairs aux [C/16]:
     per two runs (64 weights, 4 scales) one 64-byte load of nibbles shared with the next two runs, the 2-bit tops
@@ -168,10 +217,12 @@ def _block(builder, q, o, b, xs, aux, acc):
 
 
 _block.acc_type = simd.vec(F32, SUB)
-_block_i16.acc_type = _block_i8.acc_type = simd.vec(F32, 16)
+_block_i16.acc_type = _block_i8.acc_type = _block_bytes.acc_type = simd.vec(F32, 16)
+_BYTES = vnni_width() > 0  # int16 x as bytes for vpdpbusd (_block_bytes), else as words (_block_i16)
 _X_LEVELS = x_levels(32 * 128)  # integer prefill: |x| levels for |weight integers| <= 32 * 128
 _kernels = quant_driver.instance("q6_k", quant_driver.INT8_DECODE, BLOCK_BYTES, QK_K, _unpack_row, _X_LEVELS,
-                                 _block, _block_i16, _weights, _runs_i16, _block_i8)
+                                 _block, _block_bytes if _BYTES else _block_i16, _weights, _runs_i16, _block_i8,
+                                 _quantize_rows=quantize_rows_bytes if _BYTES else quantize_rows)
 _rows_dot, _rows_dot_i16, _rows_dot_i8 = _kernels.rows_dot, _kernels.rows_dot_i16, _kernels.rows_dot_i8
 _prepare, _run_item, _moe_matmul = _kernels.prepare, _kernels.run_item, _kernels.moe_matmul
 

@@ -178,7 +178,7 @@ def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
-    xq, xaux = quantize_rows(x, items, act_quant)  # [N, C], [N, C/16] (empty unless int16 decode)
+    xq, xaux = _quantize_rows(x, items, act_quant)  # noqa: F821 ([N, C], [N, C/16], empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
     return items, (xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
 
