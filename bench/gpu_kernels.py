@@ -14,8 +14,9 @@ as float and / or rounded to int16 in shared memory (the `_1q` kernels, formats 
 the others take float whatever --act says). --chunks runs each with blocks that walk that many runs of rows
 (matmul.cu's block_walk; "auto": Kernels' choice, the fewest runs that fit the launch on the GPU at once).
 --tiled also times each format's tiled kernel (prefill: PREFILL_ROWS rows an expert, tiles of TILE_TOKENS).
---variants runs each one-token case again per macro NAME (or NAME=VALUE) with `#define NAME 1` (VALUE) before its
-module's source (a kernel's compile-time alternative, side by side with the plain source: the x column names it).
+--variants runs each one-token case again per macro NAME (or NAME=VALUE, several joined by +) with `#define NAME 1`
+(VALUE) before its module's source (a kernel's compile-time alternative, side by side with the plain source: the x
+column names it).
 
     python bench/gpu_kernels.py [--formats q8_0,q4_k] [--sweep q8_0,q4_k] [--rows 1,2,4] [--slices 1,2,4]
         [--blocks 0] [--act int16,float] [--chunks auto,1] [--tiled] [--variants ,NAME] [--repeats 20]
@@ -88,11 +89,11 @@ def _layer(rt, qtype):
 @contextmanager
 def compiled_with(macro):
     """Kernels made inside compile their matmul modules with `#define NAME VALUE` first (macro "NAME=VALUE", or
-    "NAME": 1), under names of their own (macro "": the plain source)."""
+    "NAME": 1; several joined by "+"), under names of their own (macro "": the plain source)."""
     source, name = kernels_module.tuned_source, kernels_module.tuned_module_name
     if macro:
-        key, _, value = macro.partition("=")
-        line, suffix = f"#define {key} {value or 1}\n", "".join(c if c.isalnum() else "_" for c in macro.lower())
+        line = "".join(f"#define {key} {value or 1}\n" for key, _, value in (m.partition("=") for m in macro.split("+")))
+        suffix = "".join(c if c.isalnum() else "_" for c in macro.lower())
         kernels_module.tuned_source = lambda q, r, b, defines="": source(q, r, b, line + defines)
         kernels_module.tuned_module_name = lambda q, r, b: f"{name(q, r, b)}_{suffix}"
     try:
