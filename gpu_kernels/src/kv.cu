@@ -452,11 +452,12 @@ paged_attention_1(const float* q, const kv_t* k_pool, const kv_t* v_pool, const 
 
 // The short-context one-token kernel (paged_attention_1s): one query head a block, few keys (the host keeps
 // split_keys <= its shared memory's), rolled loops (little code to fetch at each launch). Groups of PS_LANES lanes
-// score a key each, its values spread over the lanes 4 at a time; the block's softmax goes through shared memory;
+// score PS_KEYS keys a pass, a key's values spread over the lanes 4 at a time; the softmax goes through shared memory;
 // then each thread sums the probabilities times V of every (blockDim / columns)-th key over 4 columns (D / 4 of
 // them, a power of two of lanes; value by value where D % 4 != 0), and the column groups are added in order.
 #define PS_LANES 8
 #define PS_SPANS 8  // float4s a lane of a key's group holds: D <= 4 * PS_LANES * PS_SPANS
+#define PS_KEYS 2   // keys a lane group scores a pass (their loads in flight together)
 
 // Where position p's K (or V) row of kv head kv.kvh lives, and (int8) its scale in *mul (else 1).
 __device__ __forceinline__ const kv_t* kv_row(const PagedKV& kv, int p, bool value, float* mul) {
@@ -509,29 +510,42 @@ paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const
     __syncthreads();
     bool vec = D % 4 == 0;
     int lane = threadIdx.x & (PS_LANES - 1);
-    for (int j0 = 0; j0 < n; j0 += blockDim.x / PS_LANES) {  // a lane group a key; whole warps loop together
-        int j = j0 + threadIdx.x / PS_LANES;
-        float mul = 1.0f, s = 0.0f;
-        if (j < n) {
-            const kv_t* kr = kv_row(kv, kb + j, false, &mul);
-            if (vec) {
-                float f[PS_SPANS][4];
+    int per_pass = blockDim.x / PS_LANES;
+    for (int j0 = 0; j0 < n; j0 += PS_KEYS * per_pass) {  // a lane group PS_KEYS keys a pass; whole warps together
+        float s[PS_KEYS], mul[PS_KEYS];
+        float f[PS_KEYS][PS_SPANS][4];
 #pragma unroll
-                for (int i = 0; i < PS_SPANS; ++i)
-                    if (4 * (lane + PS_LANES * i) < D) kv_widen4(kr + 4 * (lane + PS_LANES * i), f[i]);
+        for (int u = 0; u < PS_KEYS; ++u) {  // every key's loads first: they are in flight together
+            int j = j0 + u * per_pass + threadIdx.x / PS_LANES;
+            s[u] = 0.0f;
+            mul[u] = 1.0f;
+            if (j < n) {
+                const kv_t* kr = kv_row(kv, kb + j, false, &mul[u]);
+                if (vec) {
+#pragma unroll
+                    for (int i = 0; i < PS_SPANS; ++i)
+                        if (4 * (lane + PS_LANES * i) < D) kv_widen4(kr + 4 * (lane + PS_LANES * i), f[u][i]);
+                } else {
+                    for (int d = lane; d < D; d += PS_LANES) s[u] = fmaf(qs[d], kv_widen(kr[d]), s[u]);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < PS_KEYS; ++u) {
+            int j = j0 + u * per_pass + threadIdx.x / PS_LANES;
+            if (vec && j < n) {
 #pragma unroll
                 for (int i = 0; i < PS_SPANS; ++i) {
                     int d = 4 * (lane + PS_LANES * i);
                     if (d < D)
-                        s = fmaf(qs[d + 3], f[i][3],
-                                 fmaf(qs[d + 2], f[i][2], fmaf(qs[d + 1], f[i][1], fmaf(qs[d], f[i][0], s))));
+                        s[u] = fmaf(qs[d + 3], f[u][i][3],
+                                    fmaf(qs[d + 2], f[u][i][2],
+                                         fmaf(qs[d + 1], f[u][i][1], fmaf(qs[d], f[u][i][0], s[u]))));
                 }
-            } else {
-                for (int d = lane; d < D; d += PS_LANES) s = fmaf(qs[d], kv_widen(kr[d]), s);
             }
+            for (int m = PS_LANES / 2; m > 0; m >>= 1) s[u] += SHFL_XOR(s[u], m, PS_LANES);
+            if (lane == 0 && j < n) sc[j] = s[u] * mul[u] * scale;
         }
-        for (int m = PS_LANES / 2; m > 0; m >>= 1) s += SHFL_XOR(s, m, PS_LANES);
-        if (lane == 0 && j < n) sc[j] = s * mul * scale;
     }
     __syncthreads();
     float m = NEG_INF;
