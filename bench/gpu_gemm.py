@@ -6,13 +6,14 @@ all resident): the gate/up projection [768, 2048] and the down projection [2048,
 expert (one launch a projection, as GpuExperts.submit_groups queues them), and dense matmuls (--dense-shapes: the
 attention's q, o and k/v projections) at --dense-tokens. Weights are random valid blocks (scales of about 1e-3),
 distinct for every expert. Times: CUDA events, median of --repeats runs of QUEUED launches back to back. Each GEMM
-result is checked against the old kernel's (the `diff` column: max |new - old| / max |old|). --variants times the
-GEMM again per entry NAME or NAME=VALUE (several joined by +) with `#define NAME VALUE` before its module's source
-(gemm.cu's compile-time alternatives; GEMM_TOKENS=32 also makes the work tiles 32 tokens); the entry `split` runs the
-dense GEMMs with their columns split where their blocks are few (Kernels.split_columns; the column gives the splits).
+result is checked against the old kernel's (the `diff` column: max |new - old| / max |old|). --variants: the empty
+entry is the engine's choice (MoE: work tiles of MOE_GEMM_TOKENS; dense: Kernels.gemm's plan, 32- or 64-token blocks
+and column splits); `t32` / `t64` force that kernel (MoE: tiles of that size; dense: no splits); any other entry
+NAME or NAME=VALUE (several joined by +) compiles the module with `#define NAME VALUE` before its source (gemm.cu's
+compile-time alternatives), run as the engine's kernel without splits.
 
     python bench/gpu_gemm.py [--formats q4_k,q6_k,q8_0] [--tokens 512] [--dense-tokens 16,64,512]
-        [--dense-shapes 4096x2048,2048x4096,512x2048] [--variants ,split,GEMM_DIRECT,GEMM_TOKENS=32] [--repeats 10]
+        [--dense-shapes 4096x2048,2048x4096,512x2048] [--variants ,t32,t64] [--repeats 10]
 """
 import argparse
 import sys
@@ -25,14 +26,14 @@ from gguf import GGMLQuantizationType as Q
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 import gpu_kernels.kernels as kernels_module  # noqa: E402
-from gpu_kernels.gemm import GEMM_ROWS, GEMM_THREADS, GEMM_TOKENS  # noqa: E402
+from gpu_kernels.gemm import GEMM_KERNEL, GEMM_ROWS, GEMM_THREADS, GEMM_TOKENS, MOE_GEMM_TOKENS  # noqa: E402
 from gpu_kernels.kernels import TILE_TOKENS, Kernels, format_tuning, tuned_module_name, tuned_source  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from gpu_kernels.sources import GEMM_KERNELS  # noqa: E402
 from hybrid.backends.gpu_experts import work_tiles  # noqa: E402
 
 NUM_EXPERTS, TOP_K, WIDTH, HIDDEN = 128, 8, 768, 2048
-SPLIT = "split"  # --variants entry: the default GEMM with its dense launches' columns split (split_columns)
+FORCED = {"t32": MOE_GEMM_TOKENS, "t64": GEMM_TOKENS}  # --variants entries: that kernel, without splits
 QUEUED = 4
 F16_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,)}  # byte offsets of a block's f16 scales
 
@@ -84,8 +85,11 @@ def variant_defines(variant):
     return dict((part.partition("=")[0], part.partition("=")[2] or "1") for part in variant.split("+") if part)
 
 
-def variant_gemm(rt, qtype, variant):
-    """{kernel name: compiled function} of qtype's GEMM with variant_defines(variant) before its module's source."""
+def variant_gemm(rt, kernels, qtype, variant):
+    """{kernel name: compiled function} of qtype's GEMM module: the engine's for "", "t32", "t64", else with
+    variant_defines(variant) before its source."""
+    if variant in ("", *FORCED):
+        return {name: kernels._mm(qtype, name) for name in GEMM_KERNELS}
     rows, _, blocks = format_tuning(qtype)
     defines = "".join(f"#define {name} {value}\n" for name, value in variant_defines(variant).items())
     suffix = "".join(f"_{name}{value}" for name, value in variant_defines(variant).items())
@@ -93,25 +97,28 @@ def variant_gemm(rt, qtype, variant):
                       GEMM_KERNELS)
 
 
-def tile_tokens(variant):
-    """Tokens a GEMM block of the variant takes (its GEMM_TOKENS)."""
-    return int(variant_defines(variant).get("GEMM_TOKENS", GEMM_TOKENS))
-
-
 def describe(rt, kernels, qtype, variants):
-    """A line per variant: the GEMM's registers a thread and blocks an SM holds."""
-    for variant in variants:
-        if variant == SPLIT:
-            continue
-        fn = variant_gemm(rt, qtype, variant)["gemm"] if variant else kernels._mm(qtype, "gemm")
-        blocks = rt.resident_blocks(fn, GEMM_THREADS) // rt.multiprocessors
-        print(f"# {qtype.name} {variant or 'default'}: {getattr(fn, 'num_regs', '?')} registers a thread, "
-              f"{blocks} blocks an SM")
+    """A line per kernel and compiled variant: registers a thread and blocks an SM holds."""
+    for variant in [v for v in variants if v not in FORCED]:
+        for tokens, name in GEMM_KERNEL.items():
+            fn = variant_gemm(rt, kernels, qtype, variant)[name]
+            blocks = rt.resident_blocks(fn, GEMM_THREADS) // rt.multiprocessors
+            print(f"# {qtype.name} {variant or 'default'} {name}: {getattr(fn, 'num_regs', '?')} registers a thread, "
+                  f"{blocks} blocks an SM")
+
+
+def launch(kernels, fn, tokens, raw, x, out, num_rows, tiles=None):
+    """One launch of a compiled GEMM of `tokens` a block over x [N, C]: with work tiles (3 device int32 [W]), else
+    dense without splits."""
+    none = np.uint64(0)
+    grid = (-(-num_rows // GEMM_ROWS), len(tiles[0]) if tiles else -(-x.shape[0] // tokens))
+    kernels._launch(fn, grid, GEMM_THREADS, (raw, x, out, *(tiles or (none,) * 3), np.int32(x.shape[0]),
+                                              np.int32(num_rows), np.int32(x.shape[1]), np.int64(raw.shape[-1])))
 
 
 def moe_case(rt, kernels, qtype, raw, x, tiles, num_rows, variants, repeats):
-    """(old seconds, {variant: (seconds, diff)}) of one projection over the grouped pairs x [N, C]; tiles: {tokens a
-    tile: device work tiles}."""
+    """(old seconds, {label: (seconds, diff)}) of one projection over the grouped pairs x [N, C]; tiles: {tokens a
+    tile: device work tiles}. Variants: "" the engine's tiles (MOE_GEMM_TOKENS), "t32" / "t64" those tiles."""
     out_old = rt.empty((x.shape[0], num_rows), np.float32)
     out_new = rt.empty((x.shape[0], num_rows), np.float32)
     old = timed(rt, lambda: kernels.moe_matmul(raw, qtype, x, out_old, *tiles[TILE_TOKENS], tile_tokens=TILE_TOKENS),
@@ -119,23 +126,18 @@ def moe_case(rt, kernels, qtype, raw, x, tiles, num_rows, variants, repeats):
     ref = rt.to_host(out_old)
     results = {}
     for variant in variants:
-        if variant == SPLIT:
-            continue
-        if variant:
-            fn, own = variant_gemm(rt, qtype, variant)["gemm"], tiles[tile_tokens(variant)]
-            args = (raw, x, out_new, *own, np.int32(x.shape[0]), np.int32(num_rows), np.int32(x.shape[1]),
-                    np.int64(raw.shape[-1]))
-            grid = (-(-num_rows // GEMM_ROWS), len(own[0]))
-            call = lambda: kernels._launch(fn, grid, GEMM_THREADS, args)  # noqa: E731
-        else:
-            call = lambda: kernels.moe_matmul(raw, qtype, x, out_new, *tiles[GEMM_TOKENS],  # noqa: E731
-                                              tile_tokens=GEMM_TOKENS)
-        seconds = timed(rt, call, repeats)
-        results[variant] = seconds, float(np.abs(rt.to_host(out_new) - ref).max() / np.abs(ref).max())
+        tokens = FORCED.get(variant, MOE_GEMM_TOKENS)
+        fn = variant_gemm(rt, kernels, qtype, variant)[GEMM_KERNEL[tokens]]
+        seconds = timed(rt, lambda: launch(kernels, fn, tokens, raw, x, out_new, num_rows, tiles[tokens]), repeats)
+        label = f"{variant or 'default'} (tiles {tokens})"
+        results[label] = seconds, float(np.abs(rt.to_host(out_new) - ref).max() / np.abs(ref).max())
     return old, results
 
 
 def dense_case(rt, kernels, qtype, raw, x, variants, repeats):
+    """(old seconds, {label: (seconds, diff)}) of a dense matmul. Variants: "" the engine's plan (Kernels.gemm:
+    tokens a block and column splits), "t32" / "t64" that kernel without splits, others the plan's kernel without
+    splits."""
     num_tokens, num_rows = x.shape[0], raw.shape[0]
     out_old = rt.empty((num_tokens, num_rows), np.float32)
     out_new = rt.empty((num_tokens, num_rows), np.float32)
@@ -143,22 +145,18 @@ def dense_case(rt, kernels, qtype, raw, x, variants, repeats):
         old = timed(rt, lambda: kernels.matmul(raw, qtype, x, out_old), repeats)
     ref = rt.to_host(out_old)
     results = {}
+    plan_tokens, splits = kernels.gemm_plan(qtype, num_tokens, num_rows, x.shape[1])
     for variant in variants:
-        kernels.split_columns = variant == SPLIT
-        if variant and variant != SPLIT:
-            fn = variant_gemm(rt, qtype, variant)["gemm"]
-            none = np.uint64(0)
-            args = (raw, x, out_new, none, none, none, np.int32(num_tokens), np.int32(num_rows), np.int32(x.shape[1]),
-                    np.int64(raw.shape[-1]))
-            grid = (-(-num_rows // GEMM_ROWS), -(-num_tokens // tile_tokens(variant)))
-            call = lambda: kernels._launch(fn, grid, GEMM_THREADS, args)  # noqa: E731
+        if variant:
+            tokens = FORCED.get(variant, plan_tokens)
+            fn = variant_gemm(rt, kernels, qtype, variant)[GEMM_KERNEL[tokens]]
+            call = lambda: launch(kernels, fn, tokens, raw, x, out_new, num_rows)  # noqa: E731
+            label = f"{variant} ({tokens} tokens)"
         else:
             call = lambda: kernels.gemm(raw, qtype, x, out_new)  # noqa: E731
+            label = f"default ({plan_tokens} tokens, {splits} splits)"
         seconds = timed(rt, call, repeats)
-        results[variant] = seconds, float(np.abs(rt.to_host(out_new) - ref).max() / np.abs(ref).max())
-        if variant == SPLIT:
-            results[f"{SPLIT} {kernels.gemm_splits(qtype, num_tokens, num_rows, x.shape[1])}"] = results.pop(variant)
-    kernels.split_columns = False
+        results[label] = seconds, float(np.abs(rt.to_host(out_new) - ref).max() / np.abs(ref).max())
     return old, results
 
 
@@ -192,7 +190,7 @@ def main():
     print(f"# {rt.device_name}: {args.tokens} tokens x top-{TOP_K} over {NUM_EXPERTS} experts = {num_pairs} pairs, "
           f"{sizes.min()}-{sizes.max()} an expert (mean {sizes.mean():.1f})\n")
     tiles = {t: [rt.to_device(np.ascontiguousarray(a)) for a in work_tiles(row_starts, slots, t)]
-             for t in {TILE_TOKENS, GEMM_TOKENS, *map(tile_tokens, variants)}}
+             for t in (TILE_TOKENS, *GEMM_KERNEL)}
     formats = [Q[name.strip().upper()] for name in args.formats.split(",")]
     for qtype in formats:
         describe(rt, kernels, qtype, variants)
@@ -203,9 +201,9 @@ def main():
 
     def report(case, qtype, shape, tokens, old, results):
         flops = 2.0 * shape[0] * shape[1] * tokens
-        for variant, (seconds, diff) in results.items():
+        for label, (seconds, diff) in results.items():
             print(f"| {case} | {qtype.name} | {shape[0]} x {shape[1]} | {tokens} | {old * 1e3:.3f} | "
-                  f"{flops / old / 1e12:.2f} | {variant or 'default'} | {seconds * 1e3:.3f} | "
+                  f"{flops / old / 1e12:.2f} | {label} | {seconds * 1e3:.3f} | "
                   f"{flops / seconds / 1e12:.2f} | {old / seconds:.2f}x | {diff:.1e} |", flush=True)
 
     for qtype in formats:

@@ -1,7 +1,8 @@
 """Launchers of the shared-memory tiled matmuls of prompt chunks (src/gemm.cu, in the matmul modules of GEMM_FORMATS):
-a block dequantizes a tile of GEMM_ROWS weight rows once for up to GEMM_TOKENS tokens, where the TILE_TOKENS kernels
-dequantize each row again for every 8 tokens. Kernels.matmul takes them from GEMM_MIN_TOKENS tokens on, and
-Kernels.moe_matmul for work tiles of more than TILE_TOKENS rows (moe_tile_tokens picks the tile size).
+a block dequantizes a tile of GEMM_ROWS weight rows once for up to 64 tokens (kernel `gemm`) or 32 (`gemm32`), where
+the TILE_TOKENS kernels dequantize each row again for every 8 tokens. Kernels.matmul takes them from GEMM_MIN_TOKENS
+tokens on, and Kernels.moe_matmul for work tiles of more than TILE_TOKENS rows (moe_tile_tokens picks the tile size:
+MOE_GEMM_TOKENS, as the experts' groups of a prompt chunk are small: 32 pairs on average at 512 tokens x top-8 of 128).
 
 Shape legend: T tokens, R output rows, C columns, B bytes per row, S expert slots, N pair rows, W work tiles.
 """
@@ -12,12 +13,14 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 GEMM_FORMATS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # matmul modules with gemm.cu
-GEMM_KERNELS = ("gemm", "gemm_reduce")
+GEMM_KERNELS = ("gemm", "gemm32", "gemm_reduce")
 GEMM_ROWS = 128  # gemm.cu's GEMM_ROWS: weight rows a block
-GEMM_TOKENS = 64  # gemm.cu's GEMM_TOKENS: tokens (pair rows) a block
+GEMM_TOKENS = 64  # tokens a block of gemm.cu's `gemm` (a dense matmul's, unless its blocks would be few)
+MOE_GEMM_TOKENS = 32  # pair rows a block of `gemm32` (the experts' work tiles)
+GEMM_KERNEL = {GEMM_TOKENS: "gemm", MOE_GEMM_TOKENS: "gemm32"}
 GEMM_THREADS = 128
 GEMM_STAGE_BYTES = 160  # a staged row's raw bytes at most where the format's blocks are smaller (gemm_geometry)
-GEMM_MIN_TOKENS = 16  # a dense matmul of at least this many tokens takes the tiled GEMM
+GEMM_MIN_TOKENS = 64  # a dense matmul of at least this many tokens takes the tiled GEMM (H100: 16 was 0.25-0.6x)
 GEMM_MIN_PAIRS = 8  # a prompt chunk's expert groups take it where they average at least this many pairs
 GEMM_MAX_SPLITS = 8  # a dense GEMM's column splits at most (GemmLaunchers.gemm_splits)
 GEMM_SPLIT_MIN_TOKENS = 128  # splits only from here: no decode step (a captured graph) gets their scratch allocation
@@ -50,12 +53,12 @@ def gemm_fits(qtype, num_cols):
 
 
 def moe_tile_tokens(projections, num_pairs, num_groups, small):
-    """Pair rows a work tile of a prompt chunk's expert matmuls: GEMM_TOKENS (moe_gemm) where every projection
+    """Pair rows a work tile of a prompt chunk's expert matmuls: MOE_GEMM_TOKENS (moe_gemm) where every projection
     (qtype, columns) fits the GEMM and the num_groups groups average at least GEMM_MIN_PAIRS of the num_pairs
     pairs, else `small` (the TILE_TOKENS kernels)."""
     if num_pairs < GEMM_MIN_PAIRS * max(1, num_groups) or not all(gemm_fits(q, c) for q, c in projections):
         return small
-    return GEMM_TOKENS
+    return MOE_GEMM_TOKENS
 
 
 def split_count(num_blocks, num_stages, target_blocks):
@@ -69,43 +72,51 @@ def split_count(num_blocks, num_stages, target_blocks):
 
 class GemmLaunchers:
     """The tiled GEMM launches of Kernels (which supplies rt, _mm, the compiled kernel of a format's matmul module,
-    and _launch). split_columns: a dense GEMM of at least GEMM_SPLIT_MIN_TOKENS tokens whose blocks would not fill
-    every multiprocessor twice splits its columns (split_count) into partial sums, added up in order by gemm_reduce
-    (off unless set: bench/gpu_gemm.py measures it)."""
+    and _launch). A dense GEMM whose 64-token blocks would be fewer than the multiprocessors takes 32-token ones;
+    split_columns: one of at least GEMM_SPLIT_MIN_TOKENS tokens whose blocks would still be fewer than the
+    multiprocessors splits its columns (split_count) into partial sums, added up in order by gemm_reduce (a 512-token
+    prompt's router [128, 2048] F32: 8 blocks of 64 tokens, 128 of 32 tokens in 8 splits)."""
 
-    split_columns = False
+    split_columns = True
     _gemm_partial = None  # f32 scratch of the splits' partial sums, grown as needed
 
-    def gemm_splits(self, qtype, num_tokens, num_rows, num_cols):
-        """Column splits of the dense GEMM of [num_tokens, num_cols] by [num_rows, num_cols] (1: none)."""
+    def gemm_plan(self, qtype, num_tokens, num_rows, num_cols):
+        """(tokens a block, column splits) of the dense GEMM of [num_tokens, num_cols] by [num_rows, num_cols]."""
+        row_blocks = -(-num_rows // GEMM_ROWS)
+        tokens = GEMM_TOKENS if row_blocks * -(-num_tokens // GEMM_TOKENS) >= self.rt.multiprocessors else \
+            MOE_GEMM_TOKENS
         if not self.split_columns or num_tokens < GEMM_SPLIT_MIN_TOKENS:
-            return 1
-        num_blocks = -(-num_rows // GEMM_ROWS) * -(-num_tokens // GEMM_TOKENS)
-        return split_count(num_blocks, num_cols // gemm_geometry(qtype)[0], 2 * self.rt.multiprocessors)
+            return tokens, 1
+        num_blocks = row_blocks * -(-num_tokens // tokens)
+        return tokens, split_count(num_blocks, num_cols // gemm_geometry(qtype)[0], self.rt.multiprocessors)
 
     def gemm(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous, gemm_fits(qtype, C)."""
         num_tokens, num_cols = x.shape
         num_rows, none = raw.shape[0], np.uint64(0)  # no work tiles: null pointers
-        splits = self.gemm_splits(qtype, num_tokens, num_rows, num_cols)
+        tokens, splits = self.gemm_plan(qtype, num_tokens, num_rows, num_cols)
         target = out
         if splits > 1:
             size = splits * num_tokens * num_rows
             if self._gemm_partial is None or self._gemm_partial.size < size:
                 self._gemm_partial = self.rt.empty((size,), np.float32)
             target = self._gemm_partial
-        self._launch(self._mm(qtype, "gemm"), (-(-num_rows // GEMM_ROWS), -(-num_tokens // GEMM_TOKENS), splits),
-                     GEMM_THREADS, (raw, x, target, none, none, none, np.int32(num_tokens), np.int32(num_rows),
-                                    np.int32(num_cols), np.int64(raw.shape[-1])))
+        grid = (-(-num_rows // GEMM_ROWS), -(-num_tokens // tokens), splits)
+        self._launch(self._mm(qtype, GEMM_KERNEL[tokens]), grid, GEMM_THREADS,
+                     (raw, x, target, none, none, none, np.int32(num_tokens), np.int32(num_rows), np.int32(num_cols),
+                      np.int64(raw.shape[-1])))
         if splits > 1:
             n = num_tokens * num_rows
             self._launch(self._mm(qtype, "gemm_reduce"), (-(-n // REDUCE_THREADS),), REDUCE_THREADS,
                          (target, out, np.int64(n), np.int32(splits)))
 
-    def moe_gemm(self, raw, qtype, x, out, tile_slot, tile_row, tile_count):
+    def moe_gemm(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=MOE_GEMM_TOKENS):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W] of at
-        most GEMM_TOKENS rows; gemm_fits(qtype, C)."""
+        most tile_tokens rows (MOE_GEMM_TOKENS or GEMM_TOKENS); gemm_fits(qtype, C)."""
+        if tile_tokens not in GEMM_KERNEL:
+            raise ValueError(f"moe_gemm: work tiles of {tile_tokens} rows; expected one of {sorted(GEMM_KERNEL)}")
         num_rows, num_cols = raw.shape[1], x.shape[1]
-        self._launch(self._mm(qtype, "gemm"), (-(-num_rows // GEMM_ROWS), len(tile_slot)), GEMM_THREADS,
+        self._launch(self._mm(qtype, GEMM_KERNEL[tile_tokens]), (-(-num_rows // GEMM_ROWS), len(tile_slot)),
+                     GEMM_THREADS,
                      (raw, x, out, tile_slot, tile_row, tile_count, np.int32(x.shape[0]), np.int32(num_rows),
                       np.int32(num_cols), np.int64(raw.shape[-1])))

@@ -289,10 +289,10 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=TILE_TOKENS):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W]
-        of at most `tile_tokens` rows (1: the one-row kernel; up to TILE_TOKENS: the tiled one; more, up to
-        GEMM_TOKENS: the tiled GEMM, for formats where gemm.moe_tile_tokens gives it)."""
+        of at most `tile_tokens` rows (1: the one-row kernel; up to TILE_TOKENS: the tiled one; 32 or 64: the tiled
+        GEMM's kernel of that many, for formats where gemm.moe_tile_tokens gives it)."""
         if tile_tokens > TILE_TOKENS:
-            return self.moe_gemm(raw, qtype, x, out, tile_slot, tile_row, tile_count)
+            return self.moe_gemm(raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens)
         one = tile_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul_1" if one else "moe_matmul",
                                                           raw.shape[1], x.shape[1], raw.shape[-1], one,

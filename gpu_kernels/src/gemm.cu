@@ -1,10 +1,10 @@
 // Shared-memory tiled matmuls for prompt chunks, compiled into the matmul modules of gemm.py's GEMM_FORMATS after
 // matmul.cu: they read the format's UNIT_WEIGHTS and unit_dequant (bit-exact with gguf).
-// A block computes an output tile of GEMM_ROWS weight rows x GEMM_TOKENS tokens. Its threads copy the raw bytes of a
-// stage of GEMM_STAGE_COLS columns of its rows into shared memory (neighbouring threads, neighbouring words); then per
-// step of GEMM_K columns thread i dequantizes row i's step from there into the weight tile (shared memory), the x
-// tile (loaded a step ahead) is stored beside it, and each thread accumulates its micro-tile of GEMM_TM rows x
-// GEMM_TN tokens in float32.
+// A block computes an output tile of GEMM_ROWS weight rows x TOKENS tokens (64: `gemm`, 32: `gemm32`). Its threads
+// copy the raw bytes of a stage of GEMM_STAGE_COLS columns of its rows into shared memory (neighbouring threads,
+// neighbouring words); then per step of GEMM_K columns thread i dequantizes row i's step from there into the weight
+// tile (shared memory), the x tile (loaded a step ahead) is stored beside it, and each thread accumulates its
+// micro-tile of GEMM_TM rows x TOKENS / 8 tokens in float32.
 // A weight is dequantized once per block, for all the block's tokens (the TILE_TOKENS kernels do it once per 8
 // tokens). Threads whose tokens lie past the tile's count skip the products (a MoE tile holds its expert's pairs).
 // gemm.py's gemm_defines sets, per format: GEMM_BLOCK_WEIGHTS and GEMM_BLOCK_BYTES (the format's block),
@@ -12,31 +12,14 @@
 // stay within 48 KiB of static shared memory.
 //
 // Shape legend: R output rows, C columns, B bytes per row, T tokens, N pair rows, W work tiles,
-// n tokens of a tile (<= GEMM_TOKENS).
+// n tokens of a tile (<= TOKENS).
 
-#ifndef GEMM_TOKENS
-#define GEMM_TOKENS 64
-#endif
 #define GEMM_ROWS 128
 #define GEMM_THREADS 128  // = GEMM_ROWS: thread i dequantizes row i of the tile
 #define GEMM_TM 8         // rows a thread: two runs of 4, GEMM_ROWS / 2 apart (float4 reads without bank conflicts)
-#define GEMM_TN (GEMM_TOKENS / 8)  // tokens a thread, side by side (a multiple of 4)
 #define GEMM_RG (GEMM_ROWS / GEMM_TM)  // row groups: thread t takes row group t % GEMM_RG, token group t / GEMM_RG
 #define GEMM_STAGE_BYTES (GEMM_STAGE_COLS / GEMM_BLOCK_WEIGHTS * GEMM_BLOCK_BYTES)  // a row's raw bytes a stage
 #define GEMM_STAGE_WORDS (((GEMM_STAGE_BYTES + 3) / 4) | 1)  // a staged row's stride: odd, no bank conflicts
-
-// Compile-time alternatives (bench/gpu_gemm.py --variants times them side by side): GEMM_MIN_BLOCKS > 0 caps the
-// registers so that that many blocks fit on an SM (CUDA only; HIP's second bound is another quantity);
-// GEMM_DIRECT dequantizes from the rows in global memory (each thread its own row) instead of the staged bytes;
-// GEMM_TOKENS 32 (the launcher's tiles then 32 tokens) gives a thread 4 tokens.
-#ifndef GEMM_MIN_BLOCKS
-#define GEMM_MIN_BLOCKS 0
-#endif
-#if GEMM_MIN_BLOCKS > 0 && !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC_RTC__)
-#define GEMM_BOUNDS __launch_bounds__(GEMM_THREADS, GEMM_MIN_BLOCKS)
-#else
-#define GEMM_BOUNDS __launch_bounds__(GEMM_THREADS)
-#endif
 
 // staged [GEMM_ROWS][GEMM_STAGE_WORDS] words = the stage's raw bytes (`offset` into each row) of rows r0 .. (clamped
 // to R - 1), copied in T-sized pieces (u32 where rows and stages are 4-byte multiples, else u16).
@@ -66,58 +49,66 @@ __device__ __forceinline__ void gemm_dequant(const u8* row, int k0, float (&w)[G
     for (int u = 0; u < GEMM_K / UNIT_WEIGHTS; ++u) unit_dequant(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
 }
 
-// A thread's part of the x tile of a step: GEMM_X_LOADS float4s of x [n, C] (tokens past n: zeros), loaded a step
-// ahead (gemm_load_x) so that their reads are in flight during the products, and stored into the tile transposed
-// (gemm_store_x): xs [GEMM_K][GEMM_TOKENS]. Neighbouring threads take neighbouring tokens (no bank conflicts).
-#define GEMM_X_LOADS (GEMM_TOKENS * GEMM_K / 4 / GEMM_THREADS)
+// A thread's part of the x tile of a step: X_LOADS float4s of x [n, C] (tokens past n: zeros), loaded a step ahead
+// (gemm_load_x) so that their reads are in flight during the products, and stored into the tile transposed
+// (gemm_store_x): xs [GEMM_K][TOKENS]. Neighbouring threads take neighbouring tokens (no bank conflicts).
+template <int TOKENS>
+struct GemmShape {
+    static const int TN = TOKENS / 8;  // tokens a thread, side by side (a multiple of 4)
+    static const int X_LOADS = TOKENS * GEMM_K / 4 / GEMM_THREADS;
+};
 
+template <int TOKENS>
 __device__ __forceinline__ void gemm_load_x(const float* __restrict__ x, int C, int n, int k0,
-                                            float4 (&v)[GEMM_X_LOADS]) {
+                                            float4 (&v)[GemmShape<TOKENS>::X_LOADS]) {
 #pragma unroll
-    for (int l = 0; l < GEMM_X_LOADS; ++l) {
-        int i = threadIdx.x + l * GEMM_THREADS, t = i % GEMM_TOKENS, q = i / GEMM_TOKENS;
+    for (int l = 0; l < GemmShape<TOKENS>::X_LOADS; ++l) {
+        int i = threadIdx.x + l * GEMM_THREADS, t = i % TOKENS, q = i / TOKENS;
         v[l] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (t < n) v[l] = *(const float4*)(x + (i64)t * C + k0 + 4 * q);
     }
 }
 
-__device__ __forceinline__ void gemm_store_x(const float4 (&v)[GEMM_X_LOADS], float* xs) {
+template <int TOKENS>
+__device__ __forceinline__ void gemm_store_x(const float4 (&v)[GemmShape<TOKENS>::X_LOADS], float* xs) {
 #pragma unroll
-    for (int l = 0; l < GEMM_X_LOADS; ++l) {
-        int i = threadIdx.x + l * GEMM_THREADS, t = i % GEMM_TOKENS, q = i / GEMM_TOKENS;
-        xs[(4 * q + 0) * GEMM_TOKENS + t] = v[l].x;
-        xs[(4 * q + 1) * GEMM_TOKENS + t] = v[l].y;
-        xs[(4 * q + 2) * GEMM_TOKENS + t] = v[l].z;
-        xs[(4 * q + 3) * GEMM_TOKENS + t] = v[l].w;
+    for (int l = 0; l < GemmShape<TOKENS>::X_LOADS; ++l) {
+        int i = threadIdx.x + l * GEMM_THREADS, t = i % TOKENS, q = i / TOKENS;
+        xs[(4 * q + 0) * TOKENS + t] = v[l].x;
+        xs[(4 * q + 1) * TOKENS + t] = v[l].y;
+        xs[(4 * q + 2) * TOKENS + t] = v[l].z;
+        xs[(4 * q + 3) * TOKENS + t] = v[l].w;
     }
 }
 
-// acc [GEMM_TM][GEMM_TN] += the thread's rows of ws [GEMM_K][GEMM_ROWS] times its tokens of xs [GEMM_K][GEMM_TOKENS].
+// acc [GEMM_TM][TN] += the thread's rows of ws [GEMM_K][GEMM_ROWS] times its tokens of xs [GEMM_K][TOKENS].
+template <int TOKENS, int TN>
 __device__ __forceinline__ void gemm_products(const float4* ws, const float4* xs, int rg, int tg,
-                                              float (&acc)[GEMM_TM][GEMM_TN]) {
+                                              float (&acc)[GEMM_TM][TN]) {
 #pragma unroll 8
     for (int k = 0; k < GEMM_K; ++k) {
         float4 a0 = ws[k * (GEMM_ROWS / 4) + rg], a1 = ws[k * (GEMM_ROWS / 4) + GEMM_RG + rg];
         float a[GEMM_TM] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-        float b[GEMM_TN];
+        float b[TN];
 #pragma unroll
-        for (int q = 0; q < GEMM_TN / 4; ++q) {
-            float4 bq = xs[k * (GEMM_TOKENS / 4) + (GEMM_TN / 4) * tg + q];
+        for (int q = 0; q < TN / 4; ++q) {
+            float4 bq = xs[k * (TOKENS / 4) + (TN / 4) * tg + q];
             b[4 * q] = bq.x, b[4 * q + 1] = bq.y, b[4 * q + 2] = bq.z, b[4 * q + 3] = bq.w;
         }
 #pragma unroll
         for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
-            for (int j = 0; j < GEMM_TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+            for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
     }
 }
 
-// out [n, R] (rows t R apart): the thread's micro-tile of rows r0 + .. and tokens GEMM_TN tg + .., within R and n.
+// out [n, R] (rows t R apart): the thread's micro-tile of rows r0 + .. and tokens TN tg + .., within R and n.
+template <int TN>
 __device__ __forceinline__ void gemm_store(float* __restrict__ out, int R, int r0, int n, int rg, int tg,
-                                           const float (&acc)[GEMM_TM][GEMM_TN]) {
+                                           const float (&acc)[GEMM_TM][TN]) {
 #pragma unroll
-    for (int j = 0; j < GEMM_TN; ++j) {
-        int t = GEMM_TN * tg + j;
+    for (int j = 0; j < TN; ++j) {
+        int t = TN * tg + j;
         if (t >= n) break;
         float* dst = out + (i64)t * R;
 #pragma unroll
@@ -137,62 +128,56 @@ __device__ __forceinline__ void gemm_store(float* __restrict__ out, int R, int r
 
 // out [n, R] = x [n, :cols] @ dequant(raw [R, B])[:, :cols].T for the block's GEMM_ROWS rows from r0 (rows past R:
 // clamped reads, no stores); x's rows are C apart.
+template <int TOKENS>
 __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const float* __restrict__ x,
                                           float* __restrict__ out, int n, int R, int C, int cols, i64 row_bytes,
                                           int r0) {
-    __shared__ float4 ws[GEMM_K * GEMM_ROWS / 4];    // [GEMM_K][GEMM_ROWS]
-    __shared__ float4 xs[GEMM_K * GEMM_TOKENS / 4];  // [GEMM_K][GEMM_TOKENS]
+    const int TN = GemmShape<TOKENS>::TN;
+    __shared__ float4 ws[GEMM_K * GEMM_ROWS / 4];           // [GEMM_K][GEMM_ROWS]
+    __shared__ float4 xs[GEMM_K * TOKENS / 4];              // [GEMM_K][TOKENS]
+    __shared__ u32 staged[GEMM_ROWS * GEMM_STAGE_WORDS];   // [GEMM_ROWS][GEMM_STAGE_WORDS]
     int rg = threadIdx.x % GEMM_RG, tg = threadIdx.x / GEMM_RG;
-    bool active = GEMM_TN * tg < n;
-    float acc[GEMM_TM][GEMM_TN];
+    bool active = TN * tg < n, words = ((row_bytes | GEMM_STAGE_BYTES) & 3) == 0;
+    const u8* mine = (const u8*)(staged + threadIdx.x * GEMM_STAGE_WORDS);
+    float acc[GEMM_TM][TN];
 #pragma unroll
     for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
-        for (int j = 0; j < GEMM_TN; ++j) acc[i][j] = 0.0f;
-#ifdef GEMM_DIRECT
-    const u8* row = raw + (i64)min(r0 + (int)threadIdx.x, R - 1) * row_bytes;
-#else
-    __shared__ u32 staged[GEMM_ROWS * GEMM_STAGE_WORDS];  // [GEMM_ROWS][GEMM_STAGE_WORDS]
-    bool words = ((row_bytes | GEMM_STAGE_BYTES) & 3) == 0;
-    const u8* mine = (const u8*)(staged + threadIdx.x * GEMM_STAGE_WORDS);
-#endif
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
     float* wsf = (float*)ws;
-    float4 xv[GEMM_X_LOADS];
-    gemm_load_x(x, C, n, 0, xv);
+    float4 xv[GemmShape<TOKENS>::X_LOADS];
+    gemm_load_x<TOKENS>(x, C, n, 0, xv);
     for (int s0 = 0; s0 < cols; s0 += GEMM_STAGE_COLS) {
         i64 offset = (i64)(s0 / GEMM_BLOCK_WEIGHTS) * GEMM_BLOCK_BYTES;
-#ifdef GEMM_DIRECT
-        const u8* mine = row + offset;
-#else
         if (words) gemm_copy_raw<u32>(raw, row_bytes, R, r0, offset, staged);
         else gemm_copy_raw<u16>(raw, row_bytes, R, r0, offset, staged);
         __syncthreads();
-#endif
         for (int k0 = 0; k0 < GEMM_STAGE_COLS; k0 += GEMM_K) {
             float w[GEMM_K];
             gemm_dequant(mine, k0, w);
 #pragma unroll
             for (int k = 0; k < GEMM_K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
-            gemm_store_x(xv, (float*)xs);
+            gemm_store_x<TOKENS>(xv, (float*)xs);
             __syncthreads();
-            if (s0 + k0 + GEMM_K < cols) gemm_load_x(x, C, n, s0 + k0 + GEMM_K, xv);
-            if (active) gemm_products(ws, xs, rg, tg, acc);
+            if (s0 + k0 + GEMM_K < cols) gemm_load_x<TOKENS>(x, C, n, s0 + k0 + GEMM_K, xv);
+            if (active) gemm_products<TOKENS, TN>(ws, xs, rg, tg, acc);
             __syncthreads();
         }
     }
-    if (active) gemm_store(out, R, r0, n, rg, tg, acc);
+    if (active) gemm_store<TN>(out, R, r0, n, rg, tg, acc);
 }
 
-// out [N, R] = x [N, C] @ dequant(raw).T by work tiles of up to GEMM_TOKENS rows. With tiles (tile_slot not null,
+// out [N, R] = x [N, C] @ dequant(raw).T by work tiles of up to TOKENS rows. With tiles (tile_slot not null,
 // moe_matmul's): tile w covers rows [tile_row[w], + tile_count[w]) of x, all of expert slot tile_slot[w] of
-// raw [S, R, B]. Without (a dense matmul): raw [R, B], tile w rows [w GEMM_TOKENS, + GEMM_TOKENS) of N = T; split
-// over gridDim.z runs of C / gridDim.z columns (whole stages), run z writing its partial sums to out [z] of
-// out [gridDim.z, T, R] (gemm_reduce adds them up). grid (ceil(R / GEMM_ROWS), W or ceil(T / GEMM_TOKENS), splits),
-// GEMM_THREADS. One kernel for both: it compiles once.
-extern "C" __global__ void GEMM_BOUNDS gemm(const u8* raw, const float* x, float* out, const int* tile_slot,
-                                            const int* tile_row, const int* tile_count, int T, int R, int C,
-                                            i64 row_bytes) {
-    int w = blockIdx.y, row0 = w * GEMM_TOKENS, n = min(GEMM_TOKENS, T - row0), cols = C / gridDim.z;
+// raw [S, R, B]. Without (a dense matmul): raw [R, B], tile w rows [w TOKENS, + TOKENS) of N = T; split over
+// gridDim.z runs of C / gridDim.z columns (whole stages), run z writing its partial sums to out [z] of
+// out [gridDim.z, T, R] (gemm_reduce adds them up). grid (ceil(R / GEMM_ROWS), W or ceil(T / TOKENS), splits),
+// GEMM_THREADS.
+template <int TOKENS>
+__device__ __forceinline__ void gemm_tile(const u8* raw, const float* x, float* out, const int* tile_slot,
+                                          const int* tile_row, const int* tile_count, int T, int R, int C,
+                                          i64 row_bytes) {
+    int w = blockIdx.y, row0 = w * TOKENS, n = min(TOKENS, T - row0), cols = C / gridDim.z;
     if (tile_slot) {
         row0 = tile_row[w];
         n = tile_count[w];
@@ -200,8 +185,19 @@ extern "C" __global__ void GEMM_BOUNDS gemm(const u8* raw, const float* x, float
     }
     if (n <= 0) return;
     raw += (i64)(blockIdx.z * cols / GEMM_BLOCK_WEIGHTS) * GEMM_BLOCK_BYTES;
-    gemm_body(raw, x + (i64)row0 * C + blockIdx.z * cols, out + (i64)blockIdx.z * T * R + (i64)row0 * R, n, R, C, cols,
-              row_bytes, blockIdx.x * GEMM_ROWS);
+    gemm_body<TOKENS>(raw, x + (i64)row0 * C + blockIdx.z * cols, out + (i64)blockIdx.z * T * R + (i64)row0 * R, n,
+                      R, C, cols, row_bytes, blockIdx.x * GEMM_ROWS);
+}
+
+#define GEMM_ARGS                                                                                                  \
+    const u8 *raw, const float *x, float *out, const int *tile_slot, const int *tile_row, const int *tile_count, \
+        int T, int R, int C, i64 row_bytes
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm(GEMM_ARGS) {
+    gemm_tile<64>(raw, x, out, tile_slot, tile_row, tile_count, T, R, C, row_bytes);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm32(GEMM_ARGS) {
+    gemm_tile<32>(raw, x, out, tile_slot, tile_row, tile_count, T, R, C, row_bytes);
 }
 
 // out [n] = the sum of partial [splits, n] over its splits, in order; grid (ceil(n / blockDim)).

@@ -5,7 +5,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from gpu_kernels.gemm import GEMM_FORMATS, GEMM_MIN_PAIRS, GEMM_TOKENS, gemm_fits, moe_tile_tokens, split_count
+from gpu_kernels.gemm import (GEMM_FORMATS, GEMM_MIN_PAIRS, GEMM_TOKENS, MOE_GEMM_TOKENS, gemm_fits, moe_tile_tokens,
+                              split_count)
 from hybrid.backends.gpu_experts import work_tiles
 from hybrid.formats.synthetic import encode
 
@@ -28,7 +29,7 @@ def reference(raw, qtype, x):
 
 def test_tile_tokens_take_the_gemm_where_every_projection_fits():
     fits = ((Q.Q4_K, 2048), (Q.Q4_K, 2048), (Q.Q6_K, 768))
-    assert moe_tile_tokens(fits, 4096, 128, 8) == GEMM_TOKENS
+    assert moe_tile_tokens(fits, 4096, 128, 8) == MOE_GEMM_TOKENS
     assert moe_tile_tokens(fits, GEMM_MIN_PAIRS * 128 - 1, 128, 8) == 8  # few pairs an expert: the 8-row tiles
     assert moe_tile_tokens(fits[:2] + ((Q.IQ3_S, 768),), 4096, 128, 8) == 8  # a format without the GEMM
     assert moe_tile_tokens(((Q.F32, 40),), 4096, 128, 8) == 8  # columns not a multiple of GEMM_K
@@ -37,12 +38,12 @@ def test_tile_tokens_take_the_gemm_where_every_projection_fits():
 
 
 def test_column_splits_until_the_blocks_fill_the_target():
-    assert split_count(32, 8, 264) == 8  # [512, 2048] Q4_K at 512 tokens on 132 multiprocessors
-    assert split_count(128, 16, 264) == 4
-    assert split_count(256, 8, 264) == 2
-    assert split_count(300, 8, 264) == 1
-    assert split_count(32, 3, 264) == 1  # splits divide the stages
-    assert split_count(1, 64, 264) == 8  # GEMM_MAX_SPLITS
+    assert split_count(64, 8, 132) == 4  # [512, 2048] Q4_K at 512 tokens in 32-token blocks on 132 multiprocessors
+    assert split_count(16, 64, 132) == 8  # the router [128, 2048] F32
+    assert split_count(128, 16, 132) == 2
+    assert split_count(256, 8, 132) == 1
+    assert split_count(32, 3, 132) == 1  # splits divide the stages
+    assert split_count(1, 64, 132) == 8  # GEMM_MAX_SPLITS
 
 
 @pytest.mark.gpu
@@ -72,20 +73,21 @@ def test_gemm_rows_not_a_multiple_of_four(runtime, kernels, qtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens", [MOE_GEMM_TOKENS, GEMM_TOKENS])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_moe_gemm_uneven_tiles(runtime, kernels, qtype):
-    """Groups of 70 (a full tile and 6), none, 1, 64, 200 (three full and 8) and 17 rows, slots in another order than
-    the groups, through Kernels.moe_matmul with tiles of GEMM_TOKENS rows."""
+def test_moe_gemm_uneven_tiles(runtime, kernels, qtype, tile_tokens):
+    """Groups of 70 (full tiles and a short one), none, 1, 64, 200 and 17 rows, slots in another order than the
+    groups, through Kernels.moe_matmul with tiles of 32 (gemm32) and 64 (gemm) rows."""
     rng = np.random.default_rng(int(qtype) + 7)
     raw = quant(rng, qtype, (6, 200, 768))  # [S, R, B]
     sizes = np.array([70, 0, 1, 64, 200, 17])
     slots = np.flatnonzero(sizes)[::-1].copy()
     row_starts = np.concatenate([[0], np.cumsum(sizes[slots])])
-    tiles = work_tiles(row_starts, slots, GEMM_TOKENS)  # [3, W]
+    tiles = work_tiles(row_starts, slots, tile_tokens)  # [3, W]
     x = rng.standard_normal((row_starts[-1], 768)).astype(np.float32)  # [N, C]
     out = runtime.empty((len(x), 200), np.float32)
     kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
-                       *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles], tile_tokens=GEMM_TOKENS)
+                       *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles], tile_tokens=tile_tokens)
     ref = np.empty((len(x), 200), np.float64)
     for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
         ref[start:stop] = reference(raw[slot], qtype, x[start:stop])
@@ -93,19 +95,22 @@ def test_moe_gemm_uneven_tiles(runtime, kernels, qtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda q: q.name)
-def test_gemm_column_splits(runtime, qtype):
-    """A dense GEMM split over runs of columns (few row blocks, many columns), its partial sums added by gemm_reduce;
-    then a larger one reusing the grown scratch."""
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.F16, Q.F32], ids=lambda q: q.name)
+def test_gemm_plans(runtime, qtype):
+    """Dense GEMMs at each of Kernels.gemm's plans: 64-token blocks, 32-token ones (few row blocks), and columns split
+    (their partial sums added by gemm_reduce; a later, larger one grows the scratch), with split_columns on and off."""
     from gpu_kernels.kernels import Kernels
 
     kernels = Kernels(runtime)
-    kernels.split_columns = True
     rng = np.random.default_rng(int(qtype) + 99)
-    for num_rows, num_tokens in ((200, 130), (260, 256)):
-        raw = quant(rng, qtype, (num_rows, 2048))  # [R, B]
+    plans = set()
+    for num_rows, num_tokens in ((200, 130), (128, 512), (260, 256), (4096, 70)):
+        raw = runtime.to_device(quant(rng, qtype, (num_rows, 2048)))  # [R, B]
         x = rng.standard_normal((num_tokens, 2048)).astype(np.float32)  # [T, C]
-        assert kernels.gemm_splits(qtype, num_tokens, num_rows, 2048) > 1
-        out = runtime.empty((num_tokens, num_rows), np.float32)
-        kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
-        assert rel_err(runtime.to_host(out), reference(raw, qtype, x)) < TOL
+        for split in (True, False):
+            kernels.split_columns = split
+            plans.add(kernels.gemm_plan(qtype, num_tokens, num_rows, 2048))
+            out = runtime.empty((num_tokens, num_rows), np.float32)
+            kernels.matmul(raw, qtype, runtime.to_device(x), out)
+            assert rel_err(runtime.to_host(out), reference(runtime.to_host(raw), qtype, x)) < TOL
+    assert {tokens for tokens, _ in plans} == {MOE_GEMM_TOKENS, GEMM_TOKENS} and max(s for _, s in plans) > 1

@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from gpu_kernels.gemm import GEMM_ROWS, GEMM_THREADS, GEMM_TOKENS
+from gpu_kernels.gemm import GEMM_KERNEL, GEMM_ROWS, GEMM_THREADS
 from gpu_kernels.sources import SRC, module_name, module_source
 from hybrid.backends.gpu_experts import work_tiles
 
@@ -57,15 +57,21 @@ static void run_grid(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned
 """
 
 HARNESS = r"""
-extern "C" void run_gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes, int splits) {
-    run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, (T + GEMM_TOKENS - 1) / GEMM_TOKENS, splits, GEMM_THREADS,
-             [=] { gemm(raw, x, out, nullptr, nullptr, nullptr, T, R, C, row_bytes); });
+// tokens: 64 (gemm) or 32 (gemm32) a block.
+extern "C" void run_gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes, int splits,
+                         int tokens) {
+    run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, (T + tokens - 1) / tokens, splits, GEMM_THREADS, [=] {
+        if (tokens == 64) gemm(raw, x, out, nullptr, nullptr, nullptr, T, R, C, row_bytes);
+        else gemm32(raw, x, out, nullptr, nullptr, nullptr, T, R, C, row_bytes);
+    });
 }
 
 extern "C" void run_moe_gemm(const u8* raw, const float* x, float* out, const int* tile_slot, const int* tile_row,
-                             const int* tile_count, int W, int N, int R, int C, i64 row_bytes) {
-    run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, W, 1, GEMM_THREADS,
-             [=] { gemm(raw, x, out, tile_slot, tile_row, tile_count, N, R, C, row_bytes); });
+                             const int* tile_count, int W, int N, int R, int C, i64 row_bytes, int tokens) {
+    run_grid((R + GEMM_ROWS - 1) / GEMM_ROWS, W, 1, GEMM_THREADS, [=] {
+        if (tokens == 64) gemm(raw, x, out, tile_slot, tile_row, tile_count, N, R, C, row_bytes);
+        else gemm32(raw, x, out, tile_slot, tile_row, tile_count, N, R, C, row_bytes);
+    });
 }
 """
 
@@ -99,15 +105,16 @@ def _ptr(a):
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, pytest.param(Q.Q8_0, marks=pytest.mark.slow),
                                    pytest.param(Q.F16, marks=pytest.mark.slow)], ids=lambda q: q.name)
 def test_emulated_gemm(build, qtype):
-    """Rows past the last block (200, and 67: stores one by one), tokens past the last tile (70 = 64 + 6); raw bytes
+    """Rows past the last block (200, and 67: stores one by one), tokens past the last tile (70 = 64 + 6, 2 x 32 + 6,
+    9); raw bytes
     staged in words (Q4_K, Q8_0, F16) and in halves (Q6_K: 210-byte stages)."""
-    assert (GEMM_ROWS, GEMM_TOKENS, GEMM_THREADS) == (128, 64, 128)
+    assert (GEMM_ROWS, GEMM_THREADS, sorted(GEMM_KERNEL)) == (128, 128, [32, 64])
     lib, rng = build(qtype), np.random.default_rng(int(qtype))
-    for num_rows, num_tokens in ((200, 70), (67, 9)):
+    for num_rows, num_tokens, tokens in ((200, 70, 64), (67, 9, 64), (200, 70, 32)):
         raw = np.ascontiguousarray(quant(rng, qtype, (num_rows, 512)))  # [R, B]
         x = rng.standard_normal((num_tokens, 512)).astype(np.float32)  # [T, C]
         out = np.full((num_tokens, num_rows), np.nan, np.float32)
-        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(out), num_tokens, num_rows, 512, ctypes.c_int64(raw.shape[1]), 1)
+        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(out), num_tokens, num_rows, 512, ctypes.c_int64(raw.shape[1]), 1, tokens)
         assert rel_err(out, reference(raw, qtype, x)) < 1e-5
 
 
@@ -116,9 +123,9 @@ def test_emulated_gemm_column_splits(build):
     lib, rng = build(Q.Q4_K), np.random.default_rng(11)
     raw = np.ascontiguousarray(quant(rng, Q.Q4_K, (130, 1024)))  # [R, B]: 4 stages
     x = rng.standard_normal((33, 1024)).astype(np.float32)  # [T, C]
-    for splits in (2, 4):
+    for splits, tokens in ((2, 64), (4, 32)):
         partial = np.full((splits, 33, 130), np.nan, np.float32)
-        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(partial), 33, 130, 1024, ctypes.c_int64(raw.shape[1]), splits)
+        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(partial), 33, 130, 1024, ctypes.c_int64(raw.shape[1]), splits, tokens)
         cols = 1024 // splits
         for z in range(splits):
             part = slice(z * cols, (z + 1) * cols)
@@ -128,18 +135,19 @@ def test_emulated_gemm_column_splits(build):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K], ids=lambda q: q.name)
 def test_emulated_moe_gemm(build, qtype):
-    """Groups of 70 (a full tile and 6), none, 1 and 17 rows, slots in another order than the groups; rows of no
-    tile keep what they held."""
+    """Groups of 70 (full tiles and a short one), none, 1 and 17 rows, slots in another order than the groups, tiles of
+    64 (gemm) and 32 (gemm32) rows; rows of no tile keep what they held."""
     lib, rng = build(qtype), np.random.default_rng(int(qtype) + 3)
     raw = np.ascontiguousarray(quant(rng, qtype, (4, 136, 256)))  # [S, R, B]
     sizes = np.array([70, 0, 1, 17])
     slots = np.flatnonzero(sizes)[::-1].copy()
     row_starts = np.concatenate([[0], np.cumsum(sizes[slots])])
-    tiles = [np.ascontiguousarray(t) for t in work_tiles(row_starts, slots, GEMM_TOKENS)]  # 3 x [W]
     x = rng.standard_normal((row_starts[-1] + 2, 256)).astype(np.float32)  # [N + 2, C]: 2 rows of no tile
-    out = np.full((len(x), 136), 7.0, np.float32)
-    lib.run_moe_gemm(_ptr(raw), _ptr(x), _ptr(out), *map(_ptr, tiles), len(tiles[0]), len(x), 136, 256,
-                     ctypes.c_int64(raw.shape[-1]))
-    for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
-        assert rel_err(out[start:stop], reference(raw[slot], qtype, x[start:stop])) < 1e-5
-    assert (out[row_starts[-1]:] == 7.0).all()
+    for tokens in GEMM_KERNEL:
+        tiles = [np.ascontiguousarray(t) for t in work_tiles(row_starts, slots, tokens)]  # 3 x [W]
+        out = np.full((len(x), 136), 7.0, np.float32)
+        lib.run_moe_gemm(_ptr(raw), _ptr(x), _ptr(out), *map(_ptr, tiles), len(tiles[0]), len(x), 136, 256,
+                         ctypes.c_int64(raw.shape[-1]), tokens)
+        for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
+            assert rel_err(out[start:stop], reference(raw[slot], qtype, x[start:stop])) < 1e-5
+        assert (out[row_starts[-1]:] == 7.0).all()
