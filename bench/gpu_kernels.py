@@ -92,7 +92,8 @@ def compiled_with(macro):
     "NAME": 1; several joined by "+"), under names of their own (macro "": the plain source)."""
     source, name = kernels_module.tuned_source, kernels_module.tuned_module_name
     if macro:
-        line = "".join(f"#define {key} {value or 1}\n" for key, _, value in (m.partition("=") for m in macro.split("+")))
+        pairs = [m.partition("=") for m in macro.split("+")]
+        line = "".join(f"#define {key} {value or 1}\n" for key, _, value in pairs)
         suffix = "".join(c if c.isalnum() else "_" for c in macro.lower())
         kernels_module.tuned_source = lambda q, r, b, defines="": source(q, r, b, line + defines)
         kernels_module.tuned_module_name = lambda q, r, b: f"{name(q, r, b)}_{suffix}"

@@ -31,7 +31,8 @@ __device__ __forceinline__ void iq3s_stage_grid() {
         ((uint4*)iq3s_grid_smem)[i] = make_uint4(v, v, v, v);
     }
 #else
-    for (int i = threadIdx.x; i < 512 * IQ3S_GRID_COPIES; i += blockDim.x) iq3s_grid_smem[i] = IQ3S_GRID[i / IQ3S_GRID_COPIES];
+    for (int i = threadIdx.x; i < 512 * IQ3S_GRID_COPIES; i += blockDim.x)
+        iq3s_grid_smem[i] = IQ3S_GRID[i / IQ3S_GRID_COPIES];
 #endif
 }
 #define STAGE_TABLES() iq3s_stage_grid()
