@@ -19,7 +19,7 @@ GEMM_TOKENS = 64  # tokens a block of gemm.cu's `gemm` (a dense matmul's, unless
 MOE_GEMM_TOKENS = 32  # pair rows a block of `gemm32` (the experts' work tiles)
 GEMM_KERNEL = {GEMM_TOKENS: "gemm", MOE_GEMM_TOKENS: "gemm32"}
 GEMM_THREADS = 128
-GEMM_STAGE_BYTES = 160  # a staged row's raw bytes at most where the format's blocks are smaller (gemm_geometry)
+GEMM_STAGE_BYTES = 160  # a staged row's raw bytes at most where the format's blocks are smaller (stage_columns)
 GEMM_MIN_TOKENS = 64  # a dense matmul of at least this many tokens takes the tiled GEMM (H100: 16 was 0.25-0.6x)
 GEMM_MIN_PAIRS = 8  # a prompt chunk's expert groups take it where they average at least this many pairs
 GEMM_MAX_SPLITS = 8  # a dense GEMM's column splits at most (GemmLaunchers.gemm_splits)
@@ -28,28 +28,26 @@ REDUCE_THREADS = 256
 
 
 @lru_cache(maxsize=None)
-def gemm_geometry(qtype):
-    """(stage columns, step columns GEMM_K) of qtype's GEMM: a stage is whole blocks of the format, at least 32
-    columns, doubled while its raw bytes a row stay within GEMM_STAGE_BYTES; steps of 32 columns, or 16 where the
-    stage takes more than 176 bytes a row (Q6_K: the raw, weight and x tiles then fit 48 KiB of shared memory)."""
+def stage_columns(qtype):
+    """Columns of qtype's GEMM stage: whole blocks of the format, at least 32 columns, doubled while its raw bytes a
+    row stay within GEMM_STAGE_BYTES."""
     block_weights, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
     cols = max(block_weights, 32)
     while block_weights < 256 and 2 * cols // block_weights * block_bytes <= GEMM_STAGE_BYTES:
         cols *= 2
-    return cols, 16 if cols // block_weights * block_bytes > 176 else 32
+    return cols
 
 
 def gemm_defines(qtype):
-    """The #define lines gemm.cu reads for qtype (its block, stage and step)."""
+    """The #define lines gemm.cu reads for qtype (its block and stage)."""
     block_weights, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
-    stage_cols, step = gemm_geometry(qtype)
     return (f"#define GEMM_BLOCK_WEIGHTS {block_weights}\n#define GEMM_BLOCK_BYTES {block_bytes}\n"
-            f"#define GEMM_STAGE_COLS {stage_cols}\n#define GEMM_K {step}\n")
+            f"#define GEMM_STAGE_COLS {stage_columns(qtype)}\n")
 
 
 def gemm_fits(qtype, num_cols):
     """Whether qtype's matmul module has the tiled GEMM and it takes rows of num_cols columns (whole stages)."""
-    return Q(qtype) in GEMM_FORMATS and num_cols % gemm_geometry(qtype)[0] == 0
+    return Q(qtype) in GEMM_FORMATS and num_cols % stage_columns(qtype) == 0
 
 
 def moe_tile_tokens(projections, num_pairs, num_groups, small):
@@ -88,7 +86,7 @@ class GemmLaunchers:
         if not self.split_columns or num_tokens < GEMM_SPLIT_MIN_TOKENS:
             return tokens, 1
         num_blocks = row_blocks * -(-num_tokens // tokens)
-        return tokens, split_count(num_blocks, num_cols // gemm_geometry(qtype)[0], self.rt.multiprocessors)
+        return tokens, split_count(num_blocks, num_cols // stage_columns(qtype), self.rt.multiprocessors)
 
     def gemm(self, raw, qtype, x, out):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous, gemm_fits(qtype, C)."""

@@ -2,14 +2,14 @@
 // matmul.cu: they read the format's UNIT_WEIGHTS and unit_dequant (bit-exact with gguf).
 // A block computes an output tile of GEMM_ROWS weight rows x TOKENS tokens (64: `gemm`, 32: `gemm32`). Its threads
 // copy the raw bytes of a stage of GEMM_STAGE_COLS columns of its rows into shared memory (neighbouring threads,
-// neighbouring words); then per step of GEMM_K columns thread i dequantizes row i's step from there into the weight
+// neighbouring words); then per step of K columns thread i dequantizes row i's step from there into the weight
 // tile (shared memory), the x tile (loaded a step ahead) is stored beside it, and each thread accumulates its
 // micro-tile of GEMM_TM rows x TOKENS / 8 tokens in float32.
 // A weight is dequantized once per block, for all the block's tokens (the TILE_TOKENS kernels do it once per 8
 // tokens). Threads whose tokens lie past the tile's count skip the products (a MoE tile holds its expert's pairs).
-// gemm.py's gemm_defines sets, per format: GEMM_BLOCK_WEIGHTS and GEMM_BLOCK_BYTES (the format's block),
-// GEMM_STAGE_COLS (whole blocks, a multiple of GEMM_K; C must be a multiple) and GEMM_K, so that the three tiles
-// stay within 48 KiB of static shared memory.
+// gemm.py's gemm_defines sets, per format: GEMM_BLOCK_WEIGHTS and GEMM_BLOCK_BYTES (the format's block) and
+// GEMM_STAGE_COLS (whole blocks, a multiple of 32; C must be a multiple). K is 32, or 16 where the three tiles would
+// not fit 48 KiB of static shared memory (Q6_K's 210-byte stages at 64 tokens).
 //
 // Shape legend: R output rows, C columns, B bytes per row, T tokens, N pair rows, W work tiles,
 // n tokens of a tile (<= TOKENS).
@@ -20,6 +20,14 @@
 #define GEMM_RG (GEMM_ROWS / GEMM_TM)  // row groups: thread t takes row group t % GEMM_RG, token group t / GEMM_RG
 #define GEMM_STAGE_BYTES (GEMM_STAGE_COLS / GEMM_BLOCK_WEIGHTS * GEMM_BLOCK_BYTES)  // a row's raw bytes a stage
 #define GEMM_STAGE_WORDS (((GEMM_STAGE_BYTES + 3) / 4) | 1)  // a staged row's stride: odd, no bank conflicts
+#define GEMM_SHARED(T, K) (4 * (K) * (GEMM_ROWS + (T)) + 4 * GEMM_ROWS * GEMM_STAGE_WORDS)  // bytes of the 3 tiles
+// K of the TOKENS = T kernel. GEMM_STEP_MAX 16 (a compile-time alternative for bench/gpu_gemm.py --variants) makes
+// it 16 wherever the format's units allow.
+#ifndef GEMM_STEP_MAX
+#define GEMM_STEP_MAX 32
+#endif
+#define GEMM_STEP(T) (GEMM_SHARED(T, 32) <= 48 * 1024 && (GEMM_STEP_MAX >= 32 || UNIT_WEIGHTS > 16) ? 32 : 16)
+static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS == 0, "a step holds whole units");
 
 // staged [GEMM_ROWS][GEMM_STAGE_WORDS] words = the stage's raw bytes (`offset` into each row) of rows r0 .. (clamped
 // to R - 1), copied in T-sized pieces (u32 where rows and stages are 4-byte multiples, else u16).
@@ -43,19 +51,21 @@ __device__ __forceinline__ void gemm_copy_raw(const u8* __restrict__ raw, i64 ro
     }
 }
 
-// w [GEMM_K] = columns k0 .. k0 + GEMM_K - 1 of a stage whose bytes start at `row`, by the format's unit_dequant.
-__device__ __forceinline__ void gemm_dequant(const u8* row, int k0, float (&w)[GEMM_K]) {
+// w [K] = columns k0 .. k0 + K - 1 of a stage whose bytes start at `row`, by the format's unit_dequant.
+template <int K>
+__device__ __forceinline__ void gemm_dequant(const u8* row, int k0, float (&w)[K]) {
 #pragma unroll
-    for (int u = 0; u < GEMM_K / UNIT_WEIGHTS; ++u) unit_dequant(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
+    for (int u = 0; u < K / UNIT_WEIGHTS; ++u) unit_dequant(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
 }
 
 // A thread's part of the x tile of a step: X_LOADS float4s of x [n, C] (tokens past n: zeros), loaded a step ahead
 // (gemm_load_x) so that their reads are in flight during the products, and stored into the tile transposed
-// (gemm_store_x): xs [GEMM_K][TOKENS]. Neighbouring threads take neighbouring tokens (no bank conflicts).
+// (gemm_store_x): xs [K][TOKENS]. Neighbouring threads take neighbouring tokens (no bank conflicts).
 template <int TOKENS>
 struct GemmShape {
     static const int TN = TOKENS / 8;  // tokens a thread, side by side (a multiple of 4)
-    static const int X_LOADS = TOKENS * GEMM_K / 4 / GEMM_THREADS;
+    static const int K = GEMM_STEP(TOKENS);  // columns a step
+    static const int X_LOADS = TOKENS * K / 4 / GEMM_THREADS;
 };
 
 template <int TOKENS>
@@ -81,12 +91,12 @@ __device__ __forceinline__ void gemm_store_x(const float4 (&v)[GemmShape<TOKENS>
     }
 }
 
-// acc [GEMM_TM][TN] += the thread's rows of ws [GEMM_K][GEMM_ROWS] times its tokens of xs [GEMM_K][TOKENS].
-template <int TOKENS, int TN>
+// acc [GEMM_TM][TN] += the thread's rows of ws [K][GEMM_ROWS] times its tokens of xs [K][TOKENS].
+template <int TOKENS, int TN, int K>
 __device__ __forceinline__ void gemm_products(const float4* ws, const float4* xs, int rg, int tg,
                                               float (&acc)[GEMM_TM][TN]) {
 #pragma unroll 8
-    for (int k = 0; k < GEMM_K; ++k) {
+    for (int k = 0; k < K; ++k) {
         float4 a0 = ws[k * (GEMM_ROWS / 4) + rg], a1 = ws[k * (GEMM_ROWS / 4) + GEMM_RG + rg];
         float a[GEMM_TM] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
         float b[TN];
@@ -132,9 +142,9 @@ template <int TOKENS>
 __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const float* __restrict__ x,
                                           float* __restrict__ out, int n, int R, int C, int cols, i64 row_bytes,
                                           int r0) {
-    const int TN = GemmShape<TOKENS>::TN;
-    __shared__ float4 ws[GEMM_K * GEMM_ROWS / 4];           // [GEMM_K][GEMM_ROWS]
-    __shared__ float4 xs[GEMM_K * TOKENS / 4];              // [GEMM_K][TOKENS]
+    const int TN = GemmShape<TOKENS>::TN, K = GemmShape<TOKENS>::K;
+    __shared__ float4 ws[K * GEMM_ROWS / 4];                // [K][GEMM_ROWS]
+    __shared__ float4 xs[K * TOKENS / 4];                   // [K][TOKENS]
     __shared__ u32 staged[GEMM_ROWS * GEMM_STAGE_WORDS];   // [GEMM_ROWS][GEMM_STAGE_WORDS]
     int rg = threadIdx.x % GEMM_RG, tg = threadIdx.x / GEMM_RG;
     bool active = TN * tg < n, words = ((row_bytes | GEMM_STAGE_BYTES) & 3) == 0;
@@ -152,15 +162,15 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
         if (words) gemm_copy_raw<u32>(raw, row_bytes, R, r0, offset, staged);
         else gemm_copy_raw<u16>(raw, row_bytes, R, r0, offset, staged);
         __syncthreads();
-        for (int k0 = 0; k0 < GEMM_STAGE_COLS; k0 += GEMM_K) {
-            float w[GEMM_K];
-            gemm_dequant(mine, k0, w);
+        for (int k0 = 0; k0 < GEMM_STAGE_COLS; k0 += K) {
+            float w[K];
+            gemm_dequant<K>(mine, k0, w);
 #pragma unroll
-            for (int k = 0; k < GEMM_K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
+            for (int k = 0; k < K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
             gemm_store_x<TOKENS>(xv, (float*)xs);
             __syncthreads();
-            if (s0 + k0 + GEMM_K < cols) gemm_load_x<TOKENS>(x, C, n, s0 + k0 + GEMM_K, xv);
-            if (active) gemm_products<TOKENS, TN>(ws, xs, rg, tg, acc);
+            if (s0 + k0 + K < cols) gemm_load_x<TOKENS>(x, C, n, s0 + k0 + K, xv);
+            if (active) gemm_products<TOKENS, TN, K>(ws, xs, rg, tg, acc);
             __syncthreads();
         }
     }

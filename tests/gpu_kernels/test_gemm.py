@@ -32,7 +32,7 @@ def test_tile_tokens_take_the_gemm_where_every_projection_fits():
     assert moe_tile_tokens(fits, 4096, 128, 8) == MOE_GEMM_TOKENS
     assert moe_tile_tokens(fits, GEMM_MIN_PAIRS * 128 - 1, 128, 8) == 8  # few pairs an expert: the 8-row tiles
     assert moe_tile_tokens(fits[:2] + ((Q.IQ3_S, 768),), 4096, 128, 8) == 8  # a format without the GEMM
-    assert moe_tile_tokens(((Q.F32, 40),), 4096, 128, 8) == 8  # columns not a multiple of GEMM_K
+    assert moe_tile_tokens(((Q.F32, 40),), 4096, 128, 8) == 8  # columns not whole stages
     assert moe_tile_tokens(fits, 0, 0, 8) == 8
     assert all(gemm_fits(q, 256) for q in FORMATS) and set(FORMATS) == GEMM_FORMATS
 
