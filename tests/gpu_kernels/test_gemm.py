@@ -114,3 +114,16 @@ def test_gemm_plans(runtime, qtype):
             kernels.matmul(raw, qtype, runtime.to_device(x), out)
             assert rel_err(runtime.to_host(out), reference(runtime.to_host(raw), qtype, x)) < TOL
     assert {tokens for tokens, _ in plans} == {MOE_GEMM_TOKENS, GEMM_TOKENS} and max(s for _, s in plans) > 1
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, pytest.param(Q.Q5_K, marks=pytest.mark.slow)], ids=lambda q: q.name)
+def test_gemm_modules_compile_for_sm86(qtype):
+    """The GEMM's largest static shared memory (Q6_K 47.6 KB at 32 tokens, Q5_K at 64) within an Ampere block's 48 KB;
+    test_compile.py builds every module for sm_90."""
+    from gpu_kernels.nvrtc import Nvrtc, find_library
+    from gpu_kernels.sources import matmul_kernels, module_name, module_source
+
+    if find_library() is None:
+        pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc)")
+    cubin = Nvrtc().compile(module_name(qtype), module_source(module_name(qtype)), "sm_86", ("--std=c++14",))
+    assert all(kernel.encode() in cubin for kernel in matmul_kernels(qtype))
