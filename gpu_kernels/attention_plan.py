@@ -11,11 +11,13 @@ PD_KEYS = 32  # kv.cu's PD_KEYS: keys a tile of the one-token kernel
 PD_MAX_ROWS = 8  # heads of a one-token block
 PD_MAX_HEAD_DIM = 128  # the one-token kernel's lane groups hold 4 values a lane, 32 lanes at most
 SPLIT_BLOCKS = 512  # keys are split (flash-decoding) until a launch has about this many blocks
-SPLIT_MIN_KEYS = 256  # fewest keys a split takes
+SPLIT_MIN_KEYS = 64  # fewest keys a split takes (a one-token block's key tiles are slow: H100, 1024 keys, 8 heads a
+# block: 44 us at 256 keys a split, 19 at 64)
 MAX_SPLITS = 64
-# One token over at most this many keys (and no split) takes paged_attention_1s, a block a query head with rolled
-# loops; 0: never (paged_attention_1 at every length).
-SHORT_ATTENTION_KEYS = 0
+# One token over at most this many keys takes paged_attention_1s, a block a query head with rolled loops, without
+# splits (H100, 30B-A3B heads: 5.4 us at 40 keys, 16.8 at 256, where paged_attention_1 took 13.6 and 41.6); 0: never.
+# A step graph plans for a power-of-two bound from 256 keys (hybrid/backends/gpu_step.py): its first one takes it.
+SHORT_ATTENTION_KEYS = 256
 
 
 def _pow2_at_least(n):
@@ -54,7 +56,7 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
     blocks, num_keys = num_tiles * num_kv_heads, max(int(num_keys), 1)
     splits = min(max_splits, -(-SPLIT_BLOCKS // blocks), num_keys // SPLIT_MIN_KEYS)
     split_keys = -(-num_keys // max(1, splits) // tile_keys) * tile_keys if splits > 1 else num_keys
-    if num_tokens == 1 and splits <= 1 and num_keys <= short_keys and (
+    if num_tokens == 1 and num_keys <= short_keys and (
             head_dim <= PA_THREADS or head_dim % 4 == 0 and head_dim <= PA_MAX_HEAD_DIM):  # kv.cu's PS_SPANS
         shared = head_dim + num_keys + PA_THREADS // 32 + 4 * PA_THREADS
         return AttentionPlan("paged_attention_1s", 1, 0, group, 1, num_keys, 4 * shared)
@@ -62,9 +64,9 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
 
 
 def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_keys, warp_size, max_splits,
-                        one_token_rows=PD_MAX_ROWS):
+                        one_token_rows=PD_MAX_ROWS, short_keys=SHORT_ATTENTION_KEYS):
     """(values, rows) of the split scratch paged_attention needs over num_keys keys (0, 0: no splits)."""
     plan = attention_plan(num_tokens, num_q_heads // num_kv_heads, num_kv_heads, head_dim, num_keys, warp_size,
-                          max_splits, one_token_rows)
+                          max_splits, one_token_rows, short_keys)
     rows = num_tokens * num_q_heads
     return (0, 0) if plan.splits == 1 else (plan.splits * rows * head_dim, plan.splits * rows)

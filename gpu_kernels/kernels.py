@@ -38,12 +38,13 @@ DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), 
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
 # that measured better than the compiler's choice (0).
 DECODE_MIN_BLOCKS = {}
-# One-token launches whose weights are fewer bytes than SMALL_LAUNCH_BYTES (a decode step's dense matmuls and its
-# few experts' rows) are latency-bound: they take SMALL_TUNING (rows a lane group, slices a lane, slices in flight a
-# lane plus one or None) where it is set, shorter chains of loads a lane and more blocks, instead of DECODE_TUNING's
-# (swept on a 128-expert launch).
-SMALL_LAUNCH_BYTES = 32 << 20
-SMALL_TUNING = None
+# A dense one-token launch (one work tile) whose blocks at its format's tuning would fill at most half the GPU's
+# multiprocessors is latency-bound: it takes SMALL_TUNING (rows a lane group, slices a lane, slices in flight a lane
+# plus one or None), shorter chains of loads a lane and more blocks, instead of DECODE_TUNING's (swept on a
+# 128-expert launch). Measured on an H100 at the 30B-A3B decode shapes (bench/results/vs_llamacpp_gpu.md): q+k Q4_K
+# [4608, 2048] 8.6 -> 7.0 us, v Q6_K [512, 2048] 7.3 -> 5.0, the F32 router [128, 2048] 4.9 -> 3.7; the output
+# projection (128 blocks) and the expert launches were as fast or faster at their own tuning.
+SMALL_TUNING = (1, 2, None)
 ACT_QUANTS = ("int16", "float", "int8")  # the act_quant setting's values (cpu_kernels.act_quant)
 # Formats whose one-token matmuls take x as int16 with act_quant unset ("auto"): where that measured faster than
 # float x (bench/results/gpu_kernels.md, bench/results/formats_h200_host.md): every format with an integer dot.
@@ -125,9 +126,9 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
     row_chunks: runs of rows a one-token matmul block walks (matmul.cu's block_walk); None: _row_chunks decides.
     fill_sms: a one-token matmul whose blocks would be fewer than the GPU's multiprocessors takes fewer rows a lane
     group (halved until they are not, down to 1), so that more multiprocessors read its weights.
-    small_tuning: (rows a lane group, slices a lane, prefetch or None) of one-token launches over fewer than
-    SMALL_LAUNCH_BYTES of weights, or None (every launch its format's tuning). prefetch: slices a lane of the
-    one-token kernels has in flight plus one (matmul.cu's DECODE_PREFETCH; None: its default, 2)."""
+    small_tuning: (rows a lane group, slices a lane, prefetch or None) of dense one-token launches too small to
+    fill half the GPU at their format's tuning, or None (every launch its format's tuning). prefetch: slices a lane
+    of the one-token kernels has in flight plus one (matmul.cu's DECODE_PREFETCH; None: its default, 2)."""
 
     def __init__(self, runtime, stream=None, decode_rows=None, lane_slices=None, min_blocks=None,
                  max_splits=MAX_SPLITS, act_quant=None, row_chunks=None, fill_sms=False, small_tuning=SMALL_TUNING,
@@ -175,11 +176,14 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                                                    matmul_kernels(qtype))[name]
         return self._functions[key]
 
-    def _small(self, weight_bytes):
-        """Whether a one-token launch over weight_bytes takes small_tuning (set, and no tuning given to every
-        format)."""
-        return (self.small_tuning is not None and weight_bytes < SMALL_LAUNCH_BYTES and self.decode_rows is None
-                and self.lane_slices is None)
+    def _small(self, num_rows, num_slices, rows, lane_slices, num_tiles):
+        """Whether a one-token launch of num_tiles tiles over num_rows rows of num_slices slices, at (rows a group,
+        slices a lane), takes small_tuning: set, one tile, no tuning given to every format, blocks at most half the
+        multiprocessors."""
+        if self.small_tuning is None or num_tiles != 1 or self.decode_rows or self.lane_slices:
+            return False
+        tpr = min(self.warp, _pow2_at_least(-(-num_slices // lane_slices)))
+        return 2 * -(-num_rows // (MATMUL_THREADS // tpr * rows)) <= self.rt.multiprocessors
 
     def _filling_rows(self, rows, tpr, num_rows, num_tiles):
         """fill_sms' rows a lane group: `rows` halved while the launch's blocks are fewer than the multiprocessors."""
@@ -235,7 +239,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                                  f"{SLICE_WEIGHTS[Q(qtype)]}")
             rows_per_group, lane_slices = self.tuning(qtype)[:2] if one else (1, self.lane_slices or LANE_SLICES)
             prefetch = None
-            if one and self._small(num_rows * row_bytes * num_tiles):
+            if one and self._small(num_rows, slices, rows_per_group, lane_slices, num_tiles):
                 rows_per_group, lane_slices, prefetch = self.small_tuning
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))
             if one and self.fill_sms:

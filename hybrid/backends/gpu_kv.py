@@ -210,7 +210,8 @@ class GpuKV:
         position, bound = step
         num_tokens, num_q_heads, head_dim = q.shape
         values, rows = split_scratch_sizes(num_tokens, num_q_heads, pool[0].shape[2], head_dim, bound, be.kernels.warp,
-                                           be.kernels.max_splits, be.kernels.attention_rows)
+                                           be.kernels.max_splits, be.kernels.attention_rows,
+                                           be.kernels.short_attention_keys)
         scratch = None if values == 0 else (be.rt.empty((values,), np.float32), be.rt.empty((rows,), np.float32))
         be.kernels.paged_attention(kv.dtype, q, *pool, table, bound - num_tokens, 0, scale, out, lse=lse,
                                    start_at=(position, scratch), window=window)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels.formats import format_for
-from gpu_kernels.kernels import MAX_SPLITS, PD_MAX_ROWS
+from gpu_kernels.kernels import MAX_SPLITS, PD_MAX_ROWS, SHORT_ATTENTION_KEYS
 from gpu_kernels.numpy_runtime import NumpyRuntime, queue_or_run
 from hybrid import kv_store
 from tests import delta_net_reference
@@ -86,6 +86,7 @@ class ReferenceKernels:
 
     act_quant = "float"  # x as it comes (Kernels.act_quant)
     warp, max_splits, attention_rows = 32, MAX_SPLITS, PD_MAX_ROWS  # Kernels' attention planning
+    short_attention_keys = SHORT_ATTENTION_KEYS
 
     def __getattribute__(self, name):
         attr = object.__getattribute__(self, name)

@@ -6,6 +6,7 @@ from itertools import product
 import numpy as np
 import pytest
 
+from gpu_kernels.attention_plan import SHORT_ATTENTION_KEYS
 from hybrid import kv_store
 
 NAN_BITS = {"f32": np.float32(np.nan), "f16": np.uint16(0x7E00), "bf16": np.int16(0x7FC0), "int8": np.int8(0)}
@@ -153,12 +154,12 @@ def test_paged_attention_decode_heads(runtime, kernels, reference_kernels, num_q
 @pytest.mark.parametrize("start", [40, 700])
 def test_paged_attention_fewer_heads_a_block(runtime, kernels, reference_kernels, rows, start):
     """One token with a group of 8 heads taken `rows` heads a block (Kernels.attention_rows): the same result."""
-    kernels.attention_rows = rows
+    kernels.attention_rows, kernels.short_attention_keys = rows, 0
     try:
         check_paged_attention(runtime, kernels, reference_kernels, "f16", (1, start, 0, 1, 64), 128, 8, True,
                               num_kv_heads=4)
     finally:
-        kernels.attention_rows = 8
+        kernels.attention_rows, kernels.short_attention_keys = 8, SHORT_ATTENTION_KEYS
 
 
 @pytest.mark.gpu
@@ -263,7 +264,9 @@ def test_attention_plan_fits_the_kernels(num_tokens, head_dim, group):
         assert plan.shared_mem <= 48 << 10
         assert plan.splits * plan.split_keys >= num_keys and (plan.splits - 1) * plan.split_keys < max(num_keys, 1)
         assert plan.num_tiles * plan.rows >= num_tokens * group
-        if plan.kernel == "paged_attention_1":  # R heads, lanes of 4 values: R <= LG <= 32, 4 LG >= D
+        if plan.kernel == "paged_attention_1s":  # a block a head, every key in shared memory, no split
+            assert num_tokens == 1 and plan.rows == 1 and plan.splits == 1 and plan.num_tiles == group
+        elif plan.kernel == "paged_attention_1":  # R heads, lanes of 4 values: R <= LG <= 32, 4 LG >= D
             keys_a_group = PD_KEYS * plan.width / PA_THREADS  # kv.cu's PD_MAX_KPG = 8 at most
             assert num_tokens == 1 and plan.rows in (1, 2, 4, 8) and plan.rows <= plan.width <= 32
             assert 4 * plan.width >= head_dim and keys_a_group in (1, 2, 4, 8)

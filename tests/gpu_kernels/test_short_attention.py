@@ -30,7 +30,7 @@ def test_the_plan_takes_the_short_kernel_for_one_token_over_few_keys():
     assert attention_plan(2, 8, 4, 128, 40, short_keys=256).kernel == "paged_attention"
     assert attention_plan(1, 8, 4, 256, 40, short_keys=256).kernel == "paged_attention_1s"
     assert attention_plan(1, 8, 4, 130, 40, short_keys=256).kernel != "paged_attention_1s"  # 130: value by value
-    assert attention_plan(1, 8, 4, 128, 40).kernel == "paged_attention_1"  # off by default
+    assert attention_plan(1, 8, 4, 128, 40, short_keys=0).kernel == "paged_attention_1"  # off
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ class LaunchRecorder:
     """The runtime calls Kernels makes to launch a matmul, recorded instead of run."""
 
     warp_size = 32
+    multiprocessors = 132
     resident = 264  # blocks the GPU holds at once: 2 an SM on 132 SMs (an H100 at ~120 registers a thread)
 
     def __init__(self):
@@ -61,12 +62,11 @@ def test_explicit_tuning_wins_for_every_format():
     assert tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
 
 
-def test_small_one_token_launches_take_the_small_tuning(monkeypatch):
-    """Kernels(small_tuning=(rows, slices, prefetch)): one-token launches over fewer than SMALL_LAUNCH_BYTES of
-    weights take it; larger ones, and every launch where a tuning is given to every format, their format's."""
-    import gpu_kernels.kernels as kmod
-
-    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, None))
+def test_small_one_token_launches_take_the_small_tuning():
+    """Kernels(small_tuning=(rows, slices, prefetch)): a dense one-token launch whose blocks at its format's tuning
+    would fill at most half the multiprocessors takes it; larger ones, expert launches (several tiles) and every
+    launch where a tuning is given to every format keep their format's."""
+    name, source, _, grid, tpr = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, None))  # 6 blocks at (4, 8)
     assert name.endswith("_r1_b0") and tpr == 32 and grid == (768 // (MATMUL_THREADS // 32), 1)
     assert "DECODE_PREFETCH" not in source.split("\n", 3)[2]
     name, source, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, 4))
@@ -74,9 +74,14 @@ def test_small_one_token_launches_take_the_small_tuning(monkeypatch):
                                                             "#define DECODE_PREFETCH 4\n")
     name, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, 4), decode_rows=2)
     assert name.endswith("_r2_b0")
-    monkeypatch.setattr(kmod, "SMALL_LAUNCH_BYTES", 768 * 8)  # the launch's weights are no longer fewer
-    name, *_ = _one_token_launch(Q.Q4_K, small_tuning=(1, 2, 4))
-    assert name.endswith(f"_r{DECODE_TUNING[Q.Q4_K][0]}_b0")
+    rt = LaunchRecorder()
+    rt.multiprocessors = 8  # the 6 blocks fill more than half of them
+    Kernels(rt, small_tuning=(1, 2, 4)).matmul(np.zeros((768, 8), np.uint8), Q.Q4_K, np.zeros((1, 2048), np.float32),
+                                               np.zeros((1, 768), np.float32))
+    assert rt.compiled[-1][0].endswith(f"_r{DECODE_TUNING[Q.Q4_K][0]}_b0")
+    rt = LaunchRecorder()
+    _moe_launch(rt, Q.Q4_K, 768, 8, small_tuning=(1, 2, 4))
+    assert rt.compiled[-1][0].endswith(f"_r{DECODE_TUNING[Q.Q4_K][0]}_b0")
 
 
 def test_tiled_kernels_keep_the_default_lane_width():

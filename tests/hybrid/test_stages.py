@@ -5,7 +5,7 @@ gpu): the same code against the CPU engine."""
 import numpy as np
 import pytest
 
-from gpu_kernels.kernels import PD_MAX_ROWS
+from gpu_kernels.kernels import PD_MAX_ROWS, SHORT_ATTENTION_KEYS
 from gpu_kernels.numpy_runtime import NumpyRuntime
 from hybrid.backends import CpuBackend
 from hybrid.backends.gpu import GpuBackend
@@ -37,6 +37,7 @@ class CachedKernels(ReferenceKernels):
     cache holds the array, so its id stays its own)."""
 
     attention_rows = PD_MAX_ROWS  # Kernels' one-token attention planning (step graphs)
+    short_attention_keys = SHORT_ATTENTION_KEYS
 
     def __init__(self):
         self._dequantized = {}
