@@ -226,6 +226,41 @@ def digit_block_i16(low_offset):
     block_i16.acc_type = simd.vec(F32, 16)
     return block_i16
 
+
+@intrinsic
+def _split_run(typingctx, src, s, dst, d):
+    """The 32 int16 src[s:s + 32] as their high bytes at byte d of dst (int16 [C], read as bytes) and their low
+    bytes at byte d + QK_K: one load, two truncations, two stores."""
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.int16
+               for a in (src, dst)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i16x = simd.vec(simd.I16, SUB)
+        v = simd.load_at(builder, simd.data_ptr(context, builder, signature.args[0], args[0]), args[1], i16x)
+        out = builder.bitcast(simd.data_ptr(context, builder, signature.args[2], args[2]), I8.as_pointer())
+        high = builder.trunc(builder.ashr(v, simd.splat_const(simd.I16, SUB, 8)), simd.vec(I8, SUB))
+        low = builder.trunc(v, simd.vec(I8, SUB))
+        for offset, part in ((args[3], high), (builder.add(args[3], ir.Constant(I64, QK_K)), low)):
+            builder.store(part, builder.bitcast(builder.gep(out, [offset]), part.type.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(src, types.int64, dst, types.int64), codegen
+
+
+@njit(nogil=True, cache=True)
+def bytes_of_rows(xq, runs):
+    """int16 xq [N, C] -> a new [N, C] whose bytes hold, per 256-value super-block, the values' high bytes, then
+    their low bytes, each as 8 runs of 32: run r from xq's values runs[r] .. runs[r] + 31 of the super-block (the
+    byte form of digit_block_i16 and q6_k's int16 decode)."""
+    out = np.empty_like(xq)
+    for n in range(xq.shape[0]):
+        src, dst = xq[n], out[n]
+        for base in range(0, xq.shape[1], QK_K):
+            for r in range(QK_K // SUB):
+                _split_run(src, base + runs[r], dst, 2 * base + SUB * r)
+    return out
+
 # Lanes of _int_block_start's 16 unpacked 6-bit values: 0-7 the mins, 8-15 the scales of sub-blocks 0-7 (scale_min),
 # from the block's first 16 bytes (d, dmin, then the 12 packed bytes): the byte holding the low bits, their shift
 # and mask, the byte holding the top 2 bits (sub-blocks 4-7) and where they go.

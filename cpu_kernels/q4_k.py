@@ -15,8 +15,8 @@ from numba import njit
 
 from . import quant_driver
 from .act_quant import NIBBLE_ORDER, QBLOCK, quantize_rows, quantize_rows_split
-from .kquant import (QK_K, SUB, digit_block_i16, integer_runs, split_block_i16, sub_block_pairs, sub_block_quants,
-                     sub_scales, ubits, vector_blocks)
+from .kquant import (QK_K, SUB, bytes_of_rows, digit_block_i16, integer_runs, split_block_i16, sub_block_pairs,
+                     sub_block_quants, sub_scales, ubits, vector_blocks)
 from .prefill_i16 import x_levels
 from .target import vnni_width
 from .tiles import format_api, random_weight
@@ -49,23 +49,16 @@ def _unpack_row(row, dst):
 _block, _, _block_i8, _weights = vector_blocks("q4_k", sub_block_quants(_QS), sub_block_pairs(_QS))
 
 
+_DIGIT_RUNS = np.ascontiguousarray(QBLOCK * NIBBLE_ORDER)  # x values of each 32-byte run of digit_block_i16's
+
+
 @njit(nogil=True, cache=True)
 def quantize_rows_digits(x, items, act_quant):
     """act_quant.quantize_rows with each 256-value super-block's int16 values stored as kquant.digit_block_i16
     reads them: their high bytes, then their low bytes, each in NIBBLE_ORDER (in xq int16 [N, C]'s bytes; aux
     f32 [N, C/16] stays in column order)."""
     xq, aux = quantize_rows(x, items, act_quant)
-    block = np.empty(QK_K, dtype=np.int16)
-    for n in range(xq.shape[0]):
-        row = xq[n].view(np.uint8)
-        for base in range(0, xq.shape[1], QK_K):
-            block[:] = xq[n, base:base + QK_K]
-            for r in range(QK_K // QBLOCK):
-                src, dst = QBLOCK * NIBBLE_ORDER[r], 2 * base + QBLOCK * r
-                for i in range(QBLOCK):
-                    row[dst + i] = (block[src + i] >> 8) & 255
-                    row[dst + QK_K + i] = block[src + i] & 255
-    return xq, aux
+    return bytes_of_rows(xq, _DIGIT_RUNS), aux
 
 
 _DIGITS = vnni_width() > 0  # int16 x as bytes for vpdpbusd (digit_block_i16), else as words (split_block_i16)

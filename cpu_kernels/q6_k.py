@@ -17,7 +17,7 @@ from numba import njit
 from . import quant_driver, simd
 from .half import read_half
 from .act_quant import quantize_rows
-from .kquant import QK_K, SUB, join_bits
+from .kquant import QK_K, SUB, bytes_of_rows, join_bits
 from .prefill_i16 import x_levels
 from .simd import F32, I8, I32, I64
 from .target import int_dot_width, vnni_width
@@ -163,20 +163,15 @@ def _block_bytes(builder, q, o, b, xq, aux, acc):
     return acc
 
 
+_BYTE_RUNS = np.arange(0, QK_K, SUB)  # x values of each 32-byte run of _block_bytes's: in order
+
+
 @njit(nogil=True, cache=True)
 def quantize_rows_bytes(x, items, act_quant):
     """act_quant.quantize_rows with each 256-value super-block's int16 values stored as _block_bytes reads them:
     their high bytes, then their low bytes (in xq int16 [N, C]'s bytes; aux f32 [N, C/16] as quantize_rows)."""
     xq, aux = quantize_rows(x, items, act_quant)
-    block = np.empty(QK_K, dtype=np.int16)
-    for n in range(xq.shape[0]):
-        row = xq[n].view(np.uint8)
-        for base in range(0, xq.shape[1], QK_K):
-            block[:] = xq[n, base:base + QK_K]
-            for i in range(QK_K):
-                row[2 * base + i] = (block[i] >> 8) & 255
-                row[2 * base + QK_K + i] = block[i] & 255
-    return xq, aux
+    return bytes_of_rows(xq, _BYTE_RUNS), aux
 
 
 def _block_i8(builder, q, o, b, xq, aux, acc):
