@@ -58,7 +58,7 @@ def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_siz
     split_keys = -(-num_keys // max(1, splits) // tile_keys) * tile_keys if splits > 1 else num_keys
     if num_tokens == 1 and num_keys <= short_keys and (
             head_dim <= PA_THREADS or head_dim % 4 == 0 and head_dim <= PA_MAX_HEAD_DIM):  # kv.cu's PS_SPANS
-        shared = head_dim + num_keys + PA_THREADS // 32 + 4 * PA_THREADS
+        shared = head_dim + num_keys + PA_THREADS // 32 + 4 * PA_THREADS + num_keys + 2  # kv.cu paged_attention_1s
         return AttentionPlan("paged_attention_1s", 1, 0, group, 1, num_keys, 4 * shared)
     return AttentionPlan(kernel, rows, width, num_tiles, -(-num_keys // split_keys), split_keys, 4 * shared)
 

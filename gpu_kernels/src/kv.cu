@@ -459,9 +459,11 @@ paged_attention_1(const float* q, const kv_t* k_pool, const kv_t* v_pool, const 
 #define PS_SPANS 8  // float4s a lane of a key's group holds: D <= 4 * PS_LANES * PS_SPANS
 #define PS_KEYS 2   // keys a lane group scores a pass (their loads in flight together)
 
-// Where position p's K (or V) row of kv head kv.kvh lives, and (int8) its scale in *mul (else 1).
-__device__ __forceinline__ const kv_t* kv_row(const PagedKV& kv, int p, bool value, float* mul) {
-    int b = p / kv.BT, pb = kv.table[b];
+// Where position p's K (or V) row of kv head kv.kvh lives, and (int8) its scale in *mul (else 1); tb: the table's
+// entries from logical block b0 on (a copy in shared memory).
+__device__ __forceinline__ const kv_t* kv_row(const PagedKV& kv, const int* tb, int b0, int p, bool value,
+                                             float* mul) {
+    int b = p / kv.BT, pb = tb[b - b0];
     bool pool = pb >= 0;
     i64 row = ((i64)(pool ? pb : b) * kv.BT + (p - b * kv.BT)) * kv.Hkv + kv.kvh;
 #if defined(KV_INT8)
@@ -488,7 +490,7 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* red) 
 }
 
 // paged_attention_1's arguments (R and LG unused); grid (G, Hkv, S), blockDim a power of two >= 32; shared: D +
-// split_keys + blockDim / 32 + 4 * blockDim floats.
+// split_keys + blockDim / 32 + 4 * blockDim floats, then split_keys + 2 ints (the table entries of its keys).
 extern "C" __global__ void __launch_bounds__(PA_THREADS)
 paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale,
                    const float* v_scale, const int* table, const kv_t* k_stage, const kv_t* v_stage,
@@ -502,11 +504,14 @@ paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const
     float* sc = qs + D;                                // [split_keys] scores, then probabilities
     float* red = sc + split_keys;                      // [blockDim / 32]
     float* part = red + (blockDim.x >> 5);             // [column groups][D]
+    int* tb = (int*)(part + 4 * blockDim.x);           // [blocks of the keys] table entries
     PagedKV kv = {k_pool, v_pool, k_scale, v_scale, k_stage, v_stage, k_stage_scale, v_stage_scale, table,
                   BT, Hkv, D, (int)blockIdx.y};
     int G = Hq / Hkv, head = kv.kvh * G + blockIdx.x;
     int kb = key_lo + blockIdx.z * split_keys, ke = min(kb + split_keys, start + 1), n = max(ke - kb, 0);
+    int b0 = kb / BT, nb = n > 0 ? (ke - 1) / BT - b0 + 1 : 0;
     for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = q[(i64)head * D + d];
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) tb[i] = table[b0 + i];
     __syncthreads();
     bool vec = D % 4 == 0;
     int lane = threadIdx.x & (PS_LANES - 1);
@@ -520,7 +525,7 @@ paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const
             s[u] = 0.0f;
             mul[u] = 1.0f;
             if (j < n) {
-                const kv_t* kr = kv_row(kv, kb + j, false, &mul[u]);
+                const kv_t* kr = kv_row(kv, tb, b0, kb + j, false, &mul[u]);
                 if (vec) {
 #pragma unroll
                     for (int i = 0; i < PS_SPANS; ++i)
@@ -563,9 +568,10 @@ paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const
     int col = threadIdx.x & (width - 1), grp = threadIdx.x / width, groups = max((int)blockDim.x / width, 1);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (col < cols) {
-        for (int j = grp; j < n; j += groups) {
+#pragma unroll 8
+        for (int j = grp; j < n; j += groups) {  // unrolled: several keys' V loads in flight
             float mul, f[4];
-            const kv_t* vr = kv_row(kv, kb + j, true, &mul);
+            const kv_t* vr = kv_row(kv, tb, b0, kb + j, true, &mul);
             float p = sc[j] * mul;
             if (vec) {
                 kv_widen4(vr + 4 * col, f);
