@@ -115,8 +115,9 @@ def attention_ops(rt, kn, rng, contexts):
         variants = {f"{rows} heads, splits from {split_min}": launch(keys, rows, split_min)
                     for split_min in (256, 64) for rows in (8, 4, 2, 1)
                     if split_min == 256 or keys >= 2 * 64}
-        if keys < 2 * kmod.SPLIT_MIN_KEYS:
+        if keys <= 4 * kmod.SHORT_ATTENTION_KEYS:
             variants["short kernel (a block a head)"] = launch(keys, 8, kmod.SPLIT_MIN_KEYS, short=keys)
+        variants["tree default"] = launch(keys, kmod.PD_MAX_ROWS, kmod.SPLIT_MIN_KEYS, kmod.SHORT_ATTENTION_KEYS)
         found.append((f"paged_attention one token, {keys} keys", variants))
     kn.attention_rows = kmod.PD_MAX_ROWS
     return found
@@ -151,7 +152,8 @@ def matmul_variants(rt, stream):
     slices in flight a lane (matmul.cu's DECODE_PREFETCH)."""
     from gpu_kernels.kernels import Kernels
 
-    found = {"default": Kernels(rt, stream), "fill_sms": Kernels(rt, stream, fill_sms=True)}
+    found = {"tree default": Kernels(rt, stream), "format tuning": Kernels(rt, stream, small_tuning=None),
+             "fill_sms": Kernels(rt, stream, fill_sms=True, small_tuning=None)}
     for rows, slices in ((1, 1), (1, 2), (1, 4)):
         found[f"rows {rows} slices {slices}"] = Kernels(rt, stream, decode_rows=rows, lane_slices=slices)
     found["xq 16 loads"] = patched_kernels(rt, stream, [("#define XQ_LOADS 4", "#define XQ_LOADS 16")], "_xq16")
@@ -199,7 +201,7 @@ def main(argv=None, runtime=None):
     """runtime: a runtime to time on (a dry run's stand-in), else the GPU's."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=100)
-    p.add_argument("--contexts", default="8,40,256,1024,4096", help="keys of the attention timings")
+    p.add_argument("--contexts", default="8,40,128,256,1024,4096", help="keys of the attention timings")
     p.add_argument("--skip-matmuls", action="store_true")
     p.add_argument("--output")
     args = p.parse_args(argv)
