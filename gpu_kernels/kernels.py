@@ -45,6 +45,9 @@ DECODE_MIN_BLOCKS = {}
 # [4608, 2048] 8.6 -> 7.0 us, v Q6_K [512, 2048] 7.3 -> 5.0, the F32 router [128, 2048] 4.9 -> 3.7; the output
 # projection (128 blocks) and the expert launches were as fast or faster at their own tuning.
 SMALL_TUNING = (1, 2, None)
+# Slices in flight a lane plus one (matmul.cu's DECODE_PREFETCH) of the one-token expert launches (several work
+# tiles: a decode step's pairs), or None: the double buffer.
+EXPERT_PREFETCH = None
 ACT_QUANTS = ("int16", "float", "int8")  # the act_quant setting's values (cpu_kernels.act_quant)
 # Formats whose one-token matmuls take x as int16 with act_quant unset ("auto"): where that measured faster than
 # float x (bench/results/gpu_kernels.md, bench/results/formats_h200_host.md): every format with an integer dot.
@@ -142,7 +145,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self.warp = runtime.warp_size
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
         self.min_blocks, self.row_chunks, self.fill_sms = min_blocks, row_chunks, fill_sms
-        self.small_tuning, self.prefetch = small_tuning, prefetch
+        self.small_tuning, self.prefetch, self.expert_prefetch = small_tuning, prefetch, EXPERT_PREFETCH
         self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
         self._functions = {}  # (qtype or KV dtype, kernel name(, rows)) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B, ...) -> _mm_launch's (kernel, blocks, scalars)
@@ -238,7 +241,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                 raise ValueError(f"{Q(qtype).name} matmul: {num_cols} columns, not a multiple of "
                                  f"{SLICE_WEIGHTS[Q(qtype)]}")
             rows_per_group, lane_slices = self.tuning(qtype)[:2] if one else (1, self.lane_slices or LANE_SLICES)
-            prefetch = None
+            prefetch = self.expert_prefetch if one and num_tiles > 1 else None
             if one and self._small(num_rows, slices, rows_per_group, lane_slices, num_tiles):
                 rows_per_group, lane_slices, prefetch = self.small_tuning
             tpr = int(min(self.warp, _pow2_at_least(-(-slices // lane_slices))))

@@ -84,6 +84,19 @@ def test_small_one_token_launches_take_the_small_tuning():
     assert rt.compiled[-1][0].endswith(f"_r{DECODE_TUNING[Q.Q4_K][0]}_b0")
 
 
+def test_expert_launches_take_the_expert_prefetch(monkeypatch):
+    """EXPERT_PREFETCH: the one-token expert launches (several tiles) compile with that DECODE_PREFETCH; the dense
+    ones keep theirs."""
+    import gpu_kernels.kernels as kmod
+
+    monkeypatch.setattr(kmod, "EXPERT_PREFETCH", 4)
+    rt = LaunchRecorder()
+    _moe_launch(rt, Q.Q4_K, 768, 8)
+    assert rt.compiled[-1][0].endswith("_p4") and "#define DECODE_PREFETCH 4\n" in rt.compiled[-1][1]
+    name, *_ = _one_token_launch(Q.Q4_K, small_tuning=None)
+    assert not name.endswith("_p4")
+
+
 def test_tiled_kernels_keep_the_default_lane_width():
     rt = LaunchRecorder()
     raw = np.zeros((768, 8), np.uint8)
