@@ -16,7 +16,8 @@ from .attention_plan import (MAX_SPLITS, PA_MAX_HEAD_DIM, PA_OUTS, PA_THREADS, P
 from .delta_launch import DeltaNetLaunchers
 from .gemm import GEMM_MIN_TOKENS, GemmLaunchers, gemm_fits
 from .ops_launch import MATMUL_THREADS, OpsLaunchers
-from .sources import INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source
+from .sources import (INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source,
+                      table_shared_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ GPU_INT16_FORMATS = INT_DECODE
 AMD_DOT4_CHIPS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx940", "gfx941", "gfx942", "gfx950",
                             *(f"gfx103{i}" for i in range(7))})
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
+SHARED_LIMIT = 48 << 10  # a block's shared memory without opting in: x and the format's tables
 
 
 def gpu_act_quant(name="auto"):
@@ -113,7 +115,14 @@ def takes_int16(act_quant, qtype):
 def fuses_glu(act_quant, qtype, num_cols):
     """Whether the one-row expert matmul of qtype over num_cols columns takes the SwiGLU in (moe_matmul_glu: its
     x rounded to int16 in shared memory, under gpu_act_quant's `act_quant`)."""
-    return takes_int16(act_quant, qtype) and xq_shared_bytes(num_cols) <= XQ_MAX_SHARED
+    return takes_int16(act_quant, qtype) and xq_fits(qtype, num_cols)
+
+
+def xq_fits(qtype, num_cols):
+    """Whether qtype's `_1q` kernels take x over num_cols columns: its int16 x under XQ_MAX_SHARED, and with the
+    format's tables in shared memory (sources.table_shared_bytes) under SHARED_LIMIT."""
+    nbytes = xq_shared_bytes(num_cols)
+    return nbytes <= XQ_MAX_SHARED and nbytes + table_shared_bytes(qtype) <= SHARED_LIMIT
 
 
 def xq_shared_bytes(num_cols):
@@ -250,7 +259,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
             per_block = MATMUL_THREADS // tpr * rows_per_group
             shared = 0
             int16 = one and not float_x and takes_int16(self.act_quant, qtype)
-            if int16 and xq_shared_bytes(num_cols) <= XQ_MAX_SHARED:
+            if int16 and xq_fits(qtype, num_cols):
                 kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
             launch = self._launches[key] = (
                 self._mm(qtype, kernel, rows_per_group if one else None, prefetch),

@@ -58,6 +58,14 @@ DELTA_NET_KERNELS = ("delta_conv1d_silu", "delta_gates", "delta_rule", "delta_l2
                      "delta_chunk_state", "delta_chunk_out", "rmsnorm_gated", "sigmoid_mul")
 
 
+def table_shared_bytes(qtype):
+    """Static shared memory of qtype's `_1q` kernels besides x: IQ3_S's grid, IQ3S_GRID_COPIES copies (iq3_s.cuh's
+    default 1 unless FORMAT_DEFINES sets it), else none."""
+    if Q(qtype) != Q.IQ3_S:
+        return 0
+    return 2048 * int(FORMAT_DEFINES.get(Q.IQ3_S, {}).get("IQ3S_GRID_COPIES", 1))
+
+
 def module_name(qtype=None):
     return "ops" if qtype is None else f"matmul_{Q(qtype).name.lower()}"
 

@@ -124,6 +124,19 @@ def test_grid_tables_are_the_cpus():
     assert np.array_equal(words.view(np.int8).reshape(512, 4), iq_grids.IQ3_S)
 
 
+def test_iq3_s_grid_copies_and_x_fit_a_blocks_shared_memory(monkeypatch):
+    """IQ3_S's `_1q` kernels hold its grid (IQ3S_GRID_COPIES copies) besides x in shared memory: where both would not
+    fit a block's 48 KiB, the one-token kernels take x as float."""
+    from gpu_kernels import sources
+    from gpu_kernels.kernels import xq_fits
+
+    assert sources.table_shared_bytes(Q.IQ3_S) == 2048 and sources.table_shared_bytes(Q.IQ4_XS) == 0
+    assert xq_fits(Q.IQ3_S, 8192)
+    monkeypatch.setitem(sources.FORMAT_DEFINES, Q.IQ3_S, {"IQ3S_GRID_COPIES": "16"})
+    assert sources.table_shared_bytes(Q.IQ3_S) == 32768
+    assert xq_fits(Q.IQ3_S, 7168) and not xq_fits(Q.IQ3_S, 8192) and xq_fits(Q.IQ4_XS, 8192)
+
+
 # ---- on a GPU
 
 
