@@ -11,12 +11,12 @@ PD_KEYS = 32  # kv.cu's PD_KEYS: keys a tile of the one-token kernel
 PD_MAX_ROWS = 8  # heads of a one-token block
 PD_MAX_HEAD_DIM = 128  # the one-token kernel's lane groups hold 4 values a lane, 32 lanes at most
 SPLIT_BLOCKS = 512  # keys are split (flash-decoding) until a launch has about this many blocks
-SPLIT_MIN_KEYS = 64  # fewest keys a split takes (a one-token block's key tiles are slow: H100, 1024 keys, 8 heads a
-# block: 44 us at 256 keys a split, 19 at 64)
+SPLIT_MIN_KEYS = 64  # fewest keys a split takes (a one-token block's key tiles are slow: the fewer a block the
+# better, bench/results/vs_llamacpp_gpu.md)
 MAX_SPLITS = 64
 # One token over at most this many keys takes paged_attention_1s, a block a query head with rolled loops, without
-# splits (H100, 30B-A3B heads: 5.4 us at 40 keys, 16.8 at 256, where paged_attention_1 took 13.6 and 41.6); 0: never.
-# A step graph plans for a power-of-two bound from 256 keys (hybrid/backends/gpu_step.py): its first one takes it.
+# splits (faster than paged_attention_1 up to here: bench/results/vs_llamacpp_gpu.md); 0: never. A step graph plans
+# for a power-of-two bound from 256 keys (hybrid/backends/gpu_step.py): its first one takes it.
 SHORT_ATTENTION_KEYS = 256
 
 

@@ -42,9 +42,8 @@ DECODE_MIN_BLOCKS = {}
 # A dense one-token launch (one work tile) whose blocks at its format's tuning would fill at most half the GPU's
 # multiprocessors is latency-bound: it takes SMALL_TUNING (rows a lane group, slices a lane, slices in flight a lane
 # plus one or None), shorter chains of loads a lane and more blocks, instead of DECODE_TUNING's (swept on a
-# 128-expert launch). Measured on an H100 at the 30B-A3B decode shapes (bench/results/vs_llamacpp_gpu.md): q+k Q4_K
-# [4608, 2048] 8.6 -> 7.0 us, v Q6_K [512, 2048] 7.3 -> 5.0, the F32 router [128, 2048] 4.9 -> 3.7; the output
-# projection (128 blocks) and the expert launches were as fast or faster at their own tuning.
+# 128-expert launch). The decode shapes' timings by tuning: bench/results/vs_llamacpp_gpu.md (larger launches and
+# the expert launches were as fast or faster at their format's tuning).
 SMALL_TUNING = (1, 2, None)
 # Slices in flight a lane plus one (matmul.cu's DECODE_PREFETCH) of the one-token expert launches (several work
 # tiles: a decode step's pairs), or None: the double buffer.
