@@ -1,4 +1,4 @@
-"""Hybrid GPU + CPU serving of a generated qwen3moe model: decode tok/s at several resident shares (one
+"""Hybrid GPU + CPU serving of a generated model: decode tok/s at several resident shares (one
 user, and --users at once through the serving engine), prefill tok/s of a long prompt with and without
 prefill borrow, and the per-layer overlap of the hybrid MoE step (CPU busy, GPU busy, step time).
 
@@ -156,6 +156,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     size_gb = os.path.getsize(args.model) / 1e9
     decode, overlap, prefill, concurrent, device = [], [], [], [], ""
+    arch = model_config(args.model).arch
     for share in [int(s) for s in args.shares.split(",")]:
         t0 = time.perf_counter()
         llm = LLM(args.model, device="gpu", max_context=args.prompt_tokens + 64, kv_sequences=max(1, args.users),
@@ -199,7 +200,7 @@ def main(argv=None):
         llm.close()  # its relay worker and host pool stop before the next share loads
         del llm  # and its VRAM is free
     lines = [f"# Hybrid GPU + CPU serving ({device}, {os.cpu_count()} host cores)", "",
-             f"Model: `{Path(args.model).name}`, {size_gb:.1f} GB (bench/make_model.py, qwen3moe, random weights).",
+             f"Model: `{Path(args.model).name}`, {size_gb:.1f} GB (bench/make_model.py, {arch}, random weights).",
              "Resident experts: the first n of each layer (no profile). Greedy decode after a 32-token prompt.", "",
              f"## Decode ({args.decode_tokens} tokens)", "", "Host part of a decode token: " + "; ".join(
                  f"{m}: {DECODE_NOTES[m]}" for m in modes) + ".", "",
