@@ -16,9 +16,9 @@ __device__ __forceinline__ u32 iq3s_row(const u32* grid, const u32 (&qs)[2], u32
 
 // The `_1q` kernels look the grid up in shared memory: a block copies it there before it stages x (matmul.cu's
 // STAGE_TABLES; stage_xq's sync publishes both). A warp's 32 scattered reads of the 2 KiB table cost a few bank
-// conflicts there, where through L1 they touched up to 16 cache lines each; the shared reads' bank conflicts then
-// bound the kernel (a sign-mask table read beside it slowed it by a third). IQ3S_GRID_COPIES (a power of two, 1 by
-// default) copies of each entry side by side let lane l read copy l % IQ3S_GRID_COPIES: fewer lanes to a bank.
+// conflicts there, where through L1 they touched up to 16 cache lines each. IQ3S_GRID_COPIES (a power of two, 1 by
+// default) copies of each entry side by side let lane l read copy l % IQ3S_GRID_COPIES: fewer lanes to a bank (8 and
+// 16 copies measured no faster on an H100: the conflicts are not what bounds it).
 #ifndef IQ3S_GRID_COPIES
 #define IQ3S_GRID_COPIES 1
 #endif
@@ -142,12 +142,8 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
             u32 offsets = iq3s_pair_offsets(sl[r].qs, (sl[r].tail >> 16) & 0xffu, k);
-#ifdef IQ3S_SPLIT_GRID  // the pair's second row through L1 from the global table: the lookups share two pipes
-            u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = IQ3S_GRID[offsets >> 18];
-#else
             offsets = offsets * IQ3S_GRID_COPIES + copy;  // both halves stay under 2^16 for up to 32 copies
             u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
-#endif
             u32 m0 = sign_bytes((sl[r].signs >> (8 * k)) & 15u), m1 = sign_bytes((sl[r].signs >> (8 * k + 4)) & 15u);
             int w0 = iq3s_signed_row(v0, m0), w1 = iq3s_signed_row(v1, m1);
             uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
