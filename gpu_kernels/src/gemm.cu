@@ -8,8 +8,8 @@
 // A weight is dequantized once per block, for all the block's tokens (the TILE_TOKENS kernels do it once per 8
 // tokens). Threads whose tokens lie past the tile's count skip the products (a MoE tile holds its expert's pairs).
 // gemm.py's gemm_defines sets, per format: GEMM_BLOCK_WEIGHTS and GEMM_BLOCK_BYTES (the format's block) and
-// GEMM_STAGE_COLS (whole blocks, a multiple of 32; C must be a multiple). K is 32, or 16 where the three tiles would
-// not fit 48 KiB of static shared memory (Q6_K's 210-byte stages at 64 tokens).
+// GEMM_STAGE_COLS (whole blocks, a multiple of 32; C must be a multiple). K is 16 where the format's units allow
+// (GEMM_STEP), else 32; the three tiles fit 48 KiB of static shared memory.
 //
 // Shape legend: R output rows, C columns, B bytes per row, T tokens, N pair rows, W work tiles,
 // n tokens of a tile (<= TOKENS).
@@ -21,10 +21,11 @@
 #define GEMM_STAGE_BYTES (GEMM_STAGE_COLS / GEMM_BLOCK_WEIGHTS * GEMM_BLOCK_BYTES)  // a row's raw bytes a stage
 #define GEMM_STAGE_WORDS (((GEMM_STAGE_BYTES + 3) / 4) | 1)  // a staged row's stride: odd, no bank conflicts
 #define GEMM_SHARED(T, K) (4 * (K) * (GEMM_ROWS + (T)) + 4 * GEMM_ROWS * GEMM_STAGE_WORDS)  // bytes of the 3 tiles
-// K of the TOKENS = T kernel. GEMM_STEP_MAX 16 (a compile-time alternative for bench/gpu_gemm.py --variants) makes
-// it 16 wherever the format's units allow.
+// K of the TOKENS = T kernel: 16 wherever the format's units allow (GEMM_STEP_MAX 16: on an H100 Q6_K's and F32's
+// expert GEMMs ran 7-17 % faster than at 32, the others the same), else 32 (GEMM_STEP_MAX 32, a compile-time
+// alternative for bench/gpu_gemm.py --variants, takes 32 wherever the tiles fit).
 #ifndef GEMM_STEP_MAX
-#define GEMM_STEP_MAX 32
+#define GEMM_STEP_MAX 16
 #endif
 #define GEMM_STEP(T) (GEMM_SHARED(T, 32) <= 48 * 1024 && (GEMM_STEP_MAX >= 32 || UNIT_WEIGHTS > 16) ? 32 : 16)
 static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS == 0, "a step holds whole units");

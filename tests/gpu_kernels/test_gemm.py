@@ -104,7 +104,7 @@ def test_gemm_plans(runtime, qtype):
     kernels = Kernels(runtime)
     rng = np.random.default_rng(int(qtype) + 99)
     plans = set()
-    for num_rows, num_tokens in ((200, 130), (128, 512), (260, 256), (4096, 70)):
+    for num_rows, num_tokens in ((200, 130), (128, 512), (260, 256), (4096, 300)):
         raw = runtime.to_device(quant(rng, qtype, (num_rows, 2048)))  # [R, B]
         x = rng.standard_normal((num_tokens, 2048)).astype(np.float32)  # [T, C]
         for split in (True, False):
