@@ -96,7 +96,7 @@ def module_source(name):
         files = ("common.cuh", f"{name}.cu") + (("moe_parts.cu", "routing.cu") if name == "ops" else ())
     elif name.startswith("kv_"):
         prefix = f"#define {KV_DEFINES[name.removeprefix('kv_')]}\n"
-        files = ("common.cuh", "kv.cu")
+        files = ("common.cuh", "kv.cu", "kv_short.cu")
     else:
         qtype = Q[name.removeprefix("matmul_").upper()]
         prefix = "".join(f"#define {key} {value}\n" for key, value in FORMAT_DEFINES.get(qtype, {}).items())
