@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,49 @@ def kernel_names(runtime):
             for name, fn in functions.items()}
 
 
+@contextmanager
+def timed_launches(be):
+    """Within: every kernel the backend launches is recorded as (function, start event, stop event) in the list
+    yielded, the events recorded on the backend's stream around the launch."""
+    import cupy
+
+    launched, real_launch = [], be.kernels._launch
+
+    def timed_launch(fn, grid, block, args, shared_mem=0):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(be.stream)
+        real_launch(fn, grid, block, args, shared_mem)
+        stop.record(be.stream)
+        launched.append((fn, start, stop))
+
+    be.kernels._launch = timed_launch
+    try:
+        yield launched
+    finally:
+        be.kernels._launch = real_launch
+
+
+def launch_times(be, launched):
+    """{"module.kernel": [GPU seconds of each launch]} of timed_launches' records (after the stream finished)."""
+    import cupy
+
+    names, times = kernel_names(be.rt), defaultdict(list)
+    for fn, start, stop in launched:
+        times[names.get(id(fn), "?")].append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return times
+
+
+def kernel_table(times, count, unit, share="share"):
+    """Markdown lines of kernels by GPU time: launches and us per `unit` (a step, a chunk) over `count` of them."""
+    total = sum(sum(v) for v in times.values()) / count
+    lines = [f"| kernel | launches {unit} | us a launch (median) | us {unit} | {share} |", "|---|---|---|---|---|"]
+    for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        per = sum(v) / count
+        lines.append(f"| {name} | {len(v) / count:.0f} | {np.median(v) * 1e6:.1f} | {per * 1e6:.0f} "
+                     f"| {per / total:.0%} |")
+    return lines
+
+
 def profile(llm, steps, users, spin_cycles, context=32):
     """({kernel: [GPU seconds of each launch]}, launches per step) over `steps` decode steps of `users` sequences
     after a `context`-token prompt each."""
@@ -46,28 +90,13 @@ def profile(llm, steps, users, spin_cycles, context=32):
     for kv in kvs:
         for lo in range(0, context, 512):
             model.forward(Batch([SeqChunk(kv, lo, rng.integers(10, 1000, min(512, context - lo)), "last")]))
-    times, launched = defaultdict(list), []
-    real_launch = be.kernels._launch
-
-    def timed_launch(fn, grid, block, args, shared_mem=0):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(be.stream)
-        real_launch(fn, grid, block, args, shared_mem)
-        stop.record(be.stream)
-        launched.append((fn, start, stop))
-
-    be.kernels._launch = timed_launch
-    try:
+    with timed_launches(be) as launched:
         for step in range(steps):
             with be.stream:
                 spin((1,), (1,), (np.int64(spin_cycles),))
             model.forward(Batch([SeqChunk(kv, kv.length, rng.integers(10, 1000, 1)) for kv in kvs]))
             be.stream.synchronize()
-    finally:
-        be.kernels._launch = real_launch
-    names = kernel_names(be.rt)
-    for fn, start, stop in launched:
-        times[names.get(id(fn), "?")].append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    times = launch_times(be, launched)
     return times, len(launched) / steps
 
 
@@ -121,11 +150,7 @@ def markdown(args, times, per_step, graphed_s, gpu_name):
              f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
              f"of the launches back to back: "
              f"{total * 1e3:.2f} ms a step; the default (graphed) step took {graphed_s * 1e3:.2f} ms of wall time.", "",
-             "| kernel | launches a step | us a launch (median) | us a step | share |", "|---|---|---|---|---|"]
-    for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-        per = sum(v) / args.steps
-        lines.append(f"| {name} | {len(v) / args.steps:.0f} | {np.median(v) * 1e6:.1f} | {per * 1e6:.0f} "
-                     f"| {per / total:.0%} |")
+             *kernel_table(times, args.steps, "a step")]
     return "\n".join(lines) + "\n"
 
 

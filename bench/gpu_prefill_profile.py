@@ -11,14 +11,13 @@ import argparse
 import logging
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.gpu_decode_profile import kernel_names  # noqa: E402
+from bench.gpu_decode_profile import kernel_table, launch_times, timed_launches  # noqa: E402
 
 
 def read_prompt(model, tokens, seed):
@@ -37,29 +36,9 @@ def read_prompt(model, tokens, seed):
 
 def profile(model, tokens, runs):
     """({kernel: [GPU seconds of each launch]}, launches a chunk, [wall seconds of each timed chunk])."""
-    import cupy
-
-    be = model.backend
-    times, launched, walls = defaultdict(list), [], []
-    real_launch = be.kernels._launch
-
-    def timed_launch(fn, grid, block, args, shared_mem=0):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(be.stream)
-        real_launch(fn, grid, block, args, shared_mem)
-        stop.record(be.stream)
-        launched.append((fn, start, stop))
-
-    be.kernels._launch = timed_launch
-    try:
-        for run in range(runs):
-            walls.append(read_prompt(model, tokens, 100 + run))
-    finally:
-        be.kernels._launch = real_launch
-    names = kernel_names(be.rt)
-    for fn, start, stop in launched:
-        times[names.get(id(fn), "?")].append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    return times, len(launched) / runs, walls
+    with timed_launches(model.backend) as launched:
+        walls = [read_prompt(model, tokens, 100 + run) for run in range(runs)]
+    return launch_times(model.backend, launched), len(launched) / runs, walls
 
 
 def markdown(args, times, per_chunk, walls, plain, gpu_name):
@@ -68,12 +47,7 @@ def markdown(args, times, per_chunk, walls, plain, gpu_name):
              f"one chunk: {np.median(plain) * 1e3:.1f} ms wall ({args.tokens / np.median(plain):.0f} tok/s, median of "
              f"{len(plain)}); with a timing event around each launch {np.median(walls) * 1e3:.1f} ms. {per_chunk:.0f} "
              f"launches a chunk, their GPU time {total * 1e3:.2f} ms: the rest of the wall time is the host's.", "",
-             "| kernel | launches a chunk | us a launch (median) | us a chunk | share of GPU time |",
-             "|---|---|---|---|---|"]
-    for name, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-        per = sum(v) / args.runs
-        lines.append(f"| {name} | {len(v) / args.runs:.0f} | {np.median(v) * 1e6:.1f} | {per * 1e6:.0f} "
-                     f"| {per / total:.0%} |")
+             *kernel_table(times, args.runs, "a chunk", "share of GPU time")]
     return "\n".join(lines) + "\n"
 
 
