@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from hybrid.setup.attention_time import best_replay_seconds  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, MOE_FF, EPS = 2048, 32, 4, 128, 128, 8, 768, 1e-6
 PREVIOUS = ("prev_rmsnorm", "prev_add_rmsnorm", "prev_combine_rows", "prev_route_topk")
@@ -27,15 +28,7 @@ def graph_us(rt, stream, queue, reps, replays=5):
     graph = rt.capture(stream, lambda: [queue() for _ in range(reps)])
     graph.launch(stream)
     stream.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        start, stop = rt.event(timing=True), rt.event(timing=True)
-        start.record(stream)
-        graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-        best = min(best, rt.elapsed(start, stop))
-    return best * 1e6 / reps
+    return best_replay_seconds(rt, stream, graph, replays) * 1e6 / reps
 
 
 def previous_module(rt):

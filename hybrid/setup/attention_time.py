@@ -43,6 +43,18 @@ def _pool(rt, kv, shape, rng):
     return rt.to_device(np.ascontiguousarray(data)), None if scale is None else rt.to_device(scale)
 
 
+def best_replay_seconds(rt, stream, graph, repeats):
+    """Seconds of the fastest of `repeats` replays of a captured graph on `stream` (timing events around each)."""
+    best = float("inf")
+    for _ in range(repeats):
+        begin, end = rt.event(timing=True), rt.event(timing=True)
+        begin.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        best = min(best, rt.elapsed(begin, end))
+    return best
+
+
 def time_attention(rt, kernels, num_q_heads, num_kv_heads, head_dim, kv, keys=KEYS, block_tokens=64,
                    repeats=REPEATS):
     """The AttentionCost of `kernels` (gpu_kernels.Kernels on runtime `rt`) for a one-token query of the model's
@@ -63,14 +75,7 @@ def time_attention(rt, kernels, num_q_heads, num_kv_heads, head_dim, kv, keys=KE
 
         launch()  # compile / load the kernels, size the split scratch
         graph = rt.capture(stream, lambda: [launch() for _ in range(GRAPHED)])  # back to back, as in a step graph
-        best = float("inf")
-        for _ in range(repeats):
-            begin, end = rt.event(timing=True), rt.event(timing=True)
-            begin.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            best = min(best, rt.elapsed(begin, end) / GRAPHED)
-        seconds.append(best)
+        seconds.append(best_replay_seconds(rt, stream, graph, repeats) / GRAPHED)
     cost = AttentionCost(tuple(keys), tuple(seconds), kv)
     log.info("%s", cost.describe())
     return cost
