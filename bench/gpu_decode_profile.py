@@ -6,6 +6,9 @@ back to back as the GPU runs them, not the host's launch gaps. The graphs replay
 what a graphed step's GPU time is made of (the graphed step's own time is printed beside it).
 
     python bench/gpu_decode_profile.py --model /tmp/q30b.gguf --steps 8 [--users 4] [--output FILE]
+
+--step-users 1,4 prints only the default (graphed) step's wall time at each user count side by side, and each
+one's ratio to the first count's (several users' one-token chunks in one step: the serving engine's decode batch).
 """
 import argparse
 import logging
@@ -118,6 +121,20 @@ def step_seconds(llm, users, steps=16, context=32):
     return float(np.median(out[2:]))
 
 
+def step_table(llm, counts, context, path):
+    """Markdown lines: the default step's median wall time at each user count of `counts`, its tokens a second, and
+    its time against the first count's (path: the runner's last_path of each)."""
+    rows = ["| users | step ms | tok/s (all users) | step / first count's | path |", "|---|---|---|---|---|"]
+    first = None
+    for users in counts:
+        seconds = step_seconds(llm, users, context=context)
+        first = first or seconds
+        rows.append(f"| {users} | {seconds * 1e3:.3f} | {users / seconds:.0f} | {seconds / first:.2f} | "
+                    f"{path(llm)} |")
+        log.info(rows[-1])
+    return rows
+
+
 def tuned(llm, args):
     """llm with the kernel tuning the arguments ask for (before its first step: graphs capture the launches)."""
     if args.attention_rows:
@@ -174,10 +191,26 @@ def main(argv=None):
                    help="one-token attention over at most this many keys by paged_attention_1s (a block a head)")
     p.add_argument("--prefetch", type=int, default=None, choices=(3, 4, 6, 8),
                    help="one-token matmuls' slices in flight a lane plus one (matmul.cu's DECODE_PREFETCH; default 2)")
+    p.add_argument("--step-users", default=None,
+                   help="comma-separated user counts: print the default step's time at each, side by side (no "
+                        "kernel profile)")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from hybrid import LLM
+
+    if args.step_users:
+        counts = [int(u) for u in args.step_users.split(",")]
+        llm = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=args.context + 512,
+                        kv_sequences=max(counts)), args)
+        lines = [f"Model `{Path(args.model).name}` on {llm.model.backend.rt.device_name}, every expert resident; the "
+                 f"default decode step after {args.context}-token prompts, median of 14 steps, by users at once.", "",
+                 *step_table(llm, counts, args.context, lambda m: m.model.runner.last_path)]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.output:
+            Path(args.output).write_text(text)
+        return
 
     graphed = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=args.context + 512,
                         kv_sequences=args.users),
