@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from placement.borrow import BORROW_MIN_TOKENS, DEVICE_MIN_WAIT_S, BorrowModel
+from placement.borrow import BORROW_MIN_TOKENS, DEVICE_MIN_WAIT_S, BorrowModel, expert_bytes
 
 from .moe_host import HostSide
 from .moe_relay import DecodeRelay
@@ -106,7 +106,8 @@ class ExpertSplit:
         borrowed = None
         if host_groups.num_groups and device.prefill_borrow and len(ids_host) >= BORROW_MIN_TOKENS:
             keep = self.borrow.plan(layer, host_groups, device.borrow_bytes_per_second,
-                                    device_rows=len(device_groups.order))  # [G_host]
+                                    device_rows=len(device_groups.order),
+                                    device_estimate=device.chunk_expert_flops(layer))  # [G_host]
             borrowed, host_groups = host_groups.select(~keep), host_groups.select(keep)
         host_part, rows = None, device.fetch_rows(h) if host_groups.num_groups else None  # [T, H] queued
         if rows is not None and self.host_side.host_thread:  # the host starts first: queuing the device part takes time
@@ -123,8 +124,11 @@ class ExpertSplit:
             host_out, cpu_s = self.host_side.wait(host_part)
         t_wait = time.perf_counter()
         out = self._combine(device, h, pending, host_out)
-        if pending is not None and borrowed is None and time.perf_counter() - t_wait > DEVICE_MIN_WAIT_S:
-            self.borrow.measure_device(layer, len(device_groups.order), time.perf_counter() - t_queue)
+        if pending is not None and time.perf_counter() - t_wait > DEVICE_MIN_WAIT_S:  # the device was the longer side
+            num_borrowed = 0 if borrowed is None else borrowed.num_groups
+            self.borrow.measure_device(layer, len(device_groups.order) + (0 if borrowed is None else len(borrowed.order)),
+                                       time.perf_counter() - t_queue, num_borrowed * expert_bytes(layer),
+                                       queue_s if num_borrowed else 0.0, device.borrow_bytes_per_second)
         self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s,
                      0 if borrowed is None else borrowed.num_groups)
         return out

@@ -176,6 +176,10 @@ class DeviceExperts(Experts, Protocol):
     borrow_bytes_per_second: float
     time_experts: bool
 
+    def chunk_expert_flops(self, layer) -> float:
+        """The FLOP/s this device's prompt-chunk expert matmuls of layer's weight formats are expected to reach:
+        the borrow cost model's estimate until it has timed them."""
+
     def fetch_routing(self, ids, weights) -> tuple:
         """(ids int64 [T, K], weights [T, K]) on the host: waits for the routing only."""
 

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from gpu_kernels.expert_cache import MIB, ExpertCache, expert_bytes, plan
+from gpu_kernels.gemm import gemm_fits
 from gpu_kernels.kernels import Kernels, describe_act_quant
 from gpu_kernels.sources import FORMAT_HEADERS
 
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RESERVE_MIB = 512
 PCIE_PROBE_BYTES = 64 << 20  # the pinned host -> device copy timed at start-up
+CHUNK_FLOPS_GEMM = 1.5e13  # prompt-chunk expert matmuls through the tiled GEMM (H100: 15-30 TFLOPS, gpu_model.md)
+CHUNK_FLOPS_TILES = 1e12  # through the 8-token tile kernels (H100, MXFP4 at 50 % resident: ~0.3 TFLOPS)
 
 
 def check_gpu_formats(weights):
@@ -396,6 +399,13 @@ class GpuBackend(GpuDeltaOps):
     def wait(self, pending):
         """The device part's result; stream order makes later device work see it, so no host wait."""
         return pending.out
+
+    def chunk_expert_flops(self, layer):
+        """The FLOP/s a prompt chunk's expert matmuls of layer's weight formats are expected to reach here (the borrow
+        cost model's estimate until it has timed them): the tiled GEMM's where each projection takes it."""
+        hidden, width = layer.gate_exps.shape[2], layer.gate_exps.shape[1]
+        projections = ((layer.gate_exps.qtype, hidden), (layer.up_exps.qtype, hidden), (layer.down_exps.qtype, width))
+        return CHUNK_FLOPS_GEMM if all(gemm_fits(q, c) for q, c in projections) else CHUNK_FLOPS_TILES
 
     def fetch_routing(self, ids, weights):
         return self.device_experts.fetch_routing(self, ids, weights)
