@@ -7,7 +7,7 @@ profile's, so the hit rate is about the share. Make the model with bench/make_mo
 `--type Q8_0 --layers 52` (8.4 GB).
 
     python bench/gpu_model.py --model /tmp/bench-8g.gguf [--shares 0,25,50,75,100] [--decode-tokens 32]
-        [--prompt-tokens 4096] [--borrow-share 50] [--users 4] [--modes relay,spare,inline]
+        [--prompt-tokens 4096] [--borrow-shares 0,50] [--users 4] [--modes relay,spare,inline]
 
 Prints the tables; --output also writes them to a file.
 """
@@ -138,7 +138,7 @@ def main(argv=None):
     p.add_argument("--shares", default="0,25,50,75,100", help="resident shares, percent")
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=4096)
-    p.add_argument("--borrow-share", type=int, default=50, help="resident share of the prefill runs")
+    p.add_argument("--borrow-shares", default="50", help="resident shares of the prefill runs (borrow on / off)")
     p.add_argument("--output", type=Path, help="write the tables here (bench/results/gpu_model.md keeps the history "
                    "by hand)")
     p.add_argument("--profile-share", type=int, default=None,
@@ -157,6 +157,7 @@ def main(argv=None):
     size_gb = os.path.getsize(args.model) / 1e9
     decode, overlap, prefill, concurrent, device = [], [], [], [], ""
     arch = model_config(args.model).arch
+    borrow_shares = {int(s) for s in args.borrow_shares.split(",")}
     for share in [int(s) for s in args.shares.split(",")]:
         t0 = time.perf_counter()
         llm = LLM(args.model, device="gpu", max_context=args.prompt_tokens + 64, kv_sequences=max(1, args.users),
@@ -193,7 +194,7 @@ def main(argv=None):
                     log.exception("%d users at once at %d %% resident failed", args.users, share)
                     concurrent[-1] += f" failed: {type(exc).__name__}: {exc} | |"
             log.info("%d users at once: %s", args.users, concurrent[-1])
-        if share == args.borrow_share:
+        if share in borrow_shares:
             prefill += prefill_rows(llm, args.prompt_tokens, share)
             overlap += overlap_rows(f"prefill chunk, {share} % resident, borrow",
                                     traced(llm, lambda: llm.score(prompt(llm, min(512, args.prompt_tokens), 3))))
@@ -207,8 +208,8 @@ def main(argv=None):
              "| resident % | " + " | ".join(f"tok/s ({m}{', the default' if m == DEFAULT_MODE else ''})"
                                            for m in modes) + " |", "|---|" + "---|" * len(modes), *decode, "",
              *(users_table(args.users, args.decode_tokens, concurrent) if concurrent else []),
-             f"## Prefill ({args.prompt_tokens}-token prompt, {args.borrow_share} % resident)", "",
-             "| prefill borrow | tok/s (best of 3 alternating runs) |", "|---|---|", *prefill, "",
+             f"## Prefill ({args.prompt_tokens}-token prompt)", "",
+             "| resident % | prefill borrow | tok/s (best of 3 alternating runs) |", "|---|---|---|", *prefill, "",
              "## Overlap of the hybrid MoE step, mean per layer", "",
              "CPU busy: the host experts; GPU busy: the device part's kernels (CUDA events), borrowed copies "
              "included; step: the whole ExpertSplit.run after the device is idle (routing copy, grouping, both "
@@ -246,7 +247,7 @@ def prefill_rows(llm, num_tokens, share, runs=3):
             log.info("prefill %d tokens at %d %% resident, borrow %s: %.0f tok/s", num_tokens, share, borrow,
                      out.timings["prompt_per_second"])
     llm.model.backend.prefill_borrow = True
-    return [f"| {'on' if borrow else 'off'} | {best[borrow]:.0f} |" for borrow in (True, False)]
+    return [f"| {share} | {'on' if borrow else 'off'} | {best[borrow]:.0f} |" for borrow in (True, False)]
 
 
 def profiled(run, top=30):
