@@ -138,12 +138,17 @@ def measure(args):
     profile_path = os.path.join(args.work_dir, "profile.npz")
     if "profile" in args.placements and not os.path.exists(profile_path):
         make_profile(args, profile_path)
-    rows = {}
+    rows, earlier = {}, None
+    if args.llama_results:  # llama.cpp's medians of an earlier run of this script (its vs_llamacpp_gpu.json)
+        earlier = {int(k): v["llama.cpp"] for k, v in json.loads(Path(args.llama_results).read_text()).items()}
+        missing = sorted(set(args.shares) - set(earlier))
+        if missing:
+            raise SystemExit(f"{args.llama_results}: no llama.cpp results at shares {missing}")
     for share in args.shares:
         n = cpu_layers(L, share)
         masks = {p: (layer_mask(L, E, share) if p == "layers" else profile_mask(args, profile_path, share, sizes))
                  for p in args.placements}
-        samples = {"llama.cpp": [], **{f"strata {p}": [] for p in args.placements}}
+        samples = {**({} if earlier else {"llama.cpp": []}), **{f"strata {p}": [] for p in args.placements}}
         for run in range(args.runs):
             engines = list(samples) if run % 2 == 0 else list(samples)[::-1]
             for engine in engines:
@@ -160,6 +165,8 @@ def measure(args):
                 log.info("share %d %% (n-cpu-moe %d), run %d, %s (%.0f s): %s", share, n, run + 1, engine,
                          time.perf_counter() - t0, result)
         rows[share] = {e: {k: float(np.median([s[k] for s in runs])) for k in runs[0]} for e, runs in samples.items()}
+        if earlier:
+            rows[share]["llama.cpp"] = earlier[share]
         save(args, rows)
     return rows
 
@@ -179,6 +186,8 @@ def markdown(args, rows):
              **{f"prompt {p}": f"prompt read {p} tok/s" for p in args.prompt_tokens}}
     lines = [f"Model `{os.path.basename(args.model)}`, {args.threads} threads, medians of {args.runs} runs "
              "(fresh processes, engines alternating).", ""]
+    if args.llama_results:
+        lines[-1:] = [f"llama.cpp's numbers come from an earlier run ({args.llama_results}), not this one.", ""]
     for key in keys:
         header = "| experts in VRAM | llama.cpp | " + " | ".join(f"strata {p} | ratio" for p in args.placements) + " |"
         lines += [f"### {names[key]}", "", header, "|---" * (2 + 2 * len(args.placements)) + "|"]
@@ -207,6 +216,8 @@ def main(argv=None):
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--work-dir", default="/tmp/vs_llamacpp_gpu")
     parser.add_argument("--output")
+    parser.add_argument("--llama-results", help="take llama.cpp's numbers from this vs_llamacpp_gpu.json of an earlier "
+                        "run (same model, machine and settings) instead of running it; the table says so")
     args = parser.parse_args(argv)
     if args.worker:
         return strata_worker(json.loads(args.worker))
