@@ -3,6 +3,8 @@ a block dequantizes a tile of GEMM_ROWS weight rows once for up to 64 tokens (ke
 the TILE_TOKENS kernels dequantize each row again for every 8 tokens. Kernels.matmul takes them from GEMM_MIN_TOKENS
 tokens on, and Kernels.moe_matmul for work tiles of more than TILE_TOKENS rows (moe_tile_tokens picks the tile size:
 MOE_GEMM_TOKENS, as the experts' groups of a prompt chunk are small: 32 pairs on average at 512 tokens x top-8 of 128).
+How the products multiply (gemm_math, GEMM_MATHS): on CUDA sm_80+ by tensor cores in 3xTF32 (the default, near
+float32), opt-in plain TF32, or float32 FMA (the HIP build and older GPUs always).
 
 Shape legend: T tokens, R output rows, C columns, B bytes per row, S expert slots, N pair rows, W work tiles.
 """
@@ -25,6 +27,19 @@ GEMM_MIN_PAIRS = 8  # a prompt chunk's expert groups take it where they average 
 GEMM_MAX_SPLITS = 8  # a dense GEMM's column splits at most (GemmLaunchers.gemm_splits)
 GEMM_SPLIT_MIN_TOKENS = 128  # splits only from here: no decode step (a captured graph) gets their scratch allocation
 REDUCE_THREADS = 256
+GEMM_MATHS = {"tf32x3": 3, "tf32": 1, "fp32": 0}  # gemm.cu's GEMM_MATH of each gemm_math setting
+DEFAULT_GEMM_MATH = "tf32x3"
+
+
+def gemm_math(name=None):
+    """The GEMM's products by name (None: DEFAULT_GEMM_MATH): "tf32x3" (tensor cores, each operand split into two
+    TF32 parts, three mma a product: float32-like), "tf32" (one mma of operands rounded to TF32: ~1e-3 off, opt-in)
+    or "fp32" (float32 FMA, the kernel before tensor cores). Where the GPU has no tensor-core path (HIP, before sm_80)
+    every setting is fp32."""
+    name = (name or DEFAULT_GEMM_MATH).strip().lower()
+    if name not in GEMM_MATHS:
+        raise ValueError(f"gemm_math {name!r}: expected one of {', '.join(GEMM_MATHS)}")
+    return name
 
 
 @lru_cache(maxsize=None)
@@ -76,7 +91,19 @@ class GemmLaunchers:
     prompt's router [128, 2048] F32: 8 blocks of 64 tokens, 128 of 32 tokens in 8 splits)."""
 
     split_columns = True
+    gemm_math = DEFAULT_GEMM_MATH  # gemm_math's setting of the products
     _gemm_partial = None  # f32 scratch of the splits' partial sums, grown as needed
+
+    def _gemm_fn(self, qtype, name):
+        """qtype's GEMM kernel `name` at self.gemm_math: the matmul module's at the default, else the module compiled
+        again with its GEMM_MATH."""
+        if self.gemm_math == DEFAULT_GEMM_MATH:
+            return self._mm(qtype, name)
+        from .sources import matmul_kernels, module_name, module_source
+
+        math = GEMM_MATHS[gemm_math(self.gemm_math)]
+        return self.rt.compile(f"{module_name(qtype)}_gemm{math}", f"#define GEMM_MATH {math}\n"
+                               + module_source(module_name(qtype)), matmul_kernels(qtype))[name]
 
     def gemm_plan(self, qtype, num_tokens, num_rows, num_cols):
         """(tokens a block, column splits) of the dense GEMM of [num_tokens, num_cols] by [num_rows, num_cols]."""
@@ -100,12 +127,12 @@ class GemmLaunchers:
                 self._gemm_partial = self.rt.empty((size,), np.float32)
             target = self._gemm_partial
         grid = (-(-num_rows // GEMM_ROWS), -(-num_tokens // tokens), splits)
-        self._launch(self._mm(qtype, GEMM_KERNEL[tokens]), grid, GEMM_THREADS,
+        self._launch(self._gemm_fn(qtype, GEMM_KERNEL[tokens]), grid, GEMM_THREADS,
                      (raw, x, target, none, none, none, np.int32(num_tokens), np.int32(num_rows), np.int32(num_cols),
                       np.int64(raw.shape[-1])))
         if splits > 1:
             n = num_tokens * num_rows
-            self._launch(self._mm(qtype, "gemm_reduce"), (-(-n // REDUCE_THREADS),), REDUCE_THREADS,
+            self._launch(self._gemm_fn(qtype, "gemm_reduce"), (-(-n // REDUCE_THREADS),), REDUCE_THREADS,
                          (target, out, np.int64(n), np.int32(splits)))
 
     def moe_gemm(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=MOE_GEMM_TOKENS):
@@ -114,7 +141,7 @@ class GemmLaunchers:
         if tile_tokens not in GEMM_KERNEL:
             raise ValueError(f"moe_gemm: work tiles of {tile_tokens} rows; expected one of {sorted(GEMM_KERNEL)}")
         num_rows, num_cols = raw.shape[1], x.shape[1]
-        self._launch(self._mm(qtype, GEMM_KERNEL[tile_tokens]), (-(-num_rows // GEMM_ROWS), len(tile_slot)),
+        self._launch(self._gemm_fn(qtype, GEMM_KERNEL[tile_tokens]), (-(-num_rows // GEMM_ROWS), len(tile_slot)),
                      GEMM_THREADS,
                      (raw, x, out, tile_slot, tile_row, tile_count, np.int32(x.shape[0]), np.int32(num_rows),
                       np.int32(num_cols), np.int64(raw.shape[-1])))

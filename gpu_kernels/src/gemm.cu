@@ -11,6 +11,14 @@
 // GEMM_STAGE_COLS (whole blocks, a multiple of 32; C must be a multiple). K is 16 where the format's units allow
 // (GEMM_STEP), else 32; the three tiles fit 48 KiB of static shared memory.
 //
+// Products (GEMM_MATH): 3 (default) tensor cores in 3xTF32, each operand split into a TF32 high part and the TF32
+// rounding of its remainder, three mma.sync (lo x hi, hi x lo, hi x hi) a product, near float32 accuracy; 1 (opt-in,
+// "tf32") one mma.sync of the operands rounded to TF32 (10-bit mantissas); 0 ("fp32") float32 FMA. The tensor-core
+// paths are CUDA sm_80+ only (GEMM_MMA); the HIP build and older targets take the FMA path whatever GEMM_MATH says.
+// With mma.sync, warp w takes rows 32 w .. 32 w + 31 of the tile (two m16 tiles) and all its tokens (n8 tiles past
+// the tile's count skipped); the weight and x tiles are stored with their columns XOR-swizzled by the row's k
+// (GEMM_SWIZZLE) so that the fragments' loads hit 32 banks.
+//
 // Shape legend: R output rows, C columns, B bytes per row, T tokens, N pair rows, W work tiles,
 // n tokens of a tile (<= TOKENS).
 
@@ -28,6 +36,22 @@
 #define GEMM_STEP_MAX 16
 #endif
 #define GEMM_STEP(T) (GEMM_SHARED(T, 32) <= 48 * 1024 && (GEMM_STEP_MAX >= 32 || UNIT_WEIGHTS > 16) ? 32 : 16)
+#ifndef GEMM_MATH
+#define GEMM_MATH 3
+#endif
+#ifndef GEMM_MMA  // the tensor-core path (tests/gpu_kernels/test_gemm_emulation.py sets it with its own gemm_mma)
+#if GEMM_MATH != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_AMD__) && \
+    !defined(__HIPCC_RTC__)
+#define GEMM_MMA 1
+#else
+#define GEMM_MMA 0
+#endif
+#endif
+#if GEMM_MMA
+#define GEMM_SWIZZLE(k) (((k) & 3) << 3)  // column XOR of row k of the weight and x tiles
+#else
+#define GEMM_SWIZZLE(k) 0
+#endif
 static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS == 0, "a step holds whole units");
 
 // staged [GEMM_ROWS][GEMM_STAGE_WORDS] words = the stage's raw bytes (`offset` into each row) of rows r0 .. (clamped
@@ -85,10 +109,10 @@ __device__ __forceinline__ void gemm_store_x(const float4 (&v)[GemmShape<TOKENS>
 #pragma unroll
     for (int l = 0; l < GemmShape<TOKENS>::X_LOADS; ++l) {
         int i = threadIdx.x + l * GEMM_THREADS, t = i % TOKENS, q = i / TOKENS;
-        xs[(4 * q + 0) * TOKENS + t] = v[l].x;
-        xs[(4 * q + 1) * TOKENS + t] = v[l].y;
-        xs[(4 * q + 2) * TOKENS + t] = v[l].z;
-        xs[(4 * q + 3) * TOKENS + t] = v[l].w;
+        xs[(4 * q + 0) * TOKENS + (t ^ GEMM_SWIZZLE(0))] = v[l].x;
+        xs[(4 * q + 1) * TOKENS + (t ^ GEMM_SWIZZLE(1))] = v[l].y;
+        xs[(4 * q + 2) * TOKENS + (t ^ GEMM_SWIZZLE(2))] = v[l].z;
+        xs[(4 * q + 3) * TOKENS + (t ^ GEMM_SWIZZLE(3))] = v[l].w;
     }
 }
 
@@ -112,6 +136,87 @@ __device__ __forceinline__ void gemm_products(const float4* ws, const float4* xs
             for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
     }
 }
+
+#if GEMM_MMA
+#ifndef GEMM_MMA_EMULATED
+// The TF32 rounding (to nearest, ties away) of v, as its float32 bits.
+__device__ __forceinline__ u32 gemm_tf32(float v) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return r;
+}
+
+// d [16 x 8] += a [16 x 8] @ b [8 x 8] over the warp (PTX mma.m16n8k8 .tf32 fragments; lane = 4 g + c: a holds
+// (g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4); b (k c, token g), (c + 4, g); d (g, tokens 2 c, 2 c + 1), (g + 8, ..)).
+__device__ __forceinline__ void gemm_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// hi, lo = the TF32 split of v (lo: the TF32 rounding of v - hi; 0 under GEMM_MATH 1, unused).
+__device__ __forceinline__ void gemm_split(float v, u32& hi, u32& lo) {
+    hi = gemm_tf32(v);
+    lo = GEMM_MATH == 3 ? gemm_tf32(v - __uint_as_float(hi)) : 0u;
+}
+
+// acc [2][TOKENS / 8][4] (m16 tile, n8 tile, fragment) += the warp's rows 32 warp .. + 31 of ws [K][GEMM_ROWS] times
+// the tile's tokens (n8 tiles from n on skipped) of xs [K][TOKENS], both swizzled (GEMM_SWIZZLE).
+template <int TOKENS, int K>
+__device__ __forceinline__ void gemm_products_mma(const float* ws, const float* xs, int n,
+                                                  float (&acc)[2][TOKENS / 8][4]) {
+    int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, m0 = 32 * (threadIdx.x / 32), sw = GEMM_SWIZZLE(c);
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        const float* w0 = ws + (k0 + c) * GEMM_ROWS;
+        const float* w1 = w0 + 4 * GEMM_ROWS;
+        u32 ah[2][4], al[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            int r = m0 + 16 * mt + g;
+            gemm_split(w0[r ^ sw], ah[mt][0], al[mt][0]);
+            gemm_split(w0[(r + 8) ^ sw], ah[mt][1], al[mt][1]);
+            gemm_split(w1[r ^ sw], ah[mt][2], al[mt][2]);
+            gemm_split(w1[(r + 8) ^ sw], ah[mt][3], al[mt][3]);
+        }
+        const float* x0 = xs + (k0 + c) * TOKENS;
+        const float* x1 = x0 + 4 * TOKENS;
+#pragma unroll
+        for (int j = 0; j < TOKENS / 8; ++j) {
+            if (8 * j >= n) break;  // the same for the whole warp
+            u32 bh[2], bl[2];
+            gemm_split(x0[(8 * j + g) ^ sw], bh[0], bl[0]);
+            gemm_split(x1[(8 * j + g) ^ sw], bh[1], bl[1]);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                if (GEMM_MATH == 3) {
+                    gemm_mma(acc[mt][j], al[mt], bh);
+                    gemm_mma(acc[mt][j], ah[mt], bl);
+                }
+                gemm_mma(acc[mt][j], ah[mt], bh);
+            }
+        }
+    }
+}
+
+// out [n, R] (rows t R apart): the warp's fragments of acc at rows r0 + 32 warp + .., within R and n.
+template <int TOKENS>
+__device__ __forceinline__ void gemm_store_mma(float* __restrict__ out, int R, int r0, int n,
+                                               const float (&acc)[2][TOKENS / 8][4]) {
+    int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, m0 = r0 + 32 * (threadIdx.x / 32);
+#pragma unroll
+    for (int j = 0; j < TOKENS / 8; ++j)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int r = m0 + 16 * mt + g + 8 * (i / 2), t = 8 * j + 2 * c + i % 2;
+                if (r < R && t < n) out[(i64)t * R + r] = acc[mt][j][i];
+            }
+}
+#endif
 
 // out [n, R] (rows t R apart): the thread's micro-tile of rows r0 + .. and tokens TN tg + .., within R and n.
 template <int TN>
@@ -147,15 +252,26 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
     __shared__ float4 ws[K * GEMM_ROWS / 4];                // [K][GEMM_ROWS]
     __shared__ float4 xs[K * TOKENS / 4];                   // [K][TOKENS]
     __shared__ u32 staged[GEMM_ROWS * GEMM_STAGE_WORDS];   // [GEMM_ROWS][GEMM_STAGE_WORDS]
+    float* wsf = (float*)ws;
+#if GEMM_MMA
+    float acc[2][TOKENS / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int j = 0; j < TOKENS / 8; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][j][i] = 0.0f;
+#else
     int rg = threadIdx.x % GEMM_RG, tg = threadIdx.x / GEMM_RG;
-    bool active = TN * tg < n, words = ((row_bytes | GEMM_STAGE_BYTES) & 3) == 0;
-    const u8* mine = (const u8*)(staged + threadIdx.x * GEMM_STAGE_WORDS);
+    bool active = TN * tg < n;
     float acc[GEMM_TM][TN];
 #pragma unroll
     for (int i = 0; i < GEMM_TM; ++i)
 #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
-    float* wsf = (float*)ws;
+#endif
+    bool words = ((row_bytes | GEMM_STAGE_BYTES) & 3) == 0;
+    const u8* mine = (const u8*)(staged + threadIdx.x * GEMM_STAGE_WORDS);
     float4 xv[GemmShape<TOKENS>::X_LOADS];
     gemm_load_x<TOKENS>(x, C, n, 0, xv);
     for (int s0 = 0; s0 < cols; s0 += GEMM_STAGE_COLS) {
@@ -167,15 +283,23 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
             float w[K];
             gemm_dequant<K>(mine, k0, w);
 #pragma unroll
-            for (int k = 0; k < K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
+            for (int k = 0; k < K; ++k) wsf[k * GEMM_ROWS + (threadIdx.x ^ GEMM_SWIZZLE(k))] = w[k];
             gemm_store_x<TOKENS>(xv, (float*)xs);
             __syncthreads();
             if (s0 + k0 + K < cols) gemm_load_x<TOKENS>(x, C, n, s0 + k0 + K, xv);
+#if GEMM_MMA
+            gemm_products_mma<TOKENS, K>(wsf, (const float*)xs, n, acc);
+#else
             if (active) gemm_products<TOKENS, TN, K>(ws, xs, rg, tg, acc);
+#endif
             __syncthreads();
         }
     }
+#if GEMM_MMA
+    gemm_store_mma<TOKENS>(out, R, r0, n, acc);
+#else
     if (active) gemm_store<TN>(out, R, r0, n, rg, tg, acc);
+#endif
 }
 
 // out [N, R] = x [N, C] @ dequant(raw).T by work tiles of up to TOKENS rows. With tiles (tile_slot not null,

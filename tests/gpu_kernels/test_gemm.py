@@ -127,3 +127,49 @@ def test_gemm_modules_compile_for_sm86(qtype):
         pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc)")
     cubin = Nvrtc().compile(module_name(qtype), module_source(module_name(qtype)), "sm_86", ("--std=c++14",))
     assert all(kernel.encode() in cubin for kernel in matmul_kernels(qtype))
+
+
+MATH_TOL = {"tf32x3": TOL, "fp32": TOL, "tf32": 2e-3}  # gemm_math's stated tolerance (TF32: 10-bit mantissas)
+
+
+def test_gemm_math_names():
+    from gpu_kernels.gemm import DEFAULT_GEMM_MATH, GEMM_MATHS, gemm_math
+
+    assert gemm_math(None) == DEFAULT_GEMM_MATH == "tf32x3" and gemm_math(" TF32 ") == "tf32"
+    assert set(GEMM_MATHS) == set(MATH_TOL)
+    with pytest.raises(ValueError, match="gemm_math 'fp16'"):
+        gemm_math("fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("math", list(MATH_TOL))
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_gemm_math_at_prefill_sizes(runtime, qtype, math):
+    """Each gemm_math within its tolerance: a dense GEMM of 512 tokens over 2048 columns (column splits) and of 300
+    tokens (a short last tile), and expert groups of 512 x top-8 pairs routed at random over 32 experts plus ragged
+    ones (1, 31, 33, 70 rows) in tiles of 32 and 64 rows."""
+    from gpu_kernels.kernels import Kernels
+
+    kernels = Kernels(runtime)
+    kernels.gemm_math = math
+    rng = np.random.default_rng(int(qtype) * 31 + len(math))
+    raw = quant(rng, qtype, (260, 2048))  # [R, B]
+    for num_tokens in (512, 300):
+        x = rng.standard_normal((num_tokens, 2048)).astype(np.float32)  # [T, C]
+        out = runtime.empty((num_tokens, 260), np.float32)
+        kernels.matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out)
+        assert rel_err(runtime.to_host(out), reference(raw, qtype, x)) < MATH_TOL[math]
+    raw = quant(rng, qtype, (36, 136, 768))  # [S, R, B]
+    sizes = np.concatenate([np.bincount(rng.integers(0, 32, 512 * 8), minlength=32), [1, 31, 33, 70]])
+    slots = rng.permutation(36)
+    row_starts = np.concatenate([[0], np.cumsum(sizes[slots])])
+    x = rng.standard_normal((row_starts[-1], 768)).astype(np.float32)  # [N, C]
+    ref = np.empty((len(x), 136), np.float64)
+    for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
+        ref[start:stop] = reference(raw[slot], qtype, x[start:stop])
+    for tile_tokens in (MOE_GEMM_TOKENS, GEMM_TOKENS):
+        tiles = work_tiles(row_starts, slots, tile_tokens)  # [3, W]
+        out = runtime.empty((len(x), 136), np.float32)
+        kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
+                           *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles], tile_tokens=tile_tokens)
+        assert rel_err(runtime.to_host(out), ref) < MATH_TOL[math]
