@@ -194,13 +194,13 @@ class ExpertSplit:
             for layer_index, ids in self._deferred_host:
                 usage.record(layer_index, ids)
             for handle, layers in self._deferred_step:
-                rows = device.wait_rows(handle)  # [L, K]
+                rows = device.wait_rows(handle)  # [L, n, K]
                 for row, layer_index in layers:
-                    usage.record(layer_index, rows[row:row + 1])
+                    usage.record(layer_index, rows[row])
         self._deferred, self._deferred_host, self._deferred_step = [], [], []
 
     def defer_step_routing(self, handle, layers):
-        """A step graph's routing ids [L, K] (a queued copy) of `layers` ((row, layer index) pairs), recorded at
+        """A step graph's routing ids [L, n, K] (a queued copy) of `layers` ((row, layer index) pairs), recorded at
         finish_step."""
         self._deferred_step.append((handle, layers))
 

@@ -4,8 +4,8 @@
 layers' recipes (one per layer: a family's layers may differ):
 - PlainRunner: the recipe's steps (hybrid/blocks.py) one by one, every op a backend call. It runs every
   batch; the others hand it the batches they do not take.
-- GraphRunner (a backend with layer graphs: the GPU): one sequence's one-token decode step as one graph where
-  nothing in it needs the host (hybrid/step_graph.py), else each layer's
+- GraphRunner (a backend with layer graphs: the GPU): a decode step of one-token chunks (one sequence's, or several
+  users') as one graph where nothing in it needs the host (hybrid/step_graph.py), else one sequence's each layer's
   runs of consecutive capturable steps captured once as a graph region and replayed after.
 - the backend's own (a backend with compiled layers: the CPU's hybrid/backends/cpu_layer.py), made
   by `backend.layer_runner(recipe, plain)`, which gives `plain` back for a recipe it cannot compile.
@@ -14,7 +14,7 @@ Shape legend: T tokens, H hidden.
 """
 from .arch.recipe import LayerRecipe
 from .blocks import layer_steps
-from .step_graph import queue_step, record_step_routing, step_graph_bound, step_graph_ready
+from .step_graph import queue_step, record_step_routing, step_graph_bound, step_graph_ready, step_tokens_fit
 
 
 class PlainRunner:
@@ -93,14 +93,18 @@ class GraphRunner:
         return [tuple(step.name for step in steps) for region, steps in self.program if region is not None]
 
     def run(self, model, x, batch):
-        if not (self.graphs.enabled and len(batch.chunks) == 1 and len(batch.token_ids) == 1):
+        be = model.backend
+        one = len(batch.chunks) == 1 and len(batch.token_ids) == 1
+        if not (self.graphs.enabled and (one or step_tokens_fit(model, batch))):
             self.last_path = "plain"
             return self.plain.run(model, x, batch)
-        be = model.backend
-        x = self.graphs.begin_step(be, x, batch.positions)  # [1, H], the fixed buffer the graphs read
         bound = step_graph_bound(model, batch) if self._step_graph_ready(model, be) else None
+        if bound is None and not one:  # several users' tokens: a step graph or op by op
+            self.last_path = "plain"
+            return self.plain.run(model, x, batch)
+        x = self.graphs.begin_step(be, x, batch.positions)  # [n, H], the fixed buffer the graphs read
         if bound is not None:
-            key = (*be.step_graph_key(batch.chunks[0].kv, bound), model.usage is not None)  # usage: keeps routing
+            key = (*be.step_graph_key(batch.chunks, bound), model.usage is not None)  # usage: keeps routing
             outputs = self.graphs.run_step(be, key, lambda: queue_step(model, x, batch, self.plain.steps_of,
                                                                        self.graphs.position, bound))
             record_step_routing(model, outputs)

@@ -290,27 +290,28 @@ class GpuBackend(GpuDeltaOps):
 
     # -- a decode step as one graph (gpu_step.py; hybrid/runners.py GraphRunner) ---------------------
 
-    def prepare_step_graph(self, kv, start, num_layers, top_k):
-        """The keys bound of a step graph at `start` over `kv`, or None where the step needs the host."""
-        return None if self.step is None else self.step.prepare(self, kv, start, num_layers, top_k)
+    def prepare_step_graph(self, chunks, num_layers, top_k):
+        """The keys bound of a step graph over `chunks` (one token each), or None where the step needs the host."""
+        return None if self.step is None else self.step.prepare(self, chunks, num_layers, top_k)
 
-    def step_graph_key(self, kv, bound):
-        return self.step.graph_key(kv, bound)
+    def step_graph_key(self, chunks, bound):
+        return self.step.graph_key(chunks, bound)
 
-    def begin_step_graph(self, position, bound):
-        """Until end_step_graph, the KV writes and attention read the step's position from `position` (int64 [1]
-        on the device) and plan for `bound` keys, and the experts queue their launches into the step's graph."""
-        self.step.active = (position, bound)
+    def begin_step_graph(self, positions, bound, chunks):
+        """Until end_step_graph, the KV writes and attention of `chunks` read their positions from `positions` (int64
+        [n] on the device) and plan for `bound` keys, and the experts queue their launches into the step's graph."""
+        self.step.begin(positions, bound, chunks)
 
     def end_step_graph(self):
-        self.step.active = None
+        self.step.end()
 
     def keep_step_routing(self, layer_index, ids):
         self.step.keep_routing(self, layer_index, ids)
 
-    def queue_step_routing(self):
-        """A queued host copy of the step graph's routing ids [L, K]; wait_rows(handle) returns it."""
-        return self.step.queue_routing(self)
+    def queue_step_routing(self, tokens=1):
+        """A queued host copy of the `tokens`-chunk step graph's routing ids [L, n, K]; wait_rows(handle) returns
+        it."""
+        return self.step.queue_routing(self, tokens)
 
     def use_device_positions(self, positions, on_device):
         """rope() of a batch with these host positions reads `on_device` (int64, already uploaded) instead."""

@@ -36,12 +36,12 @@ class DeviceSequenceKV(SequenceKV):
     def table_changed(self):
         self._table_dev = None
 
-    def device_table(self):
+    def device_table(self, start=None):
         """The block table on the device (uploaded, through the stream, when it changed); while a step graph is
-        queued, the step graphs' own copy of it (gpu_step.py)."""
+        queued, the step graphs' own copy of it for this sequence's chunk at `start` (gpu_step.py)."""
         step = self.backend.step
         if step is not None and step.active is not None:
-            return step.table
+            return step.active.slot(self, start)[0]
         if self._table_dev is None:
             used = max(1, self.host_blocks + len(self.blocks))
             if self._table_buf is None or len(self._table_buf) < used:
@@ -53,9 +53,9 @@ class DeviceSequenceKV(SequenceKV):
     def write(self, layer, start, k, v):
         """k, v: device float32 [n, Hkv, D] for positions [start, start + n) (all in pool blocks)."""
         kp, vp, ks, vs = self.pool.layer(layer)
-        table = self.device_table()
+        table = self.device_table(start)
         step = self.backend.step.active if self.backend.step is not None else None
-        start_at = None if step is None else (step[0], None)
+        start_at = None if step is None else (step.slot(self, start)[1], None)
         self.backend.kernels.kv_write(self.dtype, k, kp, ks, table, start, start_at=start_at, second=(v, vp, vs))
 
     def commit(self, length):
@@ -187,11 +187,12 @@ class GpuKV:
         window > 0: each query's last `window` positions; sinks: each head's sink logit [Hq] on the device, joined
         to the softmax once the key ranges are merged (kernels.attn_sinks)."""
         pool = kv.pool.layer(layer)  # (k, v, k_scale, v_scale)
-        table, ram_keys = kv.device_table(), kv.host_blocks * kv.block_tokens
+        table, ram_keys = kv.device_table(start), kv.host_blocks * kv.block_tokens
         step = be.step.active if be.step is not None else None
         lse = None if sinks is None else be.rt.empty(q.shape[:2], np.float32)  # [T, Hq]
         if step is not None:  # a step graph's: the position on the device, splits planned for its bound
-            self._step_attention(be, q, kv, pool, table, step, scale, out, window, lse)
+            self._step_attention(be, q, kv.dtype, pool, table, step.slot(kv, start)[1], step.bound, scale, out,
+                                 window, lse)
         elif ram_keys == 0:
             be.kernels.paged_attention(kv.dtype, q, *pool, table, start, 0, scale, out, lse=lse, window=window)
         elif self.host_attention == "gpu":
@@ -204,16 +205,15 @@ class GpuKV:
             be.kernels.attn_sinks(out, lse, sinks)
 
     @staticmethod
-    def _step_attention(be, q, kv, pool, table, step, scale, out, window=0, lse=None):
-        """One token's attention inside a step graph (step: (position on the device, keys bound)); its split scratch
-        comes through be.rt, so the capture keeps it."""
-        position, bound = step
+    def _step_attention(be, q, kv_dtype, pool, table, position, bound, scale, out, window=0, lse=None):
+        """One token's attention inside a step graph (position int64 [1] on the device, below the keys bound); its
+        split scratch comes through be.rt, so the capture keeps it."""
         num_tokens, num_q_heads, head_dim = q.shape
         values, rows = split_scratch_sizes(num_tokens, num_q_heads, pool[0].shape[2], head_dim, bound, be.kernels.warp,
                                            be.kernels.max_splits, be.kernels.attention_rows,
                                            be.kernels.short_attention_keys)
         scratch = None if values == 0 else (be.rt.empty((values,), np.float32), be.rt.empty((rows,), np.float32))
-        be.kernels.paged_attention(kv.dtype, q, *pool, table, bound - num_tokens, 0, scale, out, lse=lse,
+        be.kernels.paged_attention(kv_dtype, q, *pool, table, bound - num_tokens, 0, scale, out, lse=lse,
                                    start_at=(position, scratch), window=window)
 
     def _stage_ram_part(self, be, kv, layer):

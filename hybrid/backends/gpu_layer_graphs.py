@@ -21,7 +21,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-STEP_GRAPHS_KEPT = 4  # whole-step graphs kept at once (sequences decoding in turn: one graph each)
+STEP_GRAPHS_KEPT = 8  # whole-step graphs kept at once (one a token count and keys bound in use)
 
 
 class KeptAllocations:
@@ -61,24 +61,27 @@ class LayerGraphs:
 
     def __init__(self):
         self.enabled = True
-        self._regions = {}  # (region, layer index) -> [kept allocations, outputs, graph or None]
-        self._residual = None  # f32 [1, H]: the residual stream of a graphed decode step
-        self._position = None  # int64 [1]: its position, on the device
+        self._regions = {}  # (region, layer index) or a step graph's key -> [kept allocations, outputs, graph or None]
+        self._buffers = {}  # n -> (residual stream f32 [n, H], positions int64 [n]) of a graphed step of n tokens
+        self._position = None  # int64 [n]: the current step's positions, on the device
 
     def begin_step(self, be, x, positions):
-        """The step's residual stream, copied into the fixed buffer, and its position uploaded into the fixed one."""
-        if self._residual is None or self._residual.shape != x.shape:
-            self._residual = be.rt.empty(x.shape, np.float32)
-            self._position = be.rt.empty((1,), np.int64)
-            self._regions.clear()
-        be.rt.copy_on_device_async(self._residual, x, be.stream)
-        be.staging.upload("graph_position", np.asarray(positions[:1], np.int64), be.stream, out=self._position)
+        """The step's residual stream x [n, H], copied into the fixed buffer of n tokens, and its positions int64 [n]
+        uploaded into the fixed one."""
+        held = self._buffers.get(x.shape[0])
+        if held is None or held[0].shape != x.shape:
+            held = self._buffers[x.shape[0]] = (be.rt.empty(x.shape, np.float32),
+                                                be.rt.empty((x.shape[0],), np.int64))
+        residual, self._position = held
+        be.rt.copy_on_device_async(residual, x, be.stream)
+        be.staging.upload(f"graph_position.{x.shape[0]}", np.asarray(positions, np.int64), be.stream,
+                          out=self._position)
         be.use_device_positions(positions, self._position)
-        return self._residual
+        return residual
 
     @property
     def position(self):
-        """The step's position int64 [1] on the device (set by begin_step)."""
+        """The step's positions int64 [n] on the device (set by begin_step)."""
         return self._position
 
     def run_step(self, be, key, queue):

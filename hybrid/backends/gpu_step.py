@@ -1,16 +1,17 @@
-"""A whole one-token decode step as one graph (hybrid/runners.py GraphRunner), where nothing in it needs the host.
+"""A whole decode step of one-token chunks as one graph (hybrid/runners.py GraphRunner), where nothing in it needs the
+host: one sequence's next token, or several users' at once (the serving engine's decode batch, one chunk a slot).
 
 With every expert of every layer resident, a decode step's launches take no number the host must
-supply once the position is on the device: the KV writes and the attention read it there
+supply once the positions are on the device: the KV writes and the attention read each chunk's there
 (gpu_kernels/src/kv.cu start_at), RoPE already does, and the experts find their pairs from the
 routing the device holds. So the step is captured once and replayed with one launch, instead of a
 few graphs and single launches a layer with the host in between. The attention's key splits are
-planned for a bound on the position (a power of two from KEYS_MIN), so a graph serves every step
-until the sequence passes it, and is then captured again. The graphs read the stepped sequence's block table
-from one buffer of their own, copied in before each step, so a graph serves every sequence (a new request
-does not capture again) unless the sequence has state of its own that the graph reads in place (a recurrent
-state).
-Shape legend: L layers, K top-k.
+planned for a bound on the positions (a power of two from KEYS_MIN), so a graph serves every step of
+its token count until a sequence passes it, and is then captured again. The graphs read each chunk's block table
+from a buffer of their own (one a chunk, the i-th chunk's i-th), copied in before each step, so a graph serves every
+set of sequences (a new request does not capture again) unless the sequence has state of its own that the graph
+reads in place (a recurrent state: such a step has one chunk).
+Shape legend: L layers, n chunks (one token each), K top-k.
 """
 import numpy as np
 
@@ -25,41 +26,71 @@ def keys_bound(start):
     return bound
 
 
+class StepSlots:
+    """The step being queued: the chunks' positions int64 [n] on the device, the keys bound, and where the i-th chunk
+    (its sequence and start) finds its block table and its position (a view of positions [1])."""
+
+    def __init__(self, positions, bound, chunks, tables):
+        self.positions, self.bound, self.tables = positions, bound, tables
+        self._slot = {(id(chunk.kv), chunk.start): i for i, chunk in enumerate(chunks)}
+
+    def slot(self, kv, start):
+        """(block table int32 [blocks], position int64 [1]) on the device of the chunk of `kv` at `start`."""
+        i = self._slot[(id(kv), start)]
+        return self.tables[i], self.positions[i:i + 1]
+
+
 class StepCapture:
-    """The GPU backend's state for step graphs: while a step is queued for capture, `active` = (position int64 [1]
-    on the device, keys bound); `routing` int32 [L, K] gets each layer's routing ids inside the graph, read back
-    once a step for the usage record. The backend comes with each call (no back-reference: see
-    gpu_layer_graphs.LayerGraphs)."""
+    """The GPU backend's state for step graphs: while a step is queued for capture, `active` is its StepSlots;
+    `routing[n]` int32 [L, n, K] gets each layer's routing ids inside the n-chunk graphs, read back once a step for
+    the usage record. The backend comes with each call (no back-reference: see gpu_layer_graphs.LayerGraphs)."""
 
     def __init__(self):
         self.active = None
-        self.routing = None
-        self.table = None  # int32 [blocks] on the device: the stepped sequence's block table, copied in a step
-        self.tables = 0  # how many `table` buffers there were: graphs of an older one are never launched again
+        self.routing = {}  # n -> int32 [L, n, K] on the device
+        self.tables = []  # int32 [blocks] on the device, one a chunk: the i-th chunk's block table, copied in a step
+        self.version = 0  # bumped when a table buffer is replaced: graphs of an older one are never launched again
 
-    def graph_key(self, kv, bound):
-        """The key of the step graph that serves `kv` at `bound` keys: shared by every sequence, except one with a
-        recurrent state of its own."""
-        return ("step", bound, self.tables, None if kv.recurrent is None else id(kv))
+    def graph_key(self, chunks, bound):
+        """The key of the step graph that serves `chunks` at `bound` keys: shared by every set of sequences of that
+        size, except one with a recurrent state of its own."""
+        kv = chunks[0].kv
+        return ("step", len(chunks), bound, self.version, None if kv.recurrent is None else id(kv))
 
-    def prepare(self, be, kv, start, num_layers, top_k):
-        """The keys bound of a step graph at position `start` over `kv`, or None where this step needs the host
-        (timed experts, a KV with a part in RAM). Queues the copy of the KV's block table into `table`, which the
-        graphs read (a larger table gets a new buffer, and so new graphs)."""
-        if be.time_experts or kv.host_blocks or kv.resident_blocks is not None:
+    def prepare(self, be, chunks, num_layers, top_k):
+        """The keys bound of a step graph over `chunks` (one token each), or None where this step needs the host
+        (timed experts, a KV with a part in RAM, several chunks with a recurrent state). Queues the copies of the
+        chunks' block tables into `tables`, which the graphs read (a larger table gets a new buffer, and so new
+        graphs)."""
+        if be.time_experts or any(c.kv.host_blocks or c.kv.resident_blocks is not None for c in chunks):
             return None
-        table = kv.device_table()
-        if self.table is None or len(self.table) < len(kv.table):
-            self.table, self.tables = be.rt.empty((len(kv.table),), np.int32), self.tables + 1
-        be.rt.copy_on_device_async(self.table[:len(table)], table, be.stream)
-        if self.routing is None or self.routing.shape != (num_layers, top_k):
-            self.routing = be.rt.zeros((num_layers, top_k), np.int32)
-        return keys_bound(start)
+        if len(chunks) > 1 and any(c.kv.recurrent is not None for c in chunks):
+            return None
+        for i, chunk in enumerate(chunks):
+            table = chunk.kv.device_table()
+            if i == len(self.tables):  # a chunk more than any step before: graphs of fewer do not read it
+                self.tables.append(be.rt.empty((max(len(chunk.kv.table), len(table)),), np.int32))
+            elif len(self.tables[i]) < len(chunk.kv.table):
+                self.tables[i] = be.rt.empty((len(chunk.kv.table),), np.int32)
+                self.version += 1
+            be.rt.copy_on_device_async(self.tables[i][:len(table)], table, be.stream)
+        n = len(chunks)
+        if n not in self.routing or self.routing[n].shape != (num_layers, n, top_k):
+            self.routing[n] = be.rt.zeros((num_layers, n, top_k), np.int32)
+        return keys_bound(max(chunk.start for chunk in chunks))
+
+    def begin(self, positions, bound, chunks):
+        """Until end(), the KV writes and attention of `chunks` read their positions from `positions` (int64 [n] on
+        the device) and plan for `bound` keys, and the experts queue their launches into the step's graph."""
+        self.active = StepSlots(positions, bound, chunks, self.tables)
+
+    def end(self):
+        self.active = None
 
     def keep_routing(self, be, layer_index, ids):
-        """Queue a copy of a layer's routing ids int32 [1, K] into its row of `routing`."""
-        be.rt.copy_on_device_async(self.routing[layer_index:layer_index + 1], ids, be.stream)
+        """Queue a copy of a layer's routing ids int32 [n, K] into its row of `routing[n]`."""
+        be.rt.copy_on_device_async(self.routing[ids.shape[0]][layer_index], ids, be.stream)
 
-    def queue_routing(self, be):
-        """A queued host copy of `routing` [L, K]: (pinned view, event), as GpuBackend.queue_ids gives."""
-        return be.staging.download("ids.step", self.routing, be.stream)
+    def queue_routing(self, be, n):
+        """A queued host copy of `routing[n]` [L, n, K]: (pinned view, event), as GpuBackend.queue_ids gives."""
+        return be.staging.download(f"ids.step.{n}", self.routing[n], be.stream)

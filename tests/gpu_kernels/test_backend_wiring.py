@@ -202,7 +202,8 @@ def test_a_decode_step_of_several_users_runs_its_resident_pairs_from_the_device_
                                                                                          relay_tokens):
     """A fully resident layer's decode step of three sequences' tokens (relay_tokens or not) packs their routing and
     rows into the three-token scratch and runs its pairs from there (one graph a layer for that count, replayed at
-    the next step), without reading the routing back; the logits stay the CPU engine's."""
+    the next step), without reading the routing back; the logits stay the CPU engine's. Step graphs off: with them
+    the whole step is one graph (tests/gpu_kernels/test_multi_step_graphs.py)."""
     from hybrid.batch import Batch, SeqChunk
 
     weights = load_model(gguf_models("small", "Q8_0")[0])
@@ -217,7 +218,7 @@ def test_a_decode_step_of_several_users_runs_its_resident_pairs_from_the_device_
 
     ref = steps(Model(weights, CpuBackend()))
     backend = GpuBackend(numpy_runtime, max_context=256, kv_sequences=3,
-                         resident=np.ones((c.num_layers, c.num_experts), bool))
+                         resident=np.ones((c.num_layers, c.num_experts), bool), step_graphs=False)
     backend.kernels = reference_kernels
     model = Model(weights, backend, host=CpuBackend())
     model.split.relay.tokens = relay_tokens

@@ -1,0 +1,121 @@
+"""Several users' decode tokens in one step graph (hybrid/step_graph.py, hybrid/backends/gpu_step.py) on GpuBackend's
+Python side over the NumPy stand-in runtime and reference kernels: the same logits as the same tokens stepped one by
+one, one graph per token count and keys bound, each chunk reading its own sequence's table and position."""
+import numpy as np
+import pytest
+
+from hybrid.backends.gpu import GpuBackend
+from hybrid.batch import Batch, SeqChunk
+from hybrid.expert_usage import ExpertUsage
+from hybrid.formats import load_model
+from hybrid.model import Model
+from tests.gpu_kernels.test_backend_wiring import TOKENS, CpuBackend
+
+TOLERANCE = {"F32": 1e-4, "Q8_0": 2e-3}
+
+
+def _model(weights, numpy_runtime, reference_kernels, users, step_graphs=True):
+    c = weights.config
+    backend = GpuBackend(numpy_runtime, max_context=512, kv_sequences=users,
+                         resident=np.ones((c.num_layers, c.num_experts), bool), step_graphs=step_graphs)
+    backend.kernels = reference_kernels
+    model = Model(weights, backend, host=CpuBackend())
+    model.usage = ExpertUsage.for_config(c)
+    return model
+
+
+def _prompts(weights, lengths, seed=3):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, weights.config.vocab_size, n) for n in lengths]
+
+
+@pytest.mark.parametrize("target", ["F32", "Q8_0"])
+def test_users_decoding_at_once_match_one_by_one(gguf_models, numpy_runtime, reference_kernels, target):
+    """Four users (prompts of 250, 9, 70 and 40 tokens: the first passes the 256-key bound on the way) decode 8 tokens
+    each, all four in one step graph a step, and each alone: the logits agree within the format's tolerance, the
+    batched steps are step graphs (one capture per keys bound: 256, then 512), and the usage record is the same."""
+    weights = load_model(gguf_models("small", target)[0])
+    prompts, steps = _prompts(weights, (250, 9, 70, 40)), 8
+
+    def decode(together):
+        model = _model(weights, numpy_runtime, reference_kernels, len(prompts))
+        kvs = [model.new_sequence(512) for _ in prompts]
+        logits = [[] for _ in prompts]
+        for u, kv in enumerate(kvs):
+            logits[u].append(model.forward(Batch([SeqChunk(kv, 0, prompts[u], "last")]))[0])
+        captures, paths = numpy_runtime.captures, set()
+        for t in range(steps):
+            tokens = [np.asarray([TOKENS[(t + 3 * u) % len(TOKENS)]]) for u in range(len(kvs))]
+            if together:
+                out = model.forward(Batch([SeqChunk(kv, kv.length, tokens[u]) for u, kv in enumerate(kvs)]))
+                paths.add(model.runner.last_path)
+                for u in range(len(kvs)):
+                    logits[u].append(out[u])
+            else:
+                for u, kv in enumerate(kvs):
+                    logits[u].append(model.forward(Batch([SeqChunk(kv, kv.length, tokens[u])]))[0])
+                    paths.add(model.runner.last_path)
+        return np.array(logits), model, numpy_runtime.captures - captures, paths
+
+    ref, alone, _, alone_paths = decode(False)
+    got, together, captures, paths = decode(True)
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=TOLERANCE[target] * scale)
+    assert paths == {"step graph"} and alone_paths == {"step graph"}
+    graphs = [key for key in together.backend.layer_graphs._regions if key[0] == "step"]
+    assert captures == 2 and sorted(key[1:3] for key in graphs) == [(4, 256), (4, 512)]
+    for name in ("prefill", "decode", "coactivation"):
+        np.testing.assert_array_equal(getattr(together.usage, name), getattr(alone.usage, name), err_msg=name)
+    assert together.usage.tokens_decode == 4 * steps
+
+
+def test_one_graph_serves_each_user_count(gguf_models, numpy_runtime, reference_kernels):
+    """Steps of 2, 3, then 2 users again (a third request joins, then leaves) and one user's alone: each token count has
+    its own graph, kept while the others run (the 2-user graph is launched again, not captured again), and every
+    step's logits are those of its tokens stepped one by one."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    prompts = _prompts(weights, (30, 12, 21), seed=4)
+    model = _model(weights, numpy_runtime, reference_kernels, 3)
+    ref_model = _model(weights, numpy_runtime, reference_kernels, 3, step_graphs=False)
+    kvs, ref_kvs = ([m.new_sequence(512) for _ in prompts] for m in (model, ref_model))
+    for m, seqs in ((model, kvs), (ref_model, ref_kvs)):
+        for u, kv in enumerate(seqs):
+            m.forward(Batch([SeqChunk(kv, 0, prompts[u], "last")]))
+    for t, users in enumerate((2, 2, 3, 3, 3, 2, 2, 1, 1, 1)):
+        tokens = [np.asarray([TOKENS[(t + u) % len(TOKENS)]]) for u in range(users)]
+        got = model.forward(Batch([SeqChunk(kv, kv.length, tokens[u]) for u, kv in enumerate(kvs[:users])]))
+        assert model.runner.last_path == "step graph"
+        ref = np.array([ref_model.forward(Batch([SeqChunk(kv, kv.length, tokens[u])]))[0]
+                        for u, kv in enumerate(ref_kvs[:users])])
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max(), err_msg=f"step {t}")
+    steps = {key[1]: graph for key, (_, _, graph) in model.backend.layer_graphs._regions.items() if key[0] == "step"}
+    assert sorted(steps) == [1, 2, 3]
+    assert steps[2].launches == 3 and steps[3].launches == 2 and steps[1].launches == 2
+
+
+def test_consecutive_tokens_of_one_sequence_in_one_step(gguf_models, numpy_runtime, reference_kernels):
+    """A draft's tokens as one-token chunks of one sequence at consecutive positions (the engine's verification
+    batch) in one step graph, beside another user's token: each attends the rows the ones before it wrote, as the
+    same tokens stepped one by one."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    prompts = _prompts(weights, (20, 33), seed=5)
+
+    def run(together):
+        model = _model(weights, numpy_runtime, reference_kernels, 2)
+        a, b = (model.new_sequence(512) for _ in prompts)
+        for kv, p in ((a, prompts[0]), (b, prompts[1])):
+            model.forward(Batch([SeqChunk(kv, 0, p, "last")]))
+        out = []
+        for t in range(4):
+            start_a, start_b = a.length, b.length
+            chunks = [SeqChunk(a, start_a, np.asarray([TOKENS[t]])), SeqChunk(a, start_a + 1, np.asarray([TOKENS[t + 4]])),
+                      SeqChunk(b, start_b, np.asarray([TOKENS[t + 8]]))]
+            if together:
+                out.append(model.forward(Batch(chunks)))
+                assert model.runner.last_path == "step graph"
+            else:
+                out.append(np.concatenate([model.forward(Batch([chunk])) for chunk in chunks]))
+        return np.array(out)
+
+    ref, got = run(False), run(True)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
