@@ -56,6 +56,36 @@ static void run_grid(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned
 }
 """
 
+MMA = r"""
+// gemm.cu's tensor-core path with mma.sync emulated: each warp's lanes leave their fragments in `mma_frags` and meet
+// at the block's barrier (every thread of the block takes the same mma calls), then each sums its outputs.
+#define GEMM_MMA 1
+#define GEMM_MMA_EMULATED
+static inline u32 gemm_tf32(float v) {  // cvt.rna.tf32.f32: to nearest, ties away from zero
+    u32 b;
+    std::memcpy(&b, &v, 4);
+    return (b + 0x1000u) & 0xffffe000u;
+}
+static u32 mma_frags[128][6];  // [thread of the block][a0..a3, b0, b1]
+static inline void gemm_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    int lane = threadIdx.x % 32, warp0 = threadIdx.x - lane, g = lane / 4, c = lane % 4;
+    for (int i = 0; i < 4; ++i) mma_frags[threadIdx.x][i] = a[i];
+    mma_frags[threadIdx.x][4] = b[0], mma_frags[threadIdx.x][5] = b[1];
+    __syncthreads();
+    for (int i = 0; i < 4; ++i) {
+        int row = g + 8 * (i / 2), col = 2 * c + i % 2;
+        float sum = 0.0f;
+        for (int k = 0; k < 8; ++k) {
+            u32 av = mma_frags[warp0 + 4 * (row % 8) + k % 4][(row / 8) + 2 * (k / 4)];
+            u32 bv = mma_frags[warp0 + 4 * col + k % 4][4 + k / 4];
+            sum += __uint_as_float(av) * __uint_as_float(bv);
+        }
+        d[i] += sum;
+    }
+    __syncthreads();
+}
+"""
+
 HARNESS = r"""
 // tokens: 64 (gemm) or 32 (gemm32) a block.
 extern "C" void run_gemm(const u8* raw, const float* x, float* out, int T, int R, int C, i64 row_bytes, int splits,
@@ -78,22 +108,23 @@ extern "C" void run_moe_gemm(const u8* raw, const float* x, float* out, const in
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    """qtype -> gemm.cu with that format's header, compiled for the CPU and loaded (without GNU unique symbols: the
-    formats' shared arrays, static locals of an inline function, would otherwise be one array for all libraries)."""
+    """(qtype, mma) -> gemm.cu with that format's header (mma: with its tensor-core path, MMA), compiled for the CPU
+    and loaded (without GNU unique symbols: the formats' shared arrays, static locals of an inline function, would
+    otherwise be one array for all libraries)."""
     libs = {}
 
-    def get(qtype):
-        if qtype not in libs:
+    def get(qtype, mma=False):
+        if (qtype, mma) not in libs:
             prelude = PRELUDE.replace("#define __shared__\n", "#define __shared__ static\n").replace(
                 "static Dim3 threadIdx, blockDim;\nstatic inline void __syncthreads() {}\n", THREADS)
-            source = (prelude + module_source(module_name(qtype)).split("// ---- matmul.cu")[0]
+            source = (prelude + module_source(module_name(qtype)).split("// ---- matmul.cu")[0] + MMA * mma
                       + (SRC / "gemm.cu").read_text() + HARNESS)
-            path = tmp_path_factory.mktemp(qtype.name.lower())
+            path = tmp_path_factory.mktemp(qtype.name.lower() + "_mma" * mma)
             (path / "gemm.cpp").write_text(source)
             subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-fno-gnu-unique", "-shared", "-fPIC", "-o",
                             str(path / "gemm.so"), str(path / "gemm.cpp")], check=True, capture_output=True, text=True)
-            libs[qtype] = ctypes.CDLL(str(path / "gemm.so"))
-        return libs[qtype]
+            libs[qtype, mma] = ctypes.CDLL(str(path / "gemm.so"))
+        return libs[qtype, mma]
 
     return get
 
@@ -151,3 +182,28 @@ def test_emulated_moe_gemm(build, qtype):
         for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
             assert rel_err(out[start:stop], reference(raw[slot], qtype, x[start:stop])) < 1e-5
         assert (out[row_starts[-1]:] == 7.0).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, pytest.param(Q.Q6_K, marks=pytest.mark.slow)], ids=lambda q: q.name)
+def test_emulated_mma_gemm(build, qtype):
+    """The tensor-core path (3xTF32, mma.sync emulated lane by lane): its fragments, swizzled tiles and stores; rows
+    past the last block (200, 67), tokens past the last tile and n8 tiles skipped (70 = 64 + 6, 2 x 32 + 6, 9), and
+    work tiles of groups of 70, none, 1 and 17 rows."""
+    lib, rng = build(qtype, mma=True), np.random.default_rng(int(qtype) + 5)
+    for num_rows, num_tokens, tokens in ((200, 70, 64), (67, 9, 64), (200, 70, 32)):
+        raw = np.ascontiguousarray(quant(rng, qtype, (num_rows, 256)))  # [R, B]
+        x = rng.standard_normal((num_tokens, 256)).astype(np.float32)  # [T, C]
+        out = np.full((num_tokens, num_rows), np.nan, np.float32)
+        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(out), num_tokens, num_rows, 256, ctypes.c_int64(raw.shape[1]), 1, tokens)
+        assert rel_err(out, reference(raw, qtype, x)) < 1e-5
+    raw = np.ascontiguousarray(quant(rng, qtype, (4, 136, 256)))  # [S, R, B]
+    sizes = np.array([70, 0, 1, 17])
+    slots = np.flatnonzero(sizes)[::-1].copy()
+    row_starts = np.concatenate([[0], np.cumsum(sizes[slots])])
+    x = rng.standard_normal((row_starts[-1], 256)).astype(np.float32)  # [N, C]
+    tiles = [np.ascontiguousarray(t) for t in work_tiles(row_starts, slots, 32)]  # 3 x [W]
+    out = np.full((len(x), 136), np.nan, np.float32)
+    lib.run_moe_gemm(_ptr(raw), _ptr(x), _ptr(out), *map(_ptr, tiles), len(tiles[0]), len(x), 136, 256,
+                     ctypes.c_int64(raw.shape[-1]), 32)
+    for slot, start, stop in zip(slots, row_starts[:-1], row_starts[1:]):
+        assert rel_err(out[start:stop], reference(raw[slot], qtype, x[start:stop])) < 1e-5
