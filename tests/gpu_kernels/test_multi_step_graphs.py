@@ -119,3 +119,46 @@ def test_consecutive_tokens_of_one_sequence_in_one_step(gguf_models, numpy_runti
 
     ref, got = run(False), run(True)
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size,target", [("small", "F32"), ("small", "Q8_0"), ("kquant", "Q4_K_M")])
+def test_users_at_once_on_the_gpu_match_one_by_one(runtime, gguf_models, size, target):
+    """On a GPU, with the real kernels: four users' tokens (prompts of 250, 9, 70, 40 tokens, the first passing the
+    256-key bound) in one step graph a step give each user's one-token steps' logits within 1e-4 (F32) or 2e-3 of
+    their largest, and the CPU engine's within 2e-3; a step of 16 users is a step graph too."""
+    from hybrid import LLM
+
+    path, _ = gguf_models(size, target)
+    tolerance = 1e-4 if target == "F32" else 2e-3
+    cpu = LLM(path, device="cpu", max_context=512)
+    prompts = [p.tolist() for p in _prompts(cpu.model.weights, (250, 9, 70, 40))]
+
+    def decode(model, together, steps=6):
+        kvs = [model.new_sequence(512) for _ in prompts]
+        for kv, p in zip(kvs, prompts):
+            model.forward(Batch([SeqChunk(kv, 0, np.asarray(p), "last")]))
+        out = []
+        for t in range(steps):
+            tokens = [np.asarray([TOKENS[(t + 3 * u) % len(TOKENS)]]) for u in range(len(kvs))]
+            if together:
+                out.append(model.forward(Batch([SeqChunk(kv, kv.length, tokens[u]) for u, kv in enumerate(kvs)])))
+                assert model.runner.last_path == "step graph"
+            else:
+                out.append(np.concatenate([model.forward(Batch([SeqChunk(kv, kv.length, tokens[u])]))
+                                           for u, kv in enumerate(kvs)]))
+        return np.array(out)
+
+    c = cpu.config
+    with LLM(path, device="gpu", max_context=512, kv_sequences=16,
+             resident=np.ones((c.num_layers, c.num_experts), bool)) as gpu:
+        alone, together = decode(gpu.model, False), decode(gpu.model, True)
+        scale = np.abs(alone).max()
+        assert np.abs(together - alone).max() <= tolerance * scale
+        ref = decode(cpu.model, False)
+        assert np.abs(together - ref).max() <= 2e-3 * np.abs(ref).max()
+        kvs = [gpu.model.new_sequence(64) for _ in range(16)]
+        for u, kv in enumerate(kvs):
+            gpu.model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[u:u + 1]), "last")]))
+        wide = gpu.model.forward(Batch([SeqChunk(kv, 1, np.asarray([TOKENS[-1]])) for kv in kvs]))
+        assert gpu.model.runner.last_path == "step graph" and np.isfinite(wide).all()
