@@ -14,6 +14,13 @@ __device__ __forceinline__ u32 iq3s_row(const u32* grid, const u32 (&qs)[2], u32
     return grid[((qs[g >> 2] >> (8 * (g & 3))) & 0xffu) | (((qh >> g) & 1u) << 8)];
 }
 
+// A 4-bit sign field as a byte mask: byte c 0xFF where bit c is set.
+__device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
+
+// Grid row values v (bytes 1..15) with the bytes of byte mask m negated: as every grid value is 1..15 no byte carries
+// into the next.
+__device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m & 0x01010101u); }
+
 // The `_1q` kernels look the grid up in shared memory: a block copies it there before it stages x (matmul.cu's
 // STAGE_TABLES; stage_xq's sync publishes both). A warp's 32 scattered reads of the 2 KiB table cost a few bank
 // conflicts there, where through L1 they touched up to 16 cache lines each. IQ3S_GRID_COPIES (a power of two, 1 by
@@ -22,17 +29,42 @@ __device__ __forceinline__ u32 iq3s_row(const u32* grid, const u32 (&qs)[2], u32
 #ifndef IQ3S_GRID_COPIES
 #define IQ3S_GRID_COPIES 1
 #endif
-__shared__ u32 iq3s_grid_smem[512 * IQ3S_GRID_COPIES];
+
+// IQ3S_XOR_SIGNS (a variant, off by default): the shared grid holds each value v (odd, 1..15) as t = (v - 1) / 2, and a
+// signed weight is 2 (t ^ m) + 1 in signed bytes (m: 0xFF where negative; t ^ 0xFF = -t - 1), so that signing costs
+// one xor a grid row; slice_dot_q adds the slice's sum of x once for all its rows.
+#ifdef IQ3S_XOR_SIGNS
+#define IQ3S_SHARED_ENTRY(v) (((v) >> 1) & 0x07070707u)
+#else
+#define IQ3S_SHARED_ENTRY(v) (v)
+#endif
+
+// IQ3S_SIGNED_GRID (a variant, off by default): the shared table holds every grid row under each of its 16 sign
+// patterns, 8192 words (32 KiB): entry i = grid row i & 511 with the bytes of the sign bits i >> 9 negated. A grid row's
+// 13-bit index (qs byte, qh bit, 4 sign bits) comes whole from one byte permute a pair of rows (slice_dot_q), and its
+// signed values from one shared read: no sign masks.
+#ifdef IQ3S_SIGNED_GRID
+#if IQ3S_GRID_COPIES != 1 || defined(IQ3S_XOR_SIGNS)
+#error "IQ3S_SIGNED_GRID takes one copy of the grid and its own signs"
+#endif
+#define IQ3S_SHARED_WORDS 8192
+#else
+#define IQ3S_SHARED_WORDS (512 * IQ3S_GRID_COPIES)
+#endif
+__shared__ u32 iq3s_grid_smem[IQ3S_SHARED_WORDS];
 
 __device__ __forceinline__ void iq3s_stage_grid() {
-#if IQ3S_GRID_COPIES >= 4
+#if defined(IQ3S_SIGNED_GRID)
+    for (int i = threadIdx.x; i < IQ3S_SHARED_WORDS; i += blockDim.x)
+        iq3s_grid_smem[i] = iq3s_negated(IQ3S_GRID[i & 511], sign_bytes((u32)i >> 9));
+#elif IQ3S_GRID_COPIES >= 4
     for (int i = threadIdx.x; i < 128 * IQ3S_GRID_COPIES; i += blockDim.x) {  // 4 copies a 16-byte store
-        u32 v = IQ3S_GRID[4 * i / IQ3S_GRID_COPIES];
+        u32 v = IQ3S_SHARED_ENTRY(IQ3S_GRID[4 * i / IQ3S_GRID_COPIES]);
         ((uint4*)iq3s_grid_smem)[i] = make_uint4(v, v, v, v);
     }
 #else
     for (int i = threadIdx.x; i < 512 * IQ3S_GRID_COPIES; i += blockDim.x)
-        iq3s_grid_smem[i] = IQ3S_GRID[i / IQ3S_GRID_COPIES];
+        iq3s_grid_smem[i] = IQ3S_SHARED_ENTRY(IQ3S_GRID[i / IQ3S_GRID_COPIES]);
 #endif
 }
 #define STAGE_TABLES() iq3s_stage_grid()
@@ -124,10 +156,47 @@ __device__ __forceinline__ u32 iq3s_pair_offsets(const u32 (&qs)[2], u32 qh, int
     return (bytes << 2) | (((qh >> (2 * k)) * 0x02000400u) & 0x04000400u);  // qh bits 2k, 2k + 1 at bits 10, 26
 }
 
-// A 4-bit sign field as a byte mask: byte c 0xFF where bit c is set.
-__device__ __forceinline__ u32 sign_bytes(u32 bits4) { return ((bits4 * 0x00204081u) & 0x01010101u) * 0xFFu; }
+// Byte c of the result 0xFF where bit 8c + 7 of v is set, else 0: one byte permute in its sign-replicating mode on CUDA.
+__device__ __forceinline__ u32 msb_bytes(u32 v) {
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
+    return ((v >> 7) & 0x01010101u) * 0xFFu;
+#else
+    u32 m;
+    asm("prmt.b32 %0, %1, %1, 0xBA98;" : "=r"(m) : "r"(v));
+    return m;
+#endif
+}
 
-__device__ __forceinline__ int iq3s_signed_row(u32 v, u32 m) { return (int)((v ^ m) + (m & 0x01010101u)); }
+// The byte mask of grid row g's 4 sign bits (bits 4g .. 4g + 3 of a slice's signs). IQ3S_PRMT_MASKS (a variant, off by
+// default): from `half`, the signs of the even (signs & 0x0F0F0F0F) or odd rows (signs & 0xF0F0F0F0), a byte permute
+// takes byte g / 2 alone, a multiply puts its bit c (c + 4 for odd g) at bit 8c + 7 (copies 7 bits apart: no carries),
+// msb_bytes spreads those bits over their bytes. Else sign_bytes of the 4 bits.
+__device__ __forceinline__ u32 iq3s_row_mask(u32 signs, u32 half, int g) {
+#ifdef IQ3S_PRMT_MASKS
+    return msb_bytes(__byte_perm(half, 0u, 0x4440u | (g >> 1)) * (g & 1 ? 0x01020408u : 0x10204080u));
+#else
+    return sign_bytes((signs >> (4 * g)) & 15u);
+#endif
+}
+
+// Grid row values v signed by byte mask m: with IQ3S_XOR_SIGNS t ^ m (half of the weight less a half: see above),
+// else iq3s_negated.
+__device__ __forceinline__ int iq3s_signed_row(u32 v, u32 m) {
+#ifdef IQ3S_XOR_SIGNS
+    return (int)(v ^ m);
+#else
+    return (int)iq3s_negated(v, m);
+#endif
+}
+
+#ifdef IQ3S_SIGNED_GRID
+// The 13-bit signed-grid indices of a slice's grid rows 4h .. 4h + 3 without their qs bytes: byte c = qh bit 4h + c
+// | the row's 4 sign bits << 1. A byte permute of signs << 1 and signs >> 3 puts sign nibble 4h + c at bits 1..4 of byte
+// c; a multiply puts qh bit 4h + c at bit 0 of byte c (copies of a 4-bit field 7 bits apart: no carries).
+__device__ __forceinline__ u32 iq3s_index_highs(u32 signs, u32 qh, int h) {
+    u32 nibbles = __byte_perm(signs << 1, signs >> 3, h ? 0x7362u : 0x5140u);
+    return (nibbles & 0x1E1E1E1Eu) | ((((qh >> (4 * h)) & 15u) * 0x00204081u) & 0x01010101u);
+}
 
 template <int RPT>
 __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
@@ -135,17 +204,17 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
     uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
     uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
     const u8* grid = (const u8*)iq3s_grid_smem;
-    u32 copy = 4u * (threadIdx.x & (IQ3S_GRID_COPIES - 1)) * 0x10001u;  // this lane's copy, in both halves
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
         int a = 0, b = 0;
+        u32 qh = (sl[r].tail >> 16) & 0xffu;
+        u32 highs[2] = {iq3s_index_highs(sl[r].signs, qh, 0), iq3s_index_highs(sl[r].signs, qh, 1)};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
-            u32 offsets = iq3s_pair_offsets(sl[r].qs, (sl[r].tail >> 16) & 0xffu, k);
-            offsets = offsets * IQ3S_GRID_COPIES + copy;  // both halves stay under 2^16 for up to 32 copies
-            u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
-            u32 m0 = sign_bytes((sl[r].signs >> (8 * k)) & 15u), m1 = sign_bytes((sl[r].signs >> (8 * k + 4)) & 15u);
-            int w0 = iq3s_signed_row(v0, m0), w1 = iq3s_signed_row(v1, m1);
+            // their indices in the low and high 16 bits: qs bytes 2k, 2k + 1 and their index_highs bytes (bits 13 .. 15
+            // of the low one are 0: index >> 14 is 4 times the high one)
+            u32 index = __byte_perm(sl[r].qs[k >> 1], highs[k >> 1], k & 1 ? 0x7362u : 0x5140u);
+            int w0 = *(const int*)(grid + 4 * (index & 0x1fffu)), w1 = *(const int*)(grid + (index >> 14));
             uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
             a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
             b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));
@@ -154,3 +223,45 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
         acc[r][0] = fmaf(db * xq.scale[s], (float)(256 * a + b), acc[r][0]);
     }
 }
+#else
+template <int RPT>
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
+    int at = XQ_BLOCK * s;
+    uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
+    uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
+    const u8* grid = (const u8*)iq3s_grid_smem;
+    u32 copy = 4u * (threadIdx.x & (IQ3S_GRID_COPIES - 1)) * 0x10001u;  // this lane's copy, in both halves
+#ifdef IQ3S_XOR_SIGNS
+    int sum_hi = 0, sum_lo = 0;  // the slice's sums of x's hi and lo bytes
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        sum_hi = dp4a((int)WORD(h1, i), 0x01010101, dp4a((int)WORD(h0, i), 0x01010101, sum_hi));
+        sum_lo = dp4a((int)WORD(l1, i), 0x01010101, dp4a((int)WORD(l0, i), 0x01010101, sum_lo));
+    }
+    int x_sum = 256 * sum_hi + sum_lo;
+#endif
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        int a = 0, b = 0;
+        u32 even = sl[r].signs & 0x0F0F0F0Fu, odd = sl[r].signs & 0xF0F0F0F0u;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
+            u32 offsets = iq3s_pair_offsets(sl[r].qs, (sl[r].tail >> 16) & 0xffu, k);
+            offsets = offsets * IQ3S_GRID_COPIES + copy;  // both halves stay under 2^16 for up to 32 copies
+            u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
+            u32 m0 = iq3s_row_mask(sl[r].signs, even, 2 * k), m1 = iq3s_row_mask(sl[r].signs, odd, 2 * k + 1);
+            int w0 = iq3s_signed_row(v0, m0), w1 = iq3s_signed_row(v1, m1);
+            uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
+            a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
+            b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));
+        }
+        float db = iq3s_db((u16)(sl[r].tail & 0xffffu), sl[r].tail >> 24, s & 7);
+#ifdef IQ3S_XOR_SIGNS
+        int dot = 2 * (256 * a + b) + x_sum;
+#else
+        int dot = 256 * a + b;
+#endif
+        acc[r][0] = fmaf(db * xq.scale[s], (float)dot, acc[r][0]);
+    }
+}
+#endif

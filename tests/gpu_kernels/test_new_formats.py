@@ -137,6 +137,58 @@ def test_iq3_s_grid_copies_and_x_fit_a_blocks_shared_memory(monkeypatch):
     assert xq_fits(Q.IQ3_S, 7168) and not xq_fits(Q.IQ3_S, 8192) and xq_fits(Q.IQ4_XS, 8192)
 
 
+# IQ3_S's compile-time alternatives of its int16 slice dot (iq3_s.cuh; bench/gpu_kernels.py --variants sweeps them)
+IQ3S_VARIANTS = ["IQ3S_PRMT_MASKS", "IQ3S_XOR_SIGNS", "IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_SIGNED_GRID"]
+
+
+def variant_defines(variant):
+    return "".join(f"#define {name} 1\n" for name in variant.split("+") if name)
+
+
+def test_emulated_iq3_s_variants_dot_as_the_plain_source(tmp_path):
+    """Each IQ3_S variant's int16 slice dot (emulated as test_slice_emulation does, with its HIP paths) gives the plain
+    source's sums bit for bit (the same integer dots), within the int16 rounding of NumPy's."""
+    from .conftest import xq_arrays
+    from .test_slice_emulation import HARNESS as SLICE_HARNESS
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    rng = np.random.default_rng(35)
+    raw = random_rows(rng, Q.IQ3_S, ROWS, COLS)
+    x = (rng.standard_normal(COLS) * rng.uniform(0.01, 10, COLS // 32).repeat(32)).astype(np.float32)  # [C]
+    hi, lo, scale, total = xq_arrays(x)
+    x_hat = (256 * hi.astype(np.float64) + lo) * np.repeat(scale.astype(np.float64), 32)
+    source = module_source(module_name(Q.IQ3_S)).split("// ---- matmul.cu")[0]
+    results = {}
+    for variant in [""] + IQ3S_VARIANTS:
+        path = tmp_path / (variant.replace("+", "_") or "plain")
+        path.mkdir()
+        (path / "fmt.cpp").write_text(variant_defines(variant) + PRELUDE + source + SLICE_HARNESS)
+        subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(path / "fmt.so"),
+                        str(path / "fmt.cpp")], check=True, capture_output=True)
+        lib = ctypes.CDLL(str(path / "fmt.so"))
+        got, pair = np.empty(ROWS, np.float32), np.empty(2, np.float32)
+        for r in range(0, ROWS, 2):
+            lib.dot_int(_ptr(raw[r]), _ptr(raw[r + 1]), _ptr(hi), _ptr(lo), _ptr(scale), _ptr(total),
+                        ctypes.c_int(COLS), _ptr(pair))
+            got[r:r + 2] = pair
+        results[variant] = got
+    assert rel_err(results[""], dequant(raw, Q.IQ3_S).astype(np.float64) @ x_hat) < 1e-5
+    for variant in IQ3S_VARIANTS:
+        assert np.array_equal(results[variant], results[""]), variant
+
+
+@pytest.mark.parametrize("variant", IQ3S_VARIANTS)
+def test_iq3_s_variants_compile_for_sm90(variant):
+    """Each IQ3_S variant's module (its `_1q` kernels' inline PTX included) compiles with NVRTC for sm_90."""
+    from gpu_kernels.nvrtc import Nvrtc, find_library
+
+    if find_library() is None:
+        pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc)")
+    source = variant_defines(variant) + module_source(module_name(Q.IQ3_S))
+    assert b"moe_matmul_1q" in Nvrtc().compile(f"iq3_s_{variant}", source, "sm_90", ("--std=c++14",))
+
+
 # ---- on a GPU
 
 
@@ -217,6 +269,20 @@ def test_int16_moe_matvec_tunings(runtime, qtype, rows, slices, chunks):
     ref = np.concatenate([xq_rounded(x[i:i + 1]) @ dequant(raw[s], qtype).astype(np.float64).T
                           for i, s in enumerate(tile_slot)])
     assert rel_err(runtime.to_host(out), ref) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (4, 4, 2), (4, 8, 1)])
+@pytest.mark.parametrize("variant", IQ3S_VARIANTS)
+def test_iq3_s_variants_int16_moe_matvec(runtime, monkeypatch, variant, rows, slices, chunks):
+    """test_int16_moe_matvec_tunings on IQ3_S compiled with each of its variants, as the bench compiles them."""
+    from gpu_kernels import kernels as kernels_module
+
+    source, name = kernels_module.tuned_source, kernels_module.tuned_module_name
+    monkeypatch.setattr(kernels_module, "tuned_source", lambda q, r, b, defines="": source(
+        q, r, b, variant_defines(variant) + defines))
+    monkeypatch.setattr(kernels_module, "tuned_module_name", lambda q, r, b: f"{name(q, r, b)}_{variant.lower()}")
+    test_int16_moe_matvec_tunings(runtime, Q.IQ3_S, rows, slices, chunks)
 
 
 @pytest.mark.gpu
