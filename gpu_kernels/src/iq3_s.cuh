@@ -10,7 +10,7 @@ __device__ __forceinline__ float iq3s_db(u16 d, u32 scale_byte, int j) {
 }
 
 // Grid row g of a slice from `grid` (IQ3S_GRID or its copy in shared memory).
-__device__ __forceinline__ u32 iq3s_row(const u32* grid, const u32 (&qs)[2], u32 qh, int g) {
+__device__ __forceinline__ u32 iq3s_row(const u32* grid, const u32* qs, u32 qh, int g) {
     return grid[((qs[g >> 2] >> (8 * (g & 3))) & 0xffu) | (((qh >> g) & 1u) << 8)];
 }
 
@@ -85,62 +85,103 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     }
 }
 
-#define SLICE_WEIGHTS 32
+// A slice: IQ3S_SUBS sub-blocks side by side (1; 2 with IQ3S_PAIR_SLICES, a variant off by default: fewer loads and
+// addresses a weight, as qs, signs and the qh bytes of a pair of sub-blocks lie side by side and share a scale byte).
+#ifdef IQ3S_PAIR_SLICES
+#define IQ3S_SUBS 2
+#else
+#define IQ3S_SUBS 1
+#endif
+#define SLICE_WEIGHTS (32 * IQ3S_SUBS)
 struct Slice {
-    u32 qs[2], signs, tail;  // tail: d | qh[j] << 16 | the scale byte << 24
+    u32 qs[2 * IQ3S_SUBS], signs[IQ3S_SUBS];
+    u32 tail;  // d | qh[j] << 16 | the scale byte << 24; IQ3S_PAIR_SLICES: d | qh[j] << 16 | qh[j + 1] << 24
+#if IQ3S_SUBS == 2
+    u32 scale;  // the pair's scale byte
+#endif
 };
+
+// qh byte of sub-block h of slice sl.
+__device__ __forceinline__ u32 iq3s_qh(const Slice& sl, int h) {
+    return IQ3S_SUBS == 1 ? (sl.tail >> 16) & 0xffu : (sl.tail >> (16 + 8 * h)) & 0xffu;
+}
+
+// The scale d * (1 + 2 s) of sub-block h of slice s.
+__device__ __forceinline__ float iq3s_slice_db(const Slice& sl, int s, int h) {
+#if IQ3S_SUBS == 2
+    return iq3s_db((u16)(sl.tail & 0xffffu), sl.scale, h);
+#else
+    return iq3s_db((u16)(sl.tail & 0xffffu), sl.tail >> 24, s & 7);
+#endif
+}
 
 // Super-blocks are 2-byte aligned: qs and signs come from the aligned words w from the one that holds the super-block's
 // first byte (o = its address % 4, 0 or 2), at word indices from o and j, so that the compiler forms few addresses.
+// Slice s: sub-blocks j = IQ3S_SUBS (s % (8 / IQ3S_SUBS)) .. of super-block s / (8 / IQ3S_SUBS).
 __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
-    const u8* b = row + 110 * (s >> 3);
-    int j = s & 7;
+    const int per_block = 8 / IQ3S_SUBS;
+    const u8* b = row + 110 * (s / per_block);
+    int j = IQ3S_SUBS * (s % per_block);
     u32 o = (u32)(size_t)b & 2u, shift = 16u - 8u * o;  // qs and signs start 2 bytes into a word where o is 0
     const u32* w = (const u32*)(b - o);
     const u32* q = w + 2 * j + (o >> 1);  // qs[8j ..] at b + 2 + 8j
     const u32* g = w + 18 + j + (o >> 1);  // signs[4j ..] at b + 74 + 4j
-    u32 q0 = q[0], q1 = q[1], q2 = q[2], g0 = g[0], g1 = g[1];
+    u32 qw[2 * IQ3S_SUBS + 1], gw[IQ3S_SUBS + 1];
+#pragma unroll
+    for (int i = 0; i <= 2 * IQ3S_SUBS; ++i) qw[i] = q[i];
+#pragma unroll
+    for (int i = 0; i <= IQ3S_SUBS; ++i) gw[i] = g[i];
     Slice sl;
-    sl.qs[0] = funnel_right(q0, q1, shift);
-    sl.qs[1] = funnel_right(q1, q2, shift);
-    sl.signs = funnel_right(g0, g1, shift);
+#pragma unroll
+    for (int i = 0; i < 2 * IQ3S_SUBS; ++i) sl.qs[i] = funnel_right(qw[i], qw[i + 1], shift);
+#pragma unroll
+    for (int i = 0; i < IQ3S_SUBS; ++i) sl.signs[i] = funnel_right(gw[i], gw[i + 1], shift);
+#if IQ3S_SUBS == 2
+    sl.tail = (u32)*(const u16*)b | ((u32)*(const u16*)(b + 66 + j) << 16);  // j even: 2-byte aligned
+    sl.scale = b[106 + j / 2];
+#else
     sl.tail = (u32)*(const u16*)b | ((u32)b[66 + j] << 16) | ((u32)b[106 + j / 2] << 24);
+#endif
     return sl;
 }
 
 template <int RPT, int TT>
 __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
                                           float (&acc)[RPT][TT]) {
-    const float* xs = x + 32 * s;
-    float dot[RPT][TT];
 #pragma unroll
-    for (int r = 0; r < RPT; ++r)
+    for (int h = 0; h < IQ3S_SUBS; ++h) {  // sub-block h: weights 32h .. 32h + 31 of the slice
+        const float* xs = x + SLICE_WEIGHTS * s + 32 * h;
+        float dot[RPT][TT];
 #pragma unroll
-        for (int t = 0; t < TT; ++t) dot[r][t] = 0.0f;
+        for (int r = 0; r < RPT; ++r)
 #pragma unroll
-    for (int g = 0; g < 8; ++g) {  // grid row g: weights 4g .. 4g + 3
-        float w[RPT][4];
+            for (int t = 0; t < TT; ++t) dot[r][t] = 0.0f;
 #pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-            u32 values = iq3s_row(IQ3S_GRID, sl[r].qs, (sl[r].tail >> 16) & 0xffu, g);
+        for (int g = 0; g < 8; ++g) {  // grid row g: weights 4g .. 4g + 3
+            float w[RPT][4];
 #pragma unroll
-            for (int c = 0; c < 4; ++c) w[r][c] = flip_sign(BYTE_FLOAT(values, c, 0.0f), (sl[r].signs >> (4 * g + c)) & 1u);
-        }
+            for (int r = 0; r < RPT; ++r) {
+                u32 values = iq3s_row(IQ3S_GRID, sl[r].qs + 2 * h, iq3s_qh(sl[r], h), g);
 #pragma unroll
-        for (int t = 0; t < TT; ++t) {
-            if (t < n) {
-                float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * g);
+                for (int c = 0; c < 4; ++c)
+                    w[r][c] = flip_sign(BYTE_FLOAT(values, c, 0.0f), (sl[r].signs[h] >> (4 * g + c)) & 1u);
+            }
 #pragma unroll
-                for (int r = 0; r < RPT; ++r) DOT4(dot[r][t], w[r], 0, x0);
+            for (int t = 0; t < TT; ++t) {
+                if (t < n) {
+                    float4 x0 = *(const float4*)(xs + (i64)t * C + 4 * g);
+#pragma unroll
+                    for (int r = 0; r < RPT; ++r) DOT4(dot[r][t], w[r], 0, x0);
+                }
             }
         }
-    }
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-        float db = iq3s_db((u16)(sl[r].tail & 0xffffu), sl[r].tail >> 24, s & 7);
+        for (int r = 0; r < RPT; ++r) {
+            float db = iq3s_slice_db(sl[r], s, h);
 #pragma unroll
-        for (int t = 0; t < TT; ++t)
-            if (t < n) acc[r][t] = fmaf(db, dot[r][t], acc[r][t]);
+            for (int t = 0; t < TT; ++t)
+                if (t < n) acc[r][t] = fmaf(db, dot[r][t], acc[r][t]);
+        }
     }
 }
 
@@ -151,7 +192,7 @@ __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const f
 #define INT_DECODE 1
 
 // The byte offsets in the grid table of grid rows 2k and 2k + 1 of a slice, in the low and high 16 bits.
-__device__ __forceinline__ u32 iq3s_pair_offsets(const u32 (&qs)[2], u32 qh, int k) {
+__device__ __forceinline__ u32 iq3s_pair_offsets(const u32* qs, u32 qh, int k) {
     u32 bytes = __byte_perm(qs[k >> 1], 0u, k & 1 ? 0x4342u : 0x4140u);  // qs bytes 2k, 2k + 1 as 16-bit halves
     return (bytes << 2) | (((qh >> (2 * k)) * 0x02000400u) & 0x04000400u);  // qh bits 2k, 2k + 1 at bits 10, 26
 }
@@ -190,78 +231,73 @@ __device__ __forceinline__ int iq3s_signed_row(u32 v, u32 m) {
 }
 
 #ifdef IQ3S_SIGNED_GRID
-// The 13-bit signed-grid indices of a slice's grid rows 4h .. 4h + 3 without their qs bytes: byte c = qh bit 4h + c
-// | the row's 4 sign bits << 1. A byte permute of signs << 1 and signs >> 3 puts sign nibble 4h + c at bits 1..4 of byte
-// c; a multiply puts qh bit 4h + c at bit 0 of byte c (copies of a 4-bit field 7 bits apart: no carries).
+// The 13-bit signed-grid indices of a sub-block's grid rows 4h .. 4h + 3 without their qs bytes: byte c = qh bit
+// 4h + c | the row's 4 sign bits << 1. A byte permute of signs << 1 and signs >> 3 puts sign nibble 4h + c at bits 1..4
+// of byte c; a multiply puts qh bit 4h + c at bit 0 of byte c (copies of a 4-bit field 7 bits apart: no carries).
 __device__ __forceinline__ u32 iq3s_index_highs(u32 signs, u32 qh, int h) {
     u32 nibbles = __byte_perm(signs << 1, signs >> 3, h ? 0x7362u : 0x5140u);
     return (nibbles & 0x1E1E1E1Eu) | ((((qh >> (4 * h)) & 15u) * 0x00204081u) & 0x01010101u);
 }
+#endif
+
+// A sub-block's int16 dot: its 32 signed weights (qs: its 2 words of qs bytes) dotted with x's hi (xh) and lo (xl) bytes
+// as 256 hi + lo, exact in int32. x_sum: the sub-block's sum of x (IQ3S_XOR_SIGNS).
+__device__ __forceinline__ int iq3s_sub_dot(const u32* qs, u32 signs, u32 qh, const uint4& h0, const uint4& h1,
+                                            const uint4& l0, const uint4& l1, int x_sum) {
+    const u8* grid = (const u8*)iq3s_grid_smem;
+    int a = 0, b = 0;
+#ifdef IQ3S_SIGNED_GRID
+    u32 highs[2] = {iq3s_index_highs(signs, qh, 0), iq3s_index_highs(signs, qh, 1)};
+#else
+    u32 copy = 4u * (threadIdx.x & (IQ3S_GRID_COPIES - 1)) * 0x10001u;  // this lane's copy, in both halves
+    u32 even = signs & 0x0F0F0F0Fu, odd = signs & 0xF0F0F0F0u;
+#endif
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
+#ifdef IQ3S_SIGNED_GRID
+        // their indices in the low and high 16 bits: qs bytes 2k, 2k + 1 and their index_highs bytes (bits 13 .. 15 of
+        // the low one are 0: index >> 14 is 4 times the high one)
+        u32 index = __byte_perm(qs[k >> 1], highs[k >> 1], k & 1 ? 0x7362u : 0x5140u);
+        int w0 = *(const int*)(grid + 4 * (index & 0x1fffu)), w1 = *(const int*)(grid + (index >> 14));
+#else
+        u32 offsets = iq3s_pair_offsets(qs, qh, k);
+        offsets = offsets * IQ3S_GRID_COPIES + copy;  // both halves stay under 2^16 for up to 32 copies
+        u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
+        u32 m0 = iq3s_row_mask(signs, even, 2 * k), m1 = iq3s_row_mask(signs, odd, 2 * k + 1);
+        int w0 = iq3s_signed_row(v0, m0), w1 = iq3s_signed_row(v1, m1);
+#endif
+        uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
+        a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
+        b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));
+    }
+#ifdef IQ3S_XOR_SIGNS
+    return 2 * (256 * a + b) + x_sum;
+#else
+    return 256 * a + b;
+#endif
+}
 
 template <int RPT>
 __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
-    int at = XQ_BLOCK * s;
-    uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
-    uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
-    const u8* grid = (const u8*)iq3s_grid_smem;
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-        int a = 0, b = 0;
-        u32 qh = (sl[r].tail >> 16) & 0xffu;
-        u32 highs[2] = {iq3s_index_highs(sl[r].signs, qh, 0), iq3s_index_highs(sl[r].signs, qh, 1)};
+    for (int h = 0; h < IQ3S_SUBS; ++h) {
+        int block = IQ3S_SUBS * s + h, at = XQ_BLOCK * block;
+        uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
+        uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
+        int x_sum = 0;
+#ifdef IQ3S_XOR_SIGNS
+        int sum_hi = 0, sum_lo = 0;  // the sub-block's sums of x's hi and lo bytes
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
-            // their indices in the low and high 16 bits: qs bytes 2k, 2k + 1 and their index_highs bytes (bits 13 .. 15
-            // of the low one are 0: index >> 14 is 4 times the high one)
-            u32 index = __byte_perm(sl[r].qs[k >> 1], highs[k >> 1], k & 1 ? 0x7362u : 0x5140u);
-            int w0 = *(const int*)(grid + 4 * (index & 0x1fffu)), w1 = *(const int*)(grid + (index >> 14));
-            uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
-            a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
-            b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));
+        for (int i = 0; i < 4; ++i) {
+            sum_hi = dp4a((int)WORD(h1, i), 0x01010101, dp4a((int)WORD(h0, i), 0x01010101, sum_hi));
+            sum_lo = dp4a((int)WORD(l1, i), 0x01010101, dp4a((int)WORD(l0, i), 0x01010101, sum_lo));
         }
-        float db = iq3s_db((u16)(sl[r].tail & 0xffffu), sl[r].tail >> 24, s & 7);
-        acc[r][0] = fmaf(db * xq.scale[s], (float)(256 * a + b), acc[r][0]);
+        x_sum = 256 * sum_hi + sum_lo;
+#endif
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            int dot = iq3s_sub_dot(sl[r].qs + 2 * h, sl[r].signs[h], iq3s_qh(sl[r], h), h0, h1, l0, l1, x_sum);
+            acc[r][0] = fmaf(iq3s_slice_db(sl[r], s, h) * xq.scale[block], (float)dot, acc[r][0]);
+        }
     }
 }
-#else
-template <int RPT>
-__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
-    int at = XQ_BLOCK * s;
-    uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
-    uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
-    const u8* grid = (const u8*)iq3s_grid_smem;
-    u32 copy = 4u * (threadIdx.x & (IQ3S_GRID_COPIES - 1)) * 0x10001u;  // this lane's copy, in both halves
-#ifdef IQ3S_XOR_SIGNS
-    int sum_hi = 0, sum_lo = 0;  // the slice's sums of x's hi and lo bytes
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        sum_hi = dp4a((int)WORD(h1, i), 0x01010101, dp4a((int)WORD(h0, i), 0x01010101, sum_hi));
-        sum_lo = dp4a((int)WORD(l1, i), 0x01010101, dp4a((int)WORD(l0, i), 0x01010101, sum_lo));
-    }
-    int x_sum = 256 * sum_hi + sum_lo;
-#endif
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-        int a = 0, b = 0;
-        u32 even = sl[r].signs & 0x0F0F0F0Fu, odd = sl[r].signs & 0xF0F0F0F0u;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
-            u32 offsets = iq3s_pair_offsets(sl[r].qs, (sl[r].tail >> 16) & 0xffu, k);
-            offsets = offsets * IQ3S_GRID_COPIES + copy;  // both halves stay under 2^16 for up to 32 copies
-            u32 v0 = *(const u32*)(grid + (offsets & 0xffffu)), v1 = *(const u32*)(grid + (offsets >> 16));
-            u32 m0 = iq3s_row_mask(sl[r].signs, even, 2 * k), m1 = iq3s_row_mask(sl[r].signs, odd, 2 * k + 1);
-            int w0 = iq3s_signed_row(v0, m0), w1 = iq3s_signed_row(v1, m1);
-            uint4 xh = k < 2 ? h0 : h1, xl = k < 2 ? l0 : l1;
-            a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
-            b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));
-        }
-        float db = iq3s_db((u16)(sl[r].tail & 0xffffu), sl[r].tail >> 24, s & 7);
-#ifdef IQ3S_XOR_SIGNS
-        int dot = 2 * (256 * a + b) + x_sum;
-#else
-        int dot = 256 * a + b;
-#endif
-        acc[r][0] = fmaf(db * xq.scale[s], (float)dot, acc[r][0]);
-    }
-}
-#endif

@@ -138,7 +138,8 @@ def test_iq3_s_grid_copies_and_x_fit_a_blocks_shared_memory(monkeypatch):
 
 
 # IQ3_S's compile-time alternatives of its int16 slice dot (iq3_s.cuh; bench/gpu_kernels.py --variants sweeps them)
-IQ3S_VARIANTS = ["IQ3S_PRMT_MASKS", "IQ3S_XOR_SIGNS", "IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_SIGNED_GRID"]
+IQ3S_VARIANTS = ["IQ3S_PRMT_MASKS", "IQ3S_XOR_SIGNS", "IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_SIGNED_GRID",
+                 "IQ3S_PAIR_SLICES", "IQ3S_SIGNED_GRID+IQ3S_PAIR_SLICES"]
 
 
 def variant_defines(variant):
@@ -146,8 +147,9 @@ def variant_defines(variant):
 
 
 def test_emulated_iq3_s_variants_dot_as_the_plain_source(tmp_path):
-    """Each IQ3_S variant's int16 slice dot (emulated as test_slice_emulation does, with its HIP paths) gives the plain
-    source's sums bit for bit (the same integer dots), within the int16 rounding of NumPy's."""
+    """Each IQ3_S variant's float and int16 slice dots (emulated as test_slice_emulation does, with its HIP paths, one
+    slice after another) give the plain source's sums bit for bit (the same integer dots, the same float sums in the
+    same order), within rounding of NumPy's."""
     from .conftest import xq_arrays
     from .test_slice_emulation import HARNESS as SLICE_HARNESS
 
@@ -167,13 +169,16 @@ def test_emulated_iq3_s_variants_dot_as_the_plain_source(tmp_path):
         subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(path / "fmt.so"),
                         str(path / "fmt.cpp")], check=True, capture_output=True)
         lib = ctypes.CDLL(str(path / "fmt.so"))
-        got, pair = np.empty(ROWS, np.float32), np.empty(2, np.float32)
+        got, pair = np.empty((2, ROWS), np.float32), np.empty(2, np.float32)
         for r in range(0, ROWS, 2):
             lib.dot_int(_ptr(raw[r]), _ptr(raw[r + 1]), _ptr(hi), _ptr(lo), _ptr(scale), _ptr(total),
                         ctypes.c_int(COLS), _ptr(pair))
-            got[r:r + 2] = pair
+            got[0, r:r + 2] = pair
+            lib.dot_float(_ptr(raw[r]), _ptr(raw[r + 1]), _ptr(x), ctypes.c_int(COLS), _ptr(pair))
+            got[1, r:r + 2] = pair
         results[variant] = got
-    assert rel_err(results[""], dequant(raw, Q.IQ3_S).astype(np.float64) @ x_hat) < 1e-5
+    w = dequant(raw, Q.IQ3_S).astype(np.float64)
+    assert rel_err(results[""][0], w @ x_hat) < 1e-5 and rel_err(results[""][1], w @ x) < 1e-5
     for variant in IQ3S_VARIANTS:
         assert np.array_equal(results[variant], results[""]), variant
 
