@@ -256,9 +256,9 @@ __device__ __forceinline__ int iq3s_sub_dot(const u32* qs, u32 signs, u32 qh, co
     for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
 #ifdef IQ3S_SIGNED_GRID
         // their indices in the low and high 16 bits: qs bytes 2k, 2k + 1 and their index_highs bytes (bits 13 .. 15 of
-        // the low one are 0: index >> 14 is 4 times the high one)
+        // the low one are 0: index >> 14 is 4 times the high one; a byte permute takes the low one alone)
         u32 index = __byte_perm(qs[k >> 1], highs[k >> 1], k & 1 ? 0x7362u : 0x5140u);
-        int w0 = *(const int*)(grid + 4 * (index & 0x1fffu)), w1 = *(const int*)(grid + (index >> 14));
+        int w0 = ((const int*)grid)[__byte_perm(index, 0u, 0x4410u)], w1 = *(const int*)(grid + (index >> 14));
 #else
         u32 offsets = iq3s_pair_offsets(qs, qh, k);
         offsets = offsets * IQ3S_GRID_COPIES + copy;  // both halves stay under 2^16 for up to 32 copies
