@@ -386,11 +386,12 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                          (target, target_lse, out, self._or_dummy(lse), np.int32(lse is not None),
                           np.int32(plan.splits), np.int32(num_rows), np.int32(head_dim)), shared_mem=4 * plan.splits)
 
-    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None, second=None):
+    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None, second=None, slot_table=0):
         """Encode rows x [n, Hkv, D] f32 of positions start .. start + n - 1 into pool [NB, BT, Hkv, D]
         through table int32 [nb] (pool blocks only); scale [NB, BT, Hkv] gets int8's row scales (else None).
         start_at: as paged_attention's (start read on the device). second: (x, pool, scale) of another pool of
-        the same shapes written in the same launch (v's beside k's), or None."""
+        the same shapes written in the same launch (v's beside k's), or None. slot_table > 0: row t is the one
+        token of slot t, at position start_at[0][t] through table [n, slot_table]'s row t (kv.cu kv_write)."""
         num_rows, num_kv_heads, head_dim = x.shape
         if num_rows == 0:
             return
@@ -398,8 +399,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         x2, pool2, scale2 = second if second is not None else (x, pool, scale)
         self._launch(self._kv(kv_dtype, "kv_write"), (num_rows * num_kv_heads, 1 if second is None else 2), threads,
                      (x, pool, self._or_dummy(scale), x2, pool2, self._or_dummy(scale2), table, np.int32(start),
-                      np.int32(num_kv_heads), np.int32(head_dim), np.int32(pool.shape[1]), self._address(start_at)),
-                     shared_mem=threads * 4)
+                      np.int32(num_kv_heads), np.int32(head_dim), np.int32(pool.shape[1]), self._address(start_at),
+                      np.int32(slot_table)), shared_mem=threads * 4)
 
     def attn_merge(self, out_a, lse_a, out_b, lse_b, out):
         """out [T, Hq, D] = merge of two attentions over disjoint keys, (out_a, lse_a) and (out_b, lse_b)

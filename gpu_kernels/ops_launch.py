@@ -3,9 +3,12 @@ matmuls' pair and SwiGLU kernels of src/matmul.cu), a mixin of gpu_kernels.kerne
 written into caller-owned arrays.
 
 Shape legend: T tokens, E experts, K top-k, H hidden, nH heads, D head dim, S expert slots, R rows, C columns, B bytes
-a row, N pair rows, P pairs.
+a row, N pair rows, P pairs, n one-token sequences (slots), Hq / Hkv query / kv heads, NB pool blocks, BT tokens a block,
+nb table entries a slot.
 """
 import numpy as np
+
+from .attention_plan import PA_THREADS, slots_plan
 
 MATMUL_THREADS = 256  # common.cuh's MATMUL_THREADS: a matmul block, groups of `tpr` lanes each on its own rows
 
@@ -111,3 +114,24 @@ class OpsLaunchers:
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, len(tile_slot), shared, True)
         self._launch(fn, (grid_x, len(tile_slot)), MATMUL_THREADS,
                      (raw, gate, up, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)
+
+    def paged_attention_slots(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, tables, positions, bound, scale,
+                              out, lse=None, window=0):
+        """out [n, Hq, D] = each slot t's one-token causal GQA attention: q [n, Hq, D]'s row t at position
+        positions[t] (int64 [n] on the device, below `bound`) over keys [0, positions[t]] (the last `window` where
+        > 0) of the paged cache k_pool / v_pool [NB, BT, Hkv, D] (k_scale / v_scale [NB, BT, Hkv] for int8, else
+        None) through tables int32 [n, nb]'s row t; lse [n, Hq] gets each row's log-sum-exp where given. One launch
+        of kv.cu paged_attention_1s, a slot a grid z (only where attention_plan.slots_plan gives a plan)."""
+        num_slots, num_q_heads, head_dim = q.shape
+        _, block_tokens, num_kv_heads, _ = k_pool.shape
+        plan = slots_plan(num_q_heads, num_kv_heads, head_dim, bound, self.warp, self.max_splits,
+                          self.attention_rows, self.short_attention_keys)
+        if plan is None:
+            raise ValueError(f"paged_attention_slots: one token over {bound} keys takes another kernel (slots_plan)")
+        args = (q, k_pool, v_pool, *map(self._or_dummy, (k_scale, v_scale)), tables,
+                *map(self._or_dummy, (None,) * 4), out, self._or_dummy(lse), np.int32(lse is not None),
+                np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim), np.int32(block_tokens),
+                np.int32(bound - 1), np.int32(0), np.float32(scale), np.int32(tables.shape[1]), np.int32(plan.width),
+                np.int32(plan.split_keys), positions, np.int32(window))
+        self._launch(self._kv(kv_dtype, "paged_attention_1s"), (plan.num_tiles, num_kv_heads, num_slots), PA_THREADS,
+                     args, shared_mem=plan.shared_mem)

@@ -49,6 +49,9 @@ def attend(backend, layer, q, k, v, batch, out, window=0, sinks=None):
     """Appends k, v to each chunk's cache and writes q's attention over it into out [T, Hq, D] (the last `window`
     positions only where it is > 0; with the heads' sink logits sinks [Hq] where given)."""
     scale = 1.0 / np.sqrt(layer.head_dim)
+    if len(batch.chunks) > 1 and backend.capabilities.step_graph and backend.attend_step(
+            layer.kv_index, q, k, v, batch, scale, out, window, sinks):  # several users' tokens, one launch each
+        return
     for chunk, (lo, hi) in zip(batch.chunks, batch.row_ranges):
         chunk.kv.write(layer.kv_index, chunk.start, k[lo:hi], v[lo:hi])
         backend.attention(q[lo:hi], chunk.kv, layer.kv_index, chunk.start, scale, out[lo:hi], window, sinks)

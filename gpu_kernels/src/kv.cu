@@ -477,19 +477,26 @@ extern "C" __global__ void paged_attention_merge(const float* part, const float*
 
 // Rows x [n, Hkv, D] f32 of positions start .. start + n - 1 (start_at: start on the device, or null),
 // encoded (as hybrid/kv_store.py's encode) into pool [NB, BT, Hkv, D] through table (pool blocks only); int8
-// also writes scale [NB, BT, Hkv].
+// also writes scale [NB, BT, Hkv]. slot_table > 0: row t is slot t's (n one-token sequences), at position
+// start_at[t] through table + t * slot_table.
 // grid (n * Hkv, 1 or 2): blocks of y = 1 write x2 into pool2 and scale2 instead (v's rows beside k's, one launch).
 // shared (int8): blockDim floats, blockDim a power of two.
 extern "C" __global__ void kv_write(const float* x, kv_t* pool, float* scale, const float* x2, kv_t* pool2,
                                     float* scale2, const int* table, int start, int Hkv, int D, int BT,
-                                    const i64* start_at) {
+                                    const i64* start_at, int slot_table) {
     if (blockIdx.y) {
         x = x2;
         pool = pool2;
         scale = scale2;
     }
-    if (start_at) start = (int)start_at[0];
-    int p = start + blockIdx.x / Hkv, b = p / BT;
+    int t = blockIdx.x / Hkv;
+    if (slot_table > 0) {
+        start = (int)start_at[t] - t;
+        table += (i64)t * slot_table;
+    } else if (start_at) {
+        start = (int)start_at[0];
+    }
+    int p = start + t, b = p / BT;
     i64 row = ((i64)table[b] * BT + (p - b * BT)) * Hkv + blockIdx.x % Hkv;
     const float* xr = x + (i64)blockIdx.x * D;
     kv_t* dst = pool + row * D;

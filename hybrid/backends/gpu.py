@@ -190,6 +190,12 @@ class GpuBackend(GpuDeltaOps):
         self.kv.attention(self, q, kv, layer, start, scale, out, window, sinks_dev)
 
 
+    def attend_step(self, kv_index, q, k, v, batch, scale, out, window=0, sinks=None):
+        """Inside a step graph of several one-token chunks: every chunk's KV write and attention in one launch each
+        (gpu_kv.GpuKV.attend_step), or False where the chunks need their own."""
+        sinks_dev = None if sinks is None else self._weight(sinks)  # [Hq]
+        return self.kv.attend_step(self, kv_index, q, k, v, batch.chunks, scale, out, window, sinks_dev)
+
     def _weight(self, host):
         return self._dev[id(host)][0]
 

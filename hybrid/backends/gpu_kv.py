@@ -9,6 +9,7 @@ nS stage blocks.
 """
 import numpy as np
 
+from gpu_kernels.attention_plan import slots_plan
 from gpu_kernels.kernels import split_scratch_sizes
 
 from .. import kv_store
@@ -203,6 +204,31 @@ class GpuKV:
             return
         if sinks is not None:
             be.kernels.attn_sinks(out, lse, sinks)
+
+    @staticmethod
+    def attend_step(be, kv_index, q, k, v, chunks, scale, out, window=0, sinks=None):
+        """Inside a step graph of several one-token chunks: k, v [n, Hkv, D] written, each into its chunk's sequence
+        at the chunk's position, and q [n, Hq, D]'s attention over them into out [n, Hq, D], one launch each, where
+        the chunks share one pool and the step's keys bound takes the slot kernel (attention_plan.slots_plan); else False
+        (nothing queued)."""
+        step = be.step.active if be.step is not None else None
+        pools = {id(chunk.kv.pool) for chunk in chunks}
+        kn = be.kernels
+        if step is None or len(chunks) < 2 or len(pools) > 1 or slots_plan(
+                q.shape[1], k.shape[1], q.shape[2], step.bound, kn.warp, kn.max_splits, kn.attention_rows,
+                kn.short_attention_keys) is None:
+            return False
+        kv = chunks[0].kv
+        kp, vp, ks, vs = kv.pool.layer(kv_index)
+        tables = step.tables[:len(chunks)]  # [n, nb]
+        be.kernels.kv_write(kv.dtype, k, kp, ks, tables, 0, start_at=(step.positions, None), second=(v, vp, vs),
+                            slot_table=tables.shape[1])
+        lse = None if sinks is None else be.rt.empty(q.shape[:2], np.float32)  # [n, Hq]
+        be.kernels.paged_attention_slots(kv.dtype, q, kp, vp, ks, vs, tables, step.positions, step.bound, scale, out,
+                                         lse=lse, window=window)
+        if sinks is not None:
+            be.kernels.attn_sinks(out, lse, sinks)
+        return True
 
     @staticmethod
     def _step_attention(be, q, kv_dtype, pool, table, position, bound, scale, out, window=0, lse=None):

@@ -15,6 +15,8 @@ Shape legend: L layers, n chunks (one token each), K top-k.
 """
 import numpy as np
 
+from ..step_graph import MAX_STEP_TOKENS
+
 KEYS_MIN = 256  # the smallest bound a step graph's attention is planned for
 
 
@@ -27,15 +29,16 @@ def keys_bound(start):
 
 
 class StepSlots:
-    """The step being queued: the chunks' positions int64 [n] on the device, the keys bound, and where the i-th chunk
-    (its sequence and start) finds its block table and its position (a view of positions [1])."""
+    """The step being queued: the chunks' positions int64 [n] on the device, the keys bound, the block tables int32
+    [MAX_STEP_TOKENS, nb] (the i-th chunk's in row i), and where a chunk (its sequence and start) finds its row and
+    its position (a view of positions [1])."""
 
     def __init__(self, positions, bound, chunks, tables):
         self.positions, self.bound, self.tables = positions, bound, tables
         self._slot = {(id(chunk.kv), chunk.start): i for i, chunk in enumerate(chunks)}
 
     def slot(self, kv, start):
-        """(block table int32 [blocks], position int64 [1]) on the device of the chunk of `kv` at `start`."""
+        """(block table int32 [nb], position int64 [1]) on the device of the chunk of `kv` at `start`."""
         i = self._slot[(id(kv), start)]
         return self.tables[i], self.positions[i:i + 1]
 
@@ -48,8 +51,8 @@ class StepCapture:
     def __init__(self):
         self.active = None
         self.routing = {}  # n -> int32 [L, n, K] on the device
-        self.tables = []  # int32 [blocks] on the device, one a chunk: the i-th chunk's block table, copied in a step
-        self.version = 0  # bumped when a table buffer is replaced: graphs of an older one are never launched again
+        self.tables = None  # int32 [MAX_STEP_TOKENS, nb] on the device: the i-th chunk's block table in row i
+        self.version = 0  # bumped when `tables` is replaced: graphs of an older one are never launched again
 
     def graph_key(self, chunks, bound):
         """The key of the step graph that serves `chunks` at `bound` keys: shared by every set of sequences of that
@@ -60,20 +63,18 @@ class StepCapture:
     def prepare(self, be, chunks, num_layers, top_k):
         """The keys bound of a step graph over `chunks` (one token each), or None where this step needs the host
         (timed experts, a KV with a part in RAM, several chunks with a recurrent state). Queues the copies of the
-        chunks' block tables into `tables`, which the graphs read (a larger table gets a new buffer, and so new
+        chunks' block tables into `tables`, which the graphs read (a longer table gets a new array, and so new
         graphs)."""
         if be.time_experts or any(c.kv.host_blocks or c.kv.resident_blocks is not None for c in chunks):
             return None
         if len(chunks) > 1 and any(c.kv.recurrent is not None for c in chunks):
             return None
+        longest = max(len(c.kv.table) for c in chunks)
+        if self.tables is None or self.tables.shape[1] < longest:
+            self.tables, self.version = be.rt.empty((MAX_STEP_TOKENS, longest), np.int32), self.version + 1
         for i, chunk in enumerate(chunks):
             table = chunk.kv.device_table()
-            if i == len(self.tables):  # a chunk more than any step before: graphs of fewer do not read it
-                self.tables.append(be.rt.empty((max(len(chunk.kv.table), len(table)),), np.int32))
-            elif len(self.tables[i]) < len(chunk.kv.table):
-                self.tables[i] = be.rt.empty((len(chunk.kv.table),), np.int32)
-                self.version += 1
-            be.rt.copy_on_device_async(self.tables[i][:len(table)], table, be.stream)
+            be.rt.copy_on_device_async(self.tables[i, :len(table)], table, be.stream)
         n = len(chunks)
         if n not in self.routing or self.routing[n].shape != (num_layers, n, top_k):
             self.routing[n] = be.rt.zeros((num_layers, n, top_k), np.int32)

@@ -214,18 +214,30 @@ class ReferenceKernels:
                 row_lse = (m + np.log(total))[..., 0]  # [Hkv, T*G]
             lse[:] = row_lse.reshape(num_kv_heads, num_tokens, group).transpose(1, 0, 2).reshape(lse.shape)
 
-    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None, second=None):
+    def kv_write(self, kv_dtype, x, pool, scale, table, start, start_at=None, second=None, slot_table=0):
         if second is not None:
-            object.__getattribute__(self, "kv_write")(kv_dtype, *second, table, start, start_at)
-        if start_at is not None:
-            start = int(start_at[0][0])
-        positions = start + np.arange(x.shape[0])
+            object.__getattribute__(self, "kv_write")(kv_dtype, *second, table, start, start_at, None, slot_table)
         block_tokens = pool.shape[1]
-        at = (table[positions // block_tokens], positions % block_tokens)
+        if slot_table:  # row t: slot t's token, its position and its table row
+            positions = np.asarray(start_at[0][:x.shape[0]], np.int64)
+            at = (table.reshape(-1, slot_table)[np.arange(x.shape[0]), positions // block_tokens],
+                  positions % block_tokens)
+        else:
+            if start_at is not None:
+                start = int(start_at[0][0])
+            positions = start + np.arange(x.shape[0])
+            at = (table[positions // block_tokens], positions % block_tokens)
         data, row_scale = kv_store.encode(x, kv_dtype)
         pool[at] = data
         if row_scale is not None:
             scale[at] = row_scale
+
+    def paged_attention_slots(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, tables, positions, bound, scale,
+                              out, lse=None, window=0):
+        for t in range(q.shape[0]):
+            object.__getattribute__(self, "paged_attention")(
+                kv_dtype, q[t:t + 1], k_pool, v_pool, k_scale, v_scale, tables[t], bound - 1, 0, scale, out[t:t + 1],
+                None if lse is None else lse[t:t + 1], start_at=(positions[t:t + 1], None), window=window)
 
     def attn_merge(self, out_a, lse_a, out_b, lse_b, out):
         m = np.maximum(lse_a, lse_b)

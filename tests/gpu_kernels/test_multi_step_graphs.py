@@ -1,9 +1,12 @@
 """Several users' decode tokens in one step graph (hybrid/step_graph.py, hybrid/backends/gpu_step.py) on GpuBackend's
 Python side over the NumPy stand-in runtime and reference kernels: the same logits as the same tokens stepped one by
-one, one graph per token count and keys bound, each chunk reading its own sequence's table and position."""
+one, one graph per token count and keys bound, each chunk reading its own sequence's table and position; on a GPU
+(marked gpu) the same against the CPU engine, and the slot kernels (kv.cu kv_write with slot_table,
+paged_attention_1s a slot a grid z) against the reference per slot."""
 import numpy as np
 import pytest
 
+from hybrid import kv_store
 from hybrid.backends.gpu import GpuBackend
 from hybrid.batch import Batch, SeqChunk
 from hybrid.expert_usage import ExpertUsage
@@ -162,3 +165,57 @@ def test_users_at_once_on_the_gpu_match_one_by_one(runtime, gguf_models, size, t
             gpu.model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[u:u + 1]), "last")]))
         wide = gpu.model.forward(Batch([SeqChunk(kv, 1, np.asarray([TOKENS[-1]])) for kv in kvs]))
         assert gpu.model.runner.last_path == "step graph" and np.isfinite(wide).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("head_dim", [128, 64, 96])
+@pytest.mark.parametrize("kv_dtype", kv_store.KV_DTYPES)
+def test_slot_kernels_against_the_reference(runtime, kernels, reference_kernels, kv_dtype, head_dim, window):
+    """n one-token sequences, each with its own block table (blocks of the pool scattered) and position below the
+    keys bound (256), written and attended in one launch each (kv_write slot_table, paged_attention_slots): the
+    pool and the outputs and log-sum-exps as the reference kernels' slot by slot (random data, 32 query heads over
+    4 kv heads; 1, 5 and 16 slots, two of them one sequence's consecutive positions)."""
+    rng = np.random.default_rng(head_dim + window)
+    hq, hkv, bt, bound, nb = 32, 4, 16, 256, 16
+    for n in (1, 5, 16):
+        num_blocks = n * nb
+        pool_shape = (num_blocks, bt, hkv, head_dim)
+        k_pool, k_scale = kv_store.encode(rng.standard_normal(pool_shape).astype(np.float32), kv_dtype)
+        v_pool, v_scale = kv_store.encode(rng.standard_normal(pool_shape).astype(np.float32), kv_dtype)
+        tables = rng.permutation(num_blocks).astype(np.int32).reshape(n, nb)
+        positions = rng.integers(0, bound, n).astype(np.int64)
+        if n > 1:  # slot 1: slot 0's sequence, the next position
+            tables[1], positions[0] = tables[0], min(positions[0], bound - 2)
+            positions[1] = positions[0] + 1
+        q = rng.standard_normal((n, hq, head_dim)).astype(np.float32)
+        k = rng.standard_normal((n, hkv, head_dim)).astype(np.float32)
+        v = rng.standard_normal((n, hkv, head_dim)).astype(np.float32)
+        scale = head_dim ** -0.5
+
+        ref = {name: None if a is None else a.copy() for name, a in
+               dict(k=k_pool, v=v_pool, ks=k_scale, vs=v_scale).items()}
+        for t in range(n):
+            reference_kernels.kv_write(kv_dtype, k[t:t + 1], ref["k"], ref["ks"], tables[t], int(positions[t]),
+                                       second=(v[t:t + 1], ref["v"], ref["vs"]))
+        ref_out, ref_lse = np.zeros((n, hq, head_dim), np.float32), np.zeros((n, hq), np.float32)
+        for t in range(n):
+            reference_kernels.paged_attention(kv_dtype, q[t:t + 1], ref["k"], ref["v"], ref["ks"], ref["vs"],
+                                              tables[t], int(positions[t]), 0, scale, ref_out[t:t + 1],
+                                              ref_lse[t:t + 1], window=window)
+
+        dev = {name: None if a is None else runtime.to_device(a) for name, a in
+               dict(k=k_pool, v=v_pool, ks=k_scale, vs=v_scale).items()}
+        d_tables, d_positions = runtime.to_device(tables), runtime.to_device(positions)
+        kernels.kv_write(kv_dtype, runtime.to_device(k), dev["k"], dev["ks"], d_tables, 0,
+                         start_at=(d_positions, None), second=(runtime.to_device(v), dev["v"], dev["vs"]),
+                         slot_table=nb)
+        out, lse = runtime.zeros((n, hq, head_dim), np.float32), runtime.zeros((n, hq), np.float32)
+        kernels.paged_attention_slots(kv_dtype, runtime.to_device(q), dev["k"], dev["v"], dev["ks"], dev["vs"],
+                                      d_tables, d_positions, bound, scale, out, lse, window=window)
+        for name in ("k", "v", "ks", "vs"):
+            if ref[name] is not None:
+                np.testing.assert_array_equal(runtime.to_host(dev[name]), ref[name], err_msg=f"{name}, {n} slots")
+        got = runtime.to_host(out)
+        assert np.abs(got - ref_out).max() <= 1e-5 * np.abs(ref_out).max(), f"{n} slots"
+        assert np.abs(runtime.to_host(lse) - ref_lse).max() <= 1e-5 * max(1.0, np.abs(ref_lse).max()), f"{n} slots"
