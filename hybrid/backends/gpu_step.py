@@ -69,13 +69,14 @@ class StepCapture:
             return None
         if len(chunks) > 1 and any(c.kv.recurrent is not None for c in chunks):
             return None
-        longest = max(len(c.kv.table) for c in chunks)
+        n, longest = len(chunks), max(len(c.kv.table) for c in chunks)
         if self.tables is None or self.tables.shape[1] < longest:
             self.tables, self.version = be.rt.empty((MAX_STEP_TOKENS, longest), np.int32), self.version + 1
+        host = be.staging.view("step_tables", (n, self.tables.shape[1]), np.int32)  # [n, nb], one copy for all
         for i, chunk in enumerate(chunks):
-            table = chunk.kv.device_table()
-            be.rt.copy_on_device_async(self.tables[i, :len(table)], table, be.stream)
-        n = len(chunks)
+            host[i, :len(chunk.kv.table)] = chunk.kv.table  # entries past a table's end: never read
+        be.rt.copy_from_host_async(self.tables[:n], host, be.stream)
+        be.staging.queued("step_tables", be.stream)
         if n not in self.routing or self.routing[n].shape != (num_layers, n, top_k):
             self.routing[n] = be.rt.zeros((num_layers, n, top_k), np.int32)
         return keys_bound(max(chunk.start for chunk in chunks))
