@@ -20,10 +20,12 @@ class Capabilities:
     (the CPU's hybrid/backends/cpu_layer.py), or `plain` for a recipe it cannot compile.
     graphed_decode: `layer_graphs` (a gpu_layer_graphs.LayerGraphs, or None when turned off) captures and
     replays a one-token decode layer's graph regions (hybrid/runners.py GraphRunner; the GPU's).
-    step_graph: with graphed_decode, a whole one-token step may be one graph: `prepare_step_graph(kv, start,
-    num_layers, top_k)` (a keys bound, or None), `step_graph_key(kv, bound)` (which captured graph serves the
-    step), `begin_step_graph(position, bound)` / `end_step_graph()` around its queuing,
-    `keep_step_routing(layer_index, ids)` and `queue_step_routing()` (gpu_step.py).
+    step_graph: with graphed_decode, a whole step of one-token chunks (one sequence's, or several users') may be one
+    graph: `prepare_step_graph(chunks, num_layers, top_k)` (a keys bound, or None), `step_graph_key(chunks, bound)`
+    (which captured graph serves the step), `begin_step_graph(positions, bound, chunks)` / `end_step_graph()` around
+    its queuing, `keep_step_routing(layer_index, ids)`, `queue_step_routing(tokens)` and, inside it, `attend_step(
+    kv_index, q, k, v, batch, scale, out, window, sinks)` (every chunk's KV write and attention at once, or False)
+    (gpu_step.py).
     decode_experts: as a split's device, `submit(layer, h, ids, weights)` (no groups) finds a decode step's
     resident pairs from the routing it holds (nothing read back).
     max_decode_pairs: the most (token, expert) pairs of such a step (None: no limit).
