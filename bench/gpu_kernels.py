@@ -86,14 +86,19 @@ def _layer(rt, qtype):
     return one, layers, x, out, tiles
 
 
+def variant_defines(macro):
+    """The `#define NAME VALUE` lines of a variant: macro "NAME=VALUE" or "NAME" (1), several joined by "+"."""
+    pairs = [m.partition("=") for m in macro.split("+") if m]
+    return "".join(f"#define {key} {value or 1}\n" for key, _, value in pairs)
+
+
 @contextmanager
 def compiled_with(macro):
-    """Kernels made inside compile their matmul modules with `#define NAME VALUE` first (macro "NAME=VALUE", or
-    "NAME": 1; several joined by "+"), under names of their own (macro "": the plain source)."""
+    """Kernels made inside compile their matmul modules with variant_defines(macro) first, under names of their own
+    (macro "": the plain source)."""
     source, name = kernels_module.tuned_source, kernels_module.tuned_module_name
     if macro:
-        pairs = [m.partition("=") for m in macro.split("+")]
-        line = "".join(f"#define {key} {value or 1}\n" for key, _, value in pairs)
+        line = variant_defines(macro)
         suffix = "".join(c if c.isalnum() else "_" for c in macro.lower())
         kernels_module.tuned_source = lambda q, r, b, defines="": source(q, r, b, line + defines)
         kernels_module.tuned_module_name = lambda q, r, b: f"{name(q, r, b)}_{suffix}"

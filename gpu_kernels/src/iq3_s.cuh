@@ -40,9 +40,9 @@ __device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m 
 #endif
 
 // IQ3S_SIGNED_GRID (a variant, off by default): the shared table holds every grid row under each of its 16 sign
-// patterns, 8192 words (32 KiB): entry i = grid row i & 511 with the bytes of the sign bits i >> 9 negated. A grid row's
-// 13-bit index (qs byte, qh bit, 4 sign bits) comes whole from one byte permute a pair of rows (slice_dot_q), and its
-// signed values from one shared read: no sign masks.
+// patterns, 8192 words (32 KiB): entry i = grid row i & 511 with the bytes of the sign bits i >> 9 negated. A grid
+// row's 13-bit index (qs byte, qh bit, 4 sign bits) comes whole from one byte permute a pair of rows (slice_dot_q),
+// and its signed values from one shared read: no sign masks.
 #ifdef IQ3S_SIGNED_GRID
 #if IQ3S_GRID_COPIES != 1 || defined(IQ3S_XOR_SIGNS)
 #error "IQ3S_SIGNED_GRID takes one copy of the grid and its own signs"
@@ -197,7 +197,7 @@ __device__ __forceinline__ u32 iq3s_pair_offsets(const u32* qs, u32 qh, int k) {
     return (bytes << 2) | (((qh >> (2 * k)) * 0x02000400u) & 0x04000400u);  // qh bits 2k, 2k + 1 at bits 10, 26
 }
 
-// Byte c of the result 0xFF where bit 8c + 7 of v is set, else 0: one byte permute in its sign-replicating mode on CUDA.
+// Byte c of the result 0xFF where bit 8c + 7 of v is set, else 0: one byte permute in its sign-replicating mode (CUDA).
 __device__ __forceinline__ u32 msb_bytes(u32 v) {
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
     return ((v >> 7) & 0x01010101u) * 0xFFu;
@@ -240,8 +240,8 @@ __device__ __forceinline__ u32 iq3s_index_highs(u32 signs, u32 qh, int h) {
 }
 #endif
 
-// A sub-block's int16 dot: its 32 signed weights (qs: its 2 words of qs bytes) dotted with x's hi (xh) and lo (xl) bytes
-// as 256 hi + lo, exact in int32. x_sum: the sub-block's sum of x (IQ3S_XOR_SIGNS).
+// A sub-block's int16 dot: its 32 signed weights (qs: its 2 words of qs bytes) dotted with x's hi (h0, h1) and lo
+// (l0, l1) bytes as 256 hi + lo, exact in int32. x_sum: the sub-block's sum of x (IQ3S_XOR_SIGNS).
 __device__ __forceinline__ int iq3s_sub_dot(const u32* qs, u32 signs, u32 qh, const uint4& h0, const uint4& h1,
                                             const uint4& l0, const uint4& l1, int x_sum) {
     const u8* grid = (const u8*)iq3s_grid_smem;

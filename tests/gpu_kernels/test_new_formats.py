@@ -194,6 +194,31 @@ def test_iq3_s_variants_compile_for_sm90(variant):
     assert b"moe_matmul_1q" in Nvrtc().compile(f"iq3_s_{variant}", source, "sm_90", ("--std=c++14",))
 
 
+def test_kernel_sass_finds_the_slice_loop():
+    """bench/kernel_sass.py's reading of nvdisasm output: a kernel's instructions and labels, and its slice loop (the
+    longest backward branch's span with a global load and no shuffle or barrier)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "kernel_sass.py"
+    spec = importlib.util.spec_from_file_location("kernel_sass", path)
+    kernel_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_sass)
+    ops = ["S2R R0, SR_TID.X", "LDG.E R1, desc[UR4][R2.64]", "IDP.4A.S8.S8 R3, R1, R1, R3", "@P0 BRA `(.L_x_1)",
+           "SHFL.BFLY PT, R4, R3, 0x1, 0x1f", "BRA `(.L_x_2)", "EXIT"]
+    lines = [".text.other:", "        /*0000*/                   NOP ;", ".text.moe_matmul_1q:"]
+    for i, op in enumerate(ops):
+        if i == 1:
+            lines.append(".L_x_1:")
+        if i == 4:
+            lines.append(".L_x_2:")
+        lines.append(f"        /*{16 * i:04x}*/                   {op} ;")
+    instructions, labels = kernel_sass.kernel_instructions("\n".join(lines), "moe_matmul_1q")
+    assert instructions == ops and labels == {".L_x_1": 1, ".L_x_2": 4}
+    assert kernel_sass.slice_loop(instructions, labels) == ops[1:4]  # the shuffle's loop is not it
+    assert kernel_sass.opcode("@!P0 IDP.4A.S8.S8 R3, R1, R1, R3") == "IDP"
+
+
 # ---- on a GPU
 
 
