@@ -30,21 +30,36 @@ __device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m 
 #define IQ3S_GRID_COPIES 1
 #endif
 
-// IQ3S_XOR_SIGNS (a variant, off by default): the shared grid holds each value v (odd, 1..15) as t = (v - 1) / 2, and a
+// The int16 slice dot's alternatives below (each 0 or 1; bench/gpu_kernels.py --variants compiles them side by side,
+// bench/kernel_sass.py counts their instructions).
+#ifndef IQ3S_XOR_SIGNS
+#define IQ3S_XOR_SIGNS 0
+#endif
+#ifndef IQ3S_PRMT_MASKS
+#define IQ3S_PRMT_MASKS 0
+#endif
+#ifndef IQ3S_SIGNED_GRID
+#define IQ3S_SIGNED_GRID 0
+#endif
+#ifndef IQ3S_PAIR_SLICES
+#define IQ3S_PAIR_SLICES 0
+#endif
+
+// IQ3S_XOR_SIGNS: the shared grid holds each value v (odd, 1..15) as t = (v - 1) / 2, and a
 // signed weight is 2 (t ^ m) + 1 in signed bytes (m: 0xFF where negative; t ^ 0xFF = -t - 1), so that signing costs
 // one xor a grid row; slice_dot_q adds the slice's sum of x once for all its rows.
-#ifdef IQ3S_XOR_SIGNS
+#if IQ3S_XOR_SIGNS
 #define IQ3S_SHARED_ENTRY(v) (((v) >> 1) & 0x07070707u)
 #else
 #define IQ3S_SHARED_ENTRY(v) (v)
 #endif
 
-// IQ3S_SIGNED_GRID (a variant, off by default): the shared table holds every grid row under each of its 16 sign
+// IQ3S_SIGNED_GRID: the shared table holds every grid row under each of its 16 sign
 // patterns, 8192 words (32 KiB): entry i = grid row i & 511 with the bytes of the sign bits i >> 9 negated. A grid
 // row's 13-bit index (qs byte, qh bit, 4 sign bits) comes whole from one byte permute a pair of rows (slice_dot_q),
 // and its signed values from one shared read: no sign masks.
-#ifdef IQ3S_SIGNED_GRID
-#if IQ3S_GRID_COPIES != 1 || defined(IQ3S_XOR_SIGNS)
+#if IQ3S_SIGNED_GRID
+#if IQ3S_GRID_COPIES != 1 || IQ3S_XOR_SIGNS
 #error "IQ3S_SIGNED_GRID takes one copy of the grid and its own signs"
 #endif
 #define IQ3S_SHARED_WORDS 8192
@@ -54,7 +69,7 @@ __device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m 
 __shared__ alignas(16) u32 iq3s_grid_smem[IQ3S_SHARED_WORDS];
 
 __device__ __forceinline__ void iq3s_stage_grid() {
-#if defined(IQ3S_SIGNED_GRID)
+#if IQ3S_SIGNED_GRID
 #pragma unroll 2
     for (int i = threadIdx.x; i < IQ3S_SHARED_WORDS / 4; i += blockDim.x) {  // entries 4i .. 4i + 3: one sign pattern
         u32 m = sign_bytes((u32)i >> 7);
@@ -90,9 +105,9 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     }
 }
 
-// A slice: IQ3S_SUBS sub-blocks side by side (1; 2 with IQ3S_PAIR_SLICES, a variant off by default: fewer loads and
+// A slice: IQ3S_SUBS sub-blocks side by side (1; 2 with IQ3S_PAIR_SLICES: fewer loads and
 // addresses a weight, as qs, signs and the qh bytes of a pair of sub-blocks lie side by side and share a scale byte).
-#ifdef IQ3S_PAIR_SLICES
+#if IQ3S_PAIR_SLICES
 #define IQ3S_SUBS 2
 #else
 #define IQ3S_SUBS 1
@@ -213,12 +228,12 @@ __device__ __forceinline__ u32 msb_bytes(u32 v) {
 #endif
 }
 
-// The byte mask of grid row g's 4 sign bits (bits 4g .. 4g + 3 of a slice's signs). IQ3S_PRMT_MASKS (a variant, off by
-// default): from `half`, the signs of the even (signs & 0x0F0F0F0F) or odd rows (signs & 0xF0F0F0F0), a byte permute
-// takes byte g / 2 alone, a multiply puts its bit c (c + 4 for odd g) at bit 8c + 7 (copies 7 bits apart: no carries),
-// msb_bytes spreads those bits over their bytes. Else sign_bytes of the 4 bits.
+// The byte mask of grid row g's 4 sign bits (bits 4g .. 4g + 3 of a slice's signs). IQ3S_PRMT_MASKS: from `half`, the
+// signs of the even (signs & 0x0F0F0F0F) or odd rows (signs & 0xF0F0F0F0), a byte permute takes byte g / 2 alone, a
+// multiply puts its bit c (c + 4 for odd g) at bit 8c + 7 (copies 7 bits apart: no carries), msb_bytes spreads those
+// bits over their bytes. Else sign_bytes of the 4 bits.
 __device__ __forceinline__ u32 iq3s_row_mask(u32 signs, u32 half, int g) {
-#ifdef IQ3S_PRMT_MASKS
+#if IQ3S_PRMT_MASKS
     return msb_bytes(__byte_perm(half, 0u, 0x4440u | (g >> 1)) * (g & 1 ? 0x01020408u : 0x10204080u));
 #else
     return sign_bytes((signs >> (4 * g)) & 15u);
@@ -228,14 +243,14 @@ __device__ __forceinline__ u32 iq3s_row_mask(u32 signs, u32 half, int g) {
 // Grid row values v signed by byte mask m: with IQ3S_XOR_SIGNS t ^ m (half of the weight less a half: see above),
 // else iq3s_negated.
 __device__ __forceinline__ int iq3s_signed_row(u32 v, u32 m) {
-#ifdef IQ3S_XOR_SIGNS
+#if IQ3S_XOR_SIGNS
     return (int)(v ^ m);
 #else
     return (int)iq3s_negated(v, m);
 #endif
 }
 
-#ifdef IQ3S_SIGNED_GRID
+#if IQ3S_SIGNED_GRID
 // The 13-bit signed-grid indices of a sub-block's grid rows 4h .. 4h + 3 without their qs bytes: byte c = qh bit
 // 4h + c | the row's 4 sign bits << 1. A byte permute of signs << 1 and signs >> 3 puts sign nibble 4h + c at bits 1..4
 // of byte c; a multiply puts qh bit 4h + c at bit 0 of byte c (copies of a 4-bit field 7 bits apart: no carries).
@@ -251,7 +266,7 @@ __device__ __forceinline__ int iq3s_sub_dot(const u32* qs, u32 signs, u32 qh, co
                                             const uint4& l0, const uint4& l1, int x_sum) {
     const u8* grid = (const u8*)iq3s_grid_smem;
     int a = 0, b = 0;
-#ifdef IQ3S_SIGNED_GRID
+#if IQ3S_SIGNED_GRID
     u32 highs[2] = {iq3s_index_highs(signs, qh, 0), iq3s_index_highs(signs, qh, 1)};
 #else
     u32 copy = 4u * (threadIdx.x & (IQ3S_GRID_COPIES - 1)) * 0x10001u;  // this lane's copy, in both halves
@@ -259,7 +274,7 @@ __device__ __forceinline__ int iq3s_sub_dot(const u32* qs, u32 signs, u32 qh, co
 #endif
 #pragma unroll
     for (int k = 0; k < 4; ++k) {  // grid rows 2k, 2k + 1: weights 8k .. 8k + 7
-#ifdef IQ3S_SIGNED_GRID
+#if IQ3S_SIGNED_GRID
         // their indices in the low and high 16 bits: qs bytes 2k, 2k + 1 and their index_highs bytes (bits 13 .. 15 of
         // the low one are 0: index >> 14 is 4 times the high one; a byte permute takes the low one alone)
         u32 index = __byte_perm(qs[k >> 1], highs[k >> 1], k & 1 ? 0x7362u : 0x5140u);
@@ -275,7 +290,7 @@ __device__ __forceinline__ int iq3s_sub_dot(const u32* qs, u32 signs, u32 qh, co
         a = dp4a(w1, (int)WORD(xh, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xh, 2 * k - 4 * (k >> 1)), a));
         b = dp4a(w1, (int)WORD(xl, 2 * k + 1 - 4 * (k >> 1)), dp4a(w0, (int)WORD(xl, 2 * k - 4 * (k >> 1)), b));
     }
-#ifdef IQ3S_XOR_SIGNS
+#if IQ3S_XOR_SIGNS
     return 2 * (256 * a + b) + x_sum;
 #else
     return 256 * a + b;
@@ -290,7 +305,7 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
         uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
         uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
         int x_sum = 0;
-#ifdef IQ3S_XOR_SIGNS
+#if IQ3S_XOR_SIGNS
         int sum_hi = 0, sum_lo = 0;  // the sub-block's sums of x's hi and lo bytes
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
