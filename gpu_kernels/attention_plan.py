@@ -74,9 +74,9 @@ def split_scratch_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, num_key
 
 def slots_plan(num_q_heads, num_kv_heads, head_dim, bound, warp_size=32, max_splits=MAX_SPLITS,
                one_token_rows=PD_MAX_ROWS, short_keys=SHORT_ATTENTION_KEYS):
-    """The plan of one launch over several one-token sequences (kv.cu paged_attention_1s, a slot a grid z) below
-    `bound` keys each, or None where one token over `bound` keys takes another kernel (each slot then launches its
-    own)."""
+    """The plan of one launch over several one-token sequences below `bound` keys each (kv.cu's one-token kernels,
+    a slot's kv heads a run of grid y: slot_of_block), each slot's splits as one token's, or None where one token
+    takes the tiled kernel (its head dim)."""
     plan = attention_plan(1, num_q_heads // num_kv_heads, num_kv_heads, head_dim, bound, warp_size, max_splits,
                           one_token_rows, short_keys)
-    return plan if plan.kernel == "paged_attention_1s" else None
+    return plan if plan.kernel.startswith("paged_attention_1") else None

@@ -378,7 +378,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                 *map(self._or_dummy, (k_stage, v_stage, k_stage_scale, v_stage_scale)), target, target_lse,
                 np.int32(want_lse), *tokens, np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim),
                 np.int32(block_tokens), np.int32(start), np.int32(key_lo), np.float32(scale), np.int32(plan.rows),
-                np.int32(plan.width), np.int32(plan.split_keys), self._address(start_at), np.int32(window))
+                np.int32(plan.width), np.int32(plan.split_keys), self._address(start_at), np.int32(window), np.int32(0))
         self._launch(self._kv(kv_dtype, plan.kernel), (plan.num_tiles, num_kv_heads, plan.splits), PA_THREADS, args,
                      shared_mem=plan.shared_mem)
         if plan.splits > 1:

@@ -116,22 +116,35 @@ class OpsLaunchers:
                      (raw, gate, up, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)
 
     def paged_attention_slots(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, tables, positions, bound, scale,
-                              out, lse=None, window=0):
+                              out, lse=None, window=0, scratch=None):
         """out [n, Hq, D] = each slot t's one-token causal GQA attention: q [n, Hq, D]'s row t at position
         positions[t] (int64 [n] on the device, below `bound`) over keys [0, positions[t]] (the last `window` where
         > 0) of the paged cache k_pool / v_pool [NB, BT, Hkv, D] (k_scale / v_scale [NB, BT, Hkv] for int8, else
-        None) through tables int32 [n, nb]'s row t; lse [n, Hq] gets each row's log-sum-exp where given. One launch
-        of kv.cu paged_attention_1s, a slot a grid z (only where attention_plan.slots_plan gives a plan)."""
+        None) through tables int32 [n, nb]'s row t; lse [n, Hq] gets each row's log-sum-exp where given. One launch of
+        the one-token kernel attention_plan.slots_plan gives (a slot's kv heads a run of grid y), and where its keys
+        split, one merge: scratch = (parts f32 [S * n * Hq * D], their lse [S * n * Hq]), which a captured step
+        keeps (split_scratch_sizes with n tokens gives the sizes)."""
         num_slots, num_q_heads, head_dim = q.shape
         _, block_tokens, num_kv_heads, _ = k_pool.shape
         plan = slots_plan(num_q_heads, num_kv_heads, head_dim, bound, self.warp, self.max_splits,
                           self.attention_rows, self.short_attention_keys)
         if plan is None:
-            raise ValueError(f"paged_attention_slots: one token over {bound} keys takes another kernel (slots_plan)")
+            raise ValueError(f"paged_attention_slots: one token of head dim {head_dim} takes the tiled kernel")
+        num_rows = num_slots * num_q_heads
+        if plan.splits == 1:
+            target, target_lse, want_lse = out, self._or_dummy(lse), int(lse is not None)
+        elif scratch is None or scratch[0].size < plan.splits * num_rows * head_dim:
+            raise ValueError(f"paged_attention_slots: {plan.splits} key splits need their scratch")
+        else:
+            (target, target_lse), want_lse = scratch, 1
         args = (q, k_pool, v_pool, *map(self._or_dummy, (k_scale, v_scale)), tables,
-                *map(self._or_dummy, (None,) * 4), out, self._or_dummy(lse), np.int32(lse is not None),
+                *map(self._or_dummy, (None,) * 4), target, target_lse, np.int32(want_lse),
                 np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim), np.int32(block_tokens),
-                np.int32(bound - 1), np.int32(0), np.float32(scale), np.int32(tables.shape[1]), np.int32(plan.width),
-                np.int32(plan.split_keys), positions, np.int32(window))
-        self._launch(self._kv(kv_dtype, "paged_attention_1s"), (plan.num_tiles, num_kv_heads, num_slots), PA_THREADS,
-                     args, shared_mem=plan.shared_mem)
+                np.int32(bound - 1), np.int32(0), np.float32(scale), np.int32(plan.rows), np.int32(plan.width),
+                np.int32(plan.split_keys), positions, np.int32(window), np.int32(tables.shape[1]))
+        self._launch(self._kv(kv_dtype, plan.kernel), (plan.num_tiles, num_kv_heads * num_slots, plan.splits),
+                     PA_THREADS, args, shared_mem=plan.shared_mem)
+        if plan.splits > 1:
+            self._launch(self._kv(kv_dtype, "paged_attention_merge"), (num_rows,), self._threads(head_dim),
+                         (target, target_lse, out, self._or_dummy(lse), np.int32(lse is not None),
+                          np.int32(plan.splits), np.int32(num_rows), np.int32(head_dim)), shared_mem=4 * plan.splits)

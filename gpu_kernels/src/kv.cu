@@ -225,7 +225,7 @@ paged_attention(const float* q, const kv_t* k_pool, const kv_t* v_pool, const fl
                 const int* table, const kv_t* k_stage, const kv_t* v_stage, const float* k_stage_scale,
                 const float* v_stage_scale, float* out, float* lse, int want_lse, int T, int Hq, int Hkv, int D,
                 int BT, int start, int key_lo, float scale, int R, int NK, int split_keys, const i64* start_at,
-                int window) {
+                int window, int slot_table) {
     if (start_at) start = (int)start_at[0];
     if (window > 0) key_lo = max(key_lo, start + 1 - window);  // the first row's window: the splits' base
     extern __shared__ float sh[];
@@ -357,11 +357,11 @@ __device__ __forceinline__ void softmax_rows(float* sc, float* cs, const float* 
     }
 }
 
-// Heads h0 .. h0 + R - 1 (h0 = blockIdx.x * R; those at or past G skipped) of kv head blockIdx.y, one
-// token, over split blockIdx.z of its keys; writes as paged_attention.
+// Heads h0 .. h0 + R - 1 (h0 = blockIdx.x * R; those at or past G skipped) of kv head kv.kvh, one token
+// (q [Hq, D]), over split blockIdx.z of its keys; writes as paged_attention, its rows at row0 (the slot's first).
 template <int R>
 __device__ void attend_one(const float* q, const PagedKV& kv, float* out, float* lse, int want_lse, int Hq,
-                           int start, int key_lo, float scale, int LG, int split_keys) {
+                           int start, int key_lo, float scale, int LG, int split_keys, i64 row0) {
     extern __shared__ float sh[];
     int D = kv.D, G = Hq / kv.Hkv, h0 = blockIdx.x * R, q0 = kv.kvh * G + h0;
     int lane = threadIdx.x & (LG - 1), grp = threadIdx.x / LG, num_groups = blockDim.x / LG;
@@ -418,7 +418,7 @@ __device__ void attend_one(const float* q, const PagedKV& kv, float* out, float*
             if (4 * lane + i < D) red[(grp * R + r) * D + 4 * lane + i] = acc[r][i];
     __syncthreads();
     const float* fin = stats + cur * 2 * R;
-    i64 o = (i64)blockIdx.z * Hq + q0;  // this split's slice
+    i64 o = row0 + q0;  // this split's slice
     for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
         int r = e / D, d = e - r * D;
         if (h0 + r < G) {
@@ -431,23 +431,37 @@ __device__ void attend_one(const float* q, const PagedKV& kv, float* out, float*
     if (want_lse && r < R && h0 + r < G) lse[o + r] = fin[R + r] > 0.0f ? fin[r] + logf(fin[R + r]) : NEG_INF;
 }
 
+// The one-token kernels over n slots (one-token sequences) in one launch: grid y = slot * Hkv + kv head. Slot t's
+// query is q [n, Hq, D]'s row t, its table table + t * slot_table, its position start_at[t] (start_at null: one slot
+// at `start`); split z of its rows goes to row (z * n + t) * Hq of out / lse ([S, n, Hq(, D)]: split parts, or with
+// S = 1 the output [n, Hq, D] itself). (slot, kv head) of a block; moves q and table to its slot's.
+__device__ __forceinline__ int2 slot_of_block(const float*& q, const int*& table, int& start, const i64* start_at,
+                                              int Hq, int Hkv, int D, int slot_table) {
+    int t = blockIdx.y / Hkv;
+    if (start_at) start = (int)start_at[t];
+    q += (i64)t * Hq * D;
+    table += (i64)t * slot_table;
+    return make_int2(t, blockIdx.y - t * Hkv);
+}
+
 // paged_attention of one token (T = 1; window as there), its G heads a kv head sharing every K/V load:
-// R (1, 2, 4 or 8, at most LG) heads a block. grid (ceil(G / R), Hkv, S), block PA_THREADS; LG as above; shared:
-// R * PD_KEYS + 5 * R + (PA_THREADS / LG) * R * D floats.
+// R (1, 2, 4 or 8, at most LG) heads a block. grid (ceil(G / R), n * Hkv, S) (slot_of_block), block PA_THREADS; LG
+// as above; shared: R * PD_KEYS + 5 * R + (PA_THREADS / LG) * R * D floats.
 extern "C" __global__ void __launch_bounds__(PA_THREADS)
 paged_attention_1(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale,
                   const float* v_scale, const int* table, const kv_t* k_stage, const kv_t* v_stage,
                   const float* k_stage_scale, const float* v_stage_scale, float* out, float* lse, int want_lse,
                   int Hq, int Hkv, int D, int BT, int start, int key_lo, float scale, int R, int LG, int split_keys,
-                  const i64* start_at, int window) {
-    if (start_at) start = (int)start_at[0];
+                  const i64* start_at, int window, int slot_table) {
+    int2 slot = slot_of_block(q, table, start, start_at, Hq, Hkv, D, slot_table);
     if (window > 0) key_lo = max(key_lo, start + 1 - window);
     PagedKV kv = {k_pool, v_pool, k_scale, v_scale, k_stage, v_stage, k_stage_scale, v_stage_scale, table,
-                  BT, Hkv, D, (int)blockIdx.y};
-    if (R == 1) attend_one<1>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys);
-    else if (R == 2) attend_one<2>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys);
-    else if (R == 4) attend_one<4>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys);
-    else attend_one<8>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys);
+                  BT, Hkv, D, slot.y};
+    i64 row0 = ((i64)blockIdx.z * (gridDim.y / Hkv) + slot.x) * Hq;
+    if (R == 1) attend_one<1>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys, row0);
+    else if (R == 2) attend_one<2>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys, row0);
+    else if (R == 4) attend_one<4>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys, row0);
+    else attend_one<8>(q, kv, out, lse, want_lse, Hq, start, key_lo, scale, LG, split_keys, row0);
 }
 
 // out [T, Hq, D] (and lse [T, Hq] when want_lse) from the S partial results of paged_attention's

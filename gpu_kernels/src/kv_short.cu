@@ -40,20 +40,16 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* red) 
     return r;
 }
 
-// paged_attention_1's arguments (LG unused; in R's place slot_table); grid (G, Hkv, n), blockDim a power of two >= 32;
-// shared: D + split_keys + blockDim / 32 + 4 * blockDim floats, then split_keys + 2 ints (the table entries of its
-// keys). No key splits: grid z is the slot, n one-token sequences in one launch (a decode step of several users):
-// slot z's query is q [n, Hq, D]'s row z, its output out [n, Hq, D]'s (lse [n, Hq]'s), its table table + z *
-// slot_table and its position start_at[z] (start_at null: one slot at `start`).
+// paged_attention_1's arguments (R and LG unused); grid (G, n * Hkv, 1) (kv.cu slot_of_block: n slots, no key
+// splits), blockDim a power of two >= 32; shared: D + split_keys + blockDim / 32 + 4 * blockDim floats, then
+// split_keys + 2 ints (the table entries of its keys).
 extern "C" __global__ void __launch_bounds__(PA_THREADS)
 paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale,
                    const float* v_scale, const int* table, const kv_t* k_stage, const kv_t* v_stage,
                    const float* k_stage_scale, const float* v_stage_scale, float* out, float* lse, int want_lse,
-                   int Hq, int Hkv, int D, int BT, int start, int key_lo, float scale, int slot_table, int LG,
-                   int split_keys, const i64* start_at, int window) {
-    if (start_at) start = (int)start_at[blockIdx.z];
-    q += (i64)blockIdx.z * Hq * D;
-    table += (i64)blockIdx.z * slot_table;
+                   int Hq, int Hkv, int D, int BT, int start, int key_lo, float scale, int R, int LG, int split_keys,
+                   const i64* start_at, int window, int slot_table) {
+    int2 slot = slot_of_block(q, table, start, start_at, Hq, Hkv, D, slot_table);
     if (window > 0) key_lo = max(key_lo, start + 1 - window);
     extern __shared__ float sh[];
     float* qs = sh;                                    // [D]
@@ -62,7 +58,7 @@ paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const
     float* part = red + (blockDim.x >> 5);             // [column groups][D]
     int* tb = (int*)(part + 4 * blockDim.x);           // [blocks of the keys] table entries
     PagedKV kv = {k_pool, v_pool, k_scale, v_scale, k_stage, v_stage, k_stage_scale, v_stage_scale, table,
-                  BT, Hkv, D, (int)blockIdx.y};
+                  BT, Hkv, D, slot.y};
     int G = Hq / Hkv, head = kv.kvh * G + blockIdx.x;
     int kb = key_lo + blockIdx.z * split_keys, ke = min(kb + split_keys, start + 1), n = max(ke - kb, 0);
     int b0 = kb / BT, nb = n > 0 ? (ke - 1) / BT - b0 + 1 : 0;
@@ -144,7 +140,7 @@ paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const
             if (vec || i == 0) part[grp * D + (vec ? 4 * col + i : col)] = acc[i];
     }
     __syncthreads();
-    i64 o = (i64)blockIdx.z * Hq + head;  // this slot's row
+    i64 o = (i64)slot.x * Hq + head;  // this slot's row
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float a = 0.0f;
         for (int g = 0; g < groups; ++g) a += part[g * D + d];

@@ -209,8 +209,8 @@ class GpuKV:
     def attend_step(be, kv_index, q, k, v, chunks, scale, out, window=0, sinks=None):
         """Inside a step graph of several one-token chunks: k, v [n, Hkv, D] written, each into its chunk's sequence
         at the chunk's position, and q [n, Hq, D]'s attention over them into out [n, Hq, D], one launch each, where
-        the chunks share one pool and the step's keys bound takes the slot kernel (attention_plan.slots_plan); else False
-        (nothing queued)."""
+        the chunks share one pool and one token takes a one-token kernel (attention_plan.slots_plan; its key splits,
+        if any, merged by one more); else False (nothing queued)."""
         step = be.step.active if be.step is not None else None
         pools = {id(chunk.kv.pool) for chunk in chunks}
         kn = be.kernels
@@ -218,6 +218,10 @@ class GpuKV:
                 q.shape[1], k.shape[1], q.shape[2], step.bound, kn.warp, kn.max_splits, kn.attention_rows,
                 kn.short_attention_keys) is None:
             return False
+        values, rows = split_scratch_sizes(1, q.shape[1], k.shape[1], q.shape[2], step.bound, kn.warp, kn.max_splits,
+                                           kn.attention_rows, kn.short_attention_keys)  # a slot's
+        n = len(chunks)
+        scratch = None if values == 0 else (be.rt.empty((n * values,), np.float32), be.rt.empty((n * rows,), np.float32))
         kv = chunks[0].kv
         kp, vp, ks, vs = kv.pool.layer(kv_index)
         tables = step.tables[:len(chunks)]  # [n, nb]
@@ -225,7 +229,7 @@ class GpuKV:
                             slot_table=tables.shape[1])
         lse = None if sinks is None else be.rt.empty(q.shape[:2], np.float32)  # [n, Hq]
         be.kernels.paged_attention_slots(kv.dtype, q, kp, vp, ks, vs, tables, step.positions, step.bound, scale, out,
-                                         lse=lse, window=window)
+                                         lse=lse, window=window, scratch=scratch)
         if sinks is not None:
             be.kernels.attn_sinks(out, lse, sinks)
         return True

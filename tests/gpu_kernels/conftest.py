@@ -233,7 +233,7 @@ class ReferenceKernels:
             scale[at] = row_scale
 
     def paged_attention_slots(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, tables, positions, bound, scale,
-                              out, lse=None, window=0):
+                              out, lse=None, window=0, scratch=None):
         for t in range(q.shape[0]):
             object.__getattribute__(self, "paged_attention")(
                 kv_dtype, q[t:t + 1], k_pool, v_pool, k_scale, v_scale, tables[t], bound - 1, 0, scale, out[t:t + 1],

@@ -168,16 +168,21 @@ def test_users_at_once_on_the_gpu_match_one_by_one(runtime, gguf_models, size, t
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bound", [256, 1024])
 @pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize("head_dim", [128, 64, 96])
 @pytest.mark.parametrize("kv_dtype", kv_store.KV_DTYPES)
-def test_slot_kernels_against_the_reference(runtime, kernels, reference_kernels, kv_dtype, head_dim, window):
+def test_slot_kernels_against_the_reference(runtime, kernels, reference_kernels, kv_dtype, head_dim, window, bound):
     """n one-token sequences, each with its own block table (blocks of the pool scattered) and position below the
-    keys bound (256), written and attended in one launch each (kv_write slot_table, paged_attention_slots): the
-    pool and the outputs and log-sum-exps as the reference kernels' slot by slot (random data, 32 query heads over
-    4 kv heads; 1, 5 and 16 slots, two of them one sequence's consecutive positions)."""
-    rng = np.random.default_rng(head_dim + window)
-    hq, hkv, bt, bound, nb = 32, 4, 16, 256, 16
+    keys bound (256: the short kernel; 1024: paged_attention_1 with key splits and their merge), written and
+    attended in one launch each (kv_write slot_table, paged_attention_slots): the pool and the outputs and
+    log-sum-exps as the reference kernels' slot by slot (random data, 32 query heads over 4 kv heads; 1, 5 and 16
+    slots, two of them one sequence's consecutive positions)."""
+    from gpu_kernels.kernels import split_scratch_sizes
+
+    rng = np.random.default_rng(head_dim + window + bound)
+    hq, hkv, bt = 32, 4, 16
+    nb = bound // bt
     for n in (1, 5, 16):
         num_blocks = n * nb
         pool_shape = (num_blocks, bt, hkv, head_dim)
@@ -211,8 +216,13 @@ def test_slot_kernels_against_the_reference(runtime, kernels, reference_kernels,
                          start_at=(d_positions, None), second=(runtime.to_device(v), dev["v"], dev["vs"]),
                          slot_table=nb)
         out, lse = runtime.zeros((n, hq, head_dim), np.float32), runtime.zeros((n, hq), np.float32)
+        values, rows = split_scratch_sizes(1, hq, hkv, head_dim, bound, kernels.warp, kernels.max_splits,
+                                           kernels.attention_rows, kernels.short_attention_keys)
+        scratch = None if values == 0 else (runtime.zeros((n * values,), np.float32),
+                                            runtime.zeros((n * rows,), np.float32))
+        assert (values == 0) == (bound == 256)
         kernels.paged_attention_slots(kv_dtype, runtime.to_device(q), dev["k"], dev["v"], dev["ks"], dev["vs"],
-                                      d_tables, d_positions, bound, scale, out, lse, window=window)
+                                      d_tables, d_positions, bound, scale, out, lse, window=window, scratch=scratch)
         for name in ("k", "v", "ks", "vs"):
             if ref[name] is not None:
                 np.testing.assert_array_equal(runtime.to_host(dev[name]), ref[name], err_msg=f"{name}, {n} slots")
