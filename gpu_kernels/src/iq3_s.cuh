@@ -66,16 +66,14 @@ __device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m 
 #else
 #define IQ3S_SHARED_WORDS (512 * IQ3S_GRID_COPIES)
 #endif
-__shared__ alignas(16) u32 iq3s_grid_smem[IQ3S_SHARED_WORDS];
+__shared__ u32 iq3s_grid_smem[IQ3S_SHARED_WORDS];
 
 __device__ __forceinline__ void iq3s_stage_grid() {
 #if IQ3S_SIGNED_GRID
-#pragma unroll 2
-    for (int i = threadIdx.x; i < IQ3S_SHARED_WORDS / 4; i += blockDim.x) {  // entries 4i .. 4i + 3: one sign pattern
-        u32 m = sign_bytes((u32)i >> 7);
-        const u32* g = IQ3S_GRID + ((4 * i) & 511);
-        ((uint4*)iq3s_grid_smem)[i] = make_uint4(iq3s_negated(g[0], m), iq3s_negated(g[1], m), iq3s_negated(g[2], m),
-                                                 iq3s_negated(g[3], m));
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) {  // one read of each grid row (one round trip a block)
+        u32 v = IQ3S_GRID[i];
+#pragma unroll
+        for (int sign = 0; sign < 16; ++sign) iq3s_grid_smem[512 * sign + i] = iq3s_negated(v, sign_bytes(sign));
     }
 #elif IQ3S_GRID_COPIES >= 4
     for (int i = threadIdx.x; i < 128 * IQ3S_GRID_COPIES; i += blockDim.x) {  // 4 copies a 16-byte store
