@@ -152,6 +152,8 @@ def tuned(llm, args):
         kernels.prefetch = args.prefetch
         kernels._functions.clear()  # compiled again with the ring
     kernels._launches.clear()  # the shapes launched while loading, planned again
+    if args.group_tokens is not None:
+        llm.model.backend.device_experts.group_tokens = args.group_tokens or None
     return llm
 
 
@@ -163,6 +165,7 @@ def markdown(args, times, per_step, graphed_s, gpu_name):
     rows += f", {args.lane_slices} slices a lane" if args.lane_slices else ""
     rows += f", short attention up to {args.short_attention} keys" if args.short_attention else ""
     rows += f", {args.prefetch} slices in flight" if args.prefetch else ""
+    rows += f", pairs grouped from {args.group_tokens or 'no'} tokens" if args.group_tokens is not None else ""
     lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
              f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
              f"of the launches back to back: "
@@ -191,6 +194,9 @@ def main(argv=None):
                    help="one-token attention over at most this many keys by paged_attention_1s (a block a head)")
     p.add_argument("--prefetch", type=int, default=None, choices=(3, 4, 6, 8),
                    help="one-token matmuls' slices in flight a lane plus one (matmul.cu's DECODE_PREFETCH; default 2)")
+    p.add_argument("--group-tokens", type=int, default=None,
+                   help="decode steps of at least this many tokens group their pairs by expert (0: never; default: "
+                        "hybrid/backends/gpu_experts.py GROUP_DECODE_TOKENS)")
     p.add_argument("--step-users", default=None,
                    help="comma-separated user counts: print the default step's time at each, side by side (no "
                         "kernel profile)")
@@ -203,8 +209,10 @@ def main(argv=None):
         counts = [int(u) for u in args.step_users.split(",")]
         llm = tuned(LLM(args.model, device="gpu", threads=args.threads, max_context=args.context + 512,
                         kv_sequences=max(counts)), args)
+        grouped = llm.model.backend.device_experts.group_tokens
         lines = [f"Model `{Path(args.model).name}` on {llm.model.backend.rt.device_name}, every expert resident; the "
-                 f"default decode step after {args.context}-token prompts, median of 14 steps, by users at once.", "",
+                 f"default decode step after {args.context}-token prompts, median of 14 steps, by users at once "
+                 f"(pairs grouped by expert from {grouped or 'no'} tokens).", "",
                  *step_table(llm, counts, args.context, lambda m: m.model.runner.last_path)]
         text = "\n".join(lines) + "\n"
         print(text)

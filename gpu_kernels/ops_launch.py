@@ -96,6 +96,15 @@ class OpsLaunchers:
         self._launch(self._ops("decode_pairs"), (num_pairs,), self._threads(-(-hidden // 4), cap=512),
                      (ids, slot_map, np.int32(num_pairs), np.int32(k), tiles, x, xs, np.int32(hidden)))
 
+    def decode_groups(self, ids, slot_map, tile_tokens, order, tiles):
+        """A decode step's resident pairs grouped by expert (moe_parts.cu decode_groups): ids int32 [1, P], slot_map
+        int32 [E] -> order int32 [P] (the pair of each row) and tiles int32 [4, P] (work tiles of at most tile_tokens
+        rows of one expert, then each pair's row), for gather_rows and the tiled expert matmuls."""
+        num_pairs = ids.shape[1]
+        threads = self._threads(num_pairs, cap=1024)
+        self._launch(self._ops("decode_groups"), (1,), threads,
+                     (ids, slot_map, np.int32(num_pairs), np.int32(tile_tokens), order, tiles), shared_mem=16 * threads)
+
     def moe_matmul2(self, raw, raw2, qtype, x, out, out2, tile_slot, tile_row, tile_count):
         """moe_matmul's one-row kernel of raw and of raw2 (one format and shape [S, R, B]: gate and up) over the same
         x and tiles into out and out2 [N, R], in one launch."""

@@ -19,6 +19,10 @@ from .gpu_staging import Pending
 log = logging.getLogger(__name__)
 
 MAX_DECODE_PAIRS = MAX_THREADS  # a decode step's pairs at most: decode_tiles runs one thread a pair in one block
+# A decode step of at least this many tokens groups its pairs by expert on the device (moe_parts.cu decode_groups) and
+# runs the tiled expert matmuls, each expert's rows read once for up to TILE_TOKENS of its pairs; fewer tokens run a
+# pair a work tile (the one-row kernels). None: never.
+GROUP_DECODE_TOKENS = 8
 _UNCAPTURED = object()  # a layer whose decode graph was not tried yet
 
 
@@ -29,6 +33,7 @@ class GpuExperts:
 
     def __init__(self, decode_graphs=True):
         self.decode_graphs = decode_graphs
+        self.group_tokens = GROUP_DECODE_TOKENS  # a decode step of this many tokens or more groups its pairs
         self.width = None  # the widest expert F, set by GpuBackend.place
         self._borrow_slots = {}  # projection name -> device slots [n, R, B] of the borrowed experts
         self._decode = {}  # tokens -> (shape key, scratch of submit_decode), made at a first call
@@ -150,10 +155,12 @@ class GpuExperts:
             pending.start.record(be.stream)
         key = (x.shape[0], layer.index)
         graph = self._graphs.get(key, _UNCAPTURED) if self.decode_graphs and not in_step_graph else None
+        grouped = self.group_tokens is not None and x.shape[0] >= self.group_tokens
+        queue = _queue_grouped_experts if grouped else _queue_decode_experts
         if graph is _UNCAPTURED:
-            graph = self._graphs[key] = self._capture(be, lambda: _queue_decode_experts(be, layer, s))
+            graph = self._graphs[key] = self._capture(be, lambda: queue(be, layer, s))
         if graph is None:
-            _queue_decode_experts(be, layer, s)
+            queue(be, layer, s)
         else:
             graph.launch(be.stream)
         if be.time_experts:
@@ -203,6 +210,7 @@ class GpuExperts:
                            weights=packed[pairs:2 * pairs].reshape(tokens, k),
                            x=packed[2 * pairs:].reshape(tokens, hidden),
                            order=be.rt.to_device(np.arange(pairs, dtype=np.int32)), tiles=e((4, pairs), np.int32),
+                           group_order=e((pairs,), np.int32),
                            xs=e((pairs, hidden), np.float32), gate=e((pairs, width), np.float32),
                            up=e((pairs, width), np.float32), down=e((pairs, hidden), np.float32),
                            out=e((num_layers, tokens, hidden), np.float32))
@@ -229,6 +237,22 @@ def _queue_decode_experts(be, layer, s):
         activate(be, layer, s["gate"], s["up"], s["order"], s["ids_flat"])
         kn.moe_matmul(slabs[2], down_qtype, s["gate"], s["down"], tiles[0], tiles[1], tiles[2], 1)
     add_down_bias(be, layer, s["down"], s["order"], s["ids_flat"])
+    kn.combine_rows(s["down"], tiles[3], s["weights"], k, s["out"][layer.index])
+
+
+def _queue_grouped_experts(be, layer, s):
+    """_queue_decode_experts with the pairs grouped by expert on the device (decode_groups): rows gathered in that
+    order, each expert's rows read once for up to TILE_TOKENS of its pairs by the tiled matmuls."""
+    k = s["ids"].shape[1]
+    kn, tiles, order = be.kernels, s["tiles"], s["group_order"]
+    kn.decode_groups(s["ids_flat"], be.cache.slot_map[layer.index], TILE_TOKENS, order, tiles)
+    kn.gather_rows(s["x"], order, k, s["xs"])
+    slabs = be.cache.layers[layer.index]
+    kn.moe_matmul(slabs[0], layer.gate_exps.qtype, s["xs"], s["gate"], tiles[0], tiles[1], tiles[2], TILE_TOKENS)
+    kn.moe_matmul(slabs[1], layer.up_exps.qtype, s["xs"], s["up"], tiles[0], tiles[1], tiles[2], TILE_TOKENS)
+    activate(be, layer, s["gate"], s["up"], order, s["ids_flat"])
+    kn.moe_matmul(slabs[2], layer.down_exps.qtype, s["gate"], s["down"], tiles[0], tiles[1], tiles[2], TILE_TOKENS)
+    add_down_bias(be, layer, s["down"], order, s["ids_flat"])
     kn.combine_rows(s["down"], tiles[3], s["weights"], k, s["out"][layer.index])
 
 

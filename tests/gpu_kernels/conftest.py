@@ -279,6 +279,25 @@ class ReferenceKernels:
         object.__getattribute__(self, "decode_tiles")(ids, slot_map, tiles)
         xs[:] = x[np.arange(ids.shape[1]) // k]
 
+    def decode_groups(self, ids, slot_map, tile_tokens, order, tiles):
+        slots = slot_map[ids[0]]  # [P]
+        num_pairs = len(slots)
+        leads = list(dict.fromkeys(s for s in slots if s >= 0))  # experts in the order of their first pair
+        rows = [p for s in leads for p in np.flatnonzero(slots == s)]
+        order[:] = 0
+        order[:len(rows)] = rows
+        tiles[:] = 0
+        tiles[3] = -1
+        tiles[3, rows] = np.arange(len(rows))
+        w, row = 0, 0
+        for s in leads:
+            count = int((slots == s).sum())
+            for lo in range(0, count, tile_tokens):
+                tiles[:3, w] = s, row + lo, min(tile_tokens, count - lo)
+                w += 1
+            row += count
+        assert w <= num_pairs
+
     def add_into(self, out, src):
         out += src
 

@@ -124,12 +124,54 @@ def test_consecutive_tokens_of_one_sequence_in_one_step(gguf_models, numpy_runti
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("target", ["F32", "Q8_0"])
+def test_pairs_grouped_by_expert_match_a_pair_a_tile(gguf_models, numpy_runtime, reference_kernels, target):
+    """Five users' steps with their pairs grouped by expert on the device (group_tokens 2: the tiled matmuls, an
+    expert's rows once for its pairs) and a pair a tile (group_tokens None): the same logits within the format's
+    tolerance, both as step graphs."""
+    weights = load_model(gguf_models("small", target)[0])
+    prompts = _prompts(weights, (11, 30, 7, 19, 25), seed=6)
+
+    def run(group_tokens):
+        model = _model(weights, numpy_runtime, reference_kernels, len(prompts))
+        model.backend.device_experts.group_tokens = group_tokens
+        kvs = [model.new_sequence(512) for _ in prompts]
+        for kv, prompt in zip(kvs, prompts):
+            model.forward(Batch([SeqChunk(kv, 0, prompt, "last")]))
+        out = []
+        for t in range(3):
+            out.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([TOKENS[t + u]]))
+                                            for u, kv in enumerate(kvs)])))
+            assert model.runner.last_path == "step graph"
+        return np.array(out)
+
+    ref, got = run(None), run(2)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=TOLERANCE[target] * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_pairs,num_experts,resident", [(8, 128, 1.0), (32, 128, 1.0), (128, 128, 0.5),
+                                                             (256, 16, 0.7), (64, 8, 0.0)])
+def test_decode_groups_against_the_reference(runtime, kernels, reference_kernels, num_pairs, num_experts, resident):
+    """moe_parts.cu decode_groups on random routing (experts shared by several pairs, some not resident): order and
+    tiles equal the reference's (experts in the order of their first pair, tiles of at most 8 rows)."""
+    rng = np.random.default_rng(num_pairs + num_experts)
+    ids = rng.integers(0, num_experts, (1, num_pairs)).astype(np.int32)
+    slot_map = np.where(rng.random(num_experts) < resident, rng.permutation(num_experts), -1).astype(np.int32)
+    order, tiles = np.zeros(num_pairs, np.int32), np.zeros((4, num_pairs), np.int32)
+    reference_kernels.decode_groups(ids, slot_map, 8, order, tiles)
+    d_order, d_tiles = runtime.zeros((num_pairs,), np.int32), runtime.zeros((4, num_pairs), np.int32)
+    kernels.decode_groups(runtime.to_device(ids), runtime.to_device(slot_map), 8, d_order, d_tiles)
+    np.testing.assert_array_equal(runtime.to_host(d_order), order)
+    np.testing.assert_array_equal(runtime.to_host(d_tiles), tiles)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("size,target", [("small", "F32"), ("small", "Q8_0"), ("kquant", "Q4_K_M")])
 def test_users_at_once_on_the_gpu_match_one_by_one(runtime, gguf_models, size, target):
     """On a GPU, with the real kernels: four users' tokens (prompts of 250, 9, 70, 40 tokens, the first passing the
     256-key bound) in one step graph a step give each user's one-token steps' logits within 1e-4 (F32) or 2e-3 of
-    their largest, and the CPU engine's within 2e-3; a step of 16 users is a step graph too."""
+    their largest, and the CPU engine's within 2e-3; a step of 16 users (its pairs grouped by expert) too."""
     from hybrid import LLM
 
     path, _ = gguf_models(size, target)
@@ -163,8 +205,13 @@ def test_users_at_once_on_the_gpu_match_one_by_one(runtime, gguf_models, size, t
         kvs = [gpu.model.new_sequence(64) for _ in range(16)]
         for u, kv in enumerate(kvs):
             gpu.model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[u:u + 1]), "last")]))
-        wide = gpu.model.forward(Batch([SeqChunk(kv, 1, np.asarray([TOKENS[-1]])) for kv in kvs]))
-        assert gpu.model.runner.last_path == "step graph" and np.isfinite(wide).all()
+        wide = gpu.model.forward(Batch([SeqChunk(kv, 1, np.asarray([TOKENS[-1 - u]])) for u, kv in enumerate(kvs)]))
+        assert gpu.model.runner.last_path == "step graph"  # its pairs grouped by expert (GROUP_DECODE_TOKENS)
+        for kv in kvs:
+            kv.truncate(1)
+        narrow = np.concatenate([gpu.model.forward(Batch([SeqChunk(kv, 1, np.asarray([TOKENS[-1 - u]]))]))
+                                 for u, kv in enumerate(kvs)])
+        assert np.abs(wide - narrow).max() <= tolerance * np.abs(narrow).max()
 
 
 @pytest.mark.gpu
