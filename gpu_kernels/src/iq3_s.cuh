@@ -103,31 +103,41 @@ __device__ __forceinline__ void unit_dequant(const u8* row, i64 u, float* w) {
     }
 }
 
-// A slice: IQ3S_SUBS sub-blocks side by side (1; 2 with IQ3S_PAIR_SLICES: fewer loads and
-// addresses a weight, as qs, signs and the qh bytes of a pair of sub-blocks lie side by side and share a scale byte).
-#if IQ3S_PAIR_SLICES
+// A slice: IQ3S_SUBS sub-blocks side by side: 1; 2 with IQ3S_PAIR_SLICES, or IQ3S_SLICE_SUBS (1, 2 or 4): fewer loads
+// and addresses a weight, as the qs, signs and qh bytes of neighbouring sub-blocks lie side by side and a pair shares
+// its scale byte.
+#if defined(IQ3S_SLICE_SUBS)
+#define IQ3S_SUBS IQ3S_SLICE_SUBS
+#elif IQ3S_PAIR_SLICES
 #define IQ3S_SUBS 2
 #else
 #define IQ3S_SUBS 1
 #endif
+#if IQ3S_SUBS != 1 && IQ3S_SUBS != 2 && IQ3S_SUBS != 4
+#error "IQ3S_SLICE_SUBS: 1, 2 or 4 sub-blocks a slice"
+#endif
 #define SLICE_WEIGHTS (32 * IQ3S_SUBS)
 struct Slice {
     u32 qs[2 * IQ3S_SUBS], signs[IQ3S_SUBS];
-    u32 tail;  // d | qh[j] << 16 | the scale byte << 24; IQ3S_PAIR_SLICES: d | qh[j] << 16 | qh[j + 1] << 24
-#if IQ3S_SUBS == 2
-    u32 scale;  // the pair's scale byte
+    u32 tail;  // d | qh[j] << 16 | the scale byte << 24; 2 or 4 sub-blocks: d | their scale byte(s) << 16
+#if IQ3S_SUBS > 1
+    u32 qh;  // qh[j ..]: a byte a sub-block
 #endif
 };
 
 // qh byte of sub-block h of slice sl.
 __device__ __forceinline__ u32 iq3s_qh(const Slice& sl, int h) {
-    return IQ3S_SUBS == 1 ? (sl.tail >> 16) & 0xffu : (sl.tail >> (16 + 8 * h)) & 0xffu;
+#if IQ3S_SUBS > 1
+    return h == IQ3S_SUBS - 1 ? sl.qh >> (8 * h) : (sl.qh >> (8 * h)) & 0xffu;
+#else
+    return (sl.tail >> 16) & 0xffu;
+#endif
 }
 
 // The scale d * (1 + 2 s) of sub-block h of slice s.
 __device__ __forceinline__ float iq3s_slice_db(const Slice& sl, int s, int h) {
-#if IQ3S_SUBS == 2
-    return iq3s_db((u16)(sl.tail & 0xffffu), sl.scale, h);
+#if IQ3S_SUBS > 1
+    return iq3s_db((u16)(sl.tail & 0xffffu), sl.tail >> (16 + 8 * (h >> 1)), h);
 #else
     return iq3s_db((u16)(sl.tail & 0xffffu), sl.tail >> 24, s & 7);
 #endif
@@ -154,9 +164,13 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
     for (int i = 0; i < 2 * IQ3S_SUBS; ++i) sl.qs[i] = funnel_right(qw[i], qw[i + 1], shift);
 #pragma unroll
     for (int i = 0; i < IQ3S_SUBS; ++i) sl.signs[i] = funnel_right(gw[i], gw[i + 1], shift);
-#if IQ3S_SUBS == 2
-    sl.tail = (u32)*(const u16*)b | ((u32)*(const u16*)(b + 66 + j) << 16);  // j even: 2-byte aligned
-    sl.scale = b[106 + j / 2];
+#if IQ3S_SUBS == 4
+    const u16* qh = (const u16*)(b + 66 + j);  // j even: 2-byte aligned, as the scales
+    sl.qh = (u32)qh[0] | ((u32)qh[1] << 16);
+    sl.tail = (u32)*(const u16*)b | ((u32)*(const u16*)(b + 106 + j / 2) << 16);
+#elif IQ3S_SUBS == 2
+    sl.qh = *(const u16*)(b + 66 + j);
+    sl.tail = (u32)*(const u16*)b | ((u32)b[106 + j / 2] << 16);
 #else
     sl.tail = (u32)*(const u16*)b | ((u32)b[66 + j] << 16) | ((u32)b[106 + j / 2] << 24);
 #endif

@@ -139,11 +139,14 @@ def test_iq3_s_grid_copies_and_x_fit_a_blocks_shared_memory(monkeypatch):
 
 # IQ3_S's compile-time alternatives of its int16 slice dot (iq3_s.cuh; bench/gpu_kernels.py --variants sweeps them)
 IQ3S_VARIANTS = ["IQ3S_PRMT_MASKS", "IQ3S_XOR_SIGNS", "IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_SIGNED_GRID",
-                 "IQ3S_PAIR_SLICES", "IQ3S_SIGNED_GRID+IQ3S_PAIR_SLICES"]
+                 "IQ3S_PAIR_SLICES", "IQ3S_SIGNED_GRID+IQ3S_PAIR_SLICES", "IQ3S_SLICE_SUBS=4",
+                 "IQ3S_SIGNED_GRID+IQ3S_SLICE_SUBS=4"]
 
 
 def variant_defines(variant):
-    return "".join(f"#define {name} 1\n" for name in variant.split("+") if name)
+    """bench/gpu_kernels.py's: `#define NAME VALUE` (NAME=VALUE, or NAME: 1) a macro of `variant` (joined by +)."""
+    pairs = [name.partition("=") for name in variant.split("+") if name]
+    return "".join(f"#define {key} {value or 1}\n" for key, _, value in pairs)
 
 
 def test_emulated_iq3_s_variants_dot_as_the_plain_source(tmp_path):
@@ -163,7 +166,7 @@ def test_emulated_iq3_s_variants_dot_as_the_plain_source(tmp_path):
     source = module_source(module_name(Q.IQ3_S)).split("// ---- matmul.cu")[0]
     results = {}
     for variant in [""] + IQ3S_VARIANTS:
-        path = tmp_path / (variant.replace("+", "_") or "plain")
+        path = tmp_path / ("".join(c if c.isalnum() else "_" for c in variant) or "plain")
         path.mkdir()
         (path / "fmt.cpp").write_text(variant_defines(variant) + PRELUDE + source + SLICE_HARNESS)
         subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(path / "fmt.so"),
@@ -311,7 +314,8 @@ def test_iq3_s_variants_int16_moe_matvec(runtime, monkeypatch, variant, rows, sl
     source, name = kernels_module.tuned_source, kernels_module.tuned_module_name
     monkeypatch.setattr(kernels_module, "tuned_source", lambda q, r, b, defines="": source(
         q, r, b, variant_defines(variant) + defines))
-    monkeypatch.setattr(kernels_module, "tuned_module_name", lambda q, r, b: f"{name(q, r, b)}_{variant.lower()}")
+    suffix = "".join(c if c.isalnum() else "_" for c in variant.lower())
+    monkeypatch.setattr(kernels_module, "tuned_module_name", lambda q, r, b: f"{name(q, r, b)}_{suffix}")
     test_int16_moe_matvec_tunings(runtime, Q.IQ3_S, rows, slices, chunks)
 
 
