@@ -306,8 +306,8 @@ def test_int16_moe_matvec_tunings(runtime, qtype, rows, slices, chunks):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (4, 4, 2), (4, 8, 1)])
-@pytest.mark.parametrize("variant", ["IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_SIGNED_GRID", "IQ3S_SIGNED_GRID+IQ3S_PAIR_SLICES",
-                                     "IQ3S_SIGNED_GRID+IQ3S_SLICE_SUBS=4"])
+@pytest.mark.parametrize("variant", ["IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_SIGNED_GRID",
+                                     "IQ3S_SIGNED_GRID+IQ3S_PAIR_SLICES", "IQ3S_SIGNED_GRID+IQ3S_SLICE_SUBS=4"])
 def test_iq3_s_variants_int16_moe_matvec(runtime, monkeypatch, variant, rows, slices, chunks):
     """test_int16_moe_matvec_tunings on IQ3_S compiled with each of its variants, as the bench compiles them."""
     from gpu_kernels import kernels as kernels_module
