@@ -139,15 +139,9 @@ __device__ __forceinline__ void gemm_products(const float4* ws, const float4* xs
 
 #if GEMM_MMA
 #ifndef GEMM_MMA_EMULATED
-// The TF32 rounding (to nearest, ties away) of v, as its float32 bits.
-__device__ __forceinline__ u32 gemm_tf32(float v) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return r;
-}
-
-// d [16 x 8] += a [16 x 8] @ b [8 x 8] over the warp (PTX mma.m16n8k8 .tf32 fragments; lane = 4 g + c: a holds
-// (g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4); b (k c, token g), (c + 4, g); d (g, tokens 2 c, 2 c + 1), (g + 8, ..)).
+// d [16 x 8] += a [16 x 8] @ b [8 x 8] over the warp (PTX mma.m16n8k8 .tf32, each operand's low 13 bits ignored;
+// lane = 4 g + c: a holds (g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4); b (k c, token g), (c + 4, g); d (g, tokens
+// 2 c, 2 c + 1), (g + 8, ..)).
 __device__ __forceinline__ void gemm_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%0, %1, %2, %3};"
@@ -156,48 +150,50 @@ __device__ __forceinline__ void gemm_mma(float (&d)[4], const u32 (&a)[4], const
 }
 #endif
 
-// hi, lo = the TF32 split of v (lo: the TF32 rounding of v - hi; 0 under GEMM_MATH 1, unused).
+// hi, lo = v's TF32 split as the mma reads them (its low 13 bits dropped): hi = v rounded to TF32 (half an ulp
+// added: ties away from zero), lo = v - hi rounded the same (GEMM_MATH 3; else 0, unused). v finite.
 __device__ __forceinline__ void gemm_split(float v, u32& hi, u32& lo) {
-    hi = gemm_tf32(v);
-    lo = GEMM_MATH == 3 ? gemm_tf32(v - __uint_as_float(hi)) : 0u;
+    hi = __float_as_uint(v) + 0x1000u;
+    lo = GEMM_MATH == 3 ? __float_as_uint(v - __uint_as_float(hi & 0xffffe000u)) + 0x1000u : 0u;
 }
 
 // acc [2][TOKENS / 8][4] (m16 tile, n8 tile, fragment) += the warp's rows 32 warp .. + 31 of ws [K][GEMM_ROWS] times
-// the tile's tokens (n8 tiles from n on skipped) of xs [K][TOKENS], both swizzled (GEMM_SWIZZLE).
+// the tile's tokens (n8 tiles from n on skipped) of xs [K][TOKENS], both swizzled (GEMM_SWIZZLE). A lane reads rows
+// k0 + c and k0 + c + 4 of both at columns o ^ 8 i (o = g ^ 8 c; i = 0 .. 3, as rows 16 mt, + 8 of its m16 tiles,
+// tokens 8 j % 32 of its n8 tiles): four offsets a lane, the rest constants of the unrolled loops.
 template <int TOKENS, int K>
 __device__ __forceinline__ void gemm_products_mma(const float* ws, const float* xs, int n,
                                                   float (&acc)[2][TOKENS / 8][4]) {
-    int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, m0 = 32 * (threadIdx.x / 32), sw = GEMM_SWIZZLE(c);
+    int lane = threadIdx.x % 32, c = lane % 4, o = (lane / 4) ^ GEMM_SWIZZLE(c);
+    int off[4] = {o, o ^ 8, o ^ 16, o ^ 24};
+    const float* w = ws + c * GEMM_ROWS + 32 * (threadIdx.x / 32);
+    const float* xc = xs + c * TOKENS;
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 8) {
-        const float* w0 = ws + (k0 + c) * GEMM_ROWS;
-        const float* w1 = w0 + 4 * GEMM_ROWS;
         u32 ah[2][4], al[2][4];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-            int r = m0 + 16 * mt + g;
-            gemm_split(w0[r ^ sw], ah[mt][0], al[mt][0]);
-            gemm_split(w0[(r + 8) ^ sw], ah[mt][1], al[mt][1]);
-            gemm_split(w1[r ^ sw], ah[mt][2], al[mt][2]);
-            gemm_split(w1[(r + 8) ^ sw], ah[mt][3], al[mt][3]);
+            gemm_split(w[k0 * GEMM_ROWS + off[2 * mt]], ah[mt][0], al[mt][0]);
+            gemm_split(w[k0 * GEMM_ROWS + off[2 * mt + 1]], ah[mt][1], al[mt][1]);
+            gemm_split(w[(k0 + 4) * GEMM_ROWS + off[2 * mt]], ah[mt][2], al[mt][2]);
+            gemm_split(w[(k0 + 4) * GEMM_ROWS + off[2 * mt + 1]], ah[mt][3], al[mt][3]);
         }
-        const float* x0 = xs + (k0 + c) * TOKENS;
-        const float* x1 = x0 + 4 * TOKENS;
+        u32 bh[TOKENS / 8][2], bl[TOKENS / 8][2];
 #pragma unroll
         for (int j = 0; j < TOKENS / 8; ++j) {
-            if (8 * j >= n) break;  // the same for the whole warp
-            u32 bh[2], bl[2];
-            gemm_split(x0[(8 * j + g) ^ sw], bh[0], bl[0]);
-            gemm_split(x1[(8 * j + g) ^ sw], bh[1], bl[1]);
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                if (GEMM_MATH == 3) {
-                    gemm_mma(acc[mt][j], al[mt], bh);
-                    gemm_mma(acc[mt][j], ah[mt], bl);
-                }
-                gemm_mma(acc[mt][j], ah[mt], bh);
-            }
+            gemm_split(xc[k0 * TOKENS + (8 * j & ~31) + off[j % 4]], bh[j][0], bl[j][0]);
+            gemm_split(xc[(k0 + 4) * TOKENS + (8 * j & ~31) + off[j % 4]], bh[j][1], bl[j][1]);
         }
+        // the three products' passes over the tiles, so that an accumulator's next mma waits behind the others'
+#pragma unroll
+        for (int pass = GEMM_MATH == 3 ? 0 : 2; pass < 3; ++pass)
+#pragma unroll
+            for (int j = 0; j < TOKENS / 8; ++j)
+                if (8 * j < n)  // the same for the whole warp
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt)
+                        gemm_mma(acc[mt][j], pass == 1 ? ah[mt] : pass == 0 ? al[mt] : ah[mt],
+                                 pass == 1 ? bl[j] : bh[j]);
     }
 }
 

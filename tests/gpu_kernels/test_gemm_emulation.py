@@ -61,11 +61,7 @@ MMA = r"""
 // at the block's barrier (every thread of the block takes the same mma calls), then each sums its outputs.
 #define GEMM_MMA 1
 #define GEMM_MMA_EMULATED
-static inline u32 gemm_tf32(float v) {  // cvt.rna.tf32.f32: to nearest, ties away from zero
-    u32 b;
-    std::memcpy(&b, &v, 4);
-    return (b + 0x1000u) & 0xffffe000u;
-}
+static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
 static u32 mma_frags[128][6];  // [thread of the block][a0..a3, b0, b1]
 static inline void gemm_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     int lane = threadIdx.x % 32, warp0 = threadIdx.x - lane, g = lane / 4, c = lane % 4;
@@ -78,7 +74,7 @@ static inline void gemm_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2])
         for (int k = 0; k < 8; ++k) {
             u32 av = mma_frags[warp0 + 4 * (row % 8) + k % 4][(row / 8) + 2 * (k / 4)];
             u32 bv = mma_frags[warp0 + 4 * col + k % 4][4 + k / 4];
-            sum += __uint_as_float(av) * __uint_as_float(bv);
+            sum += __uint_as_float(av & 0xffffe000u) * __uint_as_float(bv & 0xffffe000u);  // TF32 operands
         }
         d[i] += sum;
     }
