@@ -123,8 +123,9 @@ def _tile(w, x, recipe, panels, out, item):
 
 @njit(nogil=True, cache=True)
 def _prepare(words, x, expert_ids, row_starts):
-    """(work items [W, 6], token panels [S, C, 64], [0, C, 64] where every item has one token: decode, and groups of
-    up to tiles.DECODE_MAX_TOKENS) of a moe_matmul call: its serial part."""
+    """(work items [W, 6], token panels [S, C, 64] of the prefill items' chunks, [0, C, 64] where every item has one
+    token: decode, and groups of up to tiles.DECODE_MAX_TOKENS, whose items have no chunk) of a moe_matmul call: its
+    serial part."""
     items = work_items(expert_ids, row_starts, words[0].shape[0], words[0].shape[1],
                        words[0].shape[2] * words[0].itemsize)  # [W, 6]
     return items, token_panels(x, items)

@@ -80,16 +80,17 @@ _outer32 = _outer_intrinsic(PASS_TOKENS, ROWS_PER_PASS)
 
 @njit(nogil=True, cache=True)
 def chunk_spans(items, wanted):
-    """[S, 2]: each token chunk's (first token, end token) of the work items [W, 6]; [0, 2] when every item has
-    one token (decode reads x directly) or not wanted."""
-    num_chunks = 0
+    """[S, 2]: each token chunk's (first token, end token) of the work items [W, 6] (decode items have none:
+    tiles.NO_CHUNK); [0, 2] when every item has one token (decode reads x directly) or not wanted."""
+    several, last = False, -1
     for i in range(items.shape[0] if wanted else 0):
-        if items[i, 3] - items[i, 2] > 1:
-            num_chunks = items[items.shape[0] - 1, 4] + 1
-            break
+        several = several or items[i, 3] - items[i, 2] > 1
+        last = max(last, items[i, 4])
+    num_chunks = last + 1 if several else 0
     spans = np.empty((num_chunks, 2), dtype=np.int64)  # [S, 2]
     for i in range(items.shape[0] if num_chunks else 0):
-        spans[items[i, 4], 0], spans[items[i, 4], 1] = items[i, 2], items[i, 3]
+        if items[i, 4] >= 0:
+            spans[items[i, 4], 0], spans[items[i, 4], 1] = items[i, 2], items[i, 3]
     return spans
 
 

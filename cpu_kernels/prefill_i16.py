@@ -222,7 +222,8 @@ def token_panels_i16(x, items, act_quant, levels):
     """x f32 [N, C] -> (xq int16 [S, P, 128], dx f32 [S, J, 64], sums f32 [S, J, 64]): token chunk s of the work
     items [W, 6] rounded per (token, 32 columns) to xq * dx with |xq| <= levels (x_levels), its column pairs
     interleaved by token, and the float sums of x over each 32 columns; zero past the chunk's end token.
-    Empty (S = 0) unless integer_prefill(act_quant) and some item has several tokens."""
+    Empty (S = 0) unless integer_prefill(act_quant) and some item has several tokens; decode items (token chunk
+    tiles.NO_CHUNK) get none."""
     spans = chunk_spans(items, integer_prefill(act_quant))  # [S, 2]
     if spans.shape[0] < PARALLEL_MIN_PANELS:
         return _panels_i16_serial(x, spans, levels)

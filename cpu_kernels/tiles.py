@@ -28,6 +28,8 @@ DECODE_MAX_ITEM_BYTES = 512 << 10  # short rows: a decode item grows to this man
 DECODE_ITEMS_PER_THREAD = 4  # decode items grow while each thread keeps at least this many
 TOKENS_PER_ITEM = 64  # tokens per work item: each unpacked weight row serves up to 64 tokens
 DECODE_MAX_TOKENS = 8  # groups of at most this many tokens are split into one-token (decode) items
+NO_CHUNK = -1  # the token chunk of a decode item: no panel (a 256-token prompt over 512 experts, top-10, made
+# ~2,500 one-token panels of 300 KB each when decode items had chunks: 60 % of its experts' time)
 PARALLEL_MIN_SUM_ROWS = 256  # sub_block_sums of fewer rows run serially (no parallel region to open)
 
 ONE_EXPERT = np.zeros(1, dtype=np.int64)  # expert_ids of a plain matmul
@@ -38,9 +40,10 @@ KERNELS = {}  # format module name: (moe_kernel, moe_kernel_serial), as format_a
 @njit(nogil=True, cache=True)
 def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0):
     """Split every group into (rows, tokens) tiles: [W, 6] of (expert, first row, first token, end token,
-    token chunk, end row), the token chunk numbering the distinct (first token, end token) ranges from 0.
-    Groups of at most DECODE_MAX_TOKENS tokens get one-token (decode) items of decode_rows_per_item rows (rows of
-    row_bytes bytes: 0 unknown), each row range's tokens in a row; the others ROWS_PER_ITEM rows by
+    token chunk, end row), the token chunk numbering the distinct (first token, end token) ranges of the prefill
+    items from 0 (their token panels: prefill.token_panels). Groups of at most DECODE_MAX_TOKENS tokens get
+    one-token (decode) items of decode_rows_per_item rows (rows of row_bytes bytes: 0 unknown), each row range's
+    tokens in a row, token chunk NO_CHUNK (they read x, no panel); the others ROWS_PER_ITEM rows by
     TOKENS_PER_ITEM tokens."""
     num_decode = 0
     for g in range(expert_ids.shape[0]):
@@ -65,9 +68,8 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0):
         if t1 - t0 <= DECODE_MAX_TOKENS:
             for r0 in range(0, num_rows, decode_rows):
                 for t in range(t0, t1):
-                    _set_item(items, i, expert_ids[g], r0, t, t + 1, chunk + t - t0, min(r0 + decode_rows, num_rows))
+                    _set_item(items, i, expert_ids[g], r0, t, t + 1, NO_CHUNK, min(r0 + decode_rows, num_rows))
                     i += 1
-            chunk += t1 - t0
             continue
         for c0 in range(t0, t1, TOKENS_PER_ITEM):
             for r0 in range(0, num_rows, ROWS_PER_ITEM):

@@ -23,7 +23,7 @@ def test_token_panels_match_numpy(group_sizes):
     items = _items(group_sizes)
     levels = np.float32(32767)
     xq, dx, sums = prefill_i16.token_panels_i16(x, items, INT16, levels)
-    num_chunks = items[-1, 4] + 1
+    num_chunks = items[:, 4].max() + 1
     assert xq.shape == (num_chunks, 48, 128) and dx.shape == sums.shape == (num_chunks, 3, 64)
     if len(group_sizes) > 2:
         assert num_chunks >= prefill_i16.PARALLEL_MIN_PANELS

@@ -5,7 +5,7 @@ import pytest
 
 from cpu_kernels.prefill import PARALLEL_MIN_PANELS, token_panels
 from cpu_kernels.tiles import (DECODE_ITEMS_PER_THREAD, DECODE_MAX_ITEM_BYTES, DECODE_MAX_ROWS_PER_ITEM,
-                               DECODE_MAX_TOKENS, PARALLEL_MIN_SUM_ROWS, ROWS_PER_ITEM, TOKENS_PER_ITEM,
+                               DECODE_MAX_TOKENS, NO_CHUNK, PARALLEL_MIN_SUM_ROWS, ROWS_PER_ITEM, TOKENS_PER_ITEM,
                                decode_rows_per_item, sub_block_sums, work_items)
 
 
@@ -97,7 +97,10 @@ def test_token_panels(tokens_per_expert):
     if all(n == 1 for n in tokens_per_expert):
         assert panels.shape == (0, 96, TOKENS_PER_ITEM)  # decode reads x directly
         return
-    expected_chunks = items[-1, 4] + 1
+    expected_chunks = items[:, 4].max() + 1  # the prefill items' chunks; decode items (<= 8 tokens) have none
+    assert expected_chunks == sum(-(-n // TOKENS_PER_ITEM) for n in tokens_per_expert if n > DECODE_MAX_TOKENS)
+    group_tokens = np.diff(row_starts)[np.searchsorted(row_starts, items[:, 2], side="right") - 1]  # [W]
+    assert ((items[:, 4] == NO_CHUNK) == (group_tokens <= DECODE_MAX_TOKENS)).all()
     assert panels.shape == (expected_chunks, 96, TOKENS_PER_ITEM)
     for s in range(expected_chunks):
         t0, t1 = items[items[:, 4] == s][0, 2:4]
