@@ -93,33 +93,83 @@ def _l2_normed(x, scale, out):
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def delta_rule_recurrent(q, k, v, g, beta, state, out, tiled=False):
     """Token by token: q, k [T, Hk, Dk] (raw: normed here), v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv]
-    float32 (updated in place) -> out [T, Hv, Dv]."""
-    num_tokens, num_v_heads, dv = v.shape
-    num_k_heads, dk = q.shape[1], q.shape[2]
+    float32 (updated in place) -> out [T, Hv, Dv]; one value head a parallel iteration (_delta_head)."""
+    num_tokens, num_v_heads = v.shape[0], v.shape[1]
+    num_k_heads = q.shape[1]
     group = num_v_heads // num_k_heads
+    if num_tokens == 0:
+        return
     for h in prange(num_v_heads):
         kh = h % num_k_heads if tiled else h // group
-        s = state[h]  # [Dk, Dv]
-        qn, kn = np.empty(dk, np.float32), np.empty(dk, np.float32)
-        kv_mem, sq, delta = np.empty(dv, np.float32), np.empty(dv, np.float32), np.empty(dv, np.float32)
-        for t in range(num_tokens):
-            _l2_normed(q[t, kh], 1.0 / np.sqrt(dk), qn)
-            _l2_normed(k[t, kh], 1.0, kn)
-            decay = np.float32(np.exp(g[t, h]))
-            kv_mem[:] = 0.0
-            sq[:] = 0.0
-            kq = np.float32(0.0)
-            for i in range(dk):  # one read of s: s^T k and s^T q before the decay
-                kq += kn[i] * qn[i]
-                for j in range(dv):
-                    kv_mem[j] += s[i, j] * kn[i]
-                    sq[j] += s[i, j] * qn[i]
-            for j in range(dv):
-                delta[j] = (v[t, h, j] - decay * kv_mem[j]) * beta[t, h]
-                out[t, h, j] = decay * sq[j] + delta[j] * kq  # (decay s + k delta^T)^T q  [T, Hv, Dv]
+        _delta_head(q, k, v, g, beta, state[h], out, h, kh)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _delta_head(q, k, v, g, beta, s, out, h, kh):
+    """Value head h (key head kh) of delta_rule_recurrent, its state s [Dk, Dv]. A token needs s^T k and s^T q of
+    the state before its update (kv_mem, sq): the first token's come from one read of the state, each later
+    token's from the pass that writes the token before's update, so a token costs one read and write of the state
+    (it was two passes), four state rows a pass over the columns (a quarter of the accumulators' loads and stores
+    of one row a pass): 512 tokens of one Qwen3-Next layer on one core 58 -> 35 ms (bench/results/qwen3next.md).
+    The passes are written out here: Numba's parallel lowering of the same loops inside the prange ran 2-4x slower."""
+    num_tokens, dv = v.shape[0], v.shape[2]
+    dk = q.shape[2]
+    top = dk - dk % 4  # rows below taken four at a time (as range(0, dk - 3, 4): range(0, top, 4) ran 4x slower)
+    qn, kn = np.empty(dk, np.float32), np.empty(dk, np.float32)  # this token's, normed
+    q_next, k_next = np.empty(dk, np.float32), np.empty(dk, np.float32)  # the next token's
+    kv_mem, sq = np.zeros(dv, np.float32), np.zeros(dv, np.float32)  # s^T k, s^T q before this token's update
+    kv_next, sq_next = np.zeros(dv, np.float32), np.zeros(dv, np.float32)
+    delta = np.empty(dv, np.float32)
+    _l2_normed(q[0, kh], 1.0 / np.sqrt(dk), qn)
+    _l2_normed(k[0, kh], 1.0, kn)
+    for i in range(0, dk - 3, 4):  # the first token's s^T k, s^T q
+        k0, k1, k2, k3 = kn[i], kn[i + 1], kn[i + 2], kn[i + 3]
+        q0, q1, q2, q3 = qn[i], qn[i + 1], qn[i + 2], qn[i + 3]
+        for j in range(dv):
+            s0, s1, s2, s3 = s[i, j], s[i + 1, j], s[i + 2, j], s[i + 3, j]
+            kv_mem[j] += s0 * k0 + s1 * k1 + s2 * k2 + s3 * k3
+            sq[j] += s0 * q0 + s1 * q1 + s2 * q2 + s3 * q3
+    for i in range(top, dk):
+        for j in range(dv):
+            kv_mem[j] += s[i, j] * kn[i]
+            sq[j] += s[i, j] * qn[i]
+    for t in range(num_tokens):
+        decay = np.float32(np.exp(g[t, h]))
+        kq = np.float32(0.0)
+        for i in range(dk):
+            kq += kn[i] * qn[i]
+        for j in range(dv):
+            delta[j] = (v[t, h, j] - decay * kv_mem[j]) * beta[t, h]
+            out[t, h, j] = decay * sq[j] + delta[j] * kq  # (decay s + k delta^T)^T q  [T, Hv, Dv]
+        if t + 1 == num_tokens:  # the last token: the update alone
             for i in range(dk):
                 for j in range(dv):
                     s[i, j] = decay * s[i, j] + kn[i] * delta[j]
+            break
+        _l2_normed(q[t + 1, kh], 1.0 / np.sqrt(dk), q_next)
+        _l2_normed(k[t + 1, kh], 1.0, k_next)
+        kv_next[:] = 0.0
+        sq_next[:] = 0.0
+        for i in range(0, dk - 3, 4):  # s = decay s + k delta^T, and the next token's s^T k, s^T q from it
+            a0, a1, a2, a3 = kn[i], kn[i + 1], kn[i + 2], kn[i + 3]
+            k0, k1, k2, k3 = k_next[i], k_next[i + 1], k_next[i + 2], k_next[i + 3]
+            q0, q1, q2, q3 = q_next[i], q_next[i + 1], q_next[i + 2], q_next[i + 3]
+            for j in range(dv):
+                d = delta[j]
+                s0 = decay * s[i, j] + a0 * d
+                s1 = decay * s[i + 1, j] + a1 * d
+                s2 = decay * s[i + 2, j] + a2 * d
+                s3 = decay * s[i + 3, j] + a3 * d
+                s[i, j], s[i + 1, j], s[i + 2, j], s[i + 3, j] = s0, s1, s2, s3
+                kv_next[j] += s0 * k0 + s1 * k1 + s2 * k2 + s3 * k3
+                sq_next[j] += s0 * q0 + s1 * q1 + s2 * q2 + s3 * q3
+        for i in range(top, dk):
+            for j in range(dv):
+                s[i, j] = decay * s[i, j] + kn[i] * delta[j]
+                kv_next[j] += s[i, j] * k_next[i]
+                sq_next[j] += s[i, j] * q_next[i]
+        kv_mem, kv_next, sq, sq_next = kv_next, kv_mem, sq_next, sq
+        qn, q_next, kn, k_next = q_next, qn, k_next, kn
 
 
 @njit(fastmath=True, nogil=True, cache=True)

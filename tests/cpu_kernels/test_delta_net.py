@@ -95,6 +95,24 @@ def test_delta_rule_kernels(num_tokens, tiled):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_delta_rule_rows_past_a_multiple_of_four(num_tokens):
+    """Key heads of Dk % 4 != 0 (the kernel's passes take four state rows at a time, then the rest one by one)."""
+    rng = np.random.default_rng(7)
+    dk = 18
+    q, k, v = randn(rng, num_tokens, HK, dk), randn(rng, num_tokens, HK, dk), randn(rng, num_tokens, HV, DV)
+    g, beta = ref.gates(randn(rng, num_tokens, HV), randn(rng, num_tokens, HV), -np.exp(randn(rng, HV, scale=0.5)),
+                        randn(rng, HV, scale=0.3) - 1.0)
+    g, beta, state = g.astype(np.float32), beta.astype(np.float32), randn(rng, HV, dk, DV, scale=0.3)
+    expected, expected_state = ref.delta_rule_recurrent(q, k, v, g, beta, state)
+    for kernel in (delta_net.delta_rule_recurrent, delta_net.delta_rule_recurrent_serial):
+        out, s = np.empty_like(v), state.copy()
+        kernel(q, k, v, g, beta, s, out)
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg=kernel.__name__)
+        np.testing.assert_allclose(s, expected_state, rtol=1e-4, atol=1e-4, err_msg=kernel.__name__)
+
+
+@pytest.mark.slow
 def test_prompt_then_decode_continues_the_state():
     """A prompt by chunks then tokens one by one equals the whole sequence at once."""
     q, k, v, g, beta, state = delta_inputs(70, seed=5)
