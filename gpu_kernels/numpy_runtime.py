@@ -91,6 +91,14 @@ class NumpyRuntime:
     def pinned_empty(self, shape, dtype):
         return np.empty(shape, dtype)
 
+    @staticmethod
+    def page_lock(address, num_bytes):
+        return True
+
+    @staticmethod
+    def page_unlock(address):
+        pass
+
     def copy_to_host_async(self, host, dev, stream):
         queue_or_run(np.copyto, host, dev)
 

@@ -14,6 +14,7 @@ from .errors import KernelCompileError
 log = logging.getLogger(__name__)
 
 COMPILE_OPTIONS = ("--std=c++14",)
+HOST_REGISTER_FLAGS = 1 | 8  # portable (every device) | read-only (a mapped file may be locked); HIP numbers them alike
 
 
 @dataclass
@@ -106,6 +107,19 @@ class CupyRuntime:
     def pinned_empty(self, shape, dtype):
         """A NumPy array in page-locked host memory (fast, asynchronous copies)."""
         return self._cupyx.empty_pinned(shape, dtype=dtype)
+
+    def page_lock(self, address, num_bytes):
+        """Page-lock num_bytes of host memory at `address` in place, read-only to the device, so that copies from it
+        are direct transfers; False where the platform refuses (a memory-lock limit, a runtime without it)."""
+        try:
+            self.cp.cuda.runtime.hostRegister(address, num_bytes, HOST_REGISTER_FLAGS)
+        except Exception:  # CuPy's runtime error: the pages stay as they were
+            return False
+        return True
+
+    def page_unlock(self, address):
+        """Undo page_lock(address, ...)."""
+        self.cp.cuda.runtime.hostUnregister(address)
 
     def mapped_address(self, host):
         """The device address at which kernels read the pinned array `host` directly (CUDA maps page-locked

@@ -29,6 +29,7 @@ from .gpu_delta import GpuDeltaOps
 from .gpu_experts import MAX_DECODE_PAIRS, GpuExperts
 from .gpu_kv import KV_HOST_ATTENTION, DeviceSequenceKV, GpuKV
 from .gpu_layer_graphs import LayerGraphs
+from .gpu_page_lock import PageLocked, lock_experts
 from .gpu_relay import GpuRelay
 from .gpu_staging import Staging
 from .gpu_step import StepCapture
@@ -82,6 +83,7 @@ class GpuBackend(GpuDeltaOps):
         self.prefill_borrow = prefill_borrow
         self.time_experts = False  # record timing events around each device part (ExpertSplit's trace)
         self.borrow_bytes_per_second = None  # measured at place()
+        self.page_locked = PageLocked()  # the expert weights' pages locked in place at place() (gpu_page_lock.py)
         self.cache_bytes = None if expert_cache_mib is None else int(expert_cache_mib * MIB)
         self.reserve = int(vram_reserve_mib * MIB)
         self.kv_sequences, self.chunk_tokens = kv_sequences, chunk_tokens
@@ -101,7 +103,6 @@ class GpuBackend(GpuDeltaOps):
         """Upload the dense weights, size the VRAM budget, fill the expert cache; logs the budget. host: the host
         backend, which attends a RAM KV part with kv_host_attention "cpu"."""
         self.kv.host = host
-        c = model.config
         c = model.config
         dense = [w for w in (model.token_embd, model.output, model.output_norm) if w is not None]  # a stage's may not
         for layer in model.layers:  # resident: shared experts and dense FFNs run for every token
@@ -144,6 +145,8 @@ class GpuBackend(GpuDeltaOps):
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
         self.device_experts.width = max((layer.gate_exps.shape[1] for layer in moe_layers), default=0)
         self.borrow_bytes_per_second = self._measure_upload()
+        self.page_locked = lock_experts(self.rt, moe_layers, self) if self.prefill_borrow and moe_layers \
+            and not self.resident.all() else PageLocked()
         log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s; one-token matmuls take x as %s",
                  self.name, self.rt.device_name, self.rt.name, self.rt.warp_size,
                  self.budget.describe(), self.borrow_bytes_per_second / 1e9,

@@ -127,10 +127,14 @@ class GpuExperts:
             slots = self._borrow_slots.get(name)
             if slots is None or slots.shape[0] < len(experts) or slots.shape[1:] != shape[1:]:
                 slots = self._borrow_slots[name] = be.rt.empty(shape, np.uint8)
-            view = be.staging.view(f"borrow_{name}", shape, np.uint8)
-            np.take(tensor.raw, experts, axis=0, out=view)
-            be.rt.copy_from_host_async(slots[: len(experts)], view, be.stream)
-            be.staging.queued(f"borrow_{name}", be.stream)
+            if be.page_locked.holds(tensor.raw):  # straight from the model's pages, an expert a transfer
+                for slot, expert in enumerate(experts):
+                    be.rt.copy_from_host_async(slots[slot], tensor.raw[expert], be.stream)
+            else:
+                view = be.staging.view(f"borrow_{name}", shape, np.uint8)
+                np.take(tensor.raw, experts, axis=0, out=view)
+                be.rt.copy_from_host_async(slots[: len(experts)], view, be.stream)
+                be.staging.queued(f"borrow_{name}", be.stream)
             slabs.append(slots)
         return slabs
 
