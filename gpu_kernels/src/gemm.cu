@@ -158,9 +158,13 @@ __device__ __forceinline__ void gemm_split(float v, u32& hi, u32& lo) {
 }
 
 // acc [2][TOKENS / 8][4] (m16 tile, n8 tile, fragment) += the warp's rows 32 warp .. + 31 of ws [K][GEMM_ROWS] times
-// the tile's tokens (n8 tiles from n on skipped) of xs [K][TOKENS], both swizzled (GEMM_SWIZZLE). A lane reads rows
-// k0 + c and k0 + c + 4 of both at columns o ^ 8 i (o = g ^ 8 c; i = 0 .. 3, as rows 16 mt, + 8 of its m16 tiles,
-// tokens 8 j % 32 of its n8 tiles): four offsets a lane, the rest constants of the unrolled loops.
+// the tile's tokens (n8 tiles from n on skipped) of xs [K][TOKENS], both swizzled (GEMM_SWIZZLE). The mma sum into
+// fresh accumulators, added to acc in float32 once a step: the tensor cores' accumulation truncates, and over a whole
+// row (2048 columns: 768 mma into one accumulator) that drifted 1-3e-5 of the result on an H100. By groups of
+// GEMM_NT_GROUP n8 tiles (their accumulators in registers beside acc), the A fragments loaded again for each. A lane
+// reads rows k0 + c and k0 + c + 4 of both tiles at columns o ^ 8 i (o = g ^ 8 c; i = 0 .. 3, as rows 16 mt, + 8 of
+// its m16 tiles, tokens 8 j % 32 of its n8 tiles): four offsets a lane, the rest constants of the unrolled loops.
+#define GEMM_NT_GROUP 4
 template <int TOKENS, int K>
 __device__ __forceinline__ void gemm_products_mma(const float* ws, const float* xs, int n,
                                                   float (&acc)[2][TOKENS / 8][4]) {
@@ -169,31 +173,48 @@ __device__ __forceinline__ void gemm_products_mma(const float* ws, const float* 
     const float* w = ws + c * GEMM_ROWS + 32 * (threadIdx.x / 32);
     const float* xc = xs + c * TOKENS;
 #pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 8) {
-        u32 ah[2][4], al[2][4];
+    for (int j0 = 0; j0 < TOKENS / 8; j0 += GEMM_NT_GROUP) {
+        if (8 * j0 >= n) break;  // the same for the whole warp
+        float part[2][GEMM_NT_GROUP][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-            gemm_split(w[k0 * GEMM_ROWS + off[2 * mt]], ah[mt][0], al[mt][0]);
-            gemm_split(w[k0 * GEMM_ROWS + off[2 * mt + 1]], ah[mt][1], al[mt][1]);
-            gemm_split(w[(k0 + 4) * GEMM_ROWS + off[2 * mt]], ah[mt][2], al[mt][2]);
-            gemm_split(w[(k0 + 4) * GEMM_ROWS + off[2 * mt + 1]], ah[mt][3], al[mt][3]);
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int j = 0; j < GEMM_NT_GROUP; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) part[mt][j][i] = 0.0f;
+#pragma unroll
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            u32 ah[2][4], al[2][4], bh[GEMM_NT_GROUP][2], bl[GEMM_NT_GROUP][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                gemm_split(w[k0 * GEMM_ROWS + off[2 * mt]], ah[mt][0], al[mt][0]);
+                gemm_split(w[k0 * GEMM_ROWS + off[2 * mt + 1]], ah[mt][1], al[mt][1]);
+                gemm_split(w[(k0 + 4) * GEMM_ROWS + off[2 * mt]], ah[mt][2], al[mt][2]);
+                gemm_split(w[(k0 + 4) * GEMM_ROWS + off[2 * mt + 1]], ah[mt][3], al[mt][3]);
+            }
+#pragma unroll
+            for (int j = 0; j < GEMM_NT_GROUP; ++j) {
+                int col = (8 * (j0 + j) & ~31) + off[j % 4];
+                gemm_split(xc[k0 * TOKENS + col], bh[j][0], bl[j][0]);
+                gemm_split(xc[(k0 + 4) * TOKENS + col], bh[j][1], bl[j][1]);
+            }
+            // the three products' passes over the tiles, so that an accumulator's next mma waits behind the others'
+#pragma unroll
+            for (int pass = GEMM_MATH == 3 ? 0 : 2; pass < 3; ++pass)
+#pragma unroll
+                for (int j = 0; j < GEMM_NT_GROUP; ++j)
+                    if (8 * (j0 + j) < n)  // the same for the whole warp
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt)
+                            gemm_mma(part[mt][j], pass == 1 ? ah[mt] : pass == 0 ? al[mt] : ah[mt],
+                                     pass == 1 ? bl[j] : bh[j]);
         }
-        u32 bh[TOKENS / 8][2], bl[TOKENS / 8][2];
 #pragma unroll
-        for (int j = 0; j < TOKENS / 8; ++j) {
-            gemm_split(xc[k0 * TOKENS + (8 * j & ~31) + off[j % 4]], bh[j][0], bl[j][0]);
-            gemm_split(xc[(k0 + 4) * TOKENS + (8 * j & ~31) + off[j % 4]], bh[j][1], bl[j][1]);
-        }
-        // the three products' passes over the tiles, so that an accumulator's next mma waits behind the others'
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int pass = GEMM_MATH == 3 ? 0 : 2; pass < 3; ++pass)
+            for (int j = 0; j < GEMM_NT_GROUP; ++j)
 #pragma unroll
-            for (int j = 0; j < TOKENS / 8; ++j)
-                if (8 * j < n)  // the same for the whole warp
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
-                        gemm_mma(acc[mt][j], pass == 1 ? ah[mt] : pass == 0 ? al[mt] : ah[mt],
-                                 pass == 1 ? bl[j] : bh[j]);
+                for (int i = 0; i < 4; ++i) acc[mt][j0 + j][i] += part[mt][j][i];
     }
 }
 

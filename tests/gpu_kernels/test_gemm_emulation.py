@@ -70,13 +70,14 @@ static inline void gemm_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2])
     __syncthreads();
     for (int i = 0; i < 4; ++i) {
         int row = g + 8 * (i / 2), col = 2 * c + i % 2;
-        float sum = 0.0f;
+        double sum = d[i];  // the products and d summed exactly, then truncated (as an H100's tensor cores round)
         for (int k = 0; k < 8; ++k) {
             u32 av = mma_frags[warp0 + 4 * (row % 8) + k % 4][(row / 8) + 2 * (k / 4)];
             u32 bv = mma_frags[warp0 + 4 * col + k % 4][4 + k / 4];
-            sum += __uint_as_float(av & 0xffffe000u) * __uint_as_float(bv & 0xffffe000u);  // TF32 operands
+            sum += (double)__uint_as_float(av & 0xffffe000u) * __uint_as_float(bv & 0xffffe000u);  // TF32 operands
         }
-        d[i] += sum;
+        float f = (float)sum;
+        d[i] = std::fabs((double)f) > std::fabs(sum) ? std::nextafter(f, 0.0f) : f;
     }
     __syncthreads();
 }
@@ -182,15 +183,17 @@ def test_emulated_moe_gemm(build, qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, pytest.param(Q.Q6_K, marks=pytest.mark.slow)], ids=lambda q: q.name)
 def test_emulated_mma_gemm(build, qtype):
-    """The tensor-core path (3xTF32, mma.sync emulated lane by lane): its fragments, swizzled tiles and stores; rows
-    past the last block (200, 67), tokens past the last tile and n8 tiles skipped (70 = 64 + 6, 2 x 32 + 6, 9), and
-    work tiles of groups of 70, none, 1 and 17 rows."""
+    """The tensor-core path (3xTF32, mma.sync emulated lane by lane, its sums truncated as an H100's): its fragments,
+    swizzled tiles and stores; rows past the last block (200, 67), tokens past the last tile and n8 tiles skipped
+    (70 = 64 + 6, 2 x 32 + 6, 9), 2048 columns (the truncation's drift where the mma accumulate a whole row: 1.6e-5),
+    and work tiles of groups of 70, none, 1 and 17 rows."""
     lib, rng = build(qtype, mma=True), np.random.default_rng(int(qtype) + 5)
-    for num_rows, num_tokens, tokens in ((200, 70, 64), (67, 9, 64), (200, 70, 32)):
-        raw = np.ascontiguousarray(quant(rng, qtype, (num_rows, 256)))  # [R, B]
-        x = rng.standard_normal((num_tokens, 256)).astype(np.float32)  # [T, C]
+    for num_rows, num_tokens, num_cols, tokens in ((200, 70, 256, 64), (67, 9, 2048, 64), (200, 70, 256, 32)):
+        raw = np.ascontiguousarray(quant(rng, qtype, (num_rows, num_cols)))  # [R, B]
+        x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32)  # [T, C]
         out = np.full((num_tokens, num_rows), np.nan, np.float32)
-        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(out), num_tokens, num_rows, 256, ctypes.c_int64(raw.shape[1]), 1, tokens)
+        lib.run_gemm(_ptr(raw), _ptr(x), _ptr(out), num_tokens, num_rows, num_cols, ctypes.c_int64(raw.shape[1]), 1,
+                     tokens)
         assert rel_err(out, reference(raw, qtype, x)) < 1e-5
     raw = np.ascontiguousarray(quant(rng, qtype, (4, 136, 256)))  # [S, R, B]
     sizes = np.array([70, 0, 1, 17])
