@@ -74,12 +74,23 @@ def decode_rate(llm, num_tokens):
 
 
 def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
-    """(tok/s each user saw, mean; tok/s of all users together): `users` greedy requests decoded at once by the
-    serving engine (one decode batch of `users` tokens a step), each after its own 32-token prompt; decode
-    steps of up to relay_tokens tokens through the relay (ExpertSplit.relay.tokens)."""
+    """(tok/s each user saw, mean; tok/s of all users together, prompts included; tok/s of all users while every one
+    of them decodes, as llama-batched-bench's S_TG counts): `users` greedy requests decoded at once by the serving
+    engine (one decode batch of `users` tokens a step), each after its own 32-token prompt; decode steps of up to
+    relay_tokens tokens through the relay (ExpertSplit.relay.tokens)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from hybrid.engine import Engine
-    from hybrid.request import Finished, Request
+    from hybrid.request import Delta, Finished, Request
     from hybrid.sampling import SamplingParams
+
+    def follow(handle):  # ([(time, tokens)] of its deltas, its last event)
+        seen = []
+        for event in handle:
+            if isinstance(event, Delta):
+                seen.append((time.perf_counter(), len(event.token_ids)))
+            else:
+                return seen, event
 
     split, usage = llm.model.split, llm.model.usage
     if split is not None:
@@ -89,18 +100,23 @@ def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
         params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
         t0 = time.perf_counter()
         handles = [engine.submit(Request(prompt(llm, 32, 10 + u), params)) for u in range(users)]
-        results = [h.result() for h in handles]
+        with ThreadPoolExecutor(users) as pool:
+            followed = list(pool.map(follow, handles))
         wall = time.perf_counter() - t0
     finally:
         engine.stop()
         llm.model.usage = usage  # the engine records usage while it serves; the runs after it as before
         if split is not None:
             split.relay.tokens = split.settings.relay_tokens
+    results = [event for _, event in followed]
     failed = [r for r in results if not isinstance(r, Finished)]
     if failed:
         raise RuntimeError(f"{len(failed)} of {users} concurrent requests failed: {failed[0]}")
+    start = max(seen[0][0] for seen, _ in followed)  # every user has its first token
+    end = min(seen[-1][0] for seen, _ in followed)  # no user has finished
+    tokens = sum(n for seen, _ in followed for t, n in seen if start < t <= end)
     return (float(np.mean([r.timings["predicted_per_second"] for r in results])),
-            sum(len(r.token_ids) for r in results) / wall)
+            sum(len(r.token_ids) for r in results) / wall, tokens / (end - start) if end > start else float("nan"))
 
 
 def traced(llm, run):
@@ -188,11 +204,11 @@ def main(argv=None):
             concurrent.append(f"| {share} |")
             for relay_tokens in (1, args.users):  # the prompt-chunk way, then the whole step through the relay
                 try:
-                    each, together = concurrent_rates(llm, args.users, args.decode_tokens, relay_tokens)
-                    concurrent[-1] += f" {each:.1f} | {together:.1f} |"
+                    each, together, decoding = concurrent_rates(llm, args.users, args.decode_tokens, relay_tokens)
+                    concurrent[-1] += f" {each:.1f} | {together:.1f} | {decoding:.1f} |"
                 except Exception as exc:  # the other tables still come out
                     log.exception("%d users at once at %d %% resident failed", args.users, share)
-                    concurrent[-1] += f" failed: {type(exc).__name__}: {exc} | |"
+                    concurrent[-1] += f" failed: {type(exc).__name__}: {exc} | | |"
             log.info("%d users at once: %s", args.users, concurrent[-1])
         if share in borrow_shares:
             prefill += prefill_rows(llm, args.prompt_tokens, share)
@@ -228,11 +244,12 @@ def main(argv=None):
 
 def users_table(users, num_tokens, rows):
     return [f"## {users} users at once ({num_tokens} tokens each, the serving engine's decode batches)", "",
-            "Each: the mean tok/s each user saw; together: generated tok/s of all users, prompts included. "
+            "Each: the mean tok/s each user saw; together: generated tok/s of all users, prompts included; all "
+            "decoding: tok/s of all users while every one decodes (llama-batched-bench's S_TG). "
             f"One by one: relay_tokens 1 (a step of several tokens runs as a prompt chunk); batch: relay_tokens "
             f"{users} (the whole step through the relay, STRATA_DECODE_RELAY_TOKENS).", "",
-            "| resident % | each (one by one) | together (one by one) | each (batch) | together (batch) |",
-            "|---|---|---|---|---|", *rows, ""]
+            "| resident % | each (one by one) | together (one by one) | all decoding (one by one) | each (batch) | "
+            "together (batch) | all decoding (batch) |", "|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def prefill_rows(llm, num_tokens, share, runs=3):

@@ -88,7 +88,7 @@ def strata_worker(spec):
         out = llm.generate(prompt(llm, n, 2), max_tokens=1, temperature=0, ignore_eos=True)
         result[f"prompt {n}"] = out.timings["prompt_per_second"]
     if spec["users"] > 1:
-        result["users"] = concurrent_rates(llm, spec["users"], spec["decode_tokens"])[1]
+        result["users"] = concurrent_rates(llm, spec["users"], spec["decode_tokens"])[2]  # as S_TG counts
     print("RESULT " + json.dumps(result), flush=True)
 
 
