@@ -1,9 +1,11 @@
 """A GPU prompt read under each of the tiled GEMM's products (gpu_kernels/gemm.py's gemm_math), in one process, side
 by side: the wall time of a one-chunk prompt read (every expert resident), the summed GPU time of the GEMM kernels
 (`gemm`, `gemm32`, `gemm_reduce`) in it, and the last position's logits against those of the first math listed
-(max |diff| / max |logit|, the same prompt).
+(max |diff| / max |logit|, the same prompt). --moe-tiles: the experts' work tiles of each size listed (32: gemm32,
+64: gemm; gemm.MOE_GEMM_TOKENS set while its runs go), each with every math.
 
-    python bench/gpu_gemm_prompt.py --model /tmp/q8l.gguf [--tokens 512] [--maths fp32,tf32x3,tf32] [--runs 5]
+    python bench/gpu_gemm_prompt.py --model /tmp/q8l.gguf [--tokens 512] [--maths fp32,tf32x3,tf32] [--moe-tiles 32]
+        [--runs 5]
 """
 import argparse
 import sys
@@ -39,19 +41,25 @@ def main(argv=None):
     p.add_argument("--model", required=True)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--maths", default="fp32,tf32x3,tf32")
+    p.add_argument("--moe-tiles", default="32")
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args(argv)
+    import gpu_kernels.gemm as gemm_module
     from gpu_kernels.gemm import gemm_math
     from hybrid import LLM
 
     llm = LLM(args.model, device="gpu", max_context=args.tokens + 64, kv_sequences=1)
     model, kernels = llm.model, llm.model.backend.kernels
-    maths = [gemm_math(m) for m in args.maths.split(",")]
+    maths = [(gemm_math(m), int(t)) for t in args.moe_tiles.split(",") for m in args.maths.split(",")]
+
+    def use(case):
+        kernels.gemm_math, gemm_module.MOE_GEMM_TOKENS = case
+
     print(f"Model `{Path(args.model).name}` on {model.backend.rt.device_name}, every expert resident, a "
           f"{args.tokens}-token prompt in one chunk; wall: median of {args.runs}, alternating maths.\n")
     walls, gemm_ms, logits = {m: [] for m in maths}, {}, {}
     for math in maths:  # warm-up: compiles each math's modules
-        kernels.gemm_math = math
+        use(math)
         read(model, args.tokens, 0)
         logits[math] = read(model, args.tokens, 1)[1]
         with timed_launches(model.backend) as launched:
@@ -60,16 +68,18 @@ def main(argv=None):
         gemm_ms[math] = sum(sum(v) for k, v in times.items() if k.split(".")[-1] in GEMM_NAMES) * 1e3
     for run in range(args.runs):
         for math in maths:
-            kernels.gemm_math = math
+            use(math)
             walls[math].append(read(model, args.tokens, 2 + run)[0])
     llm.close()
     first = maths[0]
-    print("| gemm_math | wall ms | tok/s | GEMM kernels' GPU ms | logits vs " + first + " |")
-    print("|---|---|---|---|---|")
+    print(f"| gemm_math | expert tiles | wall ms | tok/s | GEMM kernels' GPU ms | logits vs {first[0]}, tiles "
+          f"{first[1]} |")
+    print("|---|---|---|---|---|---|")
     for math in maths:
         wall = float(np.median(walls[math]))
         diff = np.abs(logits[math] - logits[first]).max() / np.abs(logits[first]).max()
-        print(f"| {math} | {wall * 1e3:.1f} | {args.tokens / wall:.0f} | {gemm_ms[math]:.2f} | {diff:.1e} |")
+        print(f"| {math[0]} | {math[1]} | {wall * 1e3:.1f} | {args.tokens / wall:.0f} | {gemm_ms[math]:.2f} | "
+              f"{diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -85,10 +85,11 @@ def split_count(num_blocks, num_stages, target_blocks):
 
 class GemmLaunchers:
     """The tiled GEMM launches of Kernels (which supplies rt, _mm, the compiled kernel of a format's matmul module,
-    and _launch). A dense GEMM whose 64-token blocks would be fewer than the multiprocessors takes 32-token ones;
-    split_columns: one of at least GEMM_SPLIT_MIN_TOKENS tokens whose blocks would still be fewer than the
-    multiprocessors splits its columns (split_count) into partial sums, added up in order by gemm_reduce (a 512-token
-    prompt's router [128, 2048] F32: 8 blocks of 64 tokens, 128 of 32 tokens in 8 splits)."""
+    _module, the module compiled with more defines, and _launch). A dense GEMM whose 64-token blocks would be fewer
+    than the multiprocessors takes 32-token ones; split_columns: one of at least GEMM_SPLIT_MIN_TOKENS tokens whose
+    blocks would still be fewer than the multiprocessors splits its columns (split_count) into partial sums, added up
+    in order by gemm_reduce (a 512-token prompt's router [128, 2048] F32: 8 blocks of 64 tokens, 128 of 32 tokens in 8
+    splits). gemm_math: how the products multiply (gemm_math's names; GpuBackend sets its setting)."""
 
     split_columns = True
     gemm_math = DEFAULT_GEMM_MATH  # gemm_math's setting of the products
@@ -96,14 +97,11 @@ class GemmLaunchers:
 
     def _gemm_fn(self, qtype, name):
         """qtype's GEMM kernel `name` at self.gemm_math: the matmul module's at the default, else the module compiled
-        again with its GEMM_MATH."""
+        again with its GEMM_MATH (Kernels._module)."""
         if self.gemm_math == DEFAULT_GEMM_MATH:
             return self._mm(qtype, name)
-        from .sources import matmul_kernels, module_name, module_source
-
         math = GEMM_MATHS[gemm_math(self.gemm_math)]
-        return self.rt.compile(f"{module_name(qtype)}_gemm{math}", f"#define GEMM_MATH {math}\n"
-                               + module_source(module_name(qtype)), matmul_kernels(qtype))[name]
+        return self._module(qtype, f"#define GEMM_MATH {math}\n", f"_gemm{math}")[name]
 
     def gemm_plan(self, qtype, num_tokens, num_rows, num_cols):
         """(tokens a block, column splits) of the dense GEMM of [num_tokens, num_cols] by [num_rows, num_cols]."""

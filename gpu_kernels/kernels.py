@@ -187,6 +187,13 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                                                    matmul_kernels(qtype))[name]
         return self._functions[key]
 
+    def _module(self, qtype, defines, tag):
+        """qtype's matmul module at its tuning with `defines` (#define lines) before its source, compiled as a module of
+        its own (`tag` added to the name): {kernel name: function}."""
+        rows, _, blocks = self.tuning(qtype)
+        return self.rt.compile(tuned_module_name(qtype, rows, blocks) + tag, tuned_source(qtype, rows, blocks, defines),
+                               matmul_kernels(qtype))
+
     def _small(self, num_rows, num_slices, rows, lane_slices, num_tiles):
         """Whether a one-token launch of num_tiles tiles over num_rows rows of num_slices slices, at (rows a group,
         slices a lane), takes small_tuning: set, one tile, no tuning given to every format, blocks at most half the

@@ -27,6 +27,7 @@ PARKED_KV = ("f32", "f16", "int8")  # hybrid/kv_store.py STORES
 DEVICES = ("auto", "gpu", "cpu")  # hybrid/backends DEVICES
 EXPERT_CACHE_MODES = ("auto", "dynamic")  # hybrid/residency.py
 KV_HOST_ATTENTION = ("gpu", "cpu")  # hybrid/backends/gpu.py
+GEMM_MATHS = ("tf32x3", "tf32", "fp32")  # gpu_kernels/gemm.py GEMM_MATHS
 DEFAULT_RESERVE_MIB = 512  # hybrid/backends/gpu.py DEFAULT_RESERVE_MIB
 DEFAULT_DECODE_SHARE = 0.8  # hybrid/scheduler.py DEFAULT_DECODE_SHARE
 DEFAULT_CPU_GBPS = 40.0  # placement/planner.py
@@ -116,6 +117,10 @@ class EngineConfig:
                                  "by one (0)", "gpu")
     step_graphs: bool = setting(True, switch, "with dense graphs, a decode step whose experts are all resident as one "
                                 "captured graph (1) or layer by layer (0)", "gpu")
+    gemm_math: str = setting("tf32x3", choice(*GEMM_MATHS, fold=True), "how a prompt chunk's GPU matmuls "
+                             "multiply (NVIDIA sm_80+): tf32x3 (tensor cores, each operand split in two TF32 parts: "
+                             "float32-like, default), tf32 (one TF32 product: faster, ~3e-4 off) or fp32 (float32 "
+                             "FMA)", "gpu")
     gpus: tuple = setting(None, gpu_list, "GPUs to run on, each a pipeline stage of consecutive layers (--layer-split); "
                           "an index given twice is one GPU presented as two logical devices, each with half its free "
                           "memory (default: every visible GPU)", "gpu", RUN, metavar="I[,I]")

@@ -36,7 +36,8 @@ def gpu_options(cfg, max_context, resident):
                 kv_sequences=cfg.kv_sequences, max_context=max_context, chunk_tokens=PREFILL_CHUNK,
                 resident=resident, prefill_borrow=cfg.prefill_borrow, kv_dtype=cfg.kv, kv_resident=cfg.kv_resident,
                 kv_host_attention=cfg.kv_host_attention, decode_graphs=cfg.decode_graphs,
-                dense_graphs=cfg.dense_graphs, step_graphs=cfg.step_graphs, act_quant=cfg.act_quant or "auto")
+                dense_graphs=cfg.dense_graphs, step_graphs=cfg.step_graphs, act_quant=cfg.act_quant or "auto",
+                gemm_math=cfg.gemm_math)
 
 
 def split_settings(cfg):

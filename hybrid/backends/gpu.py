@@ -17,6 +17,7 @@ import numpy as np
 
 from gpu_kernels.expert_cache import MIB, ExpertCache, expert_bytes, plan
 from gpu_kernels.gemm import gemm_fits
+from gpu_kernels.gemm import gemm_math as gemm_math_setting
 from gpu_kernels.kernels import Kernels, describe_act_quant
 from gpu_kernels.sources import FORMAT_HEADERS
 
@@ -62,7 +63,8 @@ class GpuBackend(GpuDeltaOps):
     launches replayed as a graph; dense_graphs: a decode layer's dense launches replayed as two graphs
     (gpu_layer_graphs.py: much faster decode, bench/results/gpu_model.md); else one by one; step_graphs (with
     dense_graphs): a decode step whose experts are all resident captured whole, one graph (gpu_step.py). act_quant: how
-    one-token matmuls take x (gpu_kernels.kernels.gpu_act_quant)."""
+    one-token matmuls take x (gpu_kernels.kernels.gpu_act_quant); gemm_math: how the prompt chunks' tiled GEMMs
+    multiply (gpu_kernels.gemm.gemm_math)."""
 
     name = "gpu"
     capabilities = Capabilities(graphed_decode=True, step_graph=True, decode_experts=True,
@@ -72,11 +74,12 @@ class GpuBackend(GpuDeltaOps):
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
                  max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
                  kv_resident=None, kv_host_attention="gpu", decode_graphs=True, dense_graphs=True, step_graphs=True,
-                 act_quant="auto"):
+                 act_quant="auto", gemm_math=None):
         self.kv = GpuKV(kv_dtype, max_context, chunk_tokens, kv_resident, kv_host_attention)
         self.rt = runtime
         self.stream = runtime.stream()  # made current at every embed: CuPy's own array operations run there too
         self.kernels = Kernels(runtime, self.stream, act_quant=act_quant)
+        self.kernels.gemm_math = gemm_math_setting(gemm_math)
         self.staging = Staging(runtime)
         self.device_experts = GpuExperts(decode_graphs)
         self.relay = GpuRelay()

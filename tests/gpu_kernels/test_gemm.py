@@ -173,3 +173,16 @@ def test_gemm_math_at_prefill_sizes(runtime, qtype, math):
         kernels.moe_matmul(runtime.to_device(raw), qtype, runtime.to_device(x), out,
                            *[runtime.to_device(np.ascontiguousarray(t)) for t in tiles], tile_tokens=tile_tokens)
         assert rel_err(runtime.to_host(out), ref) < MATH_TOL[math]
+
+
+def test_gemm_math_setting_reaches_the_kernels(numpy_runtime):
+    """EngineConfig's gemm_math through gpu_options to GpuBackend's Kernels; unknown names refused."""
+    from hybrid.backends.gpu import GpuBackend
+    from hybrid.config import EngineConfig
+    from hybrid.llm import gpu_options
+
+    cfg = EngineConfig.resolve({"gemm_math": "TF32"}, environ={})
+    assert GpuBackend(numpy_runtime, **gpu_options(cfg, 64, None)).kernels.gemm_math == "tf32"
+    assert GpuBackend(numpy_runtime, max_context=64).kernels.gemm_math == "tf32x3"
+    with pytest.raises(ValueError, match="gemm_math"):
+        GpuBackend(numpy_runtime, max_context=64, gemm_math="fp16")
