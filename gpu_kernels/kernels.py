@@ -57,6 +57,11 @@ GPU_INT16_FORMATS = INT_DECODE
 # holds this list to the kernels' machine code).
 AMD_DOT4_CHIPS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx940", "gfx941", "gfx942", "gfx950",
                             *(f"gfx103{i}" for i in range(7))})
+MULTI_TOKENS = 4  # matmul.cu's MULTI_TOKENS: tokens of a matmul_nq block (each block row of the grid: its own 4)
+# Dense matmuls of 2 to this many tokens (a decode step of several users) take matmul_nq, the one-token kernel's rows
+# read once for every 4 tokens with x as int16 (where act_quant rounds one token's so), not the tiled kernel (float x
+# from global memory); 0: never.
+MULTI_DECODE_TOKENS = 16
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 SHARED_LIMIT = 48 << 10  # a block's shared memory without opting in: x and the format's tables
 
@@ -124,6 +129,10 @@ def xq_fits(qtype, num_cols):
     return nbytes <= XQ_MAX_SHARED and nbytes + table_shared_bytes(qtype) <= SHARED_LIMIT
 
 
+def _pad16(nbytes):
+    return -(-nbytes // 16) * 16
+
+
 def xq_shared_bytes(num_cols):
     """common.cuh's XQ_SHARED_BYTES: int8 hi and lo [C], f32 scale and sum [C/32]."""
     return 2 * num_cols + 8 * (num_cols // 32)
@@ -154,6 +163,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self.decode_rows, self.lane_slices, self.max_splits = decode_rows, lane_slices, max_splits
         self.min_blocks, self.row_chunks, self.fill_sms = min_blocks, row_chunks, fill_sms
         self.small_tuning, self.prefetch, self.expert_prefetch = small_tuning, prefetch, EXPERT_PREFETCH
+        self.multi_tokens = MULTI_DECODE_TOKENS  # dense matmuls of 2 to this many tokens take matmul_nq
         self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
         self._functions = {}  # (qtype or KV dtype, kernel name(, rows)) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B, ...) -> _mm_launch's (kernel, blocks, scalars)
@@ -265,7 +275,11 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
             per_block = MATMUL_THREADS // tpr * rows_per_group
             shared = 0
             int16 = one and not float_x and takes_int16(self.act_quant, qtype)
-            if int16 and xq_fits(qtype, num_cols):
+            multi = MULTI_TOKENS * _pad16(xq_shared_bytes(num_cols))  # matmul_nq's x
+            if kernel == "matmul_n":
+                if int16 and xq_fits(qtype, num_cols) and multi + table_shared_bytes(qtype) <= SHARED_LIMIT:
+                    kernel, shared = "matmul_nq", multi
+            elif int16 and xq_fits(qtype, num_cols):
                 kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
             launch = self._launches[key] = (
                 self._mm(qtype, kernel, rows_per_group if one else None, prefetch),
@@ -301,11 +315,25 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         num_tokens, num_cols = x.shape
         if num_tokens >= GEMM_MIN_TOKENS and gemm_fits(qtype, num_cols):
             return self.gemm(raw, qtype, x, out)
+        if 1 < num_tokens <= self.multi_tokens:
+            return self._matmul_multi(raw, qtype, x, out, float_x)
         one = num_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "matmul_1" if one else "matmul", raw.shape[0],
                                                           num_cols, raw.shape[-1], one, float_x)
         num_tiles = 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, num_tiles, shared, one)
+        self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars + (chunks,),
+                     shared_mem=shared)
+
+    def _matmul_multi(self, raw, qtype, x, out, float_x=False):
+        """matmul's few-token launch (matmul.cu matmul_n / matmul_nq): the one-token kernel's tuning, lane groups and
+        rows, each block's rows read once for MULTI_TOKENS tokens (x as int16 in shared memory where one token's
+        would be and every token's fits)."""
+        num_tokens, num_cols = x.shape
+        fn, num_blocks, scalars, shared = self._mm_launch(qtype, "matmul_n", raw.shape[0], num_cols, raw.shape[-1],
+                                                          True, float_x)
+        num_tiles = -(-num_tokens // MULTI_TOKENS)
+        grid_x, chunks = self._mm_grid_x(fn, num_blocks, num_tiles, shared, True)
         self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars + (chunks,),
                      shared_mem=shared)
 

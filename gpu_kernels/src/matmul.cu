@@ -15,6 +15,8 @@
 
 // Where a slice_dot reads the activations: float rows of x, or (the `_1q` kernels) one token's x rounded
 // to int16 in shared memory (common.cuh's XQ, formats that define INT_DECODE).
+#define MULTI_TOKENS 4  // tokens of a matmul_n / matmul_nq block (kernels.py MULTI_TOKENS)
+
 struct FloatRows {
     const float* x;  // [n, C]
     int C, n;
@@ -312,6 +314,13 @@ extern "C" __global__ void DECODE_BOUNDS matmul_1(MATMUL_ARGS) {
     walk_matmul_body<DECODE_ROWS, 1>(raw, x, out, T, R, C, row_bytes, tpr, chunks);
 }
 
+// matmul_1 over T <= MULTI_TOKENS * gridDim.y tokens (a decode step of several users): each block's lane groups read
+// their rows once for the MULTI_TOKENS tokens of blockIdx.y; grid (ceil(R / (RPT * blockDim / tpr * chunks)),
+// ceil(T / MULTI_TOKENS)).
+extern "C" __global__ void DECODE_BOUNDS matmul_n(MATMUL_ARGS) {
+    walk_matmul_body<DECODE_ROWS, MULTI_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr, chunks);
+}
+
 extern "C" __global__ void moe_matmul(MOE_ARGS) {
     moe_matmul_body<1, TILE_TOKENS>(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr);
 }
@@ -343,6 +352,47 @@ extern "C" __global__ void DECODE_BOUNDS matmul_1q(MATMUL_ARGS) {
     STAGE_TABLES();
     XQ xq = stage_xq(x, C, (unsigned char*)xq_smem);
     ROWS_DOT_STORE<DECODE_ROWS, 1>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq, C, 1, tpr, cur, out);
+}
+
+// A few tokens' x rounded to int16, each in its own XQ (the `_nq` kernel): slice_run dots a lane's slices, loaded
+// once, with each token's x in turn (the one-token kernel's products and sums, token by token).
+struct XQn {
+    XQ t[MULTI_TOKENS];
+    int n;
+};
+
+template <int RPT, int TT>
+__device__ __forceinline__ void slice_run(const Slice (&sl)[RPT], int s, const XQn& xs, float (&acc)[RPT][TT]) {
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+        if (t < xs.n) {
+            float a[RPT][1];
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) a[r][0] = acc[r][t];
+            slice_dot_q<RPT>(sl, s, xs.t[t], a);
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) acc[r][t] = a[r][0];
+        }
+    }
+}
+
+// matmul_1q over T <= MULTI_TOKENS * gridDim.y tokens: each block's lane groups read their rows once for the
+// MULTI_TOKENS tokens of blockIdx.y, whose x it rounds to int16 (each at a multiple of 16 bytes of XQ_SHARED_BYTES(C)
+// in dynamic shared memory); out [T, R]. grid (ceil(R / (RPT * blockDim / tpr * chunks)), ceil(T / MULTI_TOKENS)).
+extern "C" __global__ void DECODE_BOUNDS matmul_nq(MATMUL_ARGS) {
+    extern __shared__ float4 xq_smem[];
+    Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
+    int t0 = blockIdx.y * MULTI_TOKENS, n = min(MULTI_TOKENS, T - t0), step = (XQ_SHARED_BYTES(C) + 15) & ~15;
+    Slice cur[DECODE_ROWS];
+    first_slices<DECODE_ROWS>(raw, row_bytes, R, wk.r0, C, tpr, cur);
+    STAGE_TABLES();
+    XQn xs;
+    xs.n = n;
+#pragma unroll
+    for (int t = 0; t < MULTI_TOKENS; ++t)
+        if (t < n) xs.t[t] = stage_xq(x + (i64)(t0 + t) * C, C, (unsigned char*)xq_smem + t * step);
+    ROWS_DOT_STORE<DECODE_ROWS, MULTI_TOKENS>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xs, C, n, tpr, cur,
+                                              out + (i64)t0 * R);
 }
 
 // up: where given, x is the gate and the rows multiplied are silu_mul(x, up) (stage_xq).

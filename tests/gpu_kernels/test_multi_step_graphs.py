@@ -171,7 +171,8 @@ def test_decode_groups_against_the_reference(runtime, kernels, reference_kernels
 def test_users_at_once_on_the_gpu_match_one_by_one(runtime, gguf_models, size, target):
     """On a GPU, with the real kernels: four users' tokens (prompts of 250, 9, 70, 40 tokens, the first passing the
     256-key bound) in one step graph a step give each user's one-token steps' logits within 1e-4 (F32) or 2e-3 of
-    their largest, and the CPU engine's within 2e-3; a step of 16 users (its pairs grouped by expert) too."""
+    their largest, and the CPU engine's within 2e-3; a step of 16 users too, with its pairs grouped by expert
+    (GpuExperts.group_tokens 8) and not."""
     from hybrid import LLM
 
     path, _ = gguf_models(size, target)
@@ -205,13 +206,17 @@ def test_users_at_once_on_the_gpu_match_one_by_one(runtime, gguf_models, size, t
         kvs = [gpu.model.new_sequence(64) for _ in range(16)]
         for u, kv in enumerate(kvs):
             gpu.model.forward(Batch([SeqChunk(kv, 0, np.asarray(TOKENS[u:u + 1]), "last")]))
-        wide = gpu.model.forward(Batch([SeqChunk(kv, 1, np.asarray([TOKENS[-1 - u]])) for u, kv in enumerate(kvs)]))
-        assert gpu.model.runner.last_path == "step graph"  # its pairs grouped by expert (GROUP_DECODE_TOKENS)
-        for kv in kvs:
-            kv.truncate(1)
         narrow = np.concatenate([gpu.model.forward(Batch([SeqChunk(kv, 1, np.asarray([TOKENS[-1 - u]]))]))
                                  for u, kv in enumerate(kvs)])
-        assert np.abs(wide - narrow).max() <= tolerance * np.abs(narrow).max()
+        for group_tokens in (None, 8):
+            gpu.model.backend.device_experts.group_tokens = group_tokens
+            gpu.model.backend.layer_graphs._regions.clear()  # the step graph queues its launches again
+            for kv in kvs:
+                kv.truncate(1)
+            wide = gpu.model.forward(Batch([SeqChunk(kv, 1, np.asarray([TOKENS[-1 - u]]))
+                                            for u, kv in enumerate(kvs)]))
+            assert gpu.model.runner.last_path == "step graph"
+            assert np.abs(wide - narrow).max() <= tolerance * np.abs(narrow).max(), group_tokens
 
 
 @pytest.mark.gpu
@@ -276,3 +281,39 @@ def test_slot_kernels_against_the_reference(runtime, kernels, reference_kernels,
         got = runtime.to_host(out)
         assert np.abs(got - ref_out).max() <= 1e-5 * np.abs(ref_out).max(), f"{n} slots"
         assert np.abs(runtime.to_host(lse) - ref_lse).max() <= 1e-5 * max(1.0, np.abs(ref_lse).max()), f"{n} slots"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_few_token_matmuls_match_the_one_token_kernel(runtime, kernels, reference_kernels, qtype):
+    """A dense matmul of 2 to 16 tokens (matmul.cu matmul_n / matmul_nq: the one-token kernel's rows read once for 4
+    tokens) gives each token's row of the one-token kernel within 1e-6 (the same products, x rounded the same way)
+    and the reference's within the one-token tolerance, at the decode shapes of the 30B-A3B layer (rows past the
+    last block's, a small launch)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from gpu_kernels.kernels import takes_int16
+    from hybrid.formats.synthetic import encode
+    from tests.gpu_kernels.conftest import xq_rounded
+
+    q = Q[qtype]
+    rng = np.random.default_rng(int(q))
+    int16 = takes_int16(kernels.act_quant, q)
+    for rows, cols in ((4608, 2048), (131, 2048), (2048, 4096)):
+        raw = encode("w", rng.standard_normal((rows, cols)).astype(np.float32), q, rng).raw  # [R, B]
+        d_raw = runtime.to_device(raw)
+        for num_tokens in (2, 3, 4, 5, 8, 16):
+            x = (rng.standard_normal((num_tokens, cols))
+                 * rng.uniform(0.01, 10, (num_tokens, cols // 32)).repeat(32, axis=1)).astype(np.float32)
+            out = runtime.zeros((num_tokens, rows), np.float32)
+            kernels.matmul(d_raw, q, runtime.to_device(x), out)
+            got = runtime.to_host(out)
+            one = np.empty_like(got)
+            for t in range(num_tokens):
+                row = runtime.zeros((1, rows), np.float32)
+                kernels.matmul(d_raw, q, runtime.to_device(x[t:t + 1]), row)
+                one[t] = runtime.to_host(row)[0]
+            assert np.abs(got - one).max() <= 1e-6 * np.abs(one).max(), (rows, cols, num_tokens)
+            ref = np.empty_like(got)
+            reference_kernels.matmul(raw, q, xq_rounded(x) if int16 else x, ref)
+            assert np.abs(got - ref).max() <= (1e-4 if int16 else 1e-5) * np.abs(ref).max(), (rows, cols, num_tokens)
