@@ -59,11 +59,15 @@ DELTA_NET_KERNELS = ("delta_conv1d_silu", "delta_gates", "delta_rule", "delta_l2
 
 
 def table_shared_bytes(qtype):
-    """Static shared memory of qtype's `_1q` kernels besides x: IQ3_S's grid, IQ3S_GRID_COPIES copies (iq3_s.cuh's
-    default 1 unless FORMAT_DEFINES sets it), else none."""
+    """Static shared memory of qtype's `_1q` kernels besides x: IQ3_S's grid, under its 16 sign patterns (iq3_s.cuh's
+    IQ3S_SIGNED_GRID, on unless FORMAT_DEFINES sets it 0: 32 KiB) or as IQ3S_GRID_COPIES copies (default 1), else
+    none."""
     if Q(qtype) != Q.IQ3_S:
         return 0
-    return 2048 * int(FORMAT_DEFINES.get(Q.IQ3_S, {}).get("IQ3S_GRID_COPIES", 1))
+    defines = FORMAT_DEFINES.get(Q.IQ3_S, {})
+    if int(defines.get("IQ3S_SIGNED_GRID", 1)):
+        return 32768
+    return 2048 * int(defines.get("IQ3S_GRID_COPIES", 1))
 
 
 def module_name(qtype=None):

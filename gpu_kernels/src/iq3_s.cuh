@@ -31,7 +31,8 @@ __device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m 
 #endif
 
 // The int16 slice dot's alternatives below (each 0 or 1; bench/gpu_kernels.py --variants compiles them side by side,
-// bench/kernel_sass.py counts their instructions).
+// bench/kernel_sass.py counts their instructions). IQ3S_SIGNED_GRID is on by default: 60.1 us against 63.8 for the
+// 2 KiB grid with sign masks on an H100 (bench/results/gpu_kernels.md, issue 35).
 #ifndef IQ3S_XOR_SIGNS
 #define IQ3S_XOR_SIGNS 0
 #endif
@@ -39,10 +40,13 @@ __device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m 
 #define IQ3S_PRMT_MASKS 0
 #endif
 #ifndef IQ3S_SIGNED_GRID
-#define IQ3S_SIGNED_GRID 0
+#define IQ3S_SIGNED_GRID 1
 #endif
 #ifndef IQ3S_PAIR_SLICES
 #define IQ3S_PAIR_SLICES 0
+#endif
+#ifndef IQ3S_SKIP_ALIGNED
+#define IQ3S_SKIP_ALIGNED 0
 #endif
 
 // IQ3S_XOR_SIGNS: the shared grid holds each value v (odd, 1..15) as t = (v - 1) / 2, and a
@@ -60,7 +64,7 @@ __device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m 
 // and its signed values from one shared read: no sign masks.
 #if IQ3S_SIGNED_GRID
 #if IQ3S_GRID_COPIES != 1 || IQ3S_XOR_SIGNS
-#error "IQ3S_SIGNED_GRID takes one copy of the grid and its own signs"
+#error "IQ3S_SIGNED_GRID (on by default) takes one copy of the grid and its own signs: IQ3S_SIGNED_GRID=0 for these"
 #endif
 #define IQ3S_SHARED_WORDS 8192
 #else
@@ -156,9 +160,13 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
     const u32* g = w + 18 + j + (o >> 1);  // signs[4j ..] at b + 74 + 4j
     u32 qw[2 * IQ3S_SUBS + 1], gw[IQ3S_SUBS + 1];
 #pragma unroll
-    for (int i = 0; i <= 2 * IQ3S_SUBS; ++i) qw[i] = q[i];
+    for (int i = 0; i < 2 * IQ3S_SUBS; ++i) qw[i] = q[i];
 #pragma unroll
-    for (int i = 0; i <= IQ3S_SUBS; ++i) gw[i] = g[i];
+    for (int i = 0; i < IQ3S_SUBS; ++i) gw[i] = g[i];
+    // the last word of each only where the fields straddle words (o 0): with IQ3S_SKIP_ALIGNED, not read where o is 2
+    // (fewer cache lines a warp's load touches)
+    qw[2 * IQ3S_SUBS] = IQ3S_SKIP_ALIGNED && !shift ? 0u : q[2 * IQ3S_SUBS];
+    gw[IQ3S_SUBS] = IQ3S_SKIP_ALIGNED && !shift ? 0u : g[IQ3S_SUBS];
     Slice sl;
 #pragma unroll
     for (int i = 0; i < 2 * IQ3S_SUBS; ++i) sl.qs[i] = funnel_right(qw[i], qw[i + 1], shift);

@@ -125,22 +125,25 @@ def test_grid_tables_are_the_cpus():
 
 
 def test_iq3_s_grid_copies_and_x_fit_a_blocks_shared_memory(monkeypatch):
-    """IQ3_S's `_1q` kernels hold its grid (IQ3S_GRID_COPIES copies) besides x in shared memory: where both would not
-    fit a block's 48 KiB, the one-token kernels take x as float."""
+    """IQ3_S's `_1q` kernels hold its grid (32 KiB of signed copies by default; IQ3S_GRID_COPIES copies of the 2 KiB
+    grid without IQ3S_SIGNED_GRID) besides x in shared memory: where both would not fit a block's 48 KiB, the
+    one-token kernels take x as float."""
     from gpu_kernels import sources
     from gpu_kernels.kernels import xq_fits
 
-    assert sources.table_shared_bytes(Q.IQ3_S) == 2048 and sources.table_shared_bytes(Q.IQ4_XS) == 0
-    assert xq_fits(Q.IQ3_S, 8192)
-    monkeypatch.setitem(sources.FORMAT_DEFINES, Q.IQ3_S, {"IQ3S_GRID_COPIES": "16"})
-    assert sources.table_shared_bytes(Q.IQ3_S) == 32768
+    assert sources.table_shared_bytes(Q.IQ3_S) == 32768 and sources.table_shared_bytes(Q.IQ4_XS) == 0
     assert xq_fits(Q.IQ3_S, 7168) and not xq_fits(Q.IQ3_S, 8192) and xq_fits(Q.IQ4_XS, 8192)
+    monkeypatch.setitem(sources.FORMAT_DEFINES, Q.IQ3_S, {"IQ3S_SIGNED_GRID": "0"})
+    assert sources.table_shared_bytes(Q.IQ3_S) == 2048 and xq_fits(Q.IQ3_S, 8192)
+    monkeypatch.setitem(sources.FORMAT_DEFINES, Q.IQ3_S, {"IQ3S_SIGNED_GRID": "0", "IQ3S_GRID_COPIES": "16"})
+    assert sources.table_shared_bytes(Q.IQ3_S) == 32768
+    assert xq_fits(Q.IQ3_S, 7168) and not xq_fits(Q.IQ3_S, 8192)
 
 
 # IQ3_S's compile-time alternatives of its int16 slice dot (iq3_s.cuh; bench/gpu_kernels.py --variants sweeps them)
-IQ3S_VARIANTS = ["IQ3S_PRMT_MASKS", "IQ3S_XOR_SIGNS", "IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_SIGNED_GRID",
-                 "IQ3S_PAIR_SLICES", "IQ3S_SIGNED_GRID+IQ3S_PAIR_SLICES", "IQ3S_SLICE_SUBS=4",
-                 "IQ3S_SIGNED_GRID+IQ3S_SLICE_SUBS=4"]
+IQ3S_VARIANTS = ["IQ3S_SIGNED_GRID=0", "IQ3S_SIGNED_GRID=0+IQ3S_PRMT_MASKS", "IQ3S_SIGNED_GRID=0+IQ3S_XOR_SIGNS",
+                 "IQ3S_SIGNED_GRID=0+IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_PAIR_SLICES", "IQ3S_SLICE_SUBS=4",
+                 "IQ3S_SIGNED_GRID=0+IQ3S_PAIR_SLICES", "IQ3S_SKIP_ALIGNED"]
 
 
 def variant_defines(variant):
@@ -306,8 +309,7 @@ def test_int16_moe_matvec_tunings(runtime, qtype, rows, slices, chunks):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (4, 4, 2), (4, 8, 1)])
-@pytest.mark.parametrize("variant", ["IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_SIGNED_GRID",
-                                     "IQ3S_SIGNED_GRID+IQ3S_PAIR_SLICES", "IQ3S_SIGNED_GRID+IQ3S_SLICE_SUBS=4"])
+@pytest.mark.parametrize("variant", ["IQ3S_SIGNED_GRID=0", "IQ3S_SKIP_ALIGNED"])
 def test_iq3_s_variants_int16_moe_matvec(runtime, monkeypatch, variant, rows, slices, chunks):
     """test_int16_moe_matvec_tunings on IQ3_S compiled with each of its variants, as the bench compiles them."""
     from gpu_kernels import kernels as kernels_module
