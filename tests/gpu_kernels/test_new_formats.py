@@ -308,10 +308,11 @@ def test_int16_moe_matvec_tunings(runtime, qtype, rows, slices, chunks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (4, 4, 2), (4, 8, 1)])
-@pytest.mark.parametrize("variant", ["IQ3S_SIGNED_GRID=0", "IQ3S_SKIP_ALIGNED"])
+@pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (3, 4, 2), (4, 4, 2), (4, 8, 1)])
+@pytest.mark.parametrize("variant", ["", "IQ3S_SIGNED_GRID=0", "IQ3S_SKIP_ALIGNED"])
 def test_iq3_s_variants_int16_moe_matvec(runtime, monkeypatch, variant, rows, slices, chunks):
-    """test_int16_moe_matvec_tunings on IQ3_S compiled with each of its variants, as the bench compiles them."""
+    """test_int16_moe_matvec_tunings on IQ3_S compiled with each of its variants, as the bench compiles them ("": the
+    default source; 3 rows a lane group as the bench sweeps them)."""
     from gpu_kernels import kernels as kernels_module
 
     source, name = kernels_module.tuned_source, kernels_module.tuned_module_name
