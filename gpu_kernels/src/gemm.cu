@@ -150,11 +150,12 @@ __device__ __forceinline__ void gemm_mma(float (&d)[4], const u32 (&a)[4], const
 }
 #endif
 
-// hi, lo = v's TF32 split as the mma reads them (its low 13 bits dropped): hi = v rounded to TF32 (half an ulp
-// added: ties away from zero), lo = v - hi rounded the same (GEMM_MATH 3; else 0, unused). v finite.
+// hi, lo = v's TF32 split as the mma reads them (their low 13 bits dropped). GEMM_MATH 3: hi = v (the mma's hi is v
+// truncated), lo = v - hi truncated, exact, read truncated to its top 11 bits: v within 2^-21 of it. GEMM_MATH 1:
+// hi = v rounded to TF32 (half an ulp added: ties away from zero), lo unused. v finite.
 __device__ __forceinline__ void gemm_split(float v, u32& hi, u32& lo) {
-    hi = __float_as_uint(v) + 0x1000u;
-    lo = GEMM_MATH == 3 ? __float_as_uint(v - __uint_as_float(hi & 0xffffe000u)) + 0x1000u : 0u;
+    hi = __float_as_uint(v) + (GEMM_MATH == 3 ? 0u : 0x1000u);
+    lo = GEMM_MATH == 3 ? __float_as_uint(v - __uint_as_float(hi & 0xffffe000u)) : 0u;
 }
 
 // acc [2][TOKENS / 8][4] (m16 tile, n8 tile, fragment) += the warp's rows 32 warp .. + 31 of ws [K][GEMM_ROWS] times
@@ -164,7 +165,9 @@ __device__ __forceinline__ void gemm_split(float v, u32& hi, u32& lo) {
 // GEMM_NT_GROUP n8 tiles (their accumulators in registers beside acc), the A fragments loaded again for each. A lane
 // reads rows k0 + c and k0 + c + 4 of both tiles at columns o ^ 8 i (o = g ^ 8 c; i = 0 .. 3, as rows 16 mt, + 8 of
 // its m16 tiles, tokens 8 j % 32 of its n8 tiles): four offsets a lane, the rest constants of the unrolled loops.
+#ifndef GEMM_NT_GROUP
 #define GEMM_NT_GROUP 4
+#endif
 template <int TOKENS, int K>
 __device__ __forceinline__ void gemm_products_mma(const float* ws, const float* xs, int n,
                                                   float (&acc)[2][TOKENS / 8][4]) {
@@ -344,11 +347,25 @@ __device__ __forceinline__ void gemm_tile(const u8* raw, const float* x, float* 
 #define GEMM_ARGS                                                                                                  \
     const u8 *raw, const float *x, float *out, const int *tile_slot, const int *tile_row, const int *tile_count, \
         int T, int R, int C, i64 row_bytes
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm(GEMM_ARGS) {
+// Blocks an SM holds at least (CUDA's register cap; 0: the compiler's choice): gemm GEMM_BLOCKS_64, gemm32
+// GEMM_BLOCKS_32. The mma path's accumulators and their step's partial sums take 150-240 registers uncapped; gemm32
+// fits 128 (4 blocks) without spills (sm_90: Q4_K, Q6_K, F32), gemm's 168 (3 blocks) would spill.
+#ifndef GEMM_BLOCKS_64
+#define GEMM_BLOCKS_64 0
+#endif
+#ifndef GEMM_BLOCKS_32
+#define GEMM_BLOCKS_32 (GEMM_MMA ? 4 : 0)
+#endif
+#if !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC_RTC__)
+#define GEMM_BOUNDS(blocks) __launch_bounds__(GEMM_THREADS, blocks)
+#else
+#define GEMM_BOUNDS(blocks) __launch_bounds__(GEMM_THREADS)
+#endif
+extern "C" __global__ void GEMM_BOUNDS(GEMM_BLOCKS_64) gemm(GEMM_ARGS) {
     gemm_tile<64>(raw, x, out, tile_slot, tile_row, tile_count, T, R, C, row_bytes);
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm32(GEMM_ARGS) {
+extern "C" __global__ void GEMM_BOUNDS(GEMM_BLOCKS_32) gemm32(GEMM_ARGS) {
     gemm_tile<32>(raw, x, out, tile_slot, tile_row, tile_count, T, R, C, row_bytes);
 }
 
