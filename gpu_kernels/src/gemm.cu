@@ -16,8 +16,8 @@
 // "tf32") one mma.sync of the operands rounded to TF32 (10-bit mantissas); 0 ("fp32") float32 FMA. The tensor-core
 // paths are CUDA sm_80+ only (GEMM_MMA); the HIP build and older targets take the FMA path whatever GEMM_MATH says.
 // With mma.sync, warp w takes rows 32 w .. 32 w + 31 of the tile (two m16 tiles) and all its tokens (n8 tiles past
-// the tile's count skipped); the weight and x tiles are stored with their columns XOR-swizzled by the row's k
-// (GEMM_SWIZZLE) so that the fragments' loads hit 32 banks.
+// the tile's count skipped); the weight and x tiles are stored as float4s of 4 columns, ws [K / 4][GEMM_ROWS][4] and
+// xs [K / 4][TOKENS][4] (a thread's 16-byte stores; a fragment's lanes (g, c) read words 4 g + c: 32 banks).
 //
 // Shape legend: R output rows, C columns, B bytes per row, T tokens, N pair rows, W work tiles,
 // n tokens of a tile (<= TOKENS).
@@ -46,11 +46,6 @@
 #else
 #define GEMM_MMA 0
 #endif
-#endif
-#if GEMM_MMA
-#define GEMM_SWIZZLE(k) (((k) & 3) << 3)  // column XOR of row k of the weight and x tiles
-#else
-#define GEMM_SWIZZLE(k) 0
 #endif
 static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS == 0, "a step holds whole units");
 
@@ -109,10 +104,14 @@ __device__ __forceinline__ void gemm_store_x(const float4 (&v)[GemmShape<TOKENS>
 #pragma unroll
     for (int l = 0; l < GemmShape<TOKENS>::X_LOADS; ++l) {
         int i = threadIdx.x + l * GEMM_THREADS, t = i % TOKENS, q = i / TOKENS;
-        xs[(4 * q + 0) * TOKENS + (t ^ GEMM_SWIZZLE(0))] = v[l].x;
-        xs[(4 * q + 1) * TOKENS + (t ^ GEMM_SWIZZLE(1))] = v[l].y;
-        xs[(4 * q + 2) * TOKENS + (t ^ GEMM_SWIZZLE(2))] = v[l].z;
-        xs[(4 * q + 3) * TOKENS + (t ^ GEMM_SWIZZLE(3))] = v[l].w;
+#if GEMM_MMA
+        ((float4*)xs)[q * TOKENS + t] = v[l];
+#else
+        xs[(4 * q + 0) * TOKENS + t] = v[l].x;
+        xs[(4 * q + 1) * TOKENS + t] = v[l].y;
+        xs[(4 * q + 2) * TOKENS + t] = v[l].z;
+        xs[(4 * q + 3) * TOKENS + t] = v[l].w;
+#endif
     }
 }
 
@@ -158,23 +157,22 @@ __device__ __forceinline__ void gemm_split(float v, u32& hi, u32& lo) {
     lo = GEMM_MATH == 3 ? __float_as_uint(v - __uint_as_float(hi & 0xffffe000u)) : 0u;
 }
 
-// acc [2][TOKENS / 8][4] (m16 tile, n8 tile, fragment) += the warp's rows 32 warp .. + 31 of ws [K][GEMM_ROWS] times
-// the tile's tokens (n8 tiles from n on skipped) of xs [K][TOKENS], both swizzled (GEMM_SWIZZLE). The mma sum into
-// fresh accumulators, added to acc in float32 once a step: the tensor cores' accumulation truncates, and over a whole
-// row (2048 columns: 768 mma into one accumulator) that drifted 1-3e-5 of the result on an H100. By groups of
-// GEMM_NT_GROUP n8 tiles (their accumulators in registers beside acc), the A fragments loaded again for each. A lane
-// reads rows k0 + c and k0 + c + 4 of both tiles at columns o ^ 8 i (o = g ^ 8 c; i = 0 .. 3, as rows 16 mt, + 8 of
-// its m16 tiles, tokens 8 j % 32 of its n8 tiles): four offsets a lane, the rest constants of the unrolled loops.
+// acc [2][TOKENS / 8][4] (m16 tile, n8 tile, fragment) += the warp's rows 32 warp .. + 31 of ws [K / 4][GEMM_ROWS][4]
+// times the tile's tokens (n8 tiles from n on skipped) of xs [K / 4][TOKENS][4]. The mma sum into fresh
+// accumulators, added to acc in float32 once a step: the tensor cores' accumulation truncates, and over a whole row
+// (2048 columns: 768 mma into one accumulator) that drifted 1-3e-5 of the result on an H100. By groups of
+// GEMM_NT_GROUP n8 tiles (their accumulators in registers beside acc), the A fragments loaded again for each. Lane
+// (g, c) reads columns k0 + c and k0 + 4 + c, the words 4 row + c of float4 rows k0 / 4 and k0 / 4 + 1: one address
+// a lane, the rest constants of the unrolled loops.
 #ifndef GEMM_NT_GROUP
 #define GEMM_NT_GROUP 4
 #endif
 template <int TOKENS, int K>
 __device__ __forceinline__ void gemm_products_mma(const float* ws, const float* xs, int n,
                                                   float (&acc)[2][TOKENS / 8][4]) {
-    int lane = threadIdx.x % 32, c = lane % 4, o = (lane / 4) ^ GEMM_SWIZZLE(c);
-    int off[4] = {o, o ^ 8, o ^ 16, o ^ 24};
-    const float* w = ws + c * GEMM_ROWS + 32 * (threadIdx.x / 32);
-    const float* xc = xs + c * TOKENS;
+    int lane = threadIdx.x % 32, c = lane % 4, g = lane / 4;
+    const float* w = ws + 4 * (32 * (threadIdx.x / 32) + g) + c;  // row 32 warp + g, column c
+    const float* xc = xs + 4 * g + c;  // token g, column c
 #pragma unroll
     for (int j0 = 0; j0 < TOKENS / 8; j0 += GEMM_NT_GROUP) {
         if (8 * j0 >= n) break;  // the same for the whole warp
@@ -190,16 +188,17 @@ __device__ __forceinline__ void gemm_products_mma(const float* ws, const float* 
             u32 ah[2][4], al[2][4], bh[GEMM_NT_GROUP][2], bl[GEMM_NT_GROUP][2];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-                gemm_split(w[k0 * GEMM_ROWS + off[2 * mt]], ah[mt][0], al[mt][0]);
-                gemm_split(w[k0 * GEMM_ROWS + off[2 * mt + 1]], ah[mt][1], al[mt][1]);
-                gemm_split(w[(k0 + 4) * GEMM_ROWS + off[2 * mt]], ah[mt][2], al[mt][2]);
-                gemm_split(w[(k0 + 4) * GEMM_ROWS + off[2 * mt + 1]], ah[mt][3], al[mt][3]);
+                const float* r0 = w + k0 * GEMM_ROWS + 4 * 16 * mt;  // float4 row k0 / 4, row 16 mt + g
+                gemm_split(r0[0], ah[mt][0], al[mt][0]);
+                gemm_split(r0[4 * 8], ah[mt][1], al[mt][1]);
+                gemm_split(r0[4 * GEMM_ROWS], ah[mt][2], al[mt][2]);
+                gemm_split(r0[4 * GEMM_ROWS + 4 * 8], ah[mt][3], al[mt][3]);
             }
 #pragma unroll
             for (int j = 0; j < GEMM_NT_GROUP; ++j) {
-                int col = (8 * (j0 + j) & ~31) + off[j % 4];
-                gemm_split(xc[k0 * TOKENS + col], bh[j][0], bl[j][0]);
-                gemm_split(xc[(k0 + 4) * TOKENS + col], bh[j][1], bl[j][1]);
+                const float* t0 = xc + k0 * TOKENS + 4 * 8 * (j0 + j);  // float4 row k0 / 4, token 8 j + g
+                gemm_split(t0[0], bh[j][0], bl[j][0]);
+                gemm_split(t0[4 * TOKENS], bh[j][1], bl[j][1]);
             }
             // the three products' passes over the tiles, so that an accumulator's next mma waits behind the others'
 #pragma unroll
@@ -303,7 +302,12 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
             float w[K];
             gemm_dequant<K>(mine, k0, w);
 #pragma unroll
-            for (int k = 0; k < K; ++k) wsf[k * GEMM_ROWS + (threadIdx.x ^ GEMM_SWIZZLE(k))] = w[k];
+#if GEMM_MMA
+            for (int q = 0; q < K / 4; ++q)
+                ws[q * GEMM_ROWS + threadIdx.x] = make_float4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+#else
+            for (int k = 0; k < K; ++k) wsf[k * GEMM_ROWS + threadIdx.x] = w[k];
+#endif
             gemm_store_x<TOKENS>(xv, (float*)xs);
             __syncthreads();
             if (s0 + k0 + K < cols) gemm_load_x<TOKENS>(x, C, n, s0 + k0 + K, xv);
