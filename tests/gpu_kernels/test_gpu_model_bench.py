@@ -38,18 +38,19 @@ def tables(bench, gguf_models, tmp_path, *args):
 
 
 def test_bench_writes_every_table(bench, gguf_models, tmp_path):
-    text = tables(bench, gguf_models, tmp_path, "--shares", "0,50,100", "--decode-tokens", "3", "--borrow-share", "50",
+    text = tables(bench, gguf_models, tmp_path, "--shares", "0,50,100", "--decode-tokens", "3", "--borrow-shares", "50",
                   "--modes", "inline,spare")
     header = "| resident % | tok/s (relay, the default) | tok/s (inline) | tok/s (relay, a core spare) |"
     assert header in text
     decode = text[text.index("## Decode"):text.index("## 3 users at once")]
     rows = [line for line in decode.splitlines() if line.startswith(("| 0 |", "| 50 |", "| 100 |"))]
     assert len(rows) == 3 and all(line.count("|") == 5 for line in rows), rows
-    assert "| on |" in text and "| off |" in text
+    assert "| 50 | on |" in text and "| 50 | off |" in text
     users = text[text.index("## 3 users at once"):text.index("## Prefill")]
-    assert "| resident % | each (one by one) | together (one by one) | each (batch) | together (batch) |" in users
+    assert ("| resident % | each (one by one) | together (one by one) | all decoding (one by one) | each (batch) | "
+            "together (batch) | all decoding (batch) |") in users
     rows = [line for line in users.splitlines() if line.startswith(("| 0 |", "| 50 |", "| 100 |"))]
-    assert len(rows) == 3 and all(line.count("|") == 6 and "failed" not in line for line in rows), rows
+    assert len(rows) == 3 and all(line.count("|") == 8 and "failed" not in line for line in rows), rows
     for run in ("decode, 50 % resident, relay |", "decode, 50 % resident, relay, a core spare |",
                 "decode, 50 % resident, inline |", "prefill chunk, 50 % resident, borrow |"):
         assert run in text, run
@@ -66,9 +67,9 @@ def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path
         raise RuntimeError("2 of 3 concurrent requests failed: injected")
 
     monkeypatch.setattr(bench, "concurrent_rates", fail)
-    text = tables(bench, gguf_models, tmp_path, "--shares", "50", "--decode-tokens", "2", "--borrow-share", "-1",
+    text = tables(bench, gguf_models, tmp_path, "--shares", "50", "--decode-tokens", "2", "--borrow-shares", "-1",
                   "--modes", "relay")
-    failed = " failed: RuntimeError: 2 of 3 concurrent requests failed: injected | |"
+    failed = " failed: RuntimeError: 2 of 3 concurrent requests failed: injected | | |"
     assert "| 50 |" + 2 * failed in text
     assert "decode, 50 % resident, relay |" in text
 
