@@ -3,8 +3,10 @@
 `tests/data/recorded_logits.npz` holds, per case name, the logits [steps, S, V] of a fixed prompt and
 decode schedule, as the engine gave them when the file was written, and the compile target they were
 computed on. On that target a runner must give them bit for bit. Numba compiles for the host CPU
-(fastmath, its vector width), so on a CPU with other features the sums round differently: there the
-check is to 1e-5 of the largest logit, far inside the 1e-4 fidelity tolerance and far above rounding.
+(fastmath, its vector width), so on another CPU the results round differently: float models' by ~5e-7
+of the largest logit, checked to 1e-5; quantized models' by more, 5e-5 to 2.5e-4 (a Rocket Lake target
+against the Zen 4 recordings, the same for every runner of a format: the shared quantized kernels), checked
+to 1e-3, half their 2e-3 fidelity tolerance.
 RECORD_LOGITS=1 (tests only) writes missing cases instead of checking them.
 """
 import json
@@ -13,7 +15,8 @@ import os
 import numpy as np
 
 PATH = os.path.join(os.path.dirname(__file__), "data", "recorded_logits.npz")
-OTHER_TARGET_ATOL = 1e-5  # of the largest logit
+OTHER_TARGET_ATOL = {"float": 1e-5, "quantized": 1e-3}  # of the largest logit
+FLOAT_FORMATS = ("F32", "F16", "BF16")
 
 
 def compile_target():
@@ -46,4 +49,6 @@ def check(name, logits):
     if str(recorded["target:" + name]) == compile_target():
         np.testing.assert_array_equal(logits, want, err_msg=name)
     else:
-        np.testing.assert_allclose(logits, want, rtol=0, atol=OTHER_TARGET_ATOL * np.abs(want).max(), err_msg=name)
+        kind = "float" if name.split("-")[1] in FLOAT_FORMATS else "quantized"
+        np.testing.assert_allclose(logits, want, rtol=0, atol=OTHER_TARGET_ATOL[kind] * np.abs(want).max(),
+                                   err_msg=name)
