@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from placement.borrow import BORROW_MIN_TOKENS, DEVICE_MIN_WAIT_S, BorrowModel, expert_bytes
+from placement.borrow import BORROW_MIN_TOKENS, BorrowModel, expert_bytes
 
 from .moe_host import HostSide
 from .moe_relay import DecodeRelay
@@ -53,6 +53,7 @@ class ExpertSplit:
         self.host_side = HostSide(host, self.resident, self.borrow)
         self.relay = DecodeRelay(host, settings.decode_relay, settings.relay_tokens, settings.relay_threads)
         self.trace = None
+        self._untimed = None  # (layer, pending, pair rows, borrowed bytes, gather s) of the last chunk layer's device part
         self._deferred = []  # (layer index, queued routing copy) of fully resident decode layers, for finish_step
         self._deferred_host = []  # (layer index, routing ids [1, K] on the host) of decode layers, for finish_step
         self._deferred_step = []  # (queued copy of ids [L, K], (row, layer index) pairs) of a step graph, for finish_step
@@ -98,6 +99,7 @@ class ExpertSplit:
         """A prompt chunk (or a step of many tokens): fetch the routing, split the pairs, borrow, run both parts."""
         t0 = time.perf_counter()
         ids_host, weights_host = device.fetch_routing(ids, weights)  # [T, K] each
+        self._time_last_part(device)
         if usage is not None:
             usage.record(layer.index, ids_host)
         groups = PairGroups(*self.host.group_pairs(ids_host, self.resident.shape[1]))
@@ -122,13 +124,11 @@ class ExpertSplit:
         if rows is not None and host_part is None:  # in this thread, after the device part is queued
             host_part = self.host_side.submit(layer, device.wait_rows(rows), ids_host, weights_host, host_groups)
             host_out, cpu_s = self.host_side.wait(host_part)
-        t_wait = time.perf_counter()
         out = self._combine(device, h, pending, host_out)
-        if pending is not None and time.perf_counter() - t_wait > DEVICE_MIN_WAIT_S:  # the device was the longer side
+        if pending is not None:  # timed once the device is past it (the next chunk layer's routing): no wait here
             num_borrowed = 0 if borrowed is None else borrowed.num_groups
-            self.borrow.measure_device(layer, len(device_groups.order) + (0 if borrowed is None else len(borrowed.order)),
-                                       time.perf_counter() - t_queue, num_borrowed * expert_bytes(layer),
-                                       queue_s if num_borrowed else 0.0, device.borrow_bytes_per_second)
+            self._untimed = (layer, pending, len(device_groups.order) + (0 if borrowed is None else len(borrowed.order)),
+                             num_borrowed * expert_bytes(layer), queue_s if num_borrowed else 0.0)
         self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s,
                      0 if borrowed is None else borrowed.num_groups)
         return out
@@ -157,6 +157,17 @@ class ExpertSplit:
         out = self._combine(device, h, pending, host_out)
         self._traced(device, layer, 1, t0, pending, cpu_s, queue_s)
         return out
+
+    def _time_last_part(self, device):
+        """Fold the last chunk layer's device part, which the device is past, into the borrow model: its GPU time,
+        borrowed copies included (the caller waiting for it would also count the host part and the upload)."""
+        if self._untimed is None:
+            return
+        layer, pending, num_rows, borrowed_bytes, gather_s = self._untimed
+        self._untimed = None
+        seconds = device.chunk_part_seconds(pending)
+        if seconds is not None:
+            self.borrow.measure_device(layer, num_rows, seconds, borrowed_bytes, gather_s, device.borrow_bytes_per_second)
 
     @staticmethod
     def _combine(device, h, pending, host_out):

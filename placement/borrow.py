@@ -19,7 +19,6 @@ BORROW_MIN_TOKENS = 32  # chunks of fewer tokens never borrow
 HOST_FLOPS_DEFAULT = 2e11  # the host's expert FLOP/s until measured
 HOST_FLOPS_MIN_ROWS = 256  # host calls of at least this many pair rows update the measured speed
 DEVICE_FLOPS_DEFAULT = 2e13  # the device's expert FLOP/s where it gives no estimate of its own
-DEVICE_MIN_WAIT_S = 2e-4  # a device part is timed only when the caller waited this long for it
 GATHER_BYTES_PER_SECOND_DEFAULT = 5e9  # the host's gather of borrowed experts into staging, until measured
 GATHER_MIN_BYTES = 1 << 24  # gathers of at least this many bytes update the measured speed
 
@@ -89,9 +88,10 @@ class BorrowModel:
 
     def measure_device(self, layer, num_rows, seconds, borrowed_bytes=0, gather_seconds=0.0, bytes_per_second=None):
         """Fold a device part of layer into the measured speeds: num_rows pair rows (resident and borrowed) that took
-        `seconds` from its submission, of which gather_seconds went to gathering borrowed_bytes of borrowed weights on
-        the host before the device could start, and their copy took borrowed_bytes / bytes_per_second. The first
-        measurement of a format replaces the device's estimate; later ones are averaged in (large parts only)."""
+        `seconds` of the device's time from its first event to its last, of which gather_seconds went to gathering
+        borrowed_bytes of borrowed weights on the host before their copies were queued, and their copy took
+        borrowed_bytes / bytes_per_second. The first measurement of a format replaces the device's estimate; later
+        ones are averaged in (large parts only)."""
         if borrowed_bytes >= GATHER_MIN_BYTES and gather_seconds > 0:
             self.gather_bytes_per_second = 0.5 * self.gather_bytes_per_second + 0.5 * borrowed_bytes / gather_seconds
         compute_s = seconds - gather_seconds - (borrowed_bytes / bytes_per_second if borrowed_bytes else 0.0)

@@ -212,6 +212,10 @@ class DeviceExperts(Experts, Protocol):
     def expert_seconds(self, pending) -> float:
         """Device time of a part submitted with time_experts on."""
 
+    def chunk_part_seconds(self, pending) -> float:
+        """Device time of a prompt chunk's submitted part (groups given), borrowed copies included; None where the
+        device does not time it."""
+
 
 class RelayDevice(Protocol):
     """The device side of the decode relay (hybrid/relay.py; capabilities.decode_relay_device)."""

@@ -447,6 +447,10 @@ class GpuBackend(GpuDeltaOps):
         """GPU time of a timed device part (waits for it)."""
         return self.rt.elapsed(pending.start, pending.stop)
 
+    def chunk_part_seconds(self, pending):
+        """GPU time of a prompt chunk's device part, borrowed copies included (waits for it)."""
+        return self.rt.elapsed(pending.start, pending.stop)
+
     def zeros_like(self, x):
         return self.rt.zeros(x.shape, x.dtype)
 

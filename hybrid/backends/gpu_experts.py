@@ -85,10 +85,9 @@ class GpuExperts:
         experts to copy in first, or None) on the stream: gather, gate/up, SwiGLU, down, weighted
         combine. x [T, H], weights [T, K] on the device. Returns a Pending."""
         num_tokens, k = ids.shape
-        pending = Pending(None)
-        if be.time_experts:
-            pending.start = be.rt.event(timing=True)
-            pending.start.record(be.stream)
+        pending = Pending(None)  # always timed: the borrow model reads a chunk's device time (chunk_part_seconds)
+        pending.start = be.rt.event(timing=True)
+        pending.start.record(be.stream)
         parts = []  # (device slots (gate, up, down), slot of each group [G], groups)
         if groups.num_groups:
             parts.append((be.cache.layers[layer.index], be.cache.slot_of[layer.index][groups.expert_ids], groups))
@@ -114,9 +113,8 @@ class GpuExperts:
         add_down_bias(be, layer, down, order, ids)
         pending.out = be.rt.empty(x.shape, np.float32)  # [T, H]
         be.kernels.combine_rows(down, pair_rows, weights, k, pending.out)
-        if be.time_experts:
-            pending.stop = be.rt.event(timing=True)
-            pending.stop.record(be.stream)
+        pending.stop = be.rt.event(timing=True)
+        pending.stop.record(be.stream)
         return pending
 
     def _borrow(self, be, layer, experts):

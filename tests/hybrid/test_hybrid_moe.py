@@ -44,6 +44,10 @@ class StandInDevice(CpuBackend):
     def chunk_expert_flops(layer):
         return 1e12
 
+    @staticmethod
+    def chunk_part_seconds(pending):
+        return None
+
     def fetch_routing(self, ids, weights):
         return ids, weights
 
@@ -203,6 +207,23 @@ def test_prefill_borrow_matches_cpu_path(gguf_models, share):
     got = _score(model, prompt_tokens=64)
     _assert_close(got, ref)
     assert device.borrowed > 0
+
+
+def test_a_chunk_layers_device_part_is_timed_once_the_device_is_past_it(gguf_models):
+    """The borrow model gets each chunk layer's device part from the device's own clock (chunk_part_seconds), read
+    at the next chunk layer's routing; never the caller's wait, which also holds the host part."""
+    weights = load_model(gguf_models("small", "Q8_0")[0])
+    c = weights.config
+    device = StandInDevice(np.ones((c.num_layers, c.num_experts), bool), prefill_borrow=True)
+    timed = []
+    device.chunk_part_seconds = lambda pending: timed.append(pending) or 1e-3
+    model = Model(weights, device, host=CpuBackend())
+    folded = []
+    model.split.borrow.measure_device = lambda layer, rows, seconds, *rest: folded.append((layer.index, rows, seconds))
+    _score(model, prompt_tokens=64)
+    moe_layers = [layer.index for layer in model.layers if layer.gate_exps is not None]
+    assert [index for index, _, _ in folded] == moe_layers[:-1]  # the last one waits for the next chunk
+    assert all(rows == 64 * c.num_experts_per_tok and seconds == 1e-3 for _, rows, seconds in folded)
 
 
 def test_borrow_cost_model():
