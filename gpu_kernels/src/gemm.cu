@@ -29,11 +29,12 @@
 #define GEMM_STAGE_BYTES (GEMM_STAGE_COLS / GEMM_BLOCK_WEIGHTS * GEMM_BLOCK_BYTES)  // a row's raw bytes a stage
 #define GEMM_STAGE_WORDS (((GEMM_STAGE_BYTES + 3) / 4) | 1)  // a staged row's stride: odd, no bank conflicts
 #define GEMM_SHARED(T, K) (4 * (K) * (GEMM_ROWS + (T)) + 4 * GEMM_ROWS * GEMM_STAGE_WORDS)  // bytes of the 3 tiles
-// K of the TOKENS = T kernel: 16 wherever the format's units allow (GEMM_STEP_MAX 16: on an H100 Q6_K's and F32's
-// expert GEMMs ran 7-17 % faster than at 32, the others the same), else 32 (GEMM_STEP_MAX 32, a compile-time
-// alternative for bench/gpu_gemm.py --variants, takes 32 wherever the tiles fit).
+// K of the TOKENS = T kernel: on the FMA path 16 wherever the format's units allow (GEMM_STEP_MAX 16: on an H100
+// Q6_K's and F32's expert GEMMs ran 7-17 % faster than at 32, the others the same), else 32; on the mma path
+// (GEMM_MMA) 32 wherever the tiles fit (GEMM_STEP_MAX 32: Q6_K's expert GEMMs 6-7 % faster, its dense 2048 x 4096 at
+// 512 tokens 18 %, Q4_K the same). GEMM_STEP_MAX is a compile-time alternative for bench/gpu_gemm.py --variants.
 #ifndef GEMM_STEP_MAX
-#define GEMM_STEP_MAX 16
+#define GEMM_STEP_MAX (GEMM_MMA ? 32 : 16)
 #endif
 #define GEMM_STEP(T) (GEMM_SHARED(T, 32) <= 48 * 1024 && (GEMM_STEP_MAX >= 32 || UNIT_WEIGHTS > 16) ? 32 : 16)
 #ifndef GEMM_MATH
@@ -351,25 +352,11 @@ __device__ __forceinline__ void gemm_tile(const u8* raw, const float* x, float* 
 #define GEMM_ARGS                                                                                                  \
     const u8 *raw, const float *x, float *out, const int *tile_slot, const int *tile_row, const int *tile_count, \
         int T, int R, int C, i64 row_bytes
-// Blocks an SM holds at least (CUDA's register cap; 0: the compiler's choice): gemm GEMM_BLOCKS_64, gemm32
-// GEMM_BLOCKS_32. The mma path's accumulators and their step's partial sums take 150-240 registers uncapped; gemm32
-// fits 128 (4 blocks) without spills (sm_90: Q4_K, Q6_K, F32), gemm's 168 (3 blocks) would spill.
-#ifndef GEMM_BLOCKS_64
-#define GEMM_BLOCKS_64 0
-#endif
-#ifndef GEMM_BLOCKS_32
-#define GEMM_BLOCKS_32 (GEMM_MMA ? 4 : 0)
-#endif
-#if !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC_RTC__)
-#define GEMM_BOUNDS(blocks) __launch_bounds__(GEMM_THREADS, blocks)
-#else
-#define GEMM_BOUNDS(blocks) __launch_bounds__(GEMM_THREADS)
-#endif
-extern "C" __global__ void GEMM_BOUNDS(GEMM_BLOCKS_64) gemm(GEMM_ARGS) {
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm(GEMM_ARGS) {
     gemm_tile<64>(raw, x, out, tile_slot, tile_row, tile_count, T, R, C, row_bytes);
 }
 
-extern "C" __global__ void GEMM_BOUNDS(GEMM_BLOCKS_32) gemm32(GEMM_ARGS) {
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm32(GEMM_ARGS) {
     gemm_tile<32>(raw, x, out, tile_slot, tile_row, tile_count, T, R, C, row_bytes);
 }
 
