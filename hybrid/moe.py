@@ -53,7 +53,7 @@ class ExpertSplit:
         self.host_side = HostSide(host, self.resident, self.borrow)
         self.relay = DecodeRelay(host, settings.decode_relay, settings.relay_tokens, settings.relay_threads)
         self.trace = None
-        self._untimed = None  # (layer, pending, pair rows, borrowed bytes, gather s) of the last chunk layer's device part
+        self._untimed = None  # (device, layer, pending, borrowed bytes, gather s, pair rows): the last chunk layer's part
         self._deferred = []  # (layer index, queued routing copy) of fully resident decode layers, for finish_step
         self._deferred_host = []  # (layer index, routing ids [1, K] on the host) of decode layers, for finish_step
         self._deferred_step = []  # (queued copy of ids [L, K], (row, layer index) pairs) of a step graph, for finish_step
@@ -99,7 +99,7 @@ class ExpertSplit:
         """A prompt chunk (or a step of many tokens): fetch the routing, split the pairs, borrow, run both parts."""
         t0 = time.perf_counter()
         ids_host, weights_host = device.fetch_routing(ids, weights)  # [T, K] each
-        self._time_last_part(device)
+        self._time_last_part()
         if usage is not None:
             usage.record(layer.index, ids_host)
         groups = PairGroups(*self.host.group_pairs(ids_host, self.resident.shape[1]))
@@ -127,8 +127,8 @@ class ExpertSplit:
         out = self._combine(device, h, pending, host_out)
         if pending is not None:  # timed once the device is past it (the next chunk layer's routing): no wait here
             num_borrowed = 0 if borrowed is None else borrowed.num_groups
-            self._untimed = (layer, pending, len(device_groups.order) + (0 if borrowed is None else len(borrowed.order)),
-                             num_borrowed * expert_bytes(layer), queue_s if num_borrowed else 0.0)
+            self._untimed = (device, layer, pending, num_borrowed * expert_bytes(layer), queue_s if num_borrowed else 0.0,
+                             len(device_groups.order) + (0 if borrowed is None else len(borrowed.order)))
         self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s,
                      0 if borrowed is None else borrowed.num_groups)
         return out
@@ -158,12 +158,12 @@ class ExpertSplit:
         self._traced(device, layer, 1, t0, pending, cpu_s, queue_s)
         return out
 
-    def _time_last_part(self, device):
-        """Fold the last chunk layer's device part, which the device is past, into the borrow model: its GPU time,
+    def _time_last_part(self):
+        """Fold the last chunk layer's device part, which its device is past, into the borrow model: its GPU time,
         borrowed copies included (the caller waiting for it would also count the host part and the upload)."""
         if self._untimed is None:
             return
-        layer, pending, num_rows, borrowed_bytes, gather_s = self._untimed
+        device, layer, pending, borrowed_bytes, gather_s, num_rows = self._untimed
         self._untimed = None
         seconds = device.chunk_part_seconds(pending)
         if seconds is not None:
