@@ -447,12 +447,12 @@ __device__ __forceinline__ int2 slot_of_block(const float*& q, const int*& table
 // paged_attention of one token (T = 1; window as there), its G heads a kv head sharing every K/V load:
 // R (1, 2, 4 or 8, at most LG) heads a block. grid (ceil(G / R), n * Hkv, S) (slot_of_block), block PA_THREADS; LG
 // as above; shared: R * PD_KEYS + 5 * R + (PA_THREADS / LG) * R * D floats.
-extern "C" __global__ void __launch_bounds__(PA_THREADS)
-paged_attention_1(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale,
-                  const float* v_scale, const int* table, const kv_t* k_stage, const kv_t* v_stage,
-                  const float* k_stage_scale, const float* v_stage_scale, float* out, float* lse, int want_lse,
-                  int Hq, int Hkv, int D, int BT, int start, int key_lo, float scale, int R, int LG, int split_keys,
-                  const i64* start_at, int window, int slot_table) {
+#define PA1_ARGS                                                                                                   \
+    const float *q, const kv_t *k_pool, const kv_t *v_pool, const float *k_scale, const float *v_scale,            \
+        const int *table, const kv_t *k_stage, const kv_t *v_stage, const float *k_stage_scale,                    \
+        const float *v_stage_scale, float *out, float *lse, int want_lse, int Hq, int Hkv, int D, int BT, int start, \
+        int key_lo, float scale, int R, int LG, int split_keys, const i64 *start_at, int window, int slot_table
+extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_1(PA1_ARGS) {
     int2 slot = slot_of_block(q, table, start, start_at, Hq, Hkv, D, slot_table);
     if (window > 0) key_lo = max(key_lo, start + 1 - window);
     PagedKV kv = {k_pool, v_pool, k_scale, v_scale, k_stage, v_stage, k_stage_scale, v_stage_scale, table,

@@ -43,12 +43,7 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* red) 
 // paged_attention_1's arguments (R and LG unused); grid (G, n * Hkv, 1) (kv.cu slot_of_block: n slots, no key
 // splits), blockDim a power of two >= 32; shared: D + split_keys + blockDim / 32 + 4 * blockDim floats, then
 // split_keys + 2 ints (the table entries of its keys).
-extern "C" __global__ void __launch_bounds__(PA_THREADS)
-paged_attention_1s(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale,
-                   const float* v_scale, const int* table, const kv_t* k_stage, const kv_t* v_stage,
-                   const float* k_stage_scale, const float* v_stage_scale, float* out, float* lse, int want_lse,
-                   int Hq, int Hkv, int D, int BT, int start, int key_lo, float scale, int R, int LG, int split_keys,
-                   const i64* start_at, int window, int slot_table) {
+extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attention_1s(PA1_ARGS) {
     int2 slot = slot_of_block(q, table, start, start_at, Hq, Hkv, D, slot_table);
     if (window > 0) key_lo = max(key_lo, start + 1 - window);
     extern __shared__ float sh[];
