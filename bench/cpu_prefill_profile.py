@@ -33,12 +33,21 @@ def read_prompt(model, ids, chunk):
     return time.perf_counter() - start
 
 
+def weight_category(weight, x, exact=False):
+    """linear NAME for weight blk.N.NAME.weight (output for the head)."""
+    parts = weight.name.split(".")
+    return f"linear {parts[-2] if len(parts) > 2 else parts[0]}"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--by-weight", action="store_true",
+                   help="split every linear by its weight's name (blk.N.NAME.weight -> linear NAME), not only "
+                        "cpu_decode_profile's LINEAR_NAMES")
     args = p.parse_args(argv)
     from hybrid.llm import LLM, PREFILL_CHUNK
 
@@ -50,6 +59,9 @@ def main(argv=None):
     plain = [read_prompt(model, ids, PREFILL_CHUNK) for ids in prompts[1:]]
     timer = OpTimer()
     instrument(model, timer)
+    if args.by_weight:
+        be = model.backend
+        be.linear = timer.wrap(weight_category, type(be).linear.__get__(be))
     timed = [read_prompt(model, ids, PREFILL_CHUNK) for ids in prompts[1:]]
     total = sum(timed)
     print(f"## {Path(args.model).name}, {args.threads} thread(s), a {args.tokens}-token prompt\n")

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -100,7 +101,7 @@ print(json.dumps({"prompt_tps": prompt_tokens / prompt_s, "decode_tps": decode_t
 def llama_bench(model, threads, args, env):
     """llama.cpp's own llama-bench on the CPU (no GPU visible to it, no layers offloaded): one fresh process."""
     cmd = [args.llama_bench, "-m", model, "-t", str(threads), "-p", str(args.prompt_tokens), "-n",
-           str(args.decode_tokens), "-ngl", "0", "-r", "1", "-o", "json"]
+           str(args.decode_tokens), "-ngl", "0", "-r", "1", "-o", "json", *shlex.split(args.llama_args)]
     proc = subprocess.run(cmd, env={**env, "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -198,6 +199,7 @@ def markdown(rows, args):
         "",
         f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_name()}); llama.cpp = "
         + (f"`{args.llama_bench}` on the CPU (-ngl 0, no GPU visible), {args.llama_build}; "
+           + (f"with `{args.llama_args}`; " if args.llama_args else "")
            if args.llama_bench else "llama-cpp-python built from its PyPI sdist, CPU only, "
            f"{args.llama_build}, no BLAS; ")
         + f"its CPU features: `{args.llama_features}`. "
@@ -242,6 +244,8 @@ def parse_args(argv=None):
                    help="how that llama-cpp-python was built, for the table's header")
     p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary, run instead of llama-cpp-python (CPU only: "
                                         "no GPU visible to it, -ngl 0); its decode starts from an empty context")
+    p.add_argument("--llama-args", default="", help="more llama-bench options, one string (e.g. \"--repack 0\": "
+                   "on an AVX-512 host without AMX its prompt read was faster without the Q4_K repacking)")
     p.add_argument("--output", help="also write the table here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
