@@ -1,5 +1,5 @@
-"""The paged attention's launch plans (kv.cu's paged_attention and paged_attention_1): which kernel, heads a block,
-key splits. Shape legend: T tokens, G query heads a kv head, Hkv kv heads, D head dim.
+"""The paged attention's launch plans (kv.cu's paged_attention and paged_attention_1, kv_prefill.cu's paged_prefill):
+which kernel, heads a block, key splits. Shape legend: T tokens, G query heads a kv head, Hkv kv heads, D head dim.
 """
 from dataclasses import dataclass
 
@@ -18,6 +18,11 @@ MAX_SPLITS = 64
 # splits (faster than paged_attention_1 up to here: bench/results/vs_llamacpp_gpu.md); 0: never. A step graph plans
 # for a power-of-two bound from 256 keys (hybrid/backends/gpu_step.py): its first one takes it.
 SHORT_ATTENTION_KEYS = 256
+PF_ROWS = 64  # kv_prefill.cu's PF_ROWS: query rows a block of the tensor-core prompt kernel
+PF_KEYS = 32  # kv_prefill.cu's PF_KEYS: keys a tile
+PF_HEAD_DIMS = (64, 128)  # head dims paged_prefill takes
+# A chunk of at least this many tokens takes paged_prefill where the GPU has its tensor-core path (prefill_mma).
+PREFILL_MIN_TOKENS = 32
 
 
 def _pow2_at_least(n):
@@ -28,23 +33,37 @@ def _pow2_at_least(n):
 class AttentionPlan:
     """A paged attention launch: which kernel, its rows (token, query head) a block and its key splits."""
 
-    kernel: str  # "paged_attention_1" (one token) or "paged_attention" (tiles of rows)
+    kernel: str  # "paged_attention_1(s)" (one token), "paged_attention" (tiles of rows), "paged_prefill" (mma)
     rows: int  # rows a block, of one kv head's T * G
-    width: int  # lanes a key (one-token) or keys a tile (tiled)
+    width: int  # lanes a key (one-token) or keys a tile (tiled, paged_prefill)
     num_tiles: int  # blocks over a kv head's rows
     splits: int  # key splits (1: the kernel writes `out` itself)
     split_keys: int  # keys a split
     shared_mem: int  # bytes
 
 
+def prefill_mma(runtime):
+    """Whether paged_prefill runs on `runtime`'s GPU: CUDA with mma.sync .tf32 (sm_80+), not HIP nor the NumPy
+    stand-in (kv_prefill.cu's PF_MMA)."""
+    device = getattr(runtime, "device", None)
+    if getattr(runtime, "is_hip", True) or device is None:
+        return False
+    return int(getattr(device, "compute_capability", "0") or 0) >= 80
+
+
 def attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, warp_size=32, max_splits=MAX_SPLITS,
-                   one_token_rows=PD_MAX_ROWS, short_keys=SHORT_ATTENTION_KEYS):
+                   one_token_rows=PD_MAX_ROWS, short_keys=SHORT_ATTENTION_KEYS, mma=False,
+                   prefill_tokens=PREFILL_MIN_TOKENS):
     """The paged attention launch over T tokens of G query heads a kv head and `num_keys` keys (those
     of the longest row). One token: its G heads share each K/V row in registers; more: tiles of rows
     share K/V tiles in shared memory. Keys split while the blocks are few (decode, long contexts).
     one_token_rows: most heads a one-token block takes (1, 2, 4 or 8: fewer make more, shorter blocks).
-    short_keys: one token over at most this many keys, without splits, takes paged_attention_1s."""
-    if num_tokens == 1 and head_dim <= 4 * min(32, warp_size):
+    short_keys: one token over at most this many keys, without splits, takes paged_attention_1s.
+    mma: the GPU runs paged_prefill (prefill_mma): chunks of at least prefill_tokens tokens of its head dims take it."""
+    if mma and num_tokens >= prefill_tokens and head_dim in PF_HEAD_DIMS:
+        kernel, rows, width = "paged_prefill", PF_ROWS, PF_KEYS
+        num_tiles, tile_keys, shared = -(-num_tokens * group // rows), PF_KEYS, 0  # static shared memory
+    elif num_tokens == 1 and head_dim <= 4 * min(32, warp_size):
         kernel, rows = "paged_attention_1", min(one_token_rows, _pow2_at_least(group))
         width, tile_keys, num_tiles = max(8, _pow2_at_least(-(-head_dim // 4))), PD_KEYS, -(-group // rows)
         shared = rows * PD_KEYS + 5 * rows + PA_THREADS // width * rows * head_dim

@@ -11,8 +11,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .attention_plan import (MAX_SPLITS, PA_MAX_HEAD_DIM, PA_OUTS, PA_THREADS, PD_KEYS,  # noqa: F401
-                             PD_MAX_ROWS, SHORT_ATTENTION_KEYS, _pow2_at_least, attention_plan,
-                             split_scratch_sizes)
+                             PD_MAX_ROWS, PREFILL_MIN_TOKENS, SHORT_ATTENTION_KEYS, _pow2_at_least,
+                             attention_plan, prefill_mma, split_scratch_sizes)
 from .delta_launch import DeltaNetLaunchers
 from .gemm import GEMM_MIN_TOKENS, GemmLaunchers, gemm_fits
 from .ops_launch import MATMUL_THREADS, OpsLaunchers
@@ -171,6 +171,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self.attention_rows = PD_MAX_ROWS  # most heads a one-token attention block takes (attention_plan)
         self.short_attention_keys = SHORT_ATTENTION_KEYS  # one token over at most this many keys: paged_attention_1s
         self._split_out = self._split_lse = None  # paged_attention's partial results, grown as needed
+        # chunks of at least prefill_tokens tokens take paged_prefill (tensor cores) where the GPU has it
+        self.prefill_mma, self.prefill_tokens = prefill_mma(runtime), PREFILL_MIN_TOKENS
 
     def _threads(self, work, cap=MAX_THREADS):
         """A power-of-two block size: enough for `work` items, at least one warp, at most `cap`."""
@@ -384,7 +386,9 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         start_at = (positions int64 [1] on the device, split scratch (out, lse) or None): the kernels read
         start there (a captured decode step replays with the step's position); `start` is then a bound on
         it that plans the key splits, and the splits write into the given scratch, which the capture keeps.
-        window > 0: query t attends only keys from start + t + 1 - window on (a sliding-window layer)."""
+        window > 0: query t attends only keys from start + t + 1 - window on (a sliding-window layer).
+        Chunks of prefill_tokens tokens or more take paged_prefill (tensor cores) where prefill_mma, in 3xTF32, in
+        TF32 where gemm_math is "tf32", not where it is "fp32"."""
         num_tokens, num_q_heads, head_dim = q.shape
         _, block_tokens, num_kv_heads, _ = k_pool.shape
         if head_dim > PA_MAX_HEAD_DIM or num_q_heads % num_kv_heads:
@@ -397,7 +401,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         if window > 0:
             num_keys = min(num_keys, window + num_tokens - 1)
         plan = attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, self.warp, self.max_splits,
-                              self.attention_rows, self.short_attention_keys)
+                              self.attention_rows, self.short_attention_keys,
+                              self.prefill_mma and self.gemm_math != "fp32", self.prefill_tokens)
         num_rows = num_tokens * num_q_heads
         if plan.splits == 1:
             target, target_lse, want_lse = out, self._or_dummy(lse), int(lse is not None)
@@ -414,8 +419,15 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                 np.int32(want_lse), *tokens, np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim),
                 np.int32(block_tokens), np.int32(start), np.int32(key_lo), np.float32(scale), np.int32(plan.rows),
                 np.int32(plan.width), np.int32(plan.split_keys), self._address(start_at), np.int32(window), np.int32(0))
-        self._launch(self._kv(kv_dtype, plan.kernel), (plan.num_tiles, num_kv_heads, plan.splits), PA_THREADS, args,
-                     shared_mem=plan.shared_mem)
+        kernel = self._kv(kv_dtype, plan.kernel)
+        if plan.kernel == "paged_prefill" and self.gemm_math == "tf32":  # opt-in: one TF32 mma a product
+            key = (kv_dtype, "paged_prefill_tf32")
+            if key not in self._functions:
+                mod = kv_module_name(kv_dtype)
+                self._functions[key] = self.rt.compile(mod + "_tf32", "#define PF_MATH 1\n" + module_source(mod),
+                                                       KV_KERNELS)["paged_prefill"]
+            kernel = self._functions[key]
+        self._launch(kernel, (plan.num_tiles, num_kv_heads, plan.splits), PA_THREADS, args, shared_mem=plan.shared_mem)
         if plan.splits > 1:
             self._launch(self._kv(kv_dtype, "paged_attention_merge"), (num_rows,), self._threads(head_dim),
                          (target, target_lse, out, self._or_dummy(lse), np.int32(lse is not None),

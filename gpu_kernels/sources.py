@@ -53,7 +53,8 @@ INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q", "moe_matmul2_1q", "moe_matmu
 # formats whose header defines INT_DECODE (slice_dot_q)
 INT_DECODE = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.IQ3_S})
 KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type
-KV_KERNELS = ("paged_attention", "paged_attention_1", "paged_attention_1s", "paged_attention_merge", "kv_write")
+KV_KERNELS = ("paged_attention", "paged_attention_1", "paged_attention_1s", "paged_attention_merge", "kv_write",
+              "paged_prefill")
 DELTA_NET_KERNELS = ("delta_conv1d_silu", "delta_gates", "delta_rule", "delta_l2norm", "delta_chunk_prep",
                      "delta_chunk_state", "delta_chunk_out", "rmsnorm_gated", "sigmoid_mul")
 
@@ -100,7 +101,7 @@ def module_source(name):
         files = ("common.cuh", f"{name}.cu") + (("moe_parts.cu", "routing.cu") if name == "ops" else ())
     elif name.startswith("kv_"):
         prefix = f"#define {KV_DEFINES[name.removeprefix('kv_')]}\n"
-        files = ("common.cuh", "kv.cu", "kv_short.cu")
+        files = ("common.cuh", "kv.cu", "kv_short.cu", "kv_prefill.cu")
     else:
         qtype = Q[name.removeprefix("matmul_").upper()]
         prefix = "".join(f"#define {key} {value}\n" for key, value in FORMAT_DEFINES.get(qtype, {}).items())

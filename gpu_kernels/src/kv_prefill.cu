@@ -1,0 +1,243 @@
+// Prompt-chunk attention on tensor cores (flash-attention style), after kv.cu in the kv modules (its kv_t, PagedKV,
+// load_kv4). A block of PF_THREADS (4 warps) takes PF_ROWS query rows (token, head) of one kv head, warp w the 16
+// rows 16 w .. 16 w + 15 (one m16 tile), their queries held in registers as mma A fragments; it streams the keys
+// by tiles of PF_KEYS positions, K and V widened to float into shared memory (shared by the 64 rows), and keeps an
+// online softmax per row in registers: S = Q K^T and O += P V by mma.sync m16n8k8, P never leaving registers (its
+// C-fragment values are the A fragment of the keys' order (2c, 2c + 1) -> (c, c + 4): V's B fragment reads keys
+// 8 kk + 2c and 8 kk + 2c + 1).
+//
+// Products (PF_MATH): 3 (default) 3xTF32 as gemm.cu's GEMM_MATH 3 (each operand a TF32 high part and the TF32 part
+// of its remainder: lo x hi, hi x lo, hi x hi), near float32; f16 and bf16 K/V are TF32 values already, their
+// remainder 0, so their hi x lo pass is left out. 1 (opt-in, gemm_math "tf32"): one mma of operands rounded to
+// TF32. The mma accumulate into fresh fragments, added in float32 (S once per PF_DSTEP dims, O once per key tile):
+// an H100's tensor cores truncate their sums. CUDA sm_80+ only (PF_MMA); elsewhere paged_prefill is an empty
+// kernel that the host never launches (attention_plan's `mma`: the paged_attention kernel instead).
+//
+// Shape legend: T tokens, Hq / Hkv query / kv heads, G = Hq / Hkv, D head dim (64 or 128), BT positions a block,
+// NK = PF_KEYS keys a tile, g = lane / 4, c = lane % 4 (a fragment's row and column group).
+
+#define PF_THREADS 128
+#define PF_ROWS 64  // query rows a block: 16 a warp
+#define PF_KEYS 32  // keys a tile
+#define PF_DSTEP 32  // dims of S's products summed in one fresh fragment
+#define PF_PAD 4  // K and V tiles' row stride D + PF_PAD (fragments' 32 lanes on 32 banks)
+#ifndef PF_MATH
+#define PF_MATH 3
+#endif
+#ifndef PF_MMA
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC_RTC__)
+#define PF_MMA 1
+#else
+#define PF_MMA 0
+#endif
+#endif
+#if defined(KV_F16) || defined(KV_BF16)
+#define PF_KV_TF32 1  // K and V values are TF32 values: their split's remainder is 0
+#else
+#define PF_KV_TF32 0
+#endif
+
+#if PF_MMA
+#ifndef PF_MMA_EMULATED
+// d [16 x 8] += a [16 x 8] @ b [8 x 8] over the warp (as gemm.cu's gemm_mma: PTX mma.m16n8k8 .tf32, each operand's
+// low 13 bits ignored; a (g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4); b (c, g), (c + 4, g); d (g, 2c), (g, 2c + 1),
+// (g + 8, 2c), (g + 8, 2c + 1)).
+__device__ __forceinline__ void pf_mma(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// hi, lo = v's TF32 split (gemm.cu's gemm_split): PF_MATH 3 hi = v (read truncated), lo = v - trunc(v); PF_MATH 1
+// hi = v rounded to TF32, lo unused.
+__device__ __forceinline__ void pf_split(float v, u32& hi, u32& lo) {
+    hi = __float_as_uint(v) + (PF_MATH == 3 ? 0u : 0x1000u);
+    lo = PF_MATH == 3 ? __float_as_uint(v - __uint_as_float(hi & 0xffffe000u)) : 0u;
+}
+
+// d += a @ b in PF_MATH's passes (a_split: a's lo pass; b_split: b's; neither: hi x hi only).
+__device__ __forceinline__ void pf_products(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], const u32 (&bh)[2],
+                                            const u32 (&bl)[2], bool b_split) {
+    if (PF_MATH == 3) {
+        pf_mma(d, al, bh);
+        if (b_split) pf_mma(d, ah, bl);
+    }
+    pf_mma(d, ah, bh);
+}
+
+// The block's rows row0 .. row0 + PF_ROWS - 1 of kv head kv.kvh over keys [kb, ke) (each row's own range within it);
+// writes as paged_attention. ks, vs: shared [NK][D + PF_PAD].
+template <int D>
+__device__ __forceinline__ void prefill_rows(const float* q, const PagedKV& kv, float* out, float* lse, int want_lse,
+                                             int T, int Hq, int start, int kb, int ke, int window, float scale,
+                                             float* ks, float* vs) {
+    const int KS = D + PF_PAD, NT = PF_KEYS / 8, DT = D / 8;
+    int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
+    int G = Hq / kv.Hkv, num_rows = T * G, row0 = blockIdx.x * PF_ROWS;
+    // the lane's rows g and g + 8 of the warp: their query values (A fragments by 8 dims), key ranges, softmax state
+    float qf[DT][4];
+    int kbeg[2], kend[2];
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // l: the lane's part of the row's sum
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int row = row0 + 16 * warp + g + 8 * h, t = row / G;
+        bool real = row < num_rows;
+        const float* qr = q + ((i64)t * Hq + kv.kvh * G + row % G) * D;
+#pragma unroll
+        for (int kk = 0; kk < DT; ++kk) {
+            qf[kk][h] = real ? qr[8 * kk + c] : 0.0f;
+            qf[kk][2 + h] = real ? qr[8 * kk + c + 4] : 0.0f;
+        }
+        kend[h] = real ? min(start + t + 1, ke) : 0;
+        kbeg[h] = window > 0 ? max(kb, start + t + 1 - window) : kb;
+    }
+    float o[DT][4];
+#pragma unroll
+    for (int j = 0; j < DT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[j][i] = 0.0f;
+    bool vec = D % 4 == 0;
+    int first_t = row0 / G, k_first = window > 0 ? max(kb, start + first_t + 1 - window) : kb;
+    for (int k0 = k_first; k0 < ke; k0 += PF_KEYS) {
+        __syncthreads();  // the last tile is read
+        for (int e = threadIdx.x; e < PF_KEYS * (D / 4); e += PF_THREADS) {
+            int j = e / (D / 4), d0 = (e - j * (D / 4)) * 4;
+            float kf[4] = {0.0f, 0.0f, 0.0f, 0.0f}, vf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (k0 + j < ke) load_kv4(kv, k0 + j, d0, vec, kf, vf);
+            *(float4*)(ks + j * KS + d0) = make_float4(kf[0], kf[1], kf[2], kf[3]);
+            *(float4*)(vs + j * KS + d0) = make_float4(vf[0], vf[1], vf[2], vf[3]);
+        }
+        __syncthreads();
+        // S [16][NK] = Q K^T: n8 tile j holds keys 8 j .. 8 j + 7; lane (g, c) reads K[8 j + g][8 kk + c (+ 4)]
+        float s[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[j][i] = 0.0f;
+#pragma unroll
+        for (int d0 = 0; d0 < DT; d0 += PF_DSTEP / 8) {
+            float part[NT][4];
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) part[j][i] = 0.0f;
+#pragma unroll
+            for (int kk = d0; kk < d0 + PF_DSTEP / 8; ++kk) {
+                u32 ah[4], al[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) pf_split(qf[kk][i], ah[i], al[i]);
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const float* kr = ks + (8 * j + g) * KS + 8 * kk + c;
+                    u32 bh[2], bl[2];
+                    pf_split(kr[0], bh[0], bl[0]);
+                    pf_split(kr[4], bh[1], bl[1]);
+                    pf_products(part[j], ah, al, bh, bl, !PF_KV_TF32);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[j][i] += part[j][i];
+        }
+        // online softmax of rows g (values 0, 1) and g + 8 (2, 3), keys k0 + 8 j + 2 c (+ 1); the quad's 4 lanes
+        // hold a row's keys
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    int key = k0 + 8 * j + 2 * c + e;
+                    float v = key >= kbeg[h] && key < kend[h] ? s[j][2 * h + e] * scale : NEG_INF;
+                    s[j][2 * h + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, SHFL_XOR(mx, 1, 32));
+            mx = fmaxf(mx, SHFL_XOR(mx, 2, 32));
+            float new_m = fmaxf(m[h], mx), sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float p = new_m == NEG_INF ? 0.0f : expf(s[j][2 * h + e] - new_m);
+                    s[j][2 * h + e] = p;
+                    sum += p;
+                }
+            corr[h] = m[h] == NEG_INF ? 0.0f : expf(m[h] - new_m);
+            l[h] = l[h] * corr[h] + sum;
+            m[h] = new_m;
+        }
+        // O [16][D] = O * corr + P V: P's k-step kk = keys 8 kk .. (lane (g, c) holds keys 2c, 2c + 1 of rows g,
+        // g + 8: A columns c, c + 4), V's B fragment (c, g), (c + 4, g) = V[8 kk + 2c (+ 1)][8 j + g]
+        u32 ph[NT][4], pl[NT][4];
+#pragma unroll
+        for (int kk = 0; kk < NT; ++kk) {
+            pf_split(s[kk][0], ph[kk][0], pl[kk][0]);
+            pf_split(s[kk][2], ph[kk][1], pl[kk][1]);
+            pf_split(s[kk][1], ph[kk][2], pl[kk][2]);
+            pf_split(s[kk][3], ph[kk][3], pl[kk][3]);
+        }
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int kk = 0; kk < NT; ++kk) {
+                const float* vr = vs + (8 * kk + 2 * c) * KS + 8 * j + g;
+                u32 bh[2], bl[2];
+                pf_split(vr[0], bh[0], bl[0]);
+                pf_split(vr[KS], bh[1], bl[1]);
+                pf_products(part, ph[kk], pl[kk], bh, bl, !PF_KV_TF32);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[j][i] = fmaf(o[j][i], corr[i / 2], part[i]);
+        }
+    }
+    // the rows' sums over their quads; out and lse at the split's slice
+    i64 split_rows = (i64)blockIdx.z * T * Hq;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float sum = l[h];
+        sum += SHFL_XOR(sum, 1, 32);
+        sum += SHFL_XOR(sum, 2, 32);
+        int row = row0 + 16 * warp + g + 8 * h;
+        if (row < num_rows) {
+            i64 orow = split_rows + (i64)(row / G) * Hq + kv.kvh * G + row % G;
+#pragma unroll
+            for (int j = 0; j < DT; ++j) {
+                float2 v;
+                v.x = sum > 0.0f ? o[j][2 * h] / sum : 0.0f;
+                v.y = sum > 0.0f ? o[j][2 * h + 1] / sum : 0.0f;
+                *(float2*)(out + orow * D + 8 * j + 2 * c) = v;
+            }
+            if (want_lse && c == 0) lse[orow] = sum > 0.0f ? m[h] + logf(sum) : NEG_INF;
+        }
+    }
+}
+#endif
+
+// paged_attention (kv.cu; the same arguments, R and NK unused: PF_ROWS and PF_KEYS) for prompt chunks of head dim 64
+// or 128 on tensor cores. grid (ceil(T * G / PF_ROWS), Hkv, S), block PF_THREADS, static shared memory only.
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
+paged_prefill(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale, const float* v_scale,
+              const int* table, const kv_t* k_stage, const kv_t* v_stage, const float* k_stage_scale,
+              const float* v_stage_scale, float* out, float* lse, int want_lse, int T, int Hq, int Hkv, int D, int BT,
+              int start, int key_lo, float scale, int R, int NK, int split_keys, const i64* start_at, int window,
+              int slot_table) {
+#if PF_MMA
+    if (start_at) start = (int)start_at[0];
+    if (window > 0) key_lo = max(key_lo, start + 1 - window);  // the first row's window: the splits' base
+    PagedKV kv = {k_pool, v_pool, k_scale, v_scale, k_stage, v_stage, k_stage_scale, v_stage_scale, table,
+                  BT, Hkv, D, (int)blockIdx.y};
+    int G = Hq / Hkv, last = min((int)(blockIdx.x + 1) * PF_ROWS, T * G) - 1;
+    int kb = key_lo + blockIdx.z * split_keys, ke = min(kb + split_keys, start + last / G + 1);
+    __shared__ float4 tiles[2 * PF_KEYS * (128 + PF_PAD) / 4];  // K and V tiles [NK][D + PF_PAD] each
+    float *ks = (float*)tiles, *vs = ks + PF_KEYS * (D + PF_PAD);
+    if (D == 128) prefill_rows<128>(q, kv, out, lse, want_lse, T, Hq, start, kb, ke, window, scale, ks, vs);
+    else prefill_rows<64>(q, kv, out, lse, want_lse, T, Hq, start, kb, ke, window, scale, ks, vs);
+#endif
+}
