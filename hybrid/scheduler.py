@@ -1,7 +1,9 @@
 """Slots, the request queue and continuous batching with chunked prompt reads.
 
 Plain Python: no kernels, no model. Every step carries one token for each
-decoding slot plus at most one prompt chunk (of the prompt admitted first).
+decoding slot plus the step's prompt tokens: chunks of the reading slots'
+prompts, the one admitted first first, so requests that arrive together and
+fit one step's budget are read together and start decoding together.
 
 The decode share rule: while decoding slots wait on a prompt read, prompt
 chunks may add at most `decode_step * (1 / decode_share - 1)` seconds per
@@ -62,6 +64,7 @@ class Slot:
     output_ids: list = field(default_factory=list)
     finish_reason: str = None
     prompt_started: float = 0.0
+    admitted: int = 0  # admission order: the prompt admitted first is read first
     prompt_finished: float = 0.0
     drafts: list = field(default_factory=list)  # draft tokens scored in this step's decode chunk
 
@@ -86,7 +89,7 @@ class ScheduledChunk:
 
 @dataclass
 class Step:
-    chunks: list  # decode chunks first, then at most one prompt chunk
+    chunks: list  # decode chunks first, then the prompt chunks (oldest admission first)
     cancelled: list  # requests dropped this step (from the queue or from a slot)
     num_decode: int = 0  # decoding slots (each scores one token, and its drafts)
     num_draft: int = 0  # draft tokens in the decode chunks
@@ -228,6 +231,7 @@ class Scheduler:
         self.clock = clock
         self.restore_prefix, self.park, self.draft = restore_prefix, park, draft
         self.step_times = StepTimes()
+        self._admissions = 0
 
     def add(self, request):
         if len(self.queue) >= self.max_queue:
@@ -243,15 +247,18 @@ class Scheduler:
         decoding = [s for s in self.slots if s.state is SlotState.DECODE]
         chunks = [self._decode_chunk(s, len(decoding)) for s in decoding]
         step = Step(chunks, cancelled, num_decode=len(chunks), num_draft=sum(len(c.slot.drafts) for c in chunks))
-        reading = [s for s in self.slots if s.state is SlotState.PREFILL]
+        reading = sorted((s for s in self.slots if s.state is SlotState.PREFILL), key=lambda s: s.admitted)
         if reading:
-            slot = min(reading, key=lambda s: s.prompt_started)
-            n = self.sizer.size(step.num_decode + step.num_draft, slot.num_prompt_left)
+            n = self.sizer.size(step.num_decode + step.num_draft, sum(s.num_prompt_left for s in reading))
             step.prompt_waiting, step.num_prompt = True, n
-            if n:
-                ids = slot.request.prompt_ids[slot.num_cached : slot.num_cached + n]
-                last = n == slot.num_prompt_left
+            for slot in reading:
+                take = min(n, slot.num_prompt_left)
+                if take == 0:
+                    break
+                ids = slot.request.prompt_ids[slot.num_cached : slot.num_cached + take]
+                last = take == slot.num_prompt_left
                 chunks.append(ScheduledChunk(slot, ids, slot.num_cached, "last" if last else "none"))
+                n -= take
         return step
 
     def _decode_chunk(self, slot, num_slots):
@@ -279,6 +286,8 @@ class Scheduler:
             if slot.state is SlotState.IDLE and self.queue:
                 slot.start(self.queue.popleft())
                 slot.prompt_started = self.clock()
+                self._admissions += 1
+                slot.admitted = self._admissions
                 if self.restore_prefix is not None:
                     slot.num_cached = slot.cache_n = self.restore_prefix(slot.request.prompt_ids, slot.kv)
 

@@ -102,20 +102,33 @@ def test_cancel_frees_slot_and_queue_entry():
     assert sched.slots[0].state is SlotState.IDLE and not sched.has_work()
 
 
-def test_one_prompt_chunk_per_step_first_admitted_first():
+def test_prompt_chunks_fill_the_step_first_admitted_first():
     clock = FakeClock()
     sched = make_scheduler(3, clock, max_step_tokens=64)
-    first, second = request(100), request(10)
-    sched.add(first)
-    sched.add(second)
+    first, second, third = request(100), request(10), request(40)
+    for r in (first, second, third):
+        sched.add(r)
     step, _ = run_step(sched, clock)
-    assert [(c.slot.request, len(c.token_ids)) for c in step.chunks] == [(first, 64)]
+    assert [(c.slot.request, len(c.token_ids), c.logits) for c in step.chunks] == [(first, 64, "none")]
+    step, _ = run_step(sched, clock)  # nobody decodes yet: the rest of the first, all of the second, part of the third
+    assert [(c.slot.request, len(c.token_ids), c.logits) for c in step.chunks] == [
+        (first, 36, "last"), (second, 10, "last"), (third, 18, "none")]
+    assert step.num_prompt == 64 and [c.start for c in step.chunks] == [64, 0, 0]
+    step, _ = run_step(sched, clock)  # the first step with decoders only decodes: it measures what chunks are
+    assert [c.slot.request for c in step.chunks] == [first, second]  # weighed against
     step, _ = run_step(sched, clock)
-    assert [(c.slot.request, len(c.token_ids)) for c in step.chunks] == [(first, 36)]
+    assert [c.slot.request for c in step.chunks] == [first, second, third]  # decode first, then the prompt chunk
+    assert step.chunks[-1].start == 18
+
+
+def test_requests_arriving_together_start_decoding_together():
+    clock = FakeClock()
+    sched = make_scheduler(4, clock, max_step_tokens=512)
+    for _ in range(4):
+        sched.add(request(32))
     step, _ = run_step(sched, clock)
-    assert [c.slot.request for c in step.chunks] == [first]  # the first step with a decoder only decodes: it
-    step, _ = run_step(sched, clock)  # measures what chunks are weighed against
-    assert [c.slot.request for c in step.chunks] == [first, second]  # decode first, then the prompt chunk
+    assert step.num_prompt == 128 and all(c.logits == "last" for c in step.chunks)
+    assert all(s.state is SlotState.DECODE for s in sched.slots)
 
 
 def moe_like_cost(num_decode, num_prompt):
