@@ -22,7 +22,7 @@ MAX_DECODE_PAIRS = MAX_THREADS  # a decode step's pairs at most: decode_tiles ru
 # A decode step of at least this many tokens groups its pairs by expert on the device (moe_parts.cu decode_groups) and
 # runs the tiled expert matmuls, each expert's rows read once for up to TILE_TOKENS of its pairs; fewer tokens run a
 # pair a work tile (the one-row kernels). None: never (the default: the tiled expert kernels made every step of 2 to
-# 16 users slower on an H100, bench/results/vs_llamacpp_gpu.md).
+# 16 users slower on an H100, bench/results/gpu_users.md).
 GROUP_DECODE_TOKENS = None
 _UNCAPTURED = object()  # a layer whose decode graph was not tried yet
 
