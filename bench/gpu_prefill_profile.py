@@ -5,7 +5,9 @@ Every expert is resident, so no host expert runs: whatever the wall time holds b
 own work between launches (routing read back, pair grouping, Python). Each launch is timed by events around it, so
 a kernel's time does not include the gaps the host leaves before it.
 
-    python bench/gpu_prefill_profile.py --model /tmp/q8l.gguf --tokens 512 [--runs 3] [--output FILE]
+    python bench/gpu_prefill_profile.py --model /tmp/q8l.gguf --tokens 512 [--runs 3] [--simt-attention] [--output FILE]
+
+--simt-attention: the prompt's attention by kv.cu's paged_attention, the kernel before paged_prefill (tensor cores).
 """
 import argparse
 import logging
@@ -43,10 +45,12 @@ def profile(model, tokens, runs):
 
 def markdown(args, times, per_chunk, walls, plain, gpu_name):
     total = sum(sum(v) for v in times.values()) / args.runs
-    lines = [f"Model `{Path(args.model).name}` on {gpu_name}, every expert resident; a {args.tokens}-token prompt in "
-             f"one chunk: {np.median(plain) * 1e3:.1f} ms wall ({args.tokens / np.median(plain):.0f} tok/s, median of "
-             f"{len(plain)}); with a timing event around each launch {np.median(walls) * 1e3:.1f} ms. {per_chunk:.0f} "
-             f"launches a chunk, their GPU time {total * 1e3:.2f} ms: the rest of the wall time is the host's.", "",
+    attention = " (SIMT attention)" if args.simt_attention else ""
+    lines = [f"Model `{Path(args.model).name}`{attention} on {gpu_name}, every expert resident; a {args.tokens}-token "
+             f"prompt in one chunk: {np.median(plain) * 1e3:.1f} ms wall ({args.tokens / np.median(plain):.0f} tok/s, "
+             f"median of {len(plain)}); with a timing event around each launch {np.median(walls) * 1e3:.1f} ms. "
+             f"{per_chunk:.0f} launches a chunk, their GPU time {total * 1e3:.2f} ms: the rest of the wall time is the "
+             "host's.", "",
              *kernel_table(times, args.runs, "a chunk", "share of GPU time")]
     return "\n".join(lines) + "\n"
 
@@ -57,12 +61,15 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--simt-attention", action="store_true")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from hybrid import LLM
 
     llm = LLM(args.model, device="gpu", threads=args.threads, max_context=args.tokens + 64, kv_sequences=1)
+    if args.simt_attention:
+        llm.model.backend.kernels.prefill_mma = False
     read_prompt(llm.model, args.tokens, 0)  # warm-up: compiles and sizes the work buffers
     plain = [read_prompt(llm.model, args.tokens, 1 + run) for run in range(args.runs)]
     times, per_chunk, walls = profile(llm.model, args.tokens, args.runs)

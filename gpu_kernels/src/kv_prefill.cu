@@ -18,7 +18,12 @@
 
 #define PF_THREADS 128
 #define PF_ROWS 64  // query rows a block: 16 a warp
+#ifndef PF_KEYS  // a compile-time alternative for bench/gpu_prefill_attention.py --variants
 #define PF_KEYS 32  // keys a tile
+#endif
+#ifndef PF_MIN_BLOCKS
+#define PF_MIN_BLOCKS 2  // blocks a multiprocessor holds (__launch_bounds__: registers a thread at most 255)
+#endif
 #define PF_DSTEP 32  // dims of S's products summed in one fresh fragment
 #define PF_PAD 4  // K and V tiles' row stride D + PF_PAD (fragments' 32 lanes on 32 banks)
 #ifndef PF_MATH
@@ -222,7 +227,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, const PagedKV& kv, 
 
 // paged_attention (kv.cu; the same arguments, R and NK unused: PF_ROWS and PF_KEYS) for prompt chunks of head dim 64
 // or 128 on tensor cores. grid (ceil(T * G / PF_ROWS), Hkv, S), block PF_THREADS, static shared memory only.
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MIN_BLOCKS)
 paged_prefill(const float* q, const kv_t* k_pool, const kv_t* v_pool, const float* k_scale, const float* v_scale,
               const int* table, const kv_t* k_stage, const kv_t* v_stage, const float* k_stage_scale,
               const float* v_stage_scale, float* out, float* lse, int want_lse, int T, int Hq, int Hkv, int D, int BT,
