@@ -148,6 +148,66 @@ def overlap_rows(label, trace):
             f"{np.mean([t['borrowed'] for t in trace]):.1f} |"]
 
 
+def handoff_rows(label, trace, rate, num_layers):
+    """Table rows: a decode layer's host experts, step, hand-off and the relay worker's wait and gap (ms), mean per
+    layer of the traced steps, against the decode step's wall time over its layers at `rate` tok/s."""
+    if not trace:
+        return []
+    ms = {key: np.array([t.get(key, np.nan) for t in trace], dtype=float) * 1e3
+          for key in ("cpu_s", "step_s", "wait_s", "gap_s")}
+    per_layer = 1e3 / rate / num_layers
+    relayed = not np.isnan(ms["wait_s"]).all()
+
+    def mean(a):
+        a = a[~np.isnan(a)]
+        return f"{a.mean():.3f}" if a.size else "-"
+
+    late = f"{np.mean(ms['wait_s'] < 2e-3):.0%}" if relayed else "-"
+    return [f"| {label} | {per_layer:.3f} | {mean(ms['cpu_s'])} | {mean(ms['step_s'])} | "
+            f"{mean(ms['step_s'] - ms['cpu_s'])} | {per_layer - np.nanmean(ms['step_s']):.3f} | "
+            f"{mean(ms['wait_s']) if relayed else '-'} | {late} | {mean(ms['gap_s']) if relayed else '-'} |"]
+
+
+def host_alone_rows(llm, share, threads, calls=64, gap_s=2e-4):
+    """Table row: the host's experts of a decode token (CpuBackend.host_decode_experts, as the relay worker runs
+    them) called `calls` times on every layer in turn with random routings, at `threads` Numba threads in this
+    thread: back to back, then with gap_s asleep between calls."""
+    import numba
+
+    from placement.borrow import expert_bytes
+
+    split, model = llm.model.split, llm.model
+    host, c = split.host, llm.config
+    layers = [lay for lay in model.layers if getattr(lay, "gate_exps", None) is not None]
+    rng = np.random.default_rng(5)
+    k = c.num_experts_per_tok
+    cases = [(rng.standard_normal((1, c.hidden_size)).astype(np.float32),
+              rng.choice(c.num_experts, k, replace=False)[None].astype(np.int32),
+              rng.random((1, k)).astype(np.float32)) for _ in range(calls)]
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for layer, (x, ids, weights) in zip(layers, cases):  # warm-up: each layer's plan made, its code compiled
+            host.host_decode_experts(layer, x, ids, weights, split.resident[layer.index])
+        result = []
+        for gap in (0.0, gap_s):
+            seconds, pairs, nbytes = [], 0, 0
+            for i, (x, ids, weights) in enumerate(cases):
+                layer = layers[i % len(layers)]
+                if gap:
+                    time.sleep(gap)
+                t0 = time.perf_counter()
+                _, n = host.host_decode_experts(layer, x, ids, weights, split.resident[layer.index])
+                seconds.append(time.perf_counter() - t0)
+                pairs, nbytes = pairs + n, nbytes + n * expert_bytes(layer)
+            result.append((float(np.mean(seconds)), nbytes / max(sum(seconds), 1e-12) / 1e9))
+    finally:
+        numba.set_num_threads(before)
+    (hot, hot_rate), (gaps, gap_rate) = result
+    return [f"| {share} | {threads} | {pairs / calls:.1f} | {hot * 1e3:.3f} | {hot_rate:.1f} | {gaps * 1e3:.3f} | "
+            f"{gap_rate:.1f} |"]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -171,7 +231,7 @@ def main(argv=None):
     modes = [DEFAULT_MODE] + [MODE_KEYS[k] for k in args.modes.split(",") if MODE_KEYS[k] != DEFAULT_MODE]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     size_gb = os.path.getsize(args.model) / 1e9
-    decode, overlap, prefill, concurrent, device = [], [], [], [], ""
+    decode, overlap, prefill, concurrent, device, handoff, alone = [], [], [], [], "", [], []
     arch = model_config(args.model).arch
     borrow_shares = {int(s) for s in args.borrow_shares.split(",")}
     for share in [int(s) for s in args.shares.split(",")]:
@@ -195,8 +255,12 @@ def main(argv=None):
                 decode_rate(llm, 2)  # warm-up: the relay compiles its host side per layer
                 trace = [t for t in traced(llm, lambda: decode_rate(llm, 8)) if t["tokens"] == 1]
                 overlap += overlap_rows(f"decode, {share} % resident, {mode}", trace)
+                mode_rate = rate
                 if mode != DEFAULT_MODE:
-                    decode[-1] += f" {decode_rate(llm, args.decode_tokens):.1f} |"
+                    mode_rate = decode_rate(llm, args.decode_tokens)
+                    decode[-1] += f" {mode_rate:.1f} |"
+                handoff += handoff_rows(f"{share} %, {mode}", trace, mode_rate, llm.config.num_layers)
+            alone += host_alone_rows(llm, share, split.relay.threads or chosen_threads())
             use_mode(split, DEFAULT_MODE)
         else:
             decode[-1] += " |" * (len(modes) - 1)
@@ -234,7 +298,23 @@ def main(argv=None):
              "Target: step <= 1.15 x max(CPU, GPU).", "",
              "| run | tokens | CPU busy ms | GPU busy ms | queuing ms | step ms | step / max median | p90 | "
              "borrowed experts |",
-             "|---|---|---|---|---|---|---|---|---|", *overlap, ""]
+             "|---|---|---|---|---|---|---|---|---|", *overlap, "",
+             "## A decode layer's host part and its hand-off, mean per layer (ms)", "",
+             "Token / layer: the decode step's wall time over the layers (the mode's own tok/s). Host experts: the "
+             "host's time from the routing seen to the rows posted (CPU busy above). Step: the device's clock from "
+             "the routing posted to the host rows added (relay; the whole ExpertSplit.run otherwise). Hand-off: "
+             "step - host experts (the copies both ways, flags seen late). Outside: token / layer - step (the "
+             "device's own layer, Python). Worker wait: the relay worker's spin before the routing came; late: the "
+             "share of layers whose routing was there before the worker (wait < 2 us); gap: the worker's time "
+             "between a layer's rows posted and its next wait (Python, the job queue).", "",
+             "| run | token / layer | host experts | step | hand-off | outside | worker wait | late | worker gap |",
+             "|---|---|---|---|---|---|---|---|---|", *handoff, "",
+             "## The host experts alone (CpuBackend.host_decode_experts called back to back, every layer in turn, "
+             "random routings, the relay worker's thread count)", "",
+             "GB/s: the non-resident pairs' expert bytes over the time. Hot: calls back to back; gaps: 0.2 ms "
+             "asleep between calls (as between a step's layers).", "",
+             "| resident % | threads | pairs a call | ms a call, hot | GB/s hot | ms a call, gaps | GB/s gaps |",
+             "|---|---|---|---|---|---|---|", *alone, ""]
     log.info("\n%s", "\n".join(lines))
     if args.output:
         args.output.write_text("\n".join(lines))

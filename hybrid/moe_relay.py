@@ -111,8 +111,14 @@ class DecodeRelay:
                 usage.record(layer.index, mailbox.routing_ids(layer.index, num_tokens))
         if trace is not None:
             rate = ticks_per_second() or 1.0
+            last_posted = None
             for (layer, pending, queue_s, num_tokens), result in zip(relayed, results):
                 start, stop = mailbox.times[layer.index]
                 gpu_s = device.expert_seconds(pending) if pending is not None and device.time_experts else 0.0
+                # wait_s: the worker's spin before the routing came (~0: it came first, the worker was late);
+                # gap_s: the worker's time between the last layer's rows posted and this layer's wait
+                gap_s = (result.entered - last_posted) / rate if last_posted is not None else float("nan")
                 trace.append(dict(layer=layer.index, tokens=num_tokens, cpu_s=(result.posted - result.seen) / rate,
-                                  gpu_s=gpu_s, queue_s=queue_s, step_s=(stop - start) * 1e-9, borrowed=0))
+                                  gpu_s=gpu_s, queue_s=queue_s, step_s=(stop - start) * 1e-9, borrowed=0,
+                                  wait_s=(result.seen - result.entered) / rate, gap_s=gap_s))
+                last_posted = result.posted

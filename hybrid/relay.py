@@ -92,6 +92,7 @@ class RelayResult:
     seen: int  # time-stamp counter ticks when the routing was seen
     posted: int  # ... when the rows were posted
     error: BaseException = None
+    entered: int = 0  # ... when the worker began to wait for the routing (== seen: it came before the worker)
 
     def problem(self):
         """None, or why this layer's host part gave no rows."""
@@ -169,14 +170,15 @@ class HostRelay:
             layer, seq, resident, num_tokens = job
             try:
                 numba.set_num_threads(min(self.threads or chosen_threads(), numba.config.NUMBA_NUM_THREADS))
-                status, pairs, seen, posted = self.host.relay_decode_experts(layer, self.mailbox, seq, resident,
-                                                                             self.limit_ticks, num_tokens)
+                status, pairs, entered, seen, posted = self.host.relay_decode_experts(
+                    layer, self.mailbox, seq, resident, self.limit_ticks, num_tokens)
                 error = None
             except Exception as exc:  # any failure of the host part: the step fails, the worker goes on
-                status, pairs, seen, posted, error = WAIT_FAILED, 0, 0, 0, exc
+                status, pairs, entered, seen, posted, error = WAIT_FAILED, 0, 0, 0, 0, exc
             if status != WAIT_OK:  # zero rows, so a device wait ends now rather than at its timeout
                 self.mailbox.outbox[layer.index] = 0.0
                 post(self.mailbox.flags_out, layer.index * LINE, seq)
             with self._answered:
-                self._results.append(RelayResult(layer.index, int(status), int(pairs), int(seen), int(posted), error))
+                self._results.append(RelayResult(layer.index, int(status), int(pairs), int(seen), int(posted), error,
+                                                 int(entered)))
                 self._answered.notify_all()

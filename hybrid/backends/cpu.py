@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from cpu_kernels import activation, attention, moe_combine, prefetch, rmsnorm, rope, routing
 from cpu_kernels.formats import format_for, is_supported
-from cpu_kernels.act_quant import FLOAT, act_quant_code
-from cpu_kernels.tiles import ONE_EXPERT, ONE_ROW, kernels_of
+from cpu_kernels.act_quant import FLOAT, INT16, act_quant_code
+from cpu_kernels.tiles import DECODE_MAX_TOKENS, ONE_EXPERT, ONE_ROW, PROMPT_ITEMS, kernels_of
 
 from ..host_memory import huge_page_copy
 from ..kv_cache import KVPool, SequenceKV, blocks_for
@@ -305,8 +305,8 @@ class CpuBackend(CpuDeltaOps):
 
     def relay_decode_experts(self, layer, mailbox, seq, resident, limit_ticks, num_tokens=1):
         """The host side of the decode relay for one layer of step `seq` (num_tokens tokens; hybrid/relay.py), as
-        one compiled call that waits for the routing in `mailbox`: (status, pairs run, ticks at the routing seen,
-        ticks at the rows posted)."""
+        one compiled call that waits for the routing in `mailbox`: (status, pairs run, time-stamp counter ticks at the
+        wait's start, at the routing seen, at the rows posted)."""
         plan = self._host_plan(layer)
         mb = mailbox
         return plan.relay(mb.inbox, mb.inbox.view(np.int32), mb.outbox, mb.flags_in, mb.flags_out, mb.abort,
@@ -346,12 +346,15 @@ class CpuBackend(CpuDeltaOps):
                 or up_exps.shape[1] != width or down_exps.shape[1] != hidden:
             raise ValueError(f"experts: x {x.dtype} {x.shape} and {gate_exps.name} {gate_exps.shape}, "
                              f"{up_exps.name} {up_exps.shape}, {down_exps.name} {down_exps.shape} do not fit")
+        # a prompt's few-token groups as several-token items (tiles.PROMPT_ITEMS); a verification step's stay
+        # one-token dots, bit for bit a decode step's
+        act_quant = self.act_quant + (PROMPT_ITEMS if self.act_quant == INT16 and num_tokens > DECODE_MAX_TOKENS else 0)
         if up_exps.qtype == gate_exps.qtype and up_exps.raw.shape == gate_exps.raw.shape \
                 and up_exps.raw.flags.writeable == gate_exps.raw.flags.writeable:  # one type: one tuple
-            gate_k.parallel(gate_k.raws + up_k.raws, xs, expert_ids, row_starts, (gate, up), self.act_quant)
+            gate_k.parallel(gate_k.raws + up_k.raws, xs, expert_ids, row_starts, (gate, up), act_quant)
         else:
-            gate_k.parallel(gate_k.raws, xs, expert_ids, row_starts, (gate,), self.act_quant)
-            up_k.parallel(up_k.raws, xs, expert_ids, row_starts, (up,), self.act_quant)
+            gate_k.parallel(gate_k.raws, xs, expert_ids, row_starts, (gate,), act_quant)
+            up_k.parallel(up_k.raws, xs, expert_ids, row_starts, (up,), act_quant)
         if glu is None:
             (activation.swiglu_serial if small else activation.swiglu)(gate, up, gate)
         else:
@@ -359,7 +362,7 @@ class CpuBackend(CpuDeltaOps):
             (activation.clamped_swiglu_serial if small else activation.clamped_swiglu)(
                 gate, up, pair_expert, glu.gate_bias, glu.up_bias, glu.alpha, glu.limit, gate)
         down = scratch.get("down", (num_pairs, hidden))  # [N, H]
-        down_k.parallel(down_k.raws, gate, expert_ids, row_starts, (down,), self.act_quant)
+        down_k.parallel(down_k.raws, gate, expert_ids, row_starts, (down,), act_quant)
         if glu is not None:
             (activation.add_pair_bias_serial if small else activation.add_pair_bias)(down, pair_expert, glu.down_bias)
         out = np.zeros((num_tokens, hidden), dtype=np.float32)

@@ -62,12 +62,13 @@ def host_relay_template(inbox, inbox_bits, outbox, flags_in, flags_out, abort, i
     seq, run the non-resident pairs of the step's n = num_tokens tokens (HOST: this plan's host experts) on
     inbox[index] f32 [n * (2K + H)] (ids [n, K] as int32 bits, read through inbox_bits, weights [n, K], x [n, H]),
     write their sums to outbox[index] f32 [n * H] and post seq on flags_out[index * LINE]. Returns (status,
-    pairs, ticks when the routing was seen, ticks when the rows were posted); a wait that ends without the
-    routing (aborted, timed out) posts nothing."""
+    pairs, time-stamp counter ticks when the wait began, when the routing was seen, when the rows were posted);
+    a wait that ends without the routing (aborted, timed out) posts nothing."""
+    entered = cycles()
     status = wait_for(flags_in, index * LINE, seq, abort, limit_ticks)
     seen = cycles()
     if status != WAIT_OK:
-        return status, 0, seen, seen
+        return status, 0, entered, seen, seen
     pairs_n = num_tokens * top_k
     ids = np.empty((num_tokens, top_k), dtype=np.int32)  # [n, K]
     weights = np.empty((num_tokens, top_k), dtype=np.float32)  # [n, K]
@@ -81,7 +82,7 @@ def host_relay_template(inbox, inbox_bits, outbox, flags_in, flags_out, abort, i
     for i in range(num_tokens * hidden):
         outbox[index, i] = out[i // hidden, i % hidden]
     atomic_store(flags_out, index * LINE, seq)
-    return WAIT_OK, pairs, seen, cycles()
+    return WAIT_OK, pairs, entered, seen, cycles()
 
 
 class HostExpertsPlan:

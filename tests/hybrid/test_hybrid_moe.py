@@ -441,6 +441,8 @@ def test_decode_relay_records_usage_and_trace(gguf_models):
     assert [t["layer"] for t in trace] == list(range(c.num_layers))
     for t in trace:
         assert t["cpu_s"] > 0 and t["step_s"] >= t["cpu_s"] * 0.5 and t["queue_s"] > 0, t
+        assert t["wait_s"] >= 0 and (t["layer"] == 0 or t["gap_s"] >= 0), t  # the worker's spin, its time between
+    assert np.isnan(trace[0]["gap_s"])  # layers (none before the step's first)
 
 
 def test_decode_relay_failure_fails_the_step_and_the_next_one_runs(gguf_models, monkeypatch):
