@@ -44,7 +44,17 @@ DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "thread": "one compiled call in a worker thread", "inline, op by op": "NumPy bookkeeping and five "
                 "kernel calls"}
 MODE_KEYS = {"inline": "inline", "relay": "relay", "spare": "relay, a core spare", "thread": "thread",
-             "opbyop": "inline, op by op"}  # --modes names
+             "opbyop": "inline, op by op"}  # --modes names; relayN (e.g. relay14): the relay's worker on N threads
+
+
+def mode_name(key):
+    """The DECODE_MODES name of a --modes key (relayN added to DECODE_MODES as "relay, N threads"), or None."""
+    if key.startswith("relay") and key[5:].isdigit() and int(key[5:]) > 0:
+        name, threads = f"relay, {int(key[5:])} threads", int(key[5:])
+        DECODE_MODES[name] = dict(DECODE_MODES["relay"], relay_threads=lambda: threads)
+        DECODE_NOTES[name] = f"the relay, its worker's experts on {threads} Numba threads"
+        return name
+    return MODE_KEYS.get(key)
 DEFAULT_MODE = "relay" if SplitSettings().decode_relay else "inline"
 
 
@@ -148,6 +158,17 @@ def overlap_rows(label, trace):
             f"{np.mean([t['borrowed'] for t in trace]):.1f} |"]
 
 
+def blocking_sync():
+    """Make the CUDA context's host waits sleep rather than spin (logged where the runtime refuses: a context made)."""
+    try:
+        import cupy
+
+        cupy.cuda.runtime.setDeviceFlags(cupy.cuda.runtime.deviceScheduleBlockingSync)
+        log.info("CUDA host waits block (cudaDeviceScheduleBlockingSync)")
+    except Exception as exc:  # no CuPy, or flags refused: the run goes on with the default (spin where cores are free)
+        log.warning("--blocking-sync not applied: %s: %s", type(exc).__name__, exc)
+
+
 def handoff_rows(label, trace, rate, num_layers):
     """Table rows: a decode layer's host experts, step, hand-off and the relay worker's wait and gap (ms), mean per
     layer of the traced steps, against the decode step's wall time over its layers at `rate` tok/s."""
@@ -223,12 +244,17 @@ def main(argv=None):
                    "engine at each share (0: not)")
     p.add_argument("--modes", default="relay,spare,inline", help="decode host-part ways to time below 100 %% resident "
                    "(thread and opbyop, slower than the relay at every share in session 25, only when named) "
-                   f"({', '.join(f'{k}: {v}' for k, v in MODE_KEYS.items())}); the default way always runs")
+                   f"({', '.join(f'{k}: {v}' for k, v in MODE_KEYS.items())}; relayN: the relay, its worker on N "
+                   "threads); the default way always runs")
+    p.add_argument("--blocking-sync", action="store_true", help="the CUDA context's host waits block (sleep) rather "
+                   "than spin (cudaDeviceScheduleBlockingSync), set before the model loads")
     args = p.parse_args(argv)
-    unknown = set(args.modes.split(",")) - set(MODE_KEYS)
+    unknown = {k for k in args.modes.split(",") if mode_name(k) is None}
     if unknown:
-        p.error(f"--modes: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODE_KEYS)})")
-    modes = [DEFAULT_MODE] + [MODE_KEYS[k] for k in args.modes.split(",") if MODE_KEYS[k] != DEFAULT_MODE]
+        p.error(f"--modes: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODE_KEYS)}, relayN)")
+    modes = [DEFAULT_MODE] + [mode_name(k) for k in args.modes.split(",") if mode_name(k) != DEFAULT_MODE]
+    if args.blocking_sync:
+        blocking_sync()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     size_gb = os.path.getsize(args.model) / 1e9
     decode, overlap, prefill, concurrent, device, handoff, alone = [], [], [], [], "", [], []
