@@ -286,7 +286,7 @@ def main(argv=None):
                     mode_rate = decode_rate(llm, args.decode_tokens)
                     decode[-1] += f" {mode_rate:.1f} |"
                 handoff += handoff_rows(f"{share} %, {mode}", trace, mode_rate, llm.config.num_layers)
-            alone += host_alone_rows(llm, share, split.relay.threads or chosen_threads())
+            alone += host_alone_rows(llm, share, split.settings.relay_threads or chosen_threads())  # the default's
             use_mode(split, DEFAULT_MODE)
         else:
             decode[-1] += " |" * (len(modes) - 1)
