@@ -2,8 +2,9 @@
 kv_prefill.cu's paged_prefill (tensor cores) against kv.cu's paged_attention (SIMT, the kernel before it), each
 launch (with its split merge) captured `--reps` times back to back in one graph, the best replay's time over reps.
 Chunks of `--tokens` tokens whose last key is at each of `--keys`; then chunks of few tokens (PREFILL_MIN_TOKENS);
-with --variants also paged_prefill compiled with other tiles (PF_KEYS, PF_MIN_BLOCKS) and the opt-in TF32. Each
-result's largest difference from the SIMT kernel's, relative to its largest value, beside its time.
+with --variants also paged_prefill compiled with other tiles (PF_KEYS, PF_MIN_BLOCKS), cp.async double buffering
+(PF_ASYNC) and the opt-in TF32. Each result's largest difference from the SIMT kernel's, relative to its largest
+value, beside its time.
 
     python3 bench/gpu_prefill_attention.py [--tokens 512] [--keys 512,2048,8192] [--kv f32] [--variants]
 """
@@ -18,8 +19,9 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_decode_ops import graph_us  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 4, 128, 64
-VARIANTS = {"PF_KEYS 16": "#define PF_KEYS 16\n", "PF_MIN_BLOCKS 1": "#define PF_MIN_BLOCKS 1\n",
-            "tf32 (opt-in)": "#define PF_MATH 1\n"}
+VARIANTS = {"PF_KEYS 16": "#define PF_KEYS 16\n",
+            "PF_ASYNC (f32), PF_KEYS 16": "#define PF_KEYS 16\n#define PF_ASYNC 1\n",
+            "PF_MIN_BLOCKS 1": "#define PF_MIN_BLOCKS 1\n", "tf32 (opt-in)": "#define PF_MATH 1\n"}
 
 
 def cache(rt, rng, kv_dtype, num_keys):

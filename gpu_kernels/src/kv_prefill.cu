@@ -36,6 +36,14 @@
 #define PF_MMA 0
 #endif
 #endif
+// PF_ASYNC (a compile-time alternative, f32 K/V on the mma path): the next tile's K and V copied by cp.async into a
+// second buffer while the block computes on this one (two buffers of PF_KEYS 16 fit the 48 KiB of static shared).
+#if !defined(PF_ASYNC) || !defined(KV_F32) || !PF_MMA
+#undef PF_ASYNC
+#define PF_ASYNC 0
+#endif
+#define PF_BUFS (PF_ASYNC ? 2 : 1)
+static_assert(PF_BUFS * 2 * PF_KEYS * (128 + PF_PAD) * 4 <= 48 * 1024, "K and V tiles fit static shared memory");
 #if defined(KV_F16) || defined(KV_BF16)
 #define PF_KV_TF32 1  // K and V values are TF32 values: their split's remainder is 0
 #else
@@ -53,6 +61,14 @@ __device__ __forceinline__ void pf_mma(float (&d)[4], const u32 (&a)[4], const u
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+#if PF_ASYNC
+// 16 bytes global -> shared, in flight until pf_wait_prior / the group after it is waited for.
+__device__ __forceinline__ void pf_copy16(float* dst, const float* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void pf_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void pf_wait_prior() { asm volatile("cp.async.wait_group 1;"); }
+#endif
 #endif
 
 // hi, lo = v's TF32 split (gemm.cu's gemm_split): PF_MATH 3 hi = v (read truncated), lo = v - trunc(v); PF_MATH 1
@@ -72,12 +88,40 @@ __device__ __forceinline__ void pf_products(float (&d)[4], const u32 (&ah)[4], c
     pf_mma(d, ah, bh);
 }
 
+// K and V of keys [k0, k0 + NK) widened into tile [K, V][NK][D + PF_PAD], keys at or past ke 0 (not read). PF_ASYNC:
+// cp.async copies (f32 rows as they are) left in flight for pf_wait_prior.
+template <int D>
+__device__ __forceinline__ void pf_load_tile(const PagedKV& kv, int k0, int ke, float* tile) {
+    const int KS = D + PF_PAD;
+    for (int e = threadIdx.x; e < PF_KEYS * (D / 4); e += PF_THREADS) {
+        int j = e / (D / 4), d0 = (e - j * (D / 4)) * 4;
+        float* kd = tile + j * KS + d0;
+        float* vd = kd + PF_KEYS * KS;
+#if PF_ASYNC
+        if (k0 + j < ke) {
+            int p = k0 + j, b = p / kv.BT, pb = kv.table[b];
+            bool pool = pb >= 0;
+            i64 row = ((i64)(pool ? pb : b) * kv.BT + (p - b * kv.BT)) * kv.Hkv + kv.kvh;
+            pf_copy16(kd, (pool ? kv.k_pool : kv.k_stage) + row * D + d0);
+            pf_copy16(vd, (pool ? kv.v_pool : kv.v_stage) + row * D + d0);
+        } else {
+            *(float4*)kd = *(float4*)vd = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#else
+        float kf[4] = {0.0f, 0.0f, 0.0f, 0.0f}, vf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (k0 + j < ke) load_kv4(kv, k0 + j, d0, true, kf, vf);
+        *(float4*)kd = make_float4(kf[0], kf[1], kf[2], kf[3]);
+        *(float4*)vd = make_float4(vf[0], vf[1], vf[2], vf[3]);
+#endif
+    }
+}
+
 // The block's rows row0 .. row0 + PF_ROWS - 1 of kv head kv.kvh over keys [kb, ke) (each row's own range within it);
-// writes as paged_attention. ks, vs: shared [NK][D + PF_PAD].
+// writes as paged_attention. tiles: shared, PF_BUFS buffers of K and V [NK][D + PF_PAD].
 template <int D>
 __device__ __forceinline__ void prefill_rows(const float* q, const PagedKV& kv, float* out, float* lse, int want_lse,
                                              int T, int Hq, int start, int kb, int ke, int window, float scale,
-                                             float* ks, float* vs) {
+                                             float* tiles) {
     const int KS = D + PF_PAD, NT = PF_KEYS / 8, DT = D / 8;
     int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
     int G = Hq / kv.Hkv, num_rows = T * G, row0 = blockIdx.x * PF_ROWS;
@@ -103,17 +147,26 @@ __device__ __forceinline__ void prefill_rows(const float* q, const PagedKV& kv, 
     for (int j = 0; j < DT; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[j][i] = 0.0f;
-    bool vec = D % 4 == 0;
     int first_t = row0 / G, k_first = window > 0 ? max(kb, start + first_t + 1 - window) : kb;
-    for (int k0 = k_first; k0 < ke; k0 += PF_KEYS) {
-        __syncthreads();  // the last tile is read
-        for (int e = threadIdx.x; e < PF_KEYS * (D / 4); e += PF_THREADS) {
-            int j = e / (D / 4), d0 = (e - j * (D / 4)) * 4;
-            float kf[4] = {0.0f, 0.0f, 0.0f, 0.0f}, vf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (k0 + j < ke) load_kv4(kv, k0 + j, d0, vec, kf, vf);
-            *(float4*)(ks + j * KS + d0) = make_float4(kf[0], kf[1], kf[2], kf[3]);
-            *(float4*)(vs + j * KS + d0) = make_float4(vf[0], vf[1], vf[2], vf[3]);
-        }
+    int num_tiles = k_first < ke ? (ke - k_first + PF_KEYS - 1) / PF_KEYS : 0;
+    const int TILE = 2 * PF_KEYS * KS;  // floats of a buffer: K then V [NK][D + PF_PAD]
+#if PF_ASYNC
+    if (num_tiles > 0) pf_load_tile<D>(kv, k_first, ke, tiles);
+    pf_commit();
+#endif
+    for (int it = 0; it < num_tiles; ++it) {
+        int k0 = k_first + it * PF_KEYS;
+        __syncthreads();  // the last tile is read (PF_ASYNC: the buffer the next one fills)
+#if PF_ASYNC
+        const float* ks = tiles + (it & 1) * TILE;
+        if (it + 1 < num_tiles) pf_load_tile<D>(kv, k0 + PF_KEYS, ke, tiles + ((it + 1) & 1) * TILE);
+        pf_commit();
+        pf_wait_prior();  // all but the copies of the next tile landed
+#else
+        const float* ks = tiles;
+        pf_load_tile<D>(kv, k0, ke, tiles);
+#endif
+        const float* vs = ks + PF_KEYS * KS;
         __syncthreads();
         // S [16][NK] = Q K^T: n8 tile j holds keys 8 j .. 8 j + 7; lane (g, c) reads K[8 j + g][8 kk + c (+ 4)]
         float s[NT][4];
@@ -240,9 +293,8 @@ paged_prefill(const float* q, const kv_t* k_pool, const kv_t* v_pool, const floa
                   BT, Hkv, D, (int)blockIdx.y};
     int G = Hq / Hkv, last = min((int)(blockIdx.x + 1) * PF_ROWS, T * G) - 1;
     int kb = key_lo + blockIdx.z * split_keys, ke = min(kb + split_keys, start + last / G + 1);
-    __shared__ float4 tiles[2 * PF_KEYS * (128 + PF_PAD) / 4];  // K and V tiles [NK][D + PF_PAD] each
-    float *ks = (float*)tiles, *vs = ks + PF_KEYS * (D + PF_PAD);
-    if (D == 128) prefill_rows<128>(q, kv, out, lse, want_lse, T, Hq, start, kb, ke, window, scale, ks, vs);
-    else prefill_rows<64>(q, kv, out, lse, want_lse, T, Hq, start, kb, ke, window, scale, ks, vs);
+    __shared__ float4 tiles[PF_BUFS * 2 * PF_KEYS * (128 + PF_PAD) / 4];  // [PF_BUFS][K, V][NK][D + PF_PAD]
+    if (D == 128) prefill_rows<128>(q, kv, out, lse, want_lse, T, Hq, start, kb, ke, window, scale, (float*)tiles);
+    else prefill_rows<64>(q, kv, out, lse, want_lse, T, Hq, start, kb, ke, window, scale, (float*)tiles);
 #endif
 }

@@ -137,6 +137,12 @@ template <class T> static inline T __shfl_xor(T v, int mask, int width) {
 }
 """
 
+ASYNC = r"""
+static inline void pf_copy16(float* dst, const float* src) { std::memcpy(dst, src, 16); }  // cp.async, landed at once
+static inline void pf_commit() {}
+static inline void pf_wait_prior() {}
+"""
+
 HARNESS = r"""
 extern "C" void run_prefill(const float* q, const kv_t* k_pool, const kv_t* v_pool, const int* table,
                             const kv_t* k_stage, const kv_t* v_stage, float* out, float* lse, int T, int Hq, int Hkv,
@@ -152,13 +158,13 @@ extern "C" void run_prefill(const float* q, const kv_t* k_pool, const kv_t* v_po
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    """kv_dtype -> kv.cu's helpers and kv_prefill.cu for the CPU, loaded."""
+    """(kv_dtype, defines) -> kv.cu's helpers and kv_prefill.cu (after `defines`) for the CPU, loaded."""
     if shutil.which("g++") is None:
         pytest.skip("no g++")
     libs = {}
 
-    def get(kv_dtype):
-        if kv_dtype not in libs:
+    def get(kv_dtype, defines=""):
+        if (kv_dtype, defines) not in libs:
             prelude = PRELUDE.replace("#define __shared__\n", "#define __shared__ static\n").replace(
                 "static Dim3 threadIdx, blockDim;\nstatic inline void __syncthreads() {}\n", THREADS).replace(
                 "template <class T> static inline T __shfl_xor(T v, int, int) { return v; }\n", SHUFFLE)
@@ -168,15 +174,16 @@ def build(tmp_path_factory):
             kv = (SRC / "kv.cu").read_text().split("// Paged causal GQA attention.")[0]
             common = module_source(f"kv_{kv_dtype}").split("// ---- kv.cu")[0]
             source = (prelude + float_bits + "struct float2 { float x, y; };\nstatic inline int max(int a, int b) "
-                      "{ return a > b ? a : b; }\n" + common + kv + mma + (SRC / "kv_prefill.cu").read_text()
+                      "{ return a > b ? a : b; }\n" + common + kv + mma + ASYNC + defines
+                      + (SRC / "kv_prefill.cu").read_text()
                       + HARNESS)
-            path = tmp_path_factory.mktemp("prefill_" + kv_dtype)
+            path = tmp_path_factory.mktemp("prefill_" + kv_dtype + "_async" * ("PF_ASYNC" in defines))
             (path / "prefill.cpp").write_text(source)
             subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-fno-gnu-unique", "-shared", "-fPIC", "-o",
                             str(path / "prefill.so"), str(path / "prefill.cpp")], check=True, capture_output=True,
                            text=True)
-            libs[kv_dtype] = ctypes.CDLL(str(path / "prefill.so"))
-        return libs[kv_dtype]
+            libs[kv_dtype, defines] = ctypes.CDLL(str(path / "prefill.so"))
+        return libs[kv_dtype, defines]
 
     return get
 
@@ -229,3 +236,13 @@ def test_emulated_prefill(build, reference_kernels, case, head_dim, group, split
 def test_emulated_prefill_f16(build, reference_kernels):
     """f16 K/V: their hi x lo pass left out (TF32 values already)."""
     check(None, Emulated(build("f16")), reference_kernels, "f16", (9, 40, 5, 1, 16, 0), 64, 8, num_kv_heads=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,head_dim,group,splits", [((70, 20, 0, 0, 16, 24), 64, 1, 1),
+                                                        ((9, 61, 0, 2, 16, 0), 128, 8, 2)], ids=["window", "splits"])
+def test_emulated_prefill_async(build, reference_kernels, case, head_dim, group, splits):
+    """PF_ASYNC (bench/gpu_prefill_attention.py's variant): two buffers of PF_KEYS 16, the next tile's copies issued
+    before this one's products."""
+    lib = build("f32", "#define PF_KEYS 16\n#define PF_ASYNC 1\n")
+    check(None, Emulated(lib, splits), reference_kernels, "f32", case, head_dim, group, num_kv_heads=1)
