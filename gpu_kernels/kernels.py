@@ -388,7 +388,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         it that plans the key splits, and the splits write into the given scratch, which the capture keeps.
         window > 0: query t attends only keys from start + t + 1 - window on (a sliding-window layer).
         Chunks of prefill_tokens tokens or more take paged_prefill (tensor cores) where prefill_mma, in 3xTF32, in
-        TF32 where gemm_math is "tf32", not where it is "fp32"."""
+        TF32 where gemm_math is "tf32", not where it is "fp32" nor in a captured step (start_at: its scratch is
+        split_scratch_sizes')."""
         num_tokens, num_q_heads, head_dim = q.shape
         _, block_tokens, num_kv_heads, _ = k_pool.shape
         if head_dim > PA_MAX_HEAD_DIM or num_q_heads % num_kv_heads:
@@ -402,7 +403,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
             num_keys = min(num_keys, window + num_tokens - 1)
         plan = attention_plan(num_tokens, group, num_kv_heads, head_dim, num_keys, self.warp, self.max_splits,
                               self.attention_rows, self.short_attention_keys,
-                              self.prefill_mma and self.gemm_math != "fp32", self.prefill_tokens)
+                              self.prefill_mma and self.gemm_math != "fp32" and start_at is None, self.prefill_tokens)
         num_rows = num_tokens * num_q_heads
         if plan.splits == 1:
             target, target_lse, want_lse = out, self._or_dummy(lse), int(lse is not None)
