@@ -166,10 +166,11 @@ def without_int8(act_quant):
 
 @njit(nogil=True, cache=True)
 def _num_decode_rows(x, items, wanted):
-    """x's row count if `wanted` and a work item [W, 6] has a single token (prefill rounds x its own way:
-    prefill_i16), else 0."""
+    """x's row count if `wanted` and a work item [W, 6] has a single token or is a decode item (token chunk
+    tiles.NO_CHUNK, -1: a prompt's several-token decode items dot int16 x too), else 0 (prefill rounds x its own
+    way: prefill_i16)."""
     for i in range(items.shape[0] if wanted else 0):
-        if items[i, 3] - items[i, 2] == 1:
+        if items[i, 3] - items[i, 2] == 1 or items[i, 4] < 0:
             return x.shape[0]
     return 0
 

@@ -25,10 +25,11 @@ import numpy as np
 from numba import njit, prange
 
 from . import simd
-from .act_quant import FLOAT, INT8, quantize_rows, quantize_rows_i8, without_int8
+from .act_quant import FLOAT, INT8, INT16, quantize_rows, quantize_rows_i8, without_int8
 from .prefill import dot_tile, token_panels
 from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows
-from .tiles import ROWS_PER_ITEM, decode_sub_block_sums, work_items
+from .tiles import NO_CHUNK, PROMPT_ITEMS, ROWS_PER_ITEM, decode_sub_block_sums, work_items
+from .tokens_dot import TOKENS_PER_PASS, tokens_dot_intrinsic
 from .twins import renamed_copy
 
 # Names the templates read from the instance's globals (F821 below): the format's intrinsics _dot_rows,
@@ -77,6 +78,22 @@ def rows_dot_i8(w, r0, r1, xq, aux, out):
         _dot_row_i8(w, rr, xq, aux, out)  # noqa: F821
 
 
+def tokens_dot_i16(w, r0, r1, t0, t1, xq, aux, out):
+    """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T, x as int16 (xq [N, C], aux [N, C/16] as rows_dot_i16 reads them):
+    TOKENS_PER_PASS tokens a pass over each row, then 2, then the one-token dots (tokens_dot.py)."""
+    t = t0
+    while t1 - t >= TOKENS_PER_PASS:
+        for r in range(r0, r1):
+            _dot_tokens_i16(w, r, xq, aux, t, out)  # noqa: F821
+        t += TOKENS_PER_PASS
+    if t1 - t >= 2:
+        for r in range(r0, r1):
+            _dot_tokens2_i16(w, r, xq, aux, t, out)  # noqa: F821
+        t += 2
+    if t < t1:
+        _rows_dot_i16(w, r0, r1, xq[t], aux[t], out[t])  # noqa: F821
+
+
 # -- tiles: one work item (e, r0, t0, t1, s, r1) ----------------------------------------------------------
 
 def tile(w, x, xq, xaux, panels, pxq, pdx, psums, out, item, act_quant):
@@ -84,6 +101,9 @@ def tile(w, x, xq, xaux, panels, pxq, pdx, psums, out, item, act_quant):
     panels [S, C, 64]."""
     r0, t0, t1 = item[1], item[2], item[3]
     r1 = item[5]
+    if item[4] == NO_CHUNK and t1 - t0 > 1:  # a prompt's decode item of several tokens (int16: PROMPT_ITEMS)
+        _tokens_dot_i16(w, r0, r1, t0, t1, xq, xaux, out)
+        return
     if t1 - t0 == 1 and act_quant:
         _rows_dot_i16(w, r0, r1, xq[t0], xaux[t0], out[t0])  # noqa: F821
         return
@@ -107,6 +127,9 @@ def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_q
     panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
     r1 = item[5]
+    if item[4] == NO_CHUNK and t1 - t0 > 1:  # a prompt's decode item of several tokens (int16: PROMPT_ITEMS)
+        _tokens_dot_i16(w, r0, r1, t0, t1, xq, xaux, out)
+        return
     if t1 - t0 == 1 and act_quant == INT8:
         _rows_dot_i8(w, r0, r1, x8[t0], x8aux[t0], out[t0])  # noqa: F821
         return
@@ -133,6 +156,9 @@ def tile_sums(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, ite
     xsum [N, C/32], panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
     r1 = item[5]
+    if item[4] == NO_CHUNK and t1 - t0 > 1:  # a prompt's decode item of several tokens (int16: PROMPT_ITEMS)
+        _tokens_dot_i16(w, r0, r1, t0, t1, xq, xaux, out)
+        return
     if t1 - t0 == 1 and act_quant == INT8:
         _rows_dot_i8(w, r0, r1, x8[t0], x8aux[t0], out[t0])  # noqa: F821
         return
@@ -164,7 +190,10 @@ def dequantize(raw, out):
 
 def prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2])  # [W, 6]
+    several = act_quant == INT16 + PROMPT_ITEMS
+    act_quant %= PROMPT_ITEMS
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
+                       several)
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
@@ -174,7 +203,10 @@ def prepare(raws, x, expert_ids, row_starts, act_quant):
 
 def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2])  # [W, 6]
+    several = act_quant == INT16 + PROMPT_ITEMS
+    act_quant %= PROMPT_ITEMS
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
+                       several)
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
@@ -186,7 +218,10 @@ def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
 def prepare_sums(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part; x rounded for the
     int16 dots by _quantize_rows (quantize_rows, or quantize_rows_split), for the int8 ones in NIBBLE_ORDER."""
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2])  # [W, 6]
+    several = act_quant == INT16 + PROMPT_ITEMS
+    act_quant %= PROMPT_ITEMS
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
+                       several)
     xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
@@ -223,17 +258,19 @@ def run_item_sums(raws, x, items, prep, outs, i, act_quant):
 
 
 def moe_matmul(raws, x, expert_ids, row_starts, outs, act_quant):
-    """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region)."""
+    """outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k (one parallel region);
+    act_quant plus tiles.PROMPT_ITEMS: a prompt's call (int16 groups of a few tokens as several-token items)."""
     items, prep = _prepare(raws, x, expert_ids, row_starts, act_quant)  # noqa: F821
+    plain = act_quant % PROMPT_ITEMS
     for i in prange(items.shape[0] * len(raws)):
-        _run_item(raws, x, items, prep, outs, i, act_quant)  # noqa: F821
+        _run_item(raws, x, items, prep, outs, i, plain)  # noqa: F821
 
 
 # -- instances ----------------------------------------------------------------------------------------------
 
 _DOT = dict(nogil=True, fastmath=True)
 _OPTIONS = {  # each template's njit options (and cache=True)
-    rows_dot: _DOT, rows_dot_sums: _DOT, rows_dot_i16: _DOT, rows_dot_i8: _DOT,
+    rows_dot: _DOT, rows_dot_sums: _DOT, rows_dot_i16: _DOT, rows_dot_i8: _DOT, tokens_dot_i16: _DOT,
     tile: _DOT, tile_i8: _DOT, tile_sums: _DOT,
     dequantize: dict(parallel=True, nogil=True),
     prepare: dict(nogil=True), prepare_i8: dict(nogil=True), prepare_sums: dict(nogil=True),
@@ -281,7 +318,11 @@ def instance(name, shape, block_bytes, block_size, unpack_row, x_levels, block, 
         if block_fn is not None:
             names[f"_dot_rows{suffix}"] = simd.rows_dot_intrinsic(block_fn, block_bytes, simd.ROWS_IN_FLIGHT)
             names[f"_dot_row{suffix}"] = simd.rows_dot_intrinsic(block_fn, block_bytes, 1)
-    templates = dict(zip(Kernels._fields, (*shape[:4], dequantize, *shape[4:], moe_matmul)))
+    names["_dot_tokens_i16"] = tokens_dot_intrinsic(block_i16, block_bytes, 1, TOKENS_PER_PASS)
+    names["_dot_tokens2_i16"] = tokens_dot_intrinsic(block_i16, block_bytes, 1, 2)
+    templates = dict(zip(("rows_dot", "rows_dot_i16", "rows_dot_i8", "tokens_dot_i16", "tile", "dequantize", "prepare",
+                          "run_item", "moe_matmul"), (*shape[:3], tokens_dot_i16, shape[3], dequantize, *shape[4:],
+                                                      moe_matmul)))
     suffix = f"{name}_{source_digest(sys.modules[unpack_row.__module__])}"
     for kernel, template in templates.items():  # each compiled with the instances before it as globals
         if template is not None:
@@ -299,7 +340,8 @@ def source_digest(format_module):
     own = sorted(name for name in imported if name and name.startswith(f"{__package__}."))
     for module in (format_module, simd, sys.modules[__name__], sys.modules[quantize_rows.__module__],
                    sys.modules[dot_tile.__module__], sys.modules[integer_prefill.__module__],
-                   sys.modules[work_items.__module__], *(sys.modules[name] for name in own)):
+                   sys.modules[work_items.__module__], sys.modules[tokens_dot_intrinsic.__module__],
+                   *(sys.modules[name] for name in own)):
         with open(module.__file__, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:8]

@@ -30,6 +30,9 @@ TOKENS_PER_ITEM = 64  # tokens per work item: each unpacked weight row serves up
 DECODE_MAX_TOKENS = 8  # groups of at most this many tokens are split into one-token (decode) items
 NO_CHUNK = -1  # the token chunk of a decode item: no panel (a 256-token prompt over 512 experts, top-10, made
 # ~2,500 one-token panels of 300 KB each when decode items had chunks: 60 % of its experts' time)
+PROMPT_ITEMS = 4  # added to an act_quant code: a prompt's call, whose int16 groups of a few tokens run as decode items
+# of all their tokens (cpu_kernels/tokens_dot.py: the rows unpacked once for them; rounds ~1e-7 apart from the
+# one-token dots, so a verification step, which must give one-token steps' logits bit for bit, does not ask it)
 PARALLEL_MIN_SUM_ROWS = 256  # sub_block_sums of fewer rows run serially (no parallel region to open)
 
 ONE_EXPERT = np.zeros(1, dtype=np.int64)  # expert_ids of a plain matmul
@@ -38,25 +41,26 @@ KERNELS = {}  # format module name: (moe_kernel, moe_kernel_serial), as format_a
 
 
 @njit(nogil=True, cache=True)
-def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0):
+def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, several=False):
     """Split every group into (rows, tokens) tiles: [W, 6] of (expert, first row, first token, end token,
     token chunk, end row), the token chunk numbering the distinct (first token, end token) ranges of the prefill
     items from 0 (their token panels: prefill.token_panels). Groups of at most DECODE_MAX_TOKENS tokens get
     one-token (decode) items of decode_rows_per_item rows (rows of row_bytes bytes: 0 unknown), each row range's
-    tokens in a row, token chunk NO_CHUNK (they read x, no panel); the others ROWS_PER_ITEM rows by
-    TOKENS_PER_ITEM tokens."""
+    tokens in a row, token chunk NO_CHUNK (they read x, no panel), or with `several` one decode item of all the
+    group's tokens a row range (PROMPT_ITEMS); the others ROWS_PER_ITEM rows by TOKENS_PER_ITEM tokens."""
     num_decode = 0
     for g in range(expert_ids.shape[0]):
         if not 0 <= expert_ids[g] < num_experts or row_starts[g + 1] < row_starts[g]:
             raise ValueError("moe_matmul: expert_ids out of range or row_starts decreasing")
         num_tokens = row_starts[g + 1] - row_starts[g]
-        num_decode += num_tokens if num_tokens <= DECODE_MAX_TOKENS else 0
+        if num_tokens <= DECODE_MAX_TOKENS:
+            num_decode += 1 if several else num_tokens
     decode_rows = decode_rows_per_item(num_decode, num_rows, num_threads(), row_bytes)
     num_items = 0
     for g in range(expert_ids.shape[0]):
         num_tokens = row_starts[g + 1] - row_starts[g]
         if num_tokens <= DECODE_MAX_TOKENS:
-            num_items += (num_rows + decode_rows - 1) // decode_rows * num_tokens
+            num_items += (num_rows + decode_rows - 1) // decode_rows * (1 if several else num_tokens)
         else:
             num_items += ((num_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
                           * ((num_tokens + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM))
@@ -65,6 +69,11 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0):
     chunk = 0
     for g in range(expert_ids.shape[0]):
         t0, t1 = row_starts[g], row_starts[g + 1]
+        if t1 - t0 <= DECODE_MAX_TOKENS and several:
+            for r0 in range(0, num_rows, decode_rows):
+                _set_item(items, i, expert_ids[g], r0, t0, t1, NO_CHUNK, min(r0 + decode_rows, num_rows))
+                i += 1
+            continue
         if t1 - t0 <= DECODE_MAX_TOKENS:
             for r0 in range(0, num_rows, decode_rows):
                 for t in range(t0, t1):
