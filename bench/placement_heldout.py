@@ -3,11 +3,12 @@
 Each prompt of a set is read and continued for `--decode` tokens once, recording every token's routing
 (layer, experts). Then, for `--splits` random halves of the set: a profile is made from half A as a short
 profiling run makes it (every prompt token, and only the first `--profile-decode` generated tokens of each
-prompt), each expert cache of `--fraction` of all experts is chosen from it, and is scored on half B's
-decode routings (all `--decode` tokens of each prompt):
+prompt; one part per prompt, as `strata profile` keeps them), each expert cache of `--fraction` of all
+experts is chosen from it, and is scored on half B's decode routings (all `--decode` tokens of each prompt):
 
-- plan: the planner (`plan_slots`), its decode estimate the decode routings with the prompt's as prior;
-- plan (decode only): the planner fed the profile's decode shares alone (what it did before);
+- plan: the planner (`plan_slots`): its plan where its check on the profile's own parts keeps it, else
+  the global top-k (planner.cross_check);
+- plan, unchecked: the planner's plan of the same profile without its parts (no check possible);
 - global top-k: the most used (layer, expert) pairs by the profile's counts, prompt and decode together;
 - uniform: each layer's most used experts by those counts, the same number in every layer.
 
@@ -106,6 +107,28 @@ def record(llm, prompts, decode, seed):
     return out
 
 
+def save_records(path, key, recorded):
+    """Writes {set name: records} (see `record`) with `key`, the settings they were made with."""
+    arrays = {"key": np.array(key), "sets": np.array(list(recorded))}
+    for i, records in enumerate(recorded.values()):
+        arrays[f"prefill{i}"] = np.stack([r[0] for r in records])  # [N, L, E]
+        arrays[f"tokens{i}"] = np.array([r[1] for r in records])  # [N]
+        arrays[f"steps{i}"] = np.stack([r[2] for r in records])  # [N, D, L, K]
+    np.savez_compressed(path, **arrays)
+
+
+def load_records(path, key):
+    """{set name: records} of `path` when it was written with `key`, else None."""
+    if not os.path.exists(path):
+        return None
+    with np.load(path) as data:
+        if str(data["key"]) != key:
+            log.info("%s was recorded with other settings: recording again", path)
+            return None
+        return {str(name): list(zip(data[f"prefill{i}"], data[f"tokens{i}"].tolist(), data[f"steps{i}"]))
+                for i, name in enumerate(data["sets"])}
+
+
 def decode_counts(records, num_tokens, num_experts):
     """(int64 [L, E], tokens): the first `num_tokens` decode routings of each record (None: all)."""
     counts, tokens = 0, 0
@@ -118,23 +141,28 @@ def decode_counts(records, num_tokens, num_experts):
 
 
 def profile_of(records, profile_decode, shape, k):
+    """The profile of `records` as `strata profile` writes it: one part per prompt."""
     L, E = shape
+    parts = [(r[0], *decode_counts([r], profile_decode, E), r[1]) for r in records]  # (prefill, decode, tokens)
     dec, dec_tokens = decode_counts(records, profile_decode, E)
-    return ExpertProfile("heldout", k, sum(r[0] for r in records), dec, np.zeros((L, E, E), np.int64),
-                         sum(r[1] for r in records), dec_tokens)
+    profile = ExpertProfile("heldout", k, sum(r[0] for r in records), dec, np.zeros((L, E, E), np.int64),
+                            sum(r[1] for r in records), dec_tokens)
+    return profile.with_parts(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]),
+                              np.array([(p[3], p[2]) for p in parts]))
 
 
 def masks(profile, sizes, num_slots):
-    """{name: bool [L, E]} of every cache choice from one profile."""
+    """({name: bool [L, E]} of every cache choice from one profile, the plan's check)."""
     layers = range(profile.num_layers)
     counts = profile.counts("all").astype(np.float64)
-    decode_only = ExpertProfile(profile.model_id, profile.num_experts_per_tok, np.zeros_like(profile.prefill),
-                                profile.decode, profile.coactivation, 0, profile.tokens_decode)
+    one_part = ExpertProfile(profile.model_id, profile.num_experts_per_tok, profile.prefill, profile.decode,
+                             profile.coactivation, profile.tokens_prefill, profile.tokens_decode)
     shape = (profile.num_layers, profile.num_experts)
-    return {"plan": plan_slots(profile, sizes, num_slots, batch=1).resident_mask(*shape),
-            "plan (decode only)": plan_slots(decode_only, sizes, num_slots, batch=1).resident_mask(*shape),
+    checked = plan_slots(profile, sizes, num_slots, batch=1)
+    return {"plan": checked.resident_mask(*shape),
+            "plan, unchecked": plan_slots(one_part, sizes, num_slots, batch=1).resident_mask(*shape),
             "global top-k": global_top_mask(counts, layers, num_slots),
-            "uniform": uniform_mask(counts, layers, num_slots)}
+            "uniform": uniform_mask(counts, layers, num_slots)}, checked.settings["check"]
 
 
 def evaluate(records, args, sizes, k, shape, num_slots, rng):
@@ -147,7 +175,9 @@ def evaluate(records, args, sizes, k, shape, num_slots, rng):
         scores.setdefault("prior strength", []).append(profile.decode_estimate()[1])
         held_counts, held_tokens = decode_counts(b, None, shape[1])
         cost = CostModel(held_counts / held_tokens, sizes, 1, Speeds(), 4096, "f16")
-        for name, mask in masks(profile, sizes, num_slots).items():
+        choices, check = masks(profile, sizes, num_slots)
+        scores.setdefault("plan kept", []).append(check["keep"])
+        for name, mask in choices.items():
             hit = float(held_counts[mask].sum() / held_counts.sum())
             entry = scores.setdefault(name, ([], []))
             entry[0].append(hit)
@@ -160,17 +190,18 @@ def table(results):
              "| plan >= global top-k: hit rate / step, splits |", "|---|---|---|---|---|---|"]
     for (set_name, fraction), scores in results:
         top_hit, top_ms = scores["global top-k"]
-        strength = scores.pop("prior strength")
+        strength, kept = scores.pop("prior strength"), scores.pop("plan kept")
         log.info("%s, %.0f %%: the plan's prompt prior %.3g routings (median)", set_name, 100 * fraction,
                  np.median(strength))
         for name, (hits, ms) in scores.items():
-            if name == "plan":
+            wins = ""
+            if name.startswith("plan"):
                 gap = 100 * (np.array(hits) - np.array(top_hit))  # hit-rate points over global top-k, per split
                 wins = (f"{sum(h >= t - 1e-12 for h, t in zip(hits, top_hit))}/{len(hits)} / "
                         f"{sum(m <= t + 1e-12 for m, t in zip(ms, top_ms))}/{len(ms)}; points over top-k: "
                         f"median {np.median(gap):+.2f}, worst {gap.min():+.2f}")
-            else:
-                wins = ""
+            if name == "plan":
+                wins += f"; check kept the plan in {sum(kept)}/{len(kept)}"
             lines.append(f"| {set_name} | {fraction:.0%} | {name} | {np.median(hits):.2%} ({min(hits):.2%}-"
                          f"{max(hits):.2%}) | {np.median(ms):.4f} | {wins} |")
     return "\n".join(lines)
@@ -188,6 +219,9 @@ def main(argv=None):
     parser.add_argument("--splits", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--records", default=None,
+                        help="an .npz keeping the recorded routings: read when it was made with the same model, "
+                             "prompts and decode settings, written otherwise (scoring runs then skip generation)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -201,14 +235,20 @@ def main(argv=None):
             "training stdlib files": code_prompts(llm.tokenizer, stdlib_files(False), args.prompts,
                                                   args.prompt_tokens, rng),
             "random tokens": random_prompts(c.vocab_size, args.prompts, args.prompt_tokens, rng)}
+    key = repr((os.path.abspath(args.model), args.prompts, args.prompt_tokens, args.decode, args.seed))
+    cached = load_records(args.records, key) if args.records else None
+    recorded = {}
     results = []
     for set_name, prompts in sets.items():
         log.info("%s: %d prompts of %d tokens, %d generated each", set_name, len(prompts), args.prompt_tokens,
                  args.decode)
-        records = record(llm, prompts, args.decode, args.seed)
+        records = cached[set_name] if cached else record(llm, prompts, args.decode, args.seed)
+        recorded[set_name] = records
         for fraction in map(float, args.fractions.split(",")):
             num_slots = int(round(fraction * shape[0] * shape[1]))
             results.append(((set_name, fraction), evaluate(records, args, sizes, k, shape, num_slots, rng)))
+    if args.records and not cached:
+        save_records(args.records, key, recorded)
     text = table(results)
     print(text)
     if args.out:

@@ -41,6 +41,7 @@ def _add_plan(sub):
 
 
 def _run_profile(args):
+    import numpy as np
     from tqdm import tqdm
 
     from hybrid.expert_usage import ExpertUsage
@@ -58,6 +59,7 @@ def _run_profile(args):
     llm = args.load_llm(args)
     llm.warm_up()  # the kernels compile here, with their own progress bar, not inside the first prompt's
     usage = llm.model.usage = ExpertUsage.for_config(llm.config)
+    parts = []  # per prompt: (prefill [L, E], decode [L, E], tokens [2]) up to then, for the planner's check
     with tqdm(prompts, unit="prompt", desc="profiling") as bar:
         for i, prompt in enumerate(bar):
             given = prompt.text if prompt.messages is None else llm.tokenizer.encode_chat(prompt.messages)
@@ -65,8 +67,10 @@ def _run_profile(args):
                 llm.generate(given, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i)
             except ValueError as exc:
                 raise ValueError(f"{args.prompts} line {prompt.line}: {exc}") from None
+            parts.append((usage.prefill.copy(), usage.decode.copy(), (usage.tokens_prefill, usage.tokens_decode)))
             bar.set_postfix(tokens=usage.tokens_prefill + usage.tokens_decode)
     profile = usage.to_profile(model_id(llm.weights), source=f"profile {os.path.basename(args.prompts)}")
+    profile = profile.with_parts(*(np.diff(np.stack([np.zeros_like(a[0]), *a]), axis=0) for a in zip(*parts)))
     profile.save(args.output)
     print(format_summary(summarize(profile)))
     print(f"profile written to {args.output}")
@@ -143,4 +147,15 @@ def format_plan(placement):
             ("global top-k", placement.baselines["global_top"])]
     for name, p in rows:
         lines.append(f"  {name:14s}{p['resident']:9d}{p['hit_rate']:10.1%}{p['decode_tok_s']:14.1f}{p['step_ms']:9.2f}")
+    lines.append(format_check(s.get("check")))
     return "\n".join(lines)
+
+
+def format_check(check):
+    """One line on planner.cross_check's verdict."""
+    if not check or not check["folds"]:
+        return "plan not checked: the profile has one part (record it with `strata profile` to keep one per prompt)"
+    verdict = "the plan is kept" if check["keep"] else "not shown: the cache holds the global top-k by the counts"
+    return (f"checked on {check['folds']} folds of the profile: the plan's gain over the global top-k "
+            f"{check['gain_ms']:+.4f} ms +- {check['gain_se_ms']:.4f} a step ({check['hit_points']:+.2f} hit-rate "
+            f"points held out): {verdict}")

@@ -25,7 +25,15 @@ most is optimal for the sum (ties go to the lower layer, then the lower expert i
 a dynamic programme over (layer, slots used) finds the optimum. Several GPUs: contiguous layer
 ranges, a layer's experts live on the GPU that runs its layer; `auto` tries every split, keeps the
 fastest, then the most even memory use.
-Shape legend: L layers, E experts.
+
+The plan is kept only where it is shown to beat the simple baseline, the global top-k (the most used
+(layer, expert) pairs by the profile's counts, prompt and decode together), on routings it did not
+plan from (`cross_check`): the profile's parts (its prompts, or groups of them) are dealt into folds;
+for each fold both choices are made from the other folds and scored on the fold's routings by the
+cost model (the predicted step). The plan stays where its mean gain over the folds exceeds
+CHECK_Z standard errors, else the cache holds the global top-k. A profile of one part (no parts
+kept, a single recording) cannot be checked: the plan stays.
+Shape legend: L layers, E experts, P parts.
 """
 import itertools
 import logging
@@ -36,12 +44,15 @@ import numpy as np
 
 from .budget import MIB, BudgetError, check_fits, gpu_budget
 from .placement import GpuPlacement, Placement
+from .profile import decode_estimate
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_GBPS = 40.0  # expert weights streamed by the CPU kernels; pass a measured value
 DEFAULT_GPU_GBPS = 3000.0  # H200-class HBM at realistic efficiency
 MAX_SPLITS = 200_000  # layer splits `auto` may try
+MAX_FOLDS = 10  # folds of the profile's parts in `cross_check`
+CHECK_Z = 1.0  # standard errors of mean gain over the folds that keep the plan
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,75 @@ def fill_slots(mask, probs, layers, num_free):
     return mask | global_top_mask(left_out, layers, num_free, minimum=0.0)
 
 
+def planned_mask(cost, groups):
+    """bool [L, E]: the plan of each (layers, expert slots) of `groups` by `cost`, its free slots filled."""
+    mask = np.zeros(cost.q.shape, dtype=bool)
+    for layers, num_slots in groups:
+        planned = cost.plan_layers(layers, num_slots)
+        mask |= fill_slots(planned, cost.p, layers, num_slots - int(planned.sum()))
+    return mask
+
+
+def top_mask(counts, groups):
+    """bool [L, E]: the global top-k by `counts` [L, E] of each (layers, expert slots) of `groups`."""
+    mask = np.zeros(np.shape(counts), dtype=bool)
+    for layers, num_slots in groups:
+        mask |= global_top_mask(np.asarray(counts, dtype=np.float64), layers, num_slots)
+    return mask
+
+
+def cross_check(profile, sizes, groups, batch, speeds=Speeds(), max_context=4096, kv_dtype="f16"):
+    """The plan against the global top-k on parts of the profile it did not plan from: a JSON-ready dict with
+    folds, gain (mean over folds of top-k's predicted step minus the plan's, ms; > 0: the plan is faster),
+    gain_se (its standard error), hit_points (mean hit-rate points of the plan over top-k) and keep (whether
+    the gain exceeds CHECK_Z standard errors); folds 0 and keep True where the profile has one part.
+
+    The profile's parts are dealt into min(parts, MAX_FOLDS) folds (part i to fold i mod folds); each fold's
+    choices are planned from the others' counts as `plan_slots` plans (decode estimate, `planned_mask`) and
+    as the baseline chooses (`top_mask` of prompt and decode counts together), and scored by the cost model
+    on the fold's own routings of the phase being planned for (decode, prefill for a profile without decode
+    tokens)."""
+    prefill, decode, tokens = profile.parts()  # [P, L, E], [P, L, E], [P, 2]
+    phase = 1 if profile.tokens_decode else 0
+    target = (prefill, decode)[phase]
+    usable = tokens[:, phase] > 0
+    num_folds = min(int(usable.sum()), MAX_FOLDS)
+    if num_folds < 2:
+        return {"folds": 0, "keep": True, "why": "one part: nothing to hold out"}
+    prefill, decode, tokens, target = prefill[usable], decode[usable], tokens[usable], target[usable]
+    fold_of = np.arange(len(tokens)) % num_folds
+    total_prefill, total_decode, total_tokens = prefill.sum(axis=0), decode.sum(axis=0), tokens.sum(axis=0)
+    gains, hits = [], []
+    for fold in range(num_folds):
+        held = fold_of == fold
+        train_prefill = total_prefill - prefill[held].sum(axis=0)
+        train_decode = total_decode - decode[held].sum(axis=0)
+        train_tokens = total_tokens - tokens[held].sum(axis=0)
+        probs, _ = decode_estimate(train_prefill, train_decode, *train_tokens.tolist(), profile.num_experts_per_tok)
+        plan_mask = planned_mask(CostModel(probs, sizes, batch, speeds, max_context, kv_dtype), groups)
+        baseline = top_mask(train_prefill + train_decode, groups)
+        held_counts = target[held].sum(axis=0)
+        held_cost = CostModel(np.clip(held_counts / tokens[held, phase].sum(), 0.0, 1.0), sizes, batch, speeds,
+                              max_context, kv_dtype)
+        gains.append(1e3 * (held_cost.step_seconds(baseline) - held_cost.step_seconds(plan_mask)))
+        hits.append(100 * (held_counts[plan_mask].sum() - held_counts[baseline].sum()) / max(held_counts.sum(), 1))
+    gain, gain_se = float(np.mean(gains)), float(np.std(gains, ddof=1) / np.sqrt(num_folds))
+    return {"folds": num_folds, "gain_ms": gain, "gain_se_ms": gain_se, "hit_points": float(np.mean(hits)),
+            "keep": bool(gain > CHECK_Z * gain_se and gain > 0.0)}
+
+
+def checked_mask(profile, sizes, groups, plan, batch, speeds, max_context, kv_dtype):
+    """(mask, check): the plan `plan` bool [L, E] of `groups` where `cross_check` keeps it, else the global
+    top-k of the profile's counts."""
+    check = cross_check(profile, sizes, groups, batch, speeds, max_context, kv_dtype)
+    if check["keep"]:
+        return plan, check
+    log.info("profile %s: the plan's gain over the global top-k is not shown on held-out parts of the profile "
+             "(%+.4g ms +- %.2g a step): using the global top-k", profile.model_id, check["gain_ms"],
+             check["gain_se_ms"])
+    return top_mask(profile.counts("all"), groups), check
+
+
 def uniform_mask(probs, layers, num_slots):
     """Baseline: the same number of slots in every layer, each layer's most used experts."""
     mask = np.zeros(probs.shape, dtype=bool)
@@ -236,7 +316,10 @@ def plan(profile, sizes, budgets, speeds=Speeds()):
     if best is None:
         raise first_error
     mask, gpu_budgets, _, _ = best
-    return _placement_of_split(profile, cost, mask, gpu_budgets, budgets, speeds, phase)
+    groups = [(range(b.first_layer, b.last_layer), b.expert_slots) for b in gpu_budgets]
+    mask, check = checked_mask(profile, sizes, groups, mask, budgets.num_slots, speeds, budgets.max_context,
+                               budgets.kv_dtype)
+    return _placement_of_split(profile, cost, mask, gpu_budgets, budgets, speeds, phase, check)
 
 
 def _plan_split(cost, sizes, budgets, ranges):
@@ -247,8 +330,7 @@ def _plan_split(cost, sizes, budgets, ranges):
         budget = gpu_budget(sizes, gpu, len(ranges), budgets.gpu_mib[gpu] * MIB, layers, budgets.num_slots,
                             budgets.max_context, budgets.kv_dtype, budgets.reserve_mib * MIB, budgets.kv_resident)
         check_fits(budget, budgets.num_slots, budgets.max_context, budgets.kv_dtype)
-        planned = cost.plan_layers(layers, budget.expert_slots)
-        mask |= fill_slots(planned, cost.p, layers, budget.expert_slots - int(planned.sum()))
+        mask |= planned_mask(cost, [(layers, budget.expert_slots)])
         gpu_budgets.append(budget)
         used.append(1.0 - (budget.free - mask[layers.start:layers.stop].sum() * budget.slot_bytes) / budget.total)
     return mask, gpu_budgets, cost.step_seconds(mask), max(used) - min(used)
@@ -268,20 +350,21 @@ def plan_slots(profile, sizes, num_slots, batch, speeds=Speeds(), max_context=40
     probs, phase = _layer_probs(profile)
     cost = CostModel(probs, sizes, batch, speeds, max_context, kv_dtype)
     layers = range(sizes.num_layers)
-    planned = cost.plan_layers(layers, num_slots)
-    mask = fill_slots(planned, cost.p, layers, num_slots - int(planned.sum()))
+    mask, check = checked_mask(profile, sizes, [(layers, num_slots)], planned_mask(cost, [(layers, num_slots)]),
+                               batch, speeds, max_context, kv_dtype)
     slot = max(sizes.expert_bytes)
     budget = {"expert_slots": int(num_slots), "slot_mib": slot / MIB, "expert_cache_mib": num_slots * slot / MIB}
     settings = {"parallel": batch, "max_context": max_context, "kv": kv_dtype, "cpu_gbps": speeds.cpu_gbps,
                 "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(),
-                "planned_at": "start-up"}
+                "planned_at": "start-up", "check": check}
     return _placement(profile, cost, mask, [(0, layers, num_slots, budget)], batch, settings)
 
 
-def _placement_of_split(profile, cost, mask, gpu_budgets, budgets, speeds, phase):
+def _placement_of_split(profile, cost, mask, gpu_budgets, budgets, speeds, phase, check):
     settings = {"gpu_mib": list(budgets.gpu_mib), "parallel": budgets.num_slots, "max_context": budgets.max_context,
                 "kv": budgets.kv_dtype, "vram_reserve_mib": budgets.reserve_mib, "cpu_gbps": speeds.cpu_gbps,
-                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens()}
+                "gpu_gbps": speeds.gpu_gbps, "profile_phase": phase, "profile_tokens": profile.tokens(),
+                "check": check}
     gpus = [(b.gpu, range(b.first_layer, b.last_layer), b.expert_slots, b.to_json()) for b in gpu_budgets]
     return _placement(profile, cost, mask, gpus, budgets.num_slots, settings)
 

@@ -2,8 +2,12 @@
 
 File: an `.npz` with a JSON header (format, model id, layer/expert counts, experts per token,
 tokens seen, sources) and the arrays prefill [L, E], decode [L, E], coactivation [L, E, E]
-(symmetric: how often two experts were picked for the same token). Profiles add up.
-Shape legend: L layers, E experts.
+(symmetric: how often two experts were picked for the same token), and, where kept, the same
+prefill and decode counts split into parts (part_prefill [P, L, E], part_decode [P, L, E],
+part_tokens [P, 2]: prefill and decode tokens): one part per prompt of `strata profile` and per
+merged recording, at most MAX_PARTS (prompt i goes to part i mod MAX_PARTS). The parts let the
+planner check a plan on routings it did not plan from (planner.cross_check). Profiles add up.
+Shape legend: L layers, E experts, P parts.
 """
 import json
 import logging
@@ -18,6 +22,8 @@ log = logging.getLogger(__name__)
 FORMAT = "strata-expert-profile"
 VERSION = 1
 ARRAYS = ("prefill", "decode", "coactivation")
+PART_ARRAYS = ("part_prefill", "part_decode", "part_tokens")
+MAX_PARTS = 32
 HEADER_KEYS = ("model_id", "num_layers", "num_experts", "num_experts_per_tok", "tokens_prefill", "tokens_decode")
 
 
@@ -42,13 +48,25 @@ class ExpertProfile:
     tokens_prefill: int = 0
     tokens_decode: int = 0
     sources: list = field(default_factory=list)
+    part_prefill: np.ndarray = None  # int64 [P, L, E] the prefill counts split into parts; None: no parts kept
+    part_decode: np.ndarray = None  # int64 [P, L, E]
+    part_tokens: np.ndarray = None  # int64 [P, 2] prefill and decode tokens of each part
 
     def __post_init__(self):
         L, E = np.shape(self.prefill)
-        for name, shape in (("decode", (L, E)), ("coactivation", (L, E, E))):
+        if self.part_prefill is None:
+            self.part_prefill, self.part_decode = np.zeros((2, 0, L, E), np.int64)
+            self.part_tokens = np.zeros((0, 2), np.int64)
+        P = len(self.part_prefill)
+        for name, shape in (("decode", (L, E)), ("coactivation", (L, E, E)), ("part_decode", (P, L, E)),
+                            ("part_tokens", (P, 2))):
             if np.shape(getattr(self, name)) != shape:
                 raise ProfileError(f"profile {self.model_id}: {name} has shape {np.shape(getattr(self, name))}, "
                                    f"expected {shape}")
+        if P and not (np.array_equal(self.part_prefill.sum(axis=0), self.prefill)
+                      and np.array_equal(self.part_decode.sum(axis=0), self.decode)
+                      and tuple(self.part_tokens.sum(axis=0)) == (self.tokens_prefill, self.tokens_decode)):
+            raise ProfileError(f"profile {self.model_id}: its parts do not add up to its counts")
 
     @classmethod
     def empty(cls, model_id, num_layers, num_experts, num_experts_per_tok):
@@ -85,11 +103,35 @@ class ExpertProfile:
         """(float64 [L, E] per decode token, prior strength in routings): decode routings shrunk towards
         the prompt routings (see `shrunk_probabilities`); the prompt's alone without decode tokens, the
         decode's alone without prompt tokens."""
-        if self.tokens_decode == 0:
-            return self.probabilities("prefill"), np.inf
-        if self.tokens_prefill == 0:
-            return self.probabilities("decode"), 0.0
-        return shrunk_probabilities(self.decode, self.prefill, self.num_experts_per_tok)
+        if self.tokens() == 0:
+            raise ProfileError(f"profile {self.model_id}: no tokens recorded")
+        return decode_estimate(self.prefill, self.decode, self.tokens_prefill, self.tokens_decode,
+                               self.num_experts_per_tok)
+
+    def parts(self):
+        """(prefill int64 [P, L, E], decode int64 [P, L, E], tokens int64 [P, 2]) of the parts that saw tokens;
+        a profile without kept parts is one part."""
+        if len(self.part_prefill):
+            prefill, decode, tokens = self.part_prefill, self.part_decode, self.part_tokens
+        else:
+            prefill, decode = self.prefill[None], self.decode[None]
+            tokens = np.array([[self.tokens_prefill, self.tokens_decode]], np.int64)
+        seen = tokens.sum(axis=1) > 0
+        return prefill[seen], decode[seen], tokens[seen]
+
+    def with_parts(self, prefill, decode, tokens):
+        """This profile with its counts split into parts (prefill, decode [P, L, E], tokens [P, 2], adding up to
+        its counts), part i kept in part i mod MAX_PARTS."""
+        P = len(prefill)
+        fold = np.arange(P) % MAX_PARTS
+        arrays = []
+        for part, shape in ((prefill, (P, self.num_layers, self.num_experts)), (decode, None), (tokens, (P, 2))):
+            part = np.asarray(part, np.int64).reshape(shape or (P, self.num_layers, self.num_experts))
+            folded = np.zeros((min(P, MAX_PARTS), *part.shape[1:]), np.int64)
+            np.add.at(folded, fold, part)
+            arrays.append(folded)
+        return ExpertProfile(self.model_id, self.num_experts_per_tok, self.prefill, self.decode, self.coactivation,
+                             self.tokens_prefill, self.tokens_decode, list(self.sources), *arrays)
 
     def check_model(self, num_layers, num_experts, other_id=None, what="the model"):
         """Raises ProfileError when the profile's layer or expert count differs from the model's."""
@@ -106,10 +148,12 @@ class ExpertProfile:
         if other.num_experts_per_tok != self.num_experts_per_tok:
             raise ProfileError(f"profiles of {self.model_id} and {other.model_id} route "
                                f"{self.num_experts_per_tok} vs {other.num_experts_per_tok} experts per token")
-        return ExpertProfile(self.model_id, self.num_experts_per_tok, self.prefill + other.prefill,
-                             self.decode + other.decode, self.coactivation + other.coactivation,
-                             self.tokens_prefill + other.tokens_prefill, self.tokens_decode + other.tokens_decode,
-                             self.sources + other.sources)
+        merged = ExpertProfile(self.model_id, self.num_experts_per_tok, self.prefill + other.prefill,
+                               self.decode + other.decode, self.coactivation + other.coactivation,
+                               self.tokens_prefill + other.tokens_prefill, self.tokens_decode + other.tokens_decode,
+                               self.sources + other.sources)
+        mine, theirs = self.parts(), other.parts()
+        return merged.with_parts(*(np.concatenate([a, b]) for a, b in zip(mine, theirs)))
 
     def __add__(self, other):
         return self.merge(other)
@@ -122,8 +166,9 @@ class ExpertProfile:
     def save(self, target):
         """Write the profile to `target`, a path or a binary file object (an .npz either way)."""
         if hasattr(target, "write"):
+            parts = {name: getattr(self, name) for name in PART_ARRAYS} if len(self.part_prefill) else {}
             np.savez_compressed(target, header=np.array(json.dumps(self.header())), prefill=self.prefill,
-                                decode=self.decode, coactivation=self.coactivation)
+                                decode=self.decode, coactivation=self.coactivation, **parts)
             return
         with open(target, "wb") as f:  # a file object: np.savez would append .npz to a bare name
             self.save(f)
@@ -137,9 +182,18 @@ class ExpertProfile:
         try:
             return cls(header["model_id"], header["num_experts_per_tok"], arrays["prefill"], arrays["decode"],
                        arrays["coactivation"], header["tokens_prefill"], header["tokens_decode"],
-                       list(header.get("sources", [])))
+                       list(header.get("sources", [])), *(arrays.get(name) for name in PART_ARRAYS))
         except ProfileError as exc:
             raise ProfileError(f"{path}: {exc}") from None
+
+
+def decode_estimate(prefill, decode, tokens_prefill, tokens_decode, experts_per_token):
+    """ExpertProfile.decode_estimate of counts prefill, decode int [L, E] over that many tokens."""
+    if tokens_decode == 0:
+        return np.clip(np.asarray(prefill) / tokens_prefill, 0.0, 1.0), np.inf
+    if tokens_prefill == 0:
+        return np.clip(np.asarray(decode) / tokens_decode, 0.0, 1.0), 0.0
+    return shrunk_probabilities(decode, prefill, experts_per_token)
 
 
 PRIOR_STRENGTHS = np.concatenate([[0.0], np.geomspace(1.0, 1e6, 61)])  # routings per layer, tried in turn
@@ -181,7 +235,8 @@ def _read_profile_file(path):
     try:
         with np.load(path, allow_pickle=False) as data:
             header_text = str(data["header"]) if "header" in data.files else None
-            arrays = {name: np.asarray(data[name], dtype=np.int64) for name in ARRAYS if name in data.files}
+            arrays = {name: np.asarray(data[name], dtype=np.int64) for name in ARRAYS + PART_ARRAYS
+                      if name in data.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # numpy's text suggests unpickling: not ours
         raise ProfileError(f"{not_profile} (an .npz archive whose arrays are damaged or hold Python objects)") \
             from None

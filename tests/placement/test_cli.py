@@ -29,9 +29,11 @@ def test_profile_merge_show_plan(tmp_path, tiny_model, prompts, capsys):
     assert (profile.num_layers, profile.num_experts) == (3, 8)
     assert profile.tokens_decode == 2 * 2 and profile.tokens_prefill > 0  # 3 tokens: 2 decode steps per prompt
     assert (profile.decode.sum(axis=1) == 4 * 2).all()
+    assert profile.part_tokens[:, 1].tolist() == [2, 2]  # one part per prompt, for the planner's check
     merged = tmp_path / "m.npz"
     assert main(["profile", "merge", str(out), str(out), "-o", str(merged)]) == 0
     assert ExpertProfile.load(merged).tokens_decode == 8
+    assert len(ExpertProfile.load(merged).part_tokens) == 4
     capsys.readouterr()
     assert main(["profile", "show", str(merged), "--png", str(tmp_path / "h.png")]) == 0
     shown = capsys.readouterr().out
@@ -40,7 +42,7 @@ def test_profile_merge_show_plan(tmp_path, tiny_model, prompts, capsys):
     assert main(["plan", "--model", tiny_model, "--profile", str(merged), "--gpu-mib", "200", "--parallel", "2",
                  "--max-context", "256", "--vram-reserve-mib", "0", "-o", str(placement_path)]) == 0
     printed = capsys.readouterr().out
-    assert "global top-k" in printed and "uniform" in printed
+    assert "global top-k" in printed and "uniform" in printed and "checked on 4 folds" in printed
     placement = Placement.load(placement_path)
     assert placement.resident_mask(3, 8).all()  # the tiny model fits whole
     assert json.loads(placement_path.read_text())["settings"]["parallel"] == 2

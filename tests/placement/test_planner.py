@@ -203,3 +203,81 @@ def test_a_rare_miss_still_costs_a_cpu_expert(make_sizes):
     steps = [cost.step_seconds(cost.plan_layers(range(3), n)) for n in range(13)]
     assert all(b < a for a, b in zip(steps, steps[1:]))
     assert cost.plan_layers(range(3), 9).sum(axis=1).tolist() == [3, 3, 3]
+
+
+def parts_profile(num_experts, part_routings):
+    """A 2-layer, top-2 profile kept in parts, both layers alike. part_routings: per part (prompt tokens,
+    decode tokens), each a list of expert pairs, one per token."""
+    from placement.profile import ExpertProfile
+
+    P, E = len(part_routings), num_experts
+    prefill, decode, tokens = np.zeros((P, 2, E), np.int64), np.zeros((P, 2, E), np.int64), np.zeros((P, 2), int)
+    for i, phases in enumerate(part_routings):
+        for counts, pairs in zip((prefill[i], decode[i]), phases):
+            for pair in pairs:
+                counts[:, list(pair)] += 1
+        tokens[i] = [len(phases[0]), len(phases[1])]
+    profile = ExpertProfile("m", 2, prefill.sum(axis=0), decode.sum(axis=0), np.zeros((2, E, E), np.int64),
+                            int(tokens[:, 0].sum()), int(tokens[:, 1].sum()))
+    return profile.with_parts(prefill, decode, tokens)
+
+
+PROMPT = [(0, 1), (2, 3)] * 50  # prompts use experts 0-3 of both layers
+
+
+def layer_sets(mask):
+    return [set(np.flatnonzero(row).tolist()) for row in mask]
+
+
+def test_plan_kept_where_held_out_parts_show_its_gain(make_sizes):
+    """Every prompt's decode tokens use experts 4-7, its prompt tokens 0-3: the counts' top-k holds 0-3,
+    the plan 4-7, and each fold of the profile's parts confirms the plan's choice."""
+    from placement.planner import cross_check, plan_slots, top_mask
+
+    profile = parts_profile(8, [(PROMPT, [(4, 5), (6, 7)] * 5)] * 6)
+    sizes = make_sizes(num_layers=2, num_experts=8)
+    check = cross_check(profile, sizes, [(range(2), 8)], batch=1)
+    assert check["folds"] == 6 and check["keep"] and check["gain_ms"] > 0 and check["hit_points"] == 100
+    placement = plan_slots(profile, sizes, 8, batch=1)
+    assert layer_sets(placement.resident_mask(2, 8)) == [{4, 5, 6, 7}] * 2
+    assert layer_sets(top_mask(profile.counts("all"), [(range(2), 8)])) == [{0, 1, 2, 3}] * 2
+    assert placement.settings["check"] == check
+
+
+def test_plan_falls_back_to_the_global_top_k_where_held_out_parts_refute_it(make_sizes):
+    """Each prompt's decode tokens use expert 0 and one expert of its own (4 + i), once 1 and 2: the plan of
+    the whole profile takes the experts of its own, which no other prompt uses; on every fold the counts'
+    top-k (0-3) catches more of the held-out decode routings, so the cache holds the global top-k."""
+    from placement.planner import CostModel, Speeds, cross_check, plan_slots, top_mask
+
+    profile = parts_profile(16, [(PROMPT, [(0, 4 + i)] * 10 + [(1, 2)]) for i in range(6)])
+    sizes = make_sizes(num_layers=2, num_experts=16)
+    unchecked = CostModel(profile.decode_estimate()[0], sizes, 1, Speeds(), 4096, "f16").plan_layers(range(2), 8)
+    top = top_mask(profile.counts("all"), [(range(2), 8)])
+    assert layer_sets(top) == [{0, 1, 2, 3}] * 2 and not np.array_equal(unchecked, top)
+    check = cross_check(profile, sizes, [(range(2), 8)], batch=1)
+    assert check["folds"] == 6 and not check["keep"] and check["gain_ms"] < 0 and check["hit_points"] < 0
+    placement = plan_slots(profile, sizes, 8, batch=1)
+    assert np.array_equal(placement.resident_mask(2, 16), top)
+    assert placement.settings["check"] == check
+
+
+def test_a_profile_of_one_part_keeps_the_plan_unchecked(make_profile, make_sizes):
+    from placement.planner import cross_check
+
+    check = cross_check(make_profile(), make_sizes(), [(range(3), 6)], batch=1)
+    assert check == {"folds": 0, "keep": True, "why": "one part: nothing to hold out"}
+
+
+def test_folds_follow_the_parts_and_the_checked_multi_gpu_plan_keeps_its_budgets(make_sizes):
+    """Two GPUs: the check covers each GPU's layers with its own slots; parts beyond MAX_FOLDS share folds."""
+    from placement.planner import MAX_FOLDS
+
+    part_routings = [(PROMPT, [(4, 5), (6, 7)] * 5)] * (MAX_FOLDS + 3)
+    profile = parts_profile(8, part_routings)
+    sizes = make_sizes(num_layers=2, num_experts=8)
+    placement = plan(profile, sizes, Budgets((126 + 20, 126 + 20), 1, 1000, "f16", reserve_mib=0))
+    assert placement.settings["check"]["folds"] == MAX_FOLDS and placement.settings["check"]["keep"]
+    for g in placement.gpus:
+        assert len(g.resident) <= g.budget["expert_slots"]
+        assert {4, 5, 6, 7} <= {e for _, e in g.resident}  # every decode expert of the GPU's layer

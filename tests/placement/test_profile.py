@@ -124,3 +124,47 @@ def test_decode_estimate_without_one_phase():
     only_decode = ExpertProfile("m", 2, empty, counts, np.zeros((2, 8, 8), np.int64), 0, 100)
     assert np.array_equal(only_prompt.decode_estimate()[0], only_prompt.probabilities("prefill"))
     assert np.array_equal(only_decode.decode_estimate()[0], only_decode.probabilities("decode"))
+
+
+def _in_parts(profile, num_parts, seed=0):
+    """profile with its counts split at random into num_parts parts that add up to them."""
+    rng = np.random.default_rng(seed)
+    totals = (profile.prefill, profile.decode, np.array([profile.tokens_prefill, profile.tokens_decode]))
+    return profile.with_parts(*(_split(rng, total, num_parts) for total in totals))
+
+
+def _split(rng, total, num_parts):
+    """int64 [num_parts, *total.shape] adding up to total, each cell split at random."""
+    flat = np.asarray(total).ravel()
+    parts = np.stack([rng.multinomial(n, np.ones(num_parts) / num_parts) for n in flat], axis=1)
+    return parts.reshape(num_parts, *np.shape(total))
+
+
+def test_parts_round_trip_and_fold_into_at_most_max_parts(tmp_path, make_profile):
+    from placement.profile import MAX_PARTS
+
+    profile = make_profile(seed=3)
+    split = _in_parts(profile, MAX_PARTS + 5)
+    assert len(split.part_prefill) == MAX_PARTS
+    assert np.array_equal(split.part_prefill.sum(axis=0), profile.prefill)
+    split.save(tmp_path / "p.npz")
+    loaded = ExpertProfile.load(tmp_path / "p.npz")
+    for name in ("part_prefill", "part_decode", "part_tokens"):
+        assert np.array_equal(getattr(loaded, name), getattr(split, name))
+    assert [len(a) for a in profile.parts()] == [1, 1, 1]  # without kept parts: one part, the totals
+    assert np.array_equal(profile.parts()[0][0], profile.prefill)
+
+
+def test_merge_keeps_each_sides_parts(make_profile):
+    a, b = _in_parts(make_profile(seed=1), 3), make_profile(seed=2)
+    merged = a + b
+    assert len(merged.part_prefill) == 4  # a's three parts and b as one
+    assert np.array_equal(merged.part_decode[3], b.decode)
+    assert merged.part_tokens.sum(axis=0).tolist() == [merged.tokens_prefill, merged.tokens_decode]
+
+
+def test_parts_that_do_not_add_up_are_refused(make_profile):
+    profile = make_profile()
+    prefill, decode, tokens = profile.parts()
+    with pytest.raises(ProfileError, match="its parts do not add up to its counts"):
+        profile.with_parts(prefill, decode + 1, tokens)
