@@ -17,10 +17,9 @@ class L2Prefetch:
     """Per attention layer, the device regions of the next layer's dense weights, and the side stream that reads them
     into L2. The backend comes with each call (no back-reference: see gpu_layer_graphs.LayerGraphs)."""
 
-    def __init__(self, regions, side_stream, events):
+    def __init__(self, regions, side_stream):
         self.regions = regions  # layer index -> int64 [n, 2] on the device: the NEXT attention layer's regions
         self.side = side_stream
-        self.events = events  # layer index -> (fork, done) events, made here: a capture must not create them
         self._pending = []  # events of the side branches not joined yet
 
     @classmethod
@@ -40,17 +39,18 @@ class L2Prefetch:
         order = list(spans)
         regions = {i: be.rt.to_device(np.array(spans[order[(k + 1) % len(order)]], dtype=np.int64).reshape(-1, 2))
                    for k, i in enumerate(order)}
-        return cls(regions, be.rt.stream(), {i: (be.rt.event(), be.rt.event()) for i in regions})
+        return cls(regions, be.rt.stream())
 
     def queue(self, be, layer_index):
         """Fork a side branch off the backend's stream that prefetches the layer after `layer_index`."""
         regions = self.regions.get(layer_index)
         if regions is None:
             return
-        fork, done = self.events[layer_index]
+        fork = be.rt.event()
         fork.record(be.stream)
         be.rt.wait_event(self.side, fork)
         be.kernels.l2_prefetch(regions, self.side)
+        done = be.rt.event()
         done.record(self.side)
         self._pending.append(done)
 
