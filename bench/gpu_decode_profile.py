@@ -156,13 +156,6 @@ def tuned(llm, args):
         kernels.multi_tokens = args.multi_tokens
     if args.group_tokens is not None:
         llm.model.backend.device_experts.group_tokens = args.group_tokens or None
-    if args.l2_prefetch:
-        from hybrid.backends.gpu_l2_prefetch import L2Prefetch
-
-        be = llm.model.backend
-        be.l2 = L2Prefetch.plan(be, llm.model.layers, be.rt.l2_bytes)
-        log.info("L2 prefetch of the next layer's dense weights: %s (L2 %.0f MiB)",
-                 "on" if be.l2 is not None else "not planned", be.rt.l2_bytes / 2**20)
     return llm
 
 
@@ -176,7 +169,6 @@ def markdown(args, times, per_step, graphed_s, gpu_name):
     rows += f", {args.prefetch} slices in flight" if args.prefetch else ""
     rows += f", pairs grouped from {args.group_tokens or 'no'} tokens" if args.group_tokens is not None else ""
     rows += f", few-token matmuls up to {args.multi_tokens} tokens" if args.multi_tokens is not None else ""
-    rows += ", L2 prefetch of the next layer" if args.l2_prefetch else ""
     lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
              f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
              f"of the launches back to back: "
@@ -214,8 +206,6 @@ def main(argv=None):
     p.add_argument("--step-users", default=None,
                    help="comma-separated user counts: print the default step's time at each, side by side (no "
                         "kernel profile)")
-    p.add_argument("--l2-prefetch", action="store_true",
-                   help="step graphs prefetch the next layer's dense weights into L2 (hybrid/backends/gpu_l2_prefetch.py)")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -229,8 +219,7 @@ def main(argv=None):
         lines = [f"Model `{Path(args.model).name}` on {llm.model.backend.rt.device_name}, every expert resident; the "
                  f"default decode step after {args.context}-token prompts, median of 14 steps, by users at once "
                  f"(pairs grouped by expert from {grouped or 'no'} tokens; dense matmuls of 2 to "
-                 f"{llm.model.backend.kernels.multi_tokens} tokens by matmul_n / matmul_nq"
-                 f"{'; the next layer prefetched into L2' if llm.model.backend.l2 is not None else ''}).", "",
+                 f"{llm.model.backend.kernels.multi_tokens} tokens by matmul_n / matmul_nq).", "",
                  *step_table(llm, counts, args.context, lambda m: m.model.runner.last_path)]
         text = "\n".join(lines) + "\n"
         print(text)

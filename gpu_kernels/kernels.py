@@ -29,7 +29,6 @@ SLICE_WEIGHTS = {Q.F32: 4, Q.F16: 8, Q.BF16: 8, Q.Q8_0: 8, Q.Q4_0: 16, Q.Q4_K: 3
                  Q.Q2_K: 32, Q.Q3_K: 32, Q.IQ4_XS: 32, Q.MXFP4: 32, Q.IQ3_S: 32, Q.IQ2_XXS: 32, Q.Q4_1: 32, Q.Q5_0: 32,
                 Q.Q5_1: 32, Q.IQ4_NL: 32, Q.IQ3_XXS: 32, Q.IQ2_XS: 32, Q.IQ2_S: 32, Q.IQ1_S: 32, Q.IQ1_M: 32}
 MAX_THREADS = 256
-L2_PREFETCH_BLOCKS = 32  # l2_prefetch's blocks: a few SMs beside the step's own kernels
 DECODE_ROWS = 2  # rows a lane group of the one-token kernels works on (common.cuh's DECODE_ROWS)
 LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's width (tpr)
 # Per format (DECODE_ROWS, LANE_SLICES) of the one-token kernels where a sweep found better than the default
@@ -513,12 +512,6 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self._launch(self._ops("await_host_add"), (1,), self._threads(n),
                      (out, rows, np.int32(n), flag, np.int64(seq), np.int64(timeout_ns), error, np.int32(layer),
                       times))
-
-    def l2_prefetch(self, regions, stream):
-        """Queue on `stream` a hint that the device memory regions (int64 [n, 2] on the device: address, bytes) be
-        read into L2 (ops.cu l2_prefetch; CUDA sm_80+, elsewhere a launch that does nothing)."""
-        self.rt.launch(self._ops("l2_prefetch"), (L2_PREFETCH_BLOCKS,), (MAX_THREADS,),
-                       (regions, np.int32(regions.shape[0])), stream=stream)
 
     def add_into(self, out, src):
         """out += src, elementwise over contiguous arrays of one size; src may be a device address (np.uint64) of

@@ -46,7 +46,6 @@ class NumpyRuntime:
     name = "numpy"
     warp_size = 32
     captures = 0
-    l2_bytes = 0  # no L2 to prefetch into (a test may set one)
 
     def __init__(self, device_index=0, memory_bytes=64 << 30):
         self.device_index, self.memory_bytes = device_index, memory_bytes

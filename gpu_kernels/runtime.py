@@ -41,7 +41,6 @@ class CupyRuntime:
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.warp_size = int(props["warpSize"])
         self.multiprocessors = int(props["multiProcessorCount"])
-        self.l2_bytes = int(props.get("l2CacheSize", 0))
         self.registers_per_multiprocessor = int(props.get("regsPerMultiprocessor", 65536))
         self.name = "cupy-rocm" if self.is_hip else "cupy-cuda"
         self.chip = amd_chip(props.get("gcnArchName")) if self.is_hip else None  # "gfx1100"; None on NVIDIA

@@ -46,7 +46,7 @@ FORMAT_TABLES = {
 OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "gather_rows",
                "combine_rows", "decode_tiles", "add_into", "pack_decode", "publish_decode",
                "await_host_add", "route_sigmoid", "add_bias", "attn_sinks", "route_topk_softmax", "clamped_swiglu",
-               "add_pair_bias", "add_rmsnorm", "qk_norm_rope", "decode_pairs", "decode_groups", "l2_prefetch")
+               "add_pair_bias", "add_rmsnorm", "qk_norm_rope", "decode_pairs", "decode_groups")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "moe_matmul2_1", "dequant_rows", "matmul_n")
 # one token, x rounded to int16 (formats in INT_DECODE)
 INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q", "moe_matmul2_1q", "moe_matmul_glu_1q", "matmul_nq")

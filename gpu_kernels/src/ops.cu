@@ -303,21 +303,6 @@ extern "C" __global__ void add_into(float* out, const float* src, i64 n) {
     if (i < n) out[i] += src[i];
 }
 
-// A hint that regions of device memory (the next layer's weights while this one runs) be read into L2, kept there
-// ahead of lines read once (evict_last); nothing reads a result. regions: i64 [n, 2] (address, bytes); a thread a
-// 128-byte line, grid-strided. CUDA sm_80+ only: elsewhere it does nothing.
-extern "C" __global__ void l2_prefetch(const i64* regions, int num_regions) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC_RTC__)
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (int r = 0; r < num_regions; ++r) {
-        const char* base = (const char*)regions[2 * r];
-        const i64 lines = (regions[2 * r + 1] + 127) >> 7;
-        for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < lines; i += stride)
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + (i << 7)));
-    }
-#endif
-}
-
 // The device's clock in ns, one for all its SMs (CUDA: %globaltimer; HIP: the constant-rate wall clock, taken as
 // 100 MHz, its rate on gfx9 and gfx11).
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)

@@ -29,7 +29,6 @@ from .base import Capabilities, separate_projections
 from .gpu_delta import GpuDeltaOps
 from .gpu_experts import MAX_DECODE_PAIRS, GpuExperts
 from .gpu_kv import KV_HOST_ATTENTION, DeviceSequenceKV, GpuKV
-from .gpu_l2_prefetch import L2Prefetch
 from .gpu_layer_graphs import LayerGraphs
 from .gpu_page_lock import PageLocked, lock_experts
 from .gpu_relay import GpuRelay
@@ -75,7 +74,7 @@ class GpuBackend(GpuDeltaOps):
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
                  max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
                  kv_resident=None, kv_host_attention="gpu", decode_graphs=True, dense_graphs=True, step_graphs=True,
-                 act_quant="auto", gemm_math=None, l2_prefetch=False):
+                 act_quant="auto", gemm_math=None):
         self.kv = GpuKV(kv_dtype, max_context, chunk_tokens, kv_resident, kv_host_attention)
         self.rt = runtime
         self.stream = runtime.stream()  # made current at every embed: CuPy's own array operations run there too
@@ -100,8 +99,6 @@ class GpuBackend(GpuDeltaOps):
         self._positions = (None, None)  # (host positions, device copy) of the last batch
         self.layer_graphs = LayerGraphs() if dense_graphs else None
         self.step = StepCapture() if dense_graphs and step_graphs else None
-        self.l2_prefetch = l2_prefetch
-        self.l2 = None  # an L2Prefetch, planned at place() when l2_prefetch is on (gpu_l2_prefetch.py)
 
     # -- placement -------------------------------------------------------------------------
 
@@ -151,8 +148,6 @@ class GpuBackend(GpuDeltaOps):
         self.cache = ExpertCache(self.rt, model.layers, self.resident, self.stream)
         self.device_experts.width = max((layer.gate_exps.shape[1] for layer in moe_layers), default=0)
         self.borrow_bytes_per_second = self._measure_upload()
-        if self.l2_prefetch and self.step is not None:
-            self.l2 = L2Prefetch.plan(self, model.layers, self.rt.l2_bytes)
         self.page_locked = lock_experts(self.rt, moe_layers, self) if self.prefill_borrow and moe_layers \
             and not self.resident.all() else PageLocked()
         log.info("%s on %s (%s, warp %d): %s; host -> device copies %.1f GB/s; one-token matmuls take x as %s",
@@ -259,8 +254,6 @@ class GpuBackend(GpuDeltaOps):
         """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], qk). One token: one launch for each run of
         the weights that share a device array (_upload_projections), and where q and k share one, qk is
         [1, Hq + Hkv, D] over both (one RoPE launch for the two); else None."""
-        if self.l2 is not None and self.step.active is not None:  # inside a step graph: the next layer's weights
-            self.l2.queue(self, layer.index)
         if h.shape[0] != 1:
             return separate_projections(self, layer, h)
         d, parts, qk = layer.head_dim, [], None
@@ -322,8 +315,6 @@ class GpuBackend(GpuDeltaOps):
         self.step.begin(positions, bound, chunks)
 
     def end_step_graph(self):
-        if self.l2 is not None:
-            self.l2.join(self)
         self.step.end()
 
     def keep_step_routing(self, layer_index, ids):

@@ -298,10 +298,6 @@ class ReferenceKernels:
             row += count
         assert w <= num_pairs
 
-    def l2_prefetch(self, regions, stream):
-        """A cache hint: no result (the wiring test records the calls)."""
-        self.prefetched = getattr(self, "prefetched", []) + [(regions.copy(), stream)]
-
     def add_into(self, out, src):
         out += src
 
