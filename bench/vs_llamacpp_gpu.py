@@ -5,9 +5,9 @@ llama.cpp keeps the experts of its first N layers on the CPU (`-ngl 99 --n-cpu-m
 share)); Strata's expert cache holds the same bytes, filled layer by layer as llama.cpp's ("layers": the
 last L - N layers whole), and chosen by the planner from a profile ("profile": `plan_slots` on a profile
 of --profile-prompts random prompts read with 4 generated tokens each, made once on the CPU). Each run is
-a fresh process per engine, the engines alternating; medians over --runs runs. Measured: decode tok/s of
-one user (--decode-tokens after a 32-token prompt), prompt read tok/s of each --prompt-tokens, and total
-decode tok/s of --users users at once (llama.cpp: `llama-batched-bench -npl USERS`).
+a fresh process per engine, the engines alternating; medians over --runs runs; each Strata process measures
+after one warm-up run of each test, as llama-bench does. Measured: decode tok/s of one user (--decode-tokens
+after a 32-token prompt), prompt read tok/s of each --prompt-tokens, and total decode tok/s of --users users at once (llama.cpp: `llama-batched-bench -npl USERS`).
 
 Build llama.cpp first (the commit and flags go into the results):
     cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
@@ -83,9 +83,11 @@ def strata_worker(spec):
               max_context=max(spec["prompt_tokens"]) + spec["decode_tokens"] + 64,
               kv_sequences=max(spec["users"], 1))
     llm.warm_up(progress=False)
+    decode_rate(llm, spec["decode_tokens"])  # a warm-up run, as llama-bench makes one before its measured runs
     result = {"decode": decode_rate(llm, spec["decode_tokens"])}
     for n in spec["prompt_tokens"]:
-        out = llm.generate(prompt(llm, n, 2), max_tokens=1, temperature=0, ignore_eos=True)
+        for seed in (3, 2):  # the first a warm-up (another prompt: a returning one would be restored, not read)
+            out = llm.generate(prompt(llm, n, seed), max_tokens=1, temperature=0, ignore_eos=True)
         result[f"prompt {n}"] = out.timings["prompt_per_second"]
     if spec["users"] > 1:
         result["users"] = concurrent_rates(llm, spec["users"], spec["decode_tokens"])[2]  # as S_TG counts
