@@ -7,7 +7,8 @@ last L - N layers whole), and chosen by the planner from a profile ("profile": `
 of --profile-prompts random prompts read with 4 generated tokens each, made once on the CPU). Each run is
 a fresh process per engine, the engines alternating; medians over --runs runs; each Strata process measures
 after one warm-up run of each test, as llama-bench does. Measured: decode tok/s of one user (--decode-tokens
-after a 32-token prompt), prompt read tok/s of each --prompt-tokens, and total decode tok/s of --users users at once (llama.cpp: `llama-batched-bench -npl USERS`).
+after a 32-token prompt), prompt read tok/s of each --prompt-tokens, and total decode tok/s of --users users at once
+(llama.cpp: `llama-batched-bench -npl USERS`).
 
 Build llama.cpp first (the commit and flags go into the results):
     cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
