@@ -120,11 +120,11 @@ __device__ __forceinline__ void pf_load_tile(const PagedKV& kv, int k0, int ke, 
 // writes as paged_attention. tiles: shared, PF_BUFS buffers of K and V [NK][D + PF_PAD].
 template <int D>
 __device__ __forceinline__ void prefill_rows(const float* q, const PagedKV& kv, float* out, float* lse, int want_lse,
-                                             int T, int Hq, int start, int kb, int ke, int window, float scale,
-                                             float* tiles) {
+                                             int T, int Hq, int row0, int start, int kb, int ke, int window,
+                                             float scale, float* tiles) {
     const int KS = D + PF_PAD, NT = PF_KEYS / 8, DT = D / 8;
     int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
-    int G = Hq / kv.Hkv, num_rows = T * G, row0 = blockIdx.x * PF_ROWS;
+    int G = Hq / kv.Hkv, num_rows = T * G;
     // the lane's rows g and g + 8 of the warp: their query values (A fragments by 8 dims), key ranges, softmax state
     float qf[DT][4];
     int kbeg[2], kend[2];
@@ -291,10 +291,12 @@ paged_prefill(const float* q, const kv_t* k_pool, const kv_t* v_pool, const floa
     if (window > 0) key_lo = max(key_lo, start + 1 - window);  // the first row's window: the splits' base
     PagedKV kv = {k_pool, v_pool, k_scale, v_scale, k_stage, v_stage, k_stage_scale, v_stage_scale, table,
                   BT, Hkv, D, (int)blockIdx.y};
-    int G = Hq / Hkv, last = min((int)(blockIdx.x + 1) * PF_ROWS, T * G) - 1;
+    // the last rows' tile first: the blocks of most keys start first, those of few fill in behind them
+    int G = Hq / Hkv, row0 = (gridDim.x - 1 - blockIdx.x) * PF_ROWS, last = min(row0 + PF_ROWS, T * G) - 1;
     int kb = key_lo + blockIdx.z * split_keys, ke = min(kb + split_keys, start + last / G + 1);
     __shared__ float4 tiles[PF_BUFS * 2 * PF_KEYS * (128 + PF_PAD) / 4];  // [PF_BUFS][K, V][NK][D + PF_PAD]
-    if (D == 128) prefill_rows<128>(q, kv, out, lse, want_lse, T, Hq, start, kb, ke, window, scale, (float*)tiles);
-    else prefill_rows<64>(q, kv, out, lse, want_lse, T, Hq, start, kb, ke, window, scale, (float*)tiles);
+    float* sh = (float*)tiles;
+    if (D == 128) prefill_rows<128>(q, kv, out, lse, want_lse, T, Hq, row0, start, kb, ke, window, scale, sh);
+    else prefill_rows<64>(q, kv, out, lse, want_lse, T, Hq, row0, start, kb, ke, window, scale, sh);
 #endif
 }
