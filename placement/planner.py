@@ -52,7 +52,7 @@ DEFAULT_CPU_GBPS = 40.0  # expert weights streamed by the CPU kernels; pass a me
 DEFAULT_GPU_GBPS = 3000.0  # H200-class HBM at realistic efficiency
 MAX_SPLITS = 200_000  # layer splits `auto` may try
 MAX_FOLDS = 10  # folds of the profile's parts in `cross_check`
-CHECK_Z = 1.0  # standard errors of mean gain over the folds that keep the plan
+CHECK_Z = 2.0  # standard errors of the mean gain over the folds that keep the plan
 
 
 @dataclass(frozen=True)
