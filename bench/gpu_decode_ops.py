@@ -190,12 +190,49 @@ def matmul_ops(rt, variants, rng):
     return found
 
 
+def overlap_ops(rt, stream, rng):
+    """[(name, {variant: launch})] of the attention's q+k (Q4_K) and v (Q6_K) one-token matmuls of the same x: each
+    alone, in order on one stream (a step graph's today), and v on a second stream beside q+k (a fork and a join by
+    events, as a graph captures them: two nodes without an edge, which the GPU may run at once)."""
+    from gpu_kernels.kernels import Kernels
+    from hybrid.formats.synthetic import encode
+
+    dev = rt.to_device
+    side = rt.stream()
+    main_kn, side_kn = Kernels(rt, stream), Kernels(rt, side)
+    w_qk, w_v = (dev(encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw)
+                 for qtype, shape in ((Q.Q4_K, (4608, HIDDEN)), (Q.Q6_K, (512, HIDDEN))))
+    x = dev(rng.standard_normal((1, HIDDEN)).astype(np.float32))
+    qk, v = rt.empty((1, 4608), np.float32), rt.empty((1, 512), np.float32)
+    fork, join = rt.event(), rt.event()
+
+    def in_order():
+        main_kn.matmul(w_qk, Q.Q4_K, x, qk)
+        main_kn.matmul(w_v, Q.Q6_K, x, v)
+
+    def beside():
+        fork.record(stream)
+        rt.wait_event(side, fork)
+        side_kn.matmul(w_v, Q.Q6_K, x, v)
+        main_kn.matmul(w_qk, Q.Q4_K, x, qk)
+        join.record(side)
+        rt.wait_event(stream, join)
+
+    return [("q+k Q4_K 4608 x 2048 and v Q6_K 512 x 2048", {
+        "q+k alone": lambda: main_kn.matmul(w_qk, Q.Q4_K, x, qk), "v alone": lambda: main_kn.matmul(w_v, Q.Q6_K, x, v),
+        "in order": in_order, "v on a second stream": beside})]
+
+
+GROUPS = ("small", "attention", "matmuls", "overlap")
+
+
 def main(argv=None, runtime=None):
     """runtime: a runtime to time on (a dry run's stand-in), else the GPU's."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--contexts", default="8,40,128,256,1024,4096", help="keys of the attention timings")
     p.add_argument("--skip-matmuls", action="store_true")
+    p.add_argument("--groups", default=",".join(GROUPS), help=f"kernel groups timed, of {', '.join(GROUPS)}")
     p.add_argument("--output")
     args = p.parse_args(argv)
     from gpu_kernels.kernels import Kernels
@@ -207,10 +244,16 @@ def main(argv=None, runtime=None):
     stream = rt.stream()
     kn = Kernels(rt, stream)
     rng = np.random.default_rng(0)
-    groups = small_ops(rt, kn, previous_module(rt), rng)
-    groups += attention_ops(rt, kn, rng, [int(c) for c in args.contexts.split(",")])
-    if not args.skip_matmuls:
+    chosen = set(args.groups.split(",")) - ({"matmuls"} if args.skip_matmuls else set())
+    if chosen - set(GROUPS):
+        raise SystemExit(f"--groups: unknown {', '.join(sorted(chosen - set(GROUPS)))}")
+    groups = small_ops(rt, kn, previous_module(rt), rng) if "small" in chosen else []
+    if "attention" in chosen:
+        groups += attention_ops(rt, kn, rng, [int(c) for c in args.contexts.split(",")])
+    if "matmuls" in chosen:
         groups += matmul_ops(rt, matmul_variants(rt, stream), rng)
+    if "overlap" in chosen:
+        groups += overlap_ops(rt, stream, rng)
     lines = [f"{rt.device_name}: us a launch, {args.reps} launches back to back in one graph (best of 5 replays)", "",
              "| kernel | variant | us |", "|---|---|---|"]
     for name, variants in groups:

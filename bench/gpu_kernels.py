@@ -174,6 +174,7 @@ def main(argv=None):
         return 1
     rt = found.runtime
     copy = copy_bandwidth(rt, args.repeats)
+    log.info("%s: device-to-device copy %.0f GB/s (read + write)", rt.device_name, copy / 1e9)
     sweep = {Q[n.upper()] for n in args.sweep.split(",") if n}
     lines = [f"# GPU expert matvec bandwidth ({rt.device_name}, {rt.name})", "",
              f"Decode step over one MoE layer: {NUM_EXPERTS} experts x [{ROWS}, {COLS}], one row each, one launch.",
