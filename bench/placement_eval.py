@@ -119,9 +119,15 @@ def host_mb_per_decode_token(llm, usage, mask):
 
 
 def profile_half(args, prompts):
+    """(profile of the prompts, one part per prompt as `strata profile` keeps them, the model's weights)."""
     llm = make_llm(args)
-    run_prompts(llm, prompts, args.decode, seed=0)
-    return llm.model.usage.to_profile(model_id(llm.weights), source="placement_eval first half"), llm.weights
+    usage, seen = llm.model.usage, []  # per prompt: (prefill [L, E], decode [L, E], tokens [2]) up to then
+    for i, prompt in enumerate(prompts):
+        run_prompts(llm, [prompt], args.decode, seed=i)
+        seen.append((usage.prefill.copy(), usage.decode.copy(), (usage.tokens_prefill, usage.tokens_decode)))
+    profile = usage.to_profile(model_id(llm.weights), source="placement_eval first half")
+    return profile.with_parts(*(np.diff(np.stack([np.zeros_like(a[0]), *a]), axis=0) for a in zip(*seen))), \
+        llm.weights
 
 
 def round_order(names, round_index):
