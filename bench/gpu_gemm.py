@@ -26,7 +26,8 @@ from gguf import GGMLQuantizationType as Q
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 import gpu_kernels.kernels as kernels_module  # noqa: E402
-from gpu_kernels.gemm import GEMM_KERNEL, GEMM_ROWS, GEMM_THREADS, GEMM_TOKENS, MOE_GEMM_TOKENS  # noqa: E402
+from gpu_kernels.gemm import (GEMM_KERNEL, GEMM_ROWS, GEMM_THREADS, GEMM_TOKENS, MOE_GEMM_TOKENS,  # noqa: E402
+                              gemm_shared_bytes)
 from gpu_kernels.kernels import TILE_TOKENS, Kernels, format_tuning, tuned_module_name, tuned_source  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from gpu_kernels.sources import GEMM_KERNELS  # noqa: E402
@@ -97,23 +98,36 @@ def variant_gemm(rt, kernels, qtype, variant):
                       GEMM_KERNELS)
 
 
+def variant_shared(fn, qtype, variant, tokens):
+    """Dynamic shared bytes of a variant's kernel of `tokens` a block: gemm_shared_bytes where it sets GEMM_ASYNC
+    (the kernel's limit raised to them), else 0."""
+    if variant_defines(variant).get("GEMM_ASYNC", "0") == "0":
+        return 0
+    shared = gemm_shared_bytes(qtype, tokens)
+    if shared > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = shared
+    return shared
+
+
 def describe(rt, kernels, qtype, variants):
     """A line per kernel and compiled variant: registers a thread and blocks an SM holds."""
     for variant in [v for v in variants if v not in FORCED]:
         for tokens, name in GEMM_KERNEL.items():
             fn = variant_gemm(rt, kernels, qtype, variant)[name]
-            blocks = rt.resident_blocks(fn, GEMM_THREADS) // rt.multiprocessors
+            shared = variant_shared(fn, qtype, variant, tokens)
+            blocks = rt.resident_blocks(fn, GEMM_THREADS, shared) // rt.multiprocessors
             print(f"# {qtype.name} {variant or 'default'} {name}: {getattr(fn, 'num_regs', '?')} registers a thread, "
                   f"{blocks} blocks an SM")
 
 
-def launch(kernels, fn, tokens, raw, x, out, num_rows, tiles=None):
+def launch(kernels, fn, tokens, raw, x, out, num_rows, tiles=None, shared=0):
     """One launch of a compiled GEMM of `tokens` a block over x [N, C]: with work tiles (3 device int32 [W]), else
-    dense without splits."""
+    dense without splits; shared: its dynamic shared bytes."""
     none = np.uint64(0)
     grid = (-(-num_rows // GEMM_ROWS), len(tiles[0]) if tiles else -(-x.shape[0] // tokens))
     kernels._launch(fn, grid, GEMM_THREADS, (raw, x, out, *(tiles or (none,) * 3), np.int32(x.shape[0]),
-                                              np.int32(num_rows), np.int32(x.shape[1]), np.int64(raw.shape[-1])))
+                                              np.int32(num_rows), np.int32(x.shape[1]), np.int64(raw.shape[-1])),
+                    shared_mem=shared)
 
 
 def moe_case(rt, kernels, qtype, raw, x, tiles, num_rows, variants, repeats):
@@ -128,7 +142,9 @@ def moe_case(rt, kernels, qtype, raw, x, tiles, num_rows, variants, repeats):
     for variant in variants:
         tokens = FORCED.get(variant, MOE_GEMM_TOKENS)
         fn = variant_gemm(rt, kernels, qtype, variant)[GEMM_KERNEL[tokens]]
-        seconds = timed(rt, lambda: launch(kernels, fn, tokens, raw, x, out_new, num_rows, tiles[tokens]), repeats)
+        shared = variant_shared(fn, qtype, variant, tokens)
+        seconds = timed(rt, lambda: launch(kernels, fn, tokens, raw, x, out_new, num_rows, tiles[tokens], shared),
+                        repeats)
         label = f"{variant or 'default'} (tiles {tokens})"
         results[label] = seconds, float(np.abs(rt.to_host(out_new) - ref).max() / np.abs(ref).max())
     return old, results
@@ -150,7 +166,8 @@ def dense_case(rt, kernels, qtype, raw, x, variants, repeats):
         if variant:
             tokens = FORCED.get(variant, plan_tokens)
             fn = variant_gemm(rt, kernels, qtype, variant)[GEMM_KERNEL[tokens]]
-            call = lambda: launch(kernels, fn, tokens, raw, x, out_new, num_rows)  # noqa: E731
+            shared = variant_shared(fn, qtype, variant, tokens)
+            call = lambda: launch(kernels, fn, tokens, raw, x, out_new, num_rows, shared=shared)  # noqa: E731
             label = f"{variant} ({tokens} tokens)"
         else:
             call = lambda: kernels.gemm(raw, qtype, x, out_new)  # noqa: E731

@@ -60,6 +60,15 @@ def gemm_defines(qtype):
             f"#define GEMM_STAGE_COLS {stage_columns(qtype)}\n")
 
 
+def gemm_shared_bytes(qtype, tokens):
+    """Dynamic shared memory bytes of qtype's GEMM of `tokens` a block compiled with GEMM_ASYNC 1 (gemm.cu's
+    GEMM_ASYNC_SHARED at its step K, the mma path's: 32 where the static tiles fit 48 KiB, else 16)."""
+    block_weights, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
+    stage_bytes = stage_columns(qtype) // block_weights * block_bytes
+    step = 32 if 4 * 32 * (GEMM_ROWS + tokens) + 4 * GEMM_ROWS * (((stage_bytes + 3) // 4) | 1) <= 48 * 1024 else 16
+    return 4 * step * (GEMM_ROWS + tokens) + 2 * 4 * GEMM_ROWS * (((stage_bytes + 6) // 4) | 1)
+
+
 def gemm_fits(qtype, num_cols):
     """Whether qtype's matmul module has the tiled GEMM and it takes rows of num_cols columns (whole stages)."""
     return Q(qtype) in GEMM_FORMATS and num_cols % stage_columns(qtype) == 0
@@ -93,15 +102,25 @@ class GemmLaunchers:
 
     split_columns = True
     gemm_math = DEFAULT_GEMM_MATH  # gemm_math's setting of the products
+    gemm_async = False  # opt-in, CUDA sm_80+ with a tensor-core gemm_math: gemm.cu's GEMM_ASYNC (double-buffered)
     _gemm_partial = None  # f32 scratch of the splits' partial sums, grown as needed
 
     def _gemm_fn(self, qtype, name):
-        """qtype's GEMM kernel `name` at self.gemm_math: the matmul module's at the default, else the module compiled
-        again with its GEMM_MATH (Kernels._module)."""
-        if self.gemm_math == DEFAULT_GEMM_MATH:
-            return self._mm(qtype, name)
-        math = GEMM_MATHS[gemm_math(self.gemm_math)]
-        return self._module(qtype, f"#define GEMM_MATH {math}\n", f"_gemm{math}")[name]
+        """(qtype's GEMM kernel `name` at self.gemm_math and gemm_async, its dynamic shared bytes): the matmul
+        module's at the defaults, else the module compiled again with its GEMM_MATH / GEMM_ASYNC (Kernels._module)."""
+        defines, tag = "", ""
+        if self.gemm_math != DEFAULT_GEMM_MATH:
+            math = GEMM_MATHS[gemm_math(self.gemm_math)]
+            defines, tag = f"#define GEMM_MATH {math}\n", f"_gemm{math}"
+        if self.gemm_async and name != "gemm_reduce":
+            defines, tag = defines + "#define GEMM_ASYNC 1\n", tag + "_async"
+        fn = self._module(qtype, defines, tag)[name] if defines else self._mm(qtype, name)
+        if not self.gemm_async or name == "gemm_reduce":
+            return fn, 0
+        shared = gemm_shared_bytes(qtype, {kernel: tokens for tokens, kernel in GEMM_KERNEL.items()}[name])
+        if shared > 48 * 1024 and getattr(fn, "max_dynamic_shared_size_bytes", shared) < shared:
+            fn.max_dynamic_shared_size_bytes = shared
+        return fn, shared
 
     def gemm_plan(self, qtype, num_tokens, num_rows, num_cols):
         """(tokens a block, column splits) of the dense GEMM of [num_tokens, num_cols] by [num_rows, num_cols]."""
@@ -125,12 +144,13 @@ class GemmLaunchers:
                 self._gemm_partial = self.rt.empty((size,), np.float32)
             target = self._gemm_partial
         grid = (-(-num_rows // GEMM_ROWS), -(-num_tokens // tokens), splits)
-        self._launch(self._gemm_fn(qtype, GEMM_KERNEL[tokens]), grid, GEMM_THREADS,
+        fn, shared = self._gemm_fn(qtype, GEMM_KERNEL[tokens])
+        self._launch(fn, grid, GEMM_THREADS,
                      (raw, x, target, none, none, none, np.int32(num_tokens), np.int32(num_rows), np.int32(num_cols),
-                      np.int64(raw.shape[-1])))
+                      np.int64(raw.shape[-1])), shared_mem=shared)
         if splits > 1:
             n = num_tokens * num_rows
-            self._launch(self._gemm_fn(qtype, "gemm_reduce"), (-(-n // REDUCE_THREADS),), REDUCE_THREADS,
+            self._launch(self._gemm_fn(qtype, "gemm_reduce")[0], (-(-n // REDUCE_THREADS),), REDUCE_THREADS,
                          (target, out, np.int64(n), np.int32(splits)))
 
     def moe_gemm(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=MOE_GEMM_TOKENS):
@@ -139,7 +159,7 @@ class GemmLaunchers:
         if tile_tokens not in GEMM_KERNEL:
             raise ValueError(f"moe_gemm: work tiles of {tile_tokens} rows; expected one of {sorted(GEMM_KERNEL)}")
         num_rows, num_cols = raw.shape[1], x.shape[1]
-        self._launch(self._gemm_fn(qtype, GEMM_KERNEL[tile_tokens]), (-(-num_rows // GEMM_ROWS), len(tile_slot)),
-                     GEMM_THREADS,
+        fn, shared = self._gemm_fn(qtype, GEMM_KERNEL[tile_tokens])
+        self._launch(fn, (-(-num_rows // GEMM_ROWS), len(tile_slot)), GEMM_THREADS,
                      (raw, x, out, tile_slot, tile_row, tile_count, np.int32(x.shape[0]), np.int32(num_rows),
-                      np.int32(num_cols), np.int64(raw.shape[-1])))
+                      np.int32(num_cols), np.int64(raw.shape[-1])), shared_mem=shared)

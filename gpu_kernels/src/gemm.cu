@@ -49,6 +49,16 @@
 #endif
 #endif
 static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS == 0, "a step holds whole units");
+// GEMM_ASYNC 1 (opt-in, mma path only): double-buffered stages. The next stage's raw bytes go to the other of two
+// staged buffers by cp.async (4-byte words from the row's aligned word on; `mine` then starts (address & 3) bytes
+// into its row) while this stage's steps run; the tiles live in dynamic shared memory of GEMM_ASYNC_SHARED bytes
+// (gemm.py's gemm_shared_bytes: past 48 KiB, the launcher raises the kernel's limit).
+#ifndef GEMM_ASYNC
+#define GEMM_ASYNC 0
+#endif
+#define GEMM_PIPE (GEMM_ASYNC && GEMM_MMA)
+#define GEMM_RAW_WORDS (((GEMM_STAGE_BYTES + 3 + 3) / 4) | 1)  // a stage's words from its aligned word: odd stride
+#define GEMM_ASYNC_SHARED(T, K) (4 * (K) * (GEMM_ROWS + (T)) + 2 * 4 * GEMM_ROWS * GEMM_RAW_WORDS)
 
 // staged [GEMM_ROWS][GEMM_STAGE_WORDS] words = the stage's raw bytes (`offset` into each row) of rows r0 .. (clamped
 // to R - 1), copied in T-sized pieces (u32 where rows and stages are 4-byte multiples, else u16).
@@ -71,6 +81,24 @@ __device__ __forceinline__ void gemm_copy_raw(const u8* __restrict__ raw, i64 ro
         }
     }
 }
+
+#if GEMM_PIPE
+// staged [GEMM_ROWS][GEMM_RAW_WORDS] words: each row's stage bytes (`offset` into rows r0 .., clamped to R - 1) from
+// their aligned word on, as many words as cover them, by cp.async (4 bytes each; committed as one group).
+__device__ __forceinline__ void gemm_copy_async(const u8* __restrict__ raw, i64 row_bytes, int R, int r0, i64 offset,
+                                                u32* staged) {
+    for (int i = threadIdx.x; i < GEMM_ROWS * GEMM_RAW_WORDS; i += GEMM_THREADS) {
+        int r = i / GEMM_RAW_WORDS, word = i - r * GEMM_RAW_WORDS;
+        const u8* src = raw + (i64)min(r0 + r, R - 1) * row_bytes + offset;
+        int shift = (int)((size_t)src & 3);
+        if (4 * word < shift + GEMM_STAGE_BYTES) {
+            u32 dst = (u32)__cvta_generic_to_shared(staged + i);
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src - shift + 4 * word));
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+#endif
 
 // w [K] = columns k0 .. k0 + K - 1 of a stage whose bytes start at `row`, by the format's unit_dequant.
 template <int K>
@@ -269,9 +297,16 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
                                           float* __restrict__ out, int n, int R, int C, int cols, i64 row_bytes,
                                           int r0) {
     const int TN = GemmShape<TOKENS>::TN, K = GemmShape<TOKENS>::K;
+#if GEMM_PIPE
+    extern __shared__ float4 gemm_shared[];
+    float4* ws = gemm_shared;                               // [K][GEMM_ROWS]
+    float4* xs = ws + K * GEMM_ROWS / 4;                    // [K][TOKENS]
+    u32* staged = (u32*)(xs + K * TOKENS / 4);              // [2][GEMM_ROWS][GEMM_RAW_WORDS]
+#else
     __shared__ float4 ws[K * GEMM_ROWS / 4];                // [K][GEMM_ROWS]
     __shared__ float4 xs[K * TOKENS / 4];                   // [K][TOKENS]
     __shared__ u32 staged[GEMM_ROWS * GEMM_STAGE_WORDS];   // [GEMM_ROWS][GEMM_STAGE_WORDS]
+#endif
     float* wsf = (float*)ws;
 #if GEMM_MMA
     float acc[2][TOKENS / 8][4];
@@ -290,15 +325,33 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
 #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
 #endif
-    bool words = ((row_bytes | GEMM_STAGE_BYTES) & 3) == 0;
-    const u8* mine = (const u8*)(staged + threadIdx.x * GEMM_STAGE_WORDS);
     float4 xv[GemmShape<TOKENS>::X_LOADS];
     gemm_load_x<TOKENS>(x, C, n, 0, xv);
+#if GEMM_PIPE
+    const u8* row = raw + (i64)min(r0 + (int)threadIdx.x, R - 1) * row_bytes;
+    gemm_copy_async(raw, row_bytes, R, r0, 0, staged);
+    for (int s0 = 0, buffer = 0; s0 < cols; s0 += GEMM_STAGE_COLS, buffer ^= 1) {
+        i64 offset = (i64)(s0 / GEMM_BLOCK_WEIGHTS) * GEMM_BLOCK_BYTES;
+        // the other buffer's last reads (the previous stage's) lie behind that stage's barriers
+        if (s0 + GEMM_STAGE_COLS < cols) {
+            gemm_copy_async(raw, row_bytes, R, r0, offset + GEMM_STAGE_COLS / GEMM_BLOCK_WEIGHTS * GEMM_BLOCK_BYTES,
+                            staged + (buffer ^ 1) * GEMM_ROWS * GEMM_RAW_WORDS);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncthreads();
+        const u8* mine = (const u8*)(staged + (buffer * GEMM_ROWS + threadIdx.x) * GEMM_RAW_WORDS) +
+                         ((size_t)(row + offset) & 3);
+#else
+    bool words = ((row_bytes | GEMM_STAGE_BYTES) & 3) == 0;
+    const u8* mine = (const u8*)(staged + threadIdx.x * GEMM_STAGE_WORDS);
     for (int s0 = 0; s0 < cols; s0 += GEMM_STAGE_COLS) {
         i64 offset = (i64)(s0 / GEMM_BLOCK_WEIGHTS) * GEMM_BLOCK_BYTES;
         if (words) gemm_copy_raw<u32>(raw, row_bytes, R, r0, offset, staged);
         else gemm_copy_raw<u16>(raw, row_bytes, R, r0, offset, staged);
         __syncthreads();
+#endif
         for (int k0 = 0; k0 < GEMM_STAGE_COLS; k0 += K) {
             float w[K];
             gemm_dequant<K>(mine, k0, w);
