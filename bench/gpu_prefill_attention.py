@@ -2,7 +2,7 @@
 kv_prefill.cu's paged_prefill (tensor cores) against kv.cu's paged_attention (SIMT, the kernel before it), each
 launch (with its split merge) captured `--reps` times back to back in one graph, the best replay's time over reps.
 Chunks of `--tokens` tokens whose last key is at each of `--keys`; then chunks of few tokens (PREFILL_MIN_TOKENS);
-with --variants also paged_prefill compiled with other tiles (PF_KEYS, PF_MIN_BLOCKS), cp.async double buffering
+with --variants also paged_prefill compiled with other tiles (PF_KEYS, PF_VGROUP), cp.async double buffering
 (PF_ASYNC) and the opt-in TF32. Each result's largest difference from the SIMT kernel's, relative to its largest
 value, beside its time.
 
@@ -21,7 +21,7 @@ from bench.gpu_decode_ops import graph_us  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 4, 128, 64
 VARIANTS = {"PF_KEYS 16": "#define PF_KEYS 16\n",
             "PF_ASYNC (f32), PF_KEYS 16": "#define PF_KEYS 16\n#define PF_ASYNC 1\n",
-            "PF_MIN_BLOCKS 1": "#define PF_MIN_BLOCKS 1\n", "tf32 (opt-in)": "#define PF_MATH 1\n"}
+            "PF_VGROUP 8": "#define PF_VGROUP 8\n", "tf32 (opt-in)": "#define PF_MATH 1\n"}
 
 
 def cache(rt, rng, kv_dtype, num_keys):
@@ -51,7 +51,7 @@ def main(argv=None):
     p.add_argument("--keys", default="512,2048,8192", help="the chunk's last key + 1 (its start + tokens)")
     p.add_argument("--few", default="8,16,32,64,128", help="tokens of the small chunks (at 2048 keys)")
     p.add_argument("--kv", default="f32")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=10)
     p.add_argument("--variants", action="store_true")
     p.add_argument("--output")
     args = p.parse_args(argv)

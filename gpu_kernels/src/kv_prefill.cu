@@ -26,6 +26,9 @@
 #endif
 #define PF_DSTEP 32  // dims of S's products summed in one fresh fragment
 #define PF_PAD 4  // K and V tiles' row stride D + PF_PAD (fragments' 32 lanes on 32 banks)
+#ifndef PF_VGROUP
+#define PF_VGROUP 4  // n8 tiles of O's dims whose P V products interleave (fresh accumulators in registers)
+#endif
 #ifndef PF_MATH
 #define PF_MATH 3
 #endif
@@ -78,14 +81,21 @@ __device__ __forceinline__ void pf_split(float v, u32& hi, u32& lo) {
     lo = PF_MATH == 3 ? __float_as_uint(v - __uint_as_float(hi & 0xffffe000u)) : 0u;
 }
 
-// d += a @ b in PF_MATH's passes (a_split: a's lo pass; b_split: b's; neither: hi x hi only).
-__device__ __forceinline__ void pf_products(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], const u32 (&bh)[2],
-                                            const u32 (&bl)[2], bool b_split) {
+// d[j] += a @ b[j] for the NJ n8 tiles j in PF_MATH's passes (3: a's lo x b's hi, then, b_split, a's hi x b's lo, then
+// hi x hi; 1: hi x hi), a pass over all the tiles before the next, so that an accumulator's next mma waits behind the
+// others' (mma.sync's latency; asm volatile keeps this order).
+template <int NJ>
+__device__ __forceinline__ void pf_products(float (&d)[NJ][4], const u32 (&ah)[4], const u32 (&al)[4],
+                                            const u32 (&bh)[NJ][2], const u32 (&bl)[NJ][2], bool b_split) {
     if (PF_MATH == 3) {
-        pf_mma(d, al, bh);
-        if (b_split) pf_mma(d, ah, bl);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) pf_mma(d[j], al, bh[j]);
+        if (b_split)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) pf_mma(d[j], ah, bl[j]);
     }
-    pf_mma(d, ah, bh);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) pf_mma(d[j], ah, bh[j]);
 }
 
 // K and V of keys [k0, k0 + NK) widened into tile [K, V][NK][D + PF_PAD], keys at or past ke 0 (not read). PF_ASYNC:
@@ -186,14 +196,14 @@ __device__ __forceinline__ void prefill_rows(const float* q, const PagedKV& kv, 
                 u32 ah[4], al[4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) pf_split(qf[kk][i], ah[i], al[i]);
+                u32 bh[NT][2], bl[NT][2];
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     const float* kr = ks + (8 * j + g) * KS + 8 * kk + c;
-                    u32 bh[2], bl[2];
-                    pf_split(kr[0], bh[0], bl[0]);
-                    pf_split(kr[4], bh[1], bl[1]);
-                    pf_products(part[j], ah, al, bh, bl, !PF_KV_TF32);
+                    pf_split(kr[0], bh[j][0], bl[j][0]);
+                    pf_split(kr[4], bh[j][1], bl[j][1]);
                 }
+                pf_products<NT>(part, ah, al, bh, bl, !PF_KV_TF32);
             }
 #pragma unroll
             for (int j = 0; j < NT; ++j)
@@ -240,19 +250,29 @@ __device__ __forceinline__ void prefill_rows(const float* q, const PagedKV& kv, 
             pf_split(s[kk][1], ph[kk][2], pl[kk][2]);
             pf_split(s[kk][3], ph[kk][3], pl[kk][3]);
         }
+        // by groups of PF_VGROUP n8 tiles of D, their accumulators fresh
 #pragma unroll
-        for (int j = 0; j < DT; ++j) {
-            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j0 = 0; j0 < DT; j0 += PF_VGROUP) {
+            float part[PF_VGROUP][4];
+#pragma unroll
+            for (int j = 0; j < PF_VGROUP; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) part[j][i] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < NT; ++kk) {
-                const float* vr = vs + (8 * kk + 2 * c) * KS + 8 * j + g;
-                u32 bh[2], bl[2];
-                pf_split(vr[0], bh[0], bl[0]);
-                pf_split(vr[KS], bh[1], bl[1]);
-                pf_products(part, ph[kk], pl[kk], bh, bl, !PF_KV_TF32);
+                u32 bh[PF_VGROUP][2], bl[PF_VGROUP][2];
+#pragma unroll
+                for (int j = 0; j < PF_VGROUP; ++j) {
+                    const float* vr = vs + (8 * kk + 2 * c) * KS + 8 * (j0 + j) + g;
+                    pf_split(vr[0], bh[j][0], bl[j][0]);
+                    pf_split(vr[KS], bh[j][1], bl[j][1]);
+                }
+                pf_products<PF_VGROUP>(part, ph[kk], pl[kk], bh, bl, !PF_KV_TF32);
             }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) o[j][i] = fmaf(o[j][i], corr[i / 2], part[i]);
+            for (int j = 0; j < PF_VGROUP; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) o[j0 + j][i] = fmaf(o[j0 + j][i], corr[i / 2], part[j][i]);
         }
     }
     // the rows' sums over their quads; out and lse at the split's slice
