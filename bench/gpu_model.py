@@ -36,15 +36,17 @@ DECODE_MODES = {
                                 relay_threads=lambda: max(1, chosen_threads() - 1)),
     "thread": dict(decode_relay=False, decode_host_thread=True, compiled_host_decode=True),
     "inline, op by op": dict(decode_relay=False, decode_host_thread=False, compiled_host_decode=False),
+    "relay, claimed items": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True, claimed=True),
 }
 DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "relay": "handed to a host worker through mapped memory, the calling thread never waits",
                 "relay, a core spare": "the same, the worker's experts on one Numba thread fewer "
                 "(STRATA_RELAY_THREADS), leaving the calling thread a core",
                 "thread": "one compiled call in a worker thread", "inline, op by op": "NumPy bookkeeping and five "
-                "kernel calls"}
+                "kernel calls", "relay, claimed items": "the relay, its worker's gate+up and down items claimed by the "
+                "threads rather than in static shares (CpuBackend.claimed_host_experts)"}
 MODE_KEYS = {"inline": "inline", "relay": "relay", "spare": "relay, a core spare", "thread": "thread",
-             "opbyop": "inline, op by op"}  # --modes names; relayN (e.g. relay14): the relay's worker on N threads
+             "opbyop": "inline, op by op", "claimed": "relay, claimed items"}  # --modes names; relayN (e.g. relay14): the relay's worker on N threads
 
 
 def mode_name(key):
@@ -66,6 +68,10 @@ def use_mode(split, mode):
     split.host_side.compiled_host_decode = settings["compiled_host_decode"]
     threads = settings.get("relay_threads")
     split.relay.threads = threads() if threads else split.settings.relay_threads
+    claimed = settings.get("claimed", False)
+    if getattr(split.host, "claimed_host_experts", claimed) != claimed:
+        split.host.claimed_host_experts = claimed
+        split.relay.close()  # its layers warmed again: the new plans compile before the device waits on them
 
 
 def first_experts(config, share):
@@ -190,9 +196,9 @@ def handoff_rows(label, trace, rate, num_layers):
 
 
 def host_alone_rows(llm, share, threads, calls=64, gap_s=2e-4):
-    """Table row: the host's experts of a decode token (CpuBackend.host_decode_experts, as the relay worker runs
+    """Table rows: the host's experts of a decode token (CpuBackend.host_decode_experts, as the relay worker runs
     them) called `calls` times on every layer in turn with random routings, at `threads` Numba threads in this
-    thread: back to back, then with gap_s asleep between calls."""
+    thread: back to back, then with gap_s asleep between calls; the items in static shares, then claimed."""
     import numba
 
     from placement.borrow import expert_bytes
@@ -205,28 +211,33 @@ def host_alone_rows(llm, share, threads, calls=64, gap_s=2e-4):
     cases = [(rng.standard_normal((1, c.hidden_size)).astype(np.float32),
               rng.choice(c.num_experts, k, replace=False)[None].astype(np.int32),
               rng.random((1, k)).astype(np.float32)) for _ in range(calls)]
-    before = numba.get_num_threads()
+    before, was_claimed = numba.get_num_threads(), getattr(host, "claimed_host_experts", False)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    rows = []
     try:
-        for layer, (x, ids, weights) in zip(layers, cases):  # warm-up: each layer's plan made, its code compiled
-            host.host_decode_experts(layer, x, ids, weights, split.resident[layer.index])
-        result = []
-        for gap in (0.0, gap_s):
-            seconds, pairs, nbytes = [], 0, 0
-            for i, (x, ids, weights) in enumerate(cases):
-                layer = layers[i % len(layers)]
-                if gap:
-                    time.sleep(gap)
-                t0 = time.perf_counter()
-                _, n = host.host_decode_experts(layer, x, ids, weights, split.resident[layer.index])
-                seconds.append(time.perf_counter() - t0)
-                pairs, nbytes = pairs + n, nbytes + n * expert_bytes(layer)
-            result.append((float(np.mean(seconds)), nbytes / max(sum(seconds), 1e-12) / 1e9))
+        for claimed in (False, True):
+            host.claimed_host_experts = claimed
+            for layer, (x, ids, weights) in zip(layers, cases):  # warm-up: each layer's plan made, its code compiled
+                host.host_decode_experts(layer, x, ids, weights, split.resident[layer.index])
+            result = []
+            for gap in (0.0, gap_s):
+                seconds, pairs, nbytes = [], 0, 0
+                for i, (x, ids, weights) in enumerate(cases):
+                    layer = layers[i % len(layers)]
+                    if gap:
+                        time.sleep(gap)
+                    t0 = time.perf_counter()
+                    _, n = host.host_decode_experts(layer, x, ids, weights, split.resident[layer.index])
+                    seconds.append(time.perf_counter() - t0)
+                    pairs, nbytes = pairs + n, nbytes + n * expert_bytes(layer)
+                result.append((float(np.mean(seconds)), nbytes / max(sum(seconds), 1e-12) / 1e9))
+            (hot, hot_rate), (gaps, gap_rate) = result
+            rows.append(f"| {share} | {threads} | {'claimed' if claimed else 'static'} | {pairs / calls:.1f} | "
+                        f"{hot * 1e3:.3f} | {hot_rate:.1f} | {gaps * 1e3:.3f} | {gap_rate:.1f} |")
     finally:
         numba.set_num_threads(before)
-    (hot, hot_rate), (gaps, gap_rate) = result
-    return [f"| {share} | {threads} | {pairs / calls:.1f} | {hot * 1e3:.3f} | {hot_rate:.1f} | {gaps * 1e3:.3f} | "
-            f"{gap_rate:.1f} |"]
+        host.claimed_host_experts = was_claimed
+    return rows
 
 
 def main(argv=None):
@@ -338,9 +349,10 @@ def main(argv=None):
              "## The host experts alone (CpuBackend.host_decode_experts called back to back, every layer in turn, "
              "random routings, the relay worker's thread count)", "",
              "GB/s: the non-resident pairs' expert bytes over the time. Hot: calls back to back; gaps: 0.2 ms "
-             "asleep between calls (as between a step's layers).", "",
-             "| resident % | threads | pairs a call | ms a call, hot | GB/s hot | ms a call, gaps | GB/s gaps |",
-             "|---|---|---|---|---|---|---|", *alone, ""]
+             "asleep between calls (as between a step's layers). Items: the gate+up and down items in static "
+             "shares (the default) or claimed by the threads (CpuBackend.claimed_host_experts).", "",
+             "| resident % | threads | items | pairs a call | ms a call, hot | GB/s hot | ms a call, gaps | GB/s gaps |",
+             "|---|---|---|---|---|---|---|---|", *alone, ""]
     log.info("\n%s", "\n".join(lines))
     if args.output:
         args.output.write_text("\n".join(lines))

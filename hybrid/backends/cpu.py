@@ -109,6 +109,9 @@ class CpuBackend(CpuDeltaOps):
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
     _local = None  # per thread: the _Scratch of grouped_experts
     _host_plans = None  # layer index: cpu_host_experts.HostExpertsPlan, made at the layer's first hybrid decode step
+    # a hybrid decode step's host experts with their gate+up and down items claimed by the threads, not in static
+    # shares (cpu_host_experts.claimed_matmul_template; bit-identical)
+    claimed_host_experts = False
     # int64 [W, cpu_decode_fused.TRACE_COLUMNS]: ticks each worker of a fused decode layer spends per stage,
     # summed over calls (cpu_decode_fused.fused_layer; bench/fused_stages.py sets it); zero rows: not profiled
     stage_trace = np.zeros((0, 0), dtype=np.int64)
@@ -317,10 +320,11 @@ class CpuBackend(CpuDeltaOps):
         if self._host_plans is None:
             self._host_plans = {}
         plan = self._host_plans.get(layer.index)
-        if plan is None or not plan.current(layer):
+        if plan is None or not plan.current(layer, self.claimed_host_experts):
             from .cpu_host_experts import HostExpertsPlan
 
-            plan = self._host_plans[layer.index] = HostExpertsPlan(self, layer)  # (sets act_quant)
+            plan = self._host_plans[layer.index] = HostExpertsPlan(self, layer, self.claimed_host_experts)  # (sets
+            # act_quant)
         return plan
 
     def paged_attention(self, q, k, v, k_scale, v_scale, table, start, key_lo, key_hi, scale, out, lse=None,

@@ -14,11 +14,14 @@ Shape legend: n tokens (a decode step's), H hidden, F expert width, E experts, K
 import operator
 
 import numpy as np
+from numba import prange
 
+from cpu_kernels import simd, sync
 from cpu_kernels.mailbox import WAIT_OK, atomic_store, wait_for
 from cpu_kernels.sync import LINE, cycles
 
-from .cpu_decode import expert_mixture, instance
+from .cpu_decode import expert_mixture, expert_mixture_template, instance, no_down_bias, swiglu_activate
+from .cpu_decode_fused import format_parts
 
 
 def host_experts_template(x, ids, weights, resident, gu_raws, d_raws, one_thread, act_quant):
@@ -85,22 +88,60 @@ def host_relay_template(inbox, inbox_bits, outbox, flags_in, flags_out, abort, i
     return WAIT_OK, pairs, entered, seen, cycles()
 
 
-class HostExpertsPlan:
-    """One layer's compiled host-experts function and its weights' raws (an instance per format pair)."""
+def claimed_matmul_template(raws, x, expert_ids, row_starts, outs, act_quant):
+    """The format's moe_matmul (outs[k][rows of group g] = x[same rows] @ raws[k][expert_ids[g]].T for each weight k)
+    with its items claimed: its serial part (PREPARE), then one parallel region whose W workers each take their
+    static share of the items first and then what the others have left (cpu_kernels/sync.py take). The same items
+    run the same kernel (RUN_ITEM), each output row written by one, so the result is moe_matmul's bit for bit; a
+    thread that runs slow (its core shared with another busy thread) holds up only the items it claimed."""
+    items, prep = PREPARE(raws, x, expert_ids, row_starts, act_quant)  # noqa: F821 (instance globals)
+    num_items = items.shape[0] * len(raws)
+    num_workers = simd.num_threads()
+    counters = sync.new_counters(1, num_workers)
+    for w in prange(num_workers):
+        i, tried = sync.take(counters, 0, w, num_workers, num_items, 0)
+        while i < num_items:
+            RUN_ITEM(raws, x, items, prep, outs, i, act_quant)  # noqa: F821
+            i, tried = sync.take(counters, 0, w, num_workers, num_items, tried)
 
-    def __init__(self, backend, layer):
+
+def claimed_mixture(backend, layer, names):
+    """expert_mixture_template's instance over the layer's formats with claimed_matmul as its gate+up and down
+    regions, or None where gate and up are not one paired region (`names`: expert_mixture's)."""
+    if names[3] != "paired" or names[4] != "swiglu":
+        return None
+    regions = []
+    for weight, name in ((layer.gate_exps, names[0]), (layer.down_exps, names[2])):
+        prepare, run_item, _ = format_parts(backend, weight)
+        regions.append(instance(claimed_matmul_template, name, parallel=True, PREPARE=prepare, RUN_ITEM=run_item))
+    return instance(expert_mixture_template, "_".join(names) + "_claimed", GU_PAR=regions[0], D_PAR=regions[1],
+                    ACTIVATE=swiglu_activate, DOWN_BIAS=no_down_bias)
+
+
+class HostExpertsPlan:
+    """One layer's compiled host-experts function and its weights' raws (an instance per format pair).
+
+    claimed: the gate+up and down regions claim their items (claimed_matmul_template) where the layer's formats
+    allow it (self.claimed says whether they do), else moe_matmul's static shares."""
+
+    def __init__(self, backend, layer, claimed=False):
         what = f"host experts of layer {layer.index}"
         if layer.up_exps.shape != layer.gate_exps.shape:
             raise ValueError(f"{what}: {layer.gate_exps.name} {layer.gate_exps.shape} and {layer.up_exps.name} "
                              f"{layer.up_exps.shape} do not fit")
         mixture, self.gu_raws, self.d_raws, names = expert_mixture(backend, layer, what)
-        self.fn = instance(host_experts_template, "_".join(names), MIXTURE=mixture)
-        self.relay = instance(host_relay_template, "_".join(names), HOST=self.fn)
+        found = claimed_mixture(backend, layer, names) if claimed else None
+        self.claimed, suffix = found is not None, "_".join(names) + ("_claimed" if found is not None else "")
+        self.asked = claimed
+        self.fn = instance(host_experts_template, suffix, MIXTURE=found or mixture)
+        self.relay = instance(host_relay_template, suffix, HOST=self.fn)
         self.raws = tuple(w.raw for w in (layer.gate_exps, layer.up_exps, layer.down_exps))
 
-    def current(self, layer):
-        """Whether the layer's expert weights still hold the raws this plan was made for."""
-        return all(map(operator.is_, map(_RAW, (layer.gate_exps, layer.up_exps, layer.down_exps)), self.raws))
+    def current(self, layer, claimed=False):
+        """Whether the layer's expert weights still hold the raws this plan was made for, and it was made with
+        `claimed` asked."""
+        return self.asked == claimed and all(map(operator.is_, map(_RAW, (layer.gate_exps, layer.up_exps,
+                                                                           layer.down_exps)), self.raws))
 
 
 _RAW = operator.attrgetter("raw")

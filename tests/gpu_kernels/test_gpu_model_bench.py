@@ -59,22 +59,25 @@ def test_bench_writes_every_table(bench, gguf_models, tmp_path):
 def test_bench_names_an_unknown_mode(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--model", "unused.gguf", "--modes", "relay,sideways"])
-    assert "--modes: unknown sideways (known: inline, relay, spare, thread, opbyop, relayN)" in capsys.readouterr().err
+    assert "--modes: unknown sideways (known: inline, relay, spare, thread, opbyop, claimed, relayN)" in capsys.readouterr().err
 
 
 def test_bench_times_the_relay_at_a_thread_count_and_the_host_part_alone(bench, gguf_models, tmp_path):
     """--modes relayN: the relay with its worker on N threads, a row in each table; the hand-off table has a row per
     way and the host experts alone one per share."""
     text = tables(bench, gguf_models, tmp_path, "--shares", "50", "--decode-tokens", "2", "--borrow-shares", "-1",
-                  "--modes", "relay,relay1", "--users", "0")
-    assert "| resident % | tok/s (relay, the default) | tok/s (relay, 1 threads) |" in text
+                  "--modes", "relay,relay1,claimed", "--users", "0")
+    assert "| resident % | tok/s (relay, the default) | tok/s (relay, 1 threads) | tok/s (relay, claimed items) |" \
+        in text
     assert "decode, 50 % resident, relay, 1 threads |" in text
     handoff = text[text.index("## A decode layer's host part"):text.index("## The host experts alone")]
     rows = [line for line in handoff.splitlines() if line.startswith("| 50 %")]
-    assert [r.split(" | ")[0] for r in rows] == ["| 50 %, relay", "| 50 %, relay, 1 threads"], rows
+    assert [r.split(" | ")[0] for r in rows] == ["| 50 %, relay", "| 50 %, relay, 1 threads",
+                                                 "| 50 %, relay, claimed items"], rows
     assert all(line.count("|") == 10 for line in rows), rows
     alone = [line for line in text[text.index("## The host experts alone"):].splitlines() if line.startswith("| 50 |")]
-    assert len(alone) == 1 and alone[0].count("|") == 8, alone
+    assert [line.split(" | ")[2] for line in alone] == ["static", "claimed"], alone
+    assert all(line.count("|") == 9 for line in alone), alone
 
 
 def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path, monkeypatch):
