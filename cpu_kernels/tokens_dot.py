@@ -1,10 +1,14 @@
-"""Decode dots of a few tokens against the same weight rows: the format's one-token block code (simd.rows_dot_intrinsic's
-block_fn) run for every token on each block of a row as it is read, so the weight bytes are loaded and unpacked once
-for all of them (the compiler merges the calls' identical weight code) while each token's products, conversions and
-accumulation are the ones a one-token dot makes.
+"""Decode dots of a few tokens against the same weight rows: the format's one-token block code
+(simd.rows_dot_intrinsic's block_fn) run for every token on each block of a row as it is read, so the weight bytes
+are loaded and unpacked once for all of them (the compiler merges the calls' identical weight code) while each
+token's products, conversions and accumulation are the ones a one-token dot makes.
 
-A prompt gives each of 512 experts ~5 of its 256 tokens (top-10): too few for a prefill tile (it computes 16 or 32
-token lanes whatever the count), so they run as decode items, and one token at a time each unpacks the row again.
+A prompt's expert groups of at most tiles.DECODE_MAX_TOKENS tokens are too small for a prefill tile (it computes 16
+or 32 token lanes whatever the count), so they run as decode items; one token at a time, each unpacks the rows again.
+A uniformly routed 256-token prompt over 512 experts (top-10) gives most experts ~5 tokens.
+
+One row a pass (quant_driver.tokens_dot_i16 passes 2 to 4 tokens), the bytes of the rows a few on prefetched: two
+rows a pass ran Q4_K ~5 % faster and Q6_K slower, four slower for both (bench/results/qwen3next.md, session 50).
 
 Shape legend: R rows, B bytes per row, N rows of x (tokens), Cx x values (or bytes) per row, A aux values per row.
 """
@@ -13,10 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from .simd import I64, data_ptr, hsum, row_loop
-
-TOKENS_PER_PASS = 4  # tokens a pass over one row reads (then 2, then the one-token dot); one row a pass: more rows
-# ran slower (bench/results/qwen3next.md, session 50)
+from .simd import CACHE_LINE, I64, ROWS_IN_FLIGHT, data_ptr, hsum, load_prefetch_rows, prefetch, row_loop
 
 
 def tokens_dot_intrinsic(block_fn, block_bytes, num_rows, num_tokens):
@@ -47,9 +48,25 @@ def tokens_dot_intrinsic(block_fn, block_bytes, num_rows, num_tokens):
             xs = [builder.gep(xs_base, [builder.mul(t, x_cols)]) for t in token_ids]
             auxs = [builder.gep(aux_base, [builder.mul(t, aux_cols)]) for t in token_ids]
             num_blocks = builder.udiv(row_bytes, ir.Constant(I64, block_bytes))
+            # the rows' bytes a few rows on are prefetched as they are read (a prompt's experts come from memory,
+            # one row after another): PREFETCH_ROWS x ROWS_IN_FLIGHT rows on, as simd.rows_dot_intrinsic does for
+            # neighbouring rows, clamped to W's last row
+            last_row = builder.sub(cgutils.unpack_tuple(builder, wa.shape)[0], ir.Constant(I64, 1))
+            ahead = builder.mul(load_prefetch_rows(builder), ir.Constant(I64, ROWS_IN_FLIGHT))
+            later = []
+            for row in row_ids:
+                row = builder.add(row, ahead)
+                row = builder.select(builder.icmp_signed(">", row, last_row), last_row, row)
+                later.append(builder.gep(wa.data, [builder.mul(row, row_bytes)]))
+            step_bytes = block_bytes * getattr(block_fn, "blocks_per_step", 1)
+            lines = [ir.Constant(I64, k) for k in range(0, step_bytes, CACHE_LINE)]
 
             def blocks(fn, b, accs):
                 o = builder.mul(b, ir.Constant(I64, block_bytes))
+                if fn is block_fn:
+                    for q in later:
+                        for line in lines:
+                            prefetch(builder, builder.gep(q, [builder.add(o, line)]))
                 return [fn(builder, q, o, b, xs[i], auxs[i], accs[k * num_tokens + i])
                         for k, q in enumerate(rows) for i in range(num_tokens)]
 
