@@ -3,8 +3,8 @@
 The host part of ExpertSplit's decode (the token's pairs whose experts the device does not hold) as
 CpuBackend.host_decode_experts (pair selection, grouping and the expert kernels in one call) and as the
 NumPy bookkeeping + CpuBackend.grouped_experts it replaced. Each call takes the next of --cases random
-tokens (x, top-k ids, weights) at the next layer, against a fixed random resident mask; the two paths
-alternate, --rounds rounds each, and the table gives each path's median time a call (the first round
+tokens (x, top-k ids, weights) at the next layer, against a fixed random resident mask; the paths (also the
+compiled call with its items claimed by the threads: CpuBackend.claimed_host_experts) alternate, --rounds rounds each, and the table gives each path's median time a call (the first round
 left out: compilation and first touches).
 
     python bench/host_experts.py --model /tmp/bm-q4km.gguf --threads 1,2 [--resident-share 0.5] [--rounds 6]
@@ -31,6 +31,13 @@ def op_by_op(backend, layer, x, ids, weights, resident):
 
 
 def compiled(backend, layer, x, ids, weights, resident):
+    backend.claimed_host_experts = False
+    return backend.host_decode_experts(layer, x, ids, weights, resident)[0]
+
+
+def claimed(backend, layer, x, ids, weights, resident):
+    """The compiled call with its gate+up and down items claimed by the threads (CpuBackend.claimed_host_experts)."""
+    backend.claimed_host_experts = True
     return backend.host_decode_experts(layer, x, ids, weights, resident)[0]
 
 
@@ -44,8 +51,8 @@ def seconds_a_call(threads, model_path, share, num_cases, rounds):
     cases = [(rng.standard_normal((1, c.hidden_size)).astype(np.float32),
               rng.choice(c.num_experts, k, replace=False)[None].astype(np.int32),
               rng.random((1, k)).astype(np.float32)) for _ in range(num_cases)]
-    times = {"one compiled call": [], "op by op": []}
-    paths = [("one compiled call", compiled), ("op by op", op_by_op)]
+    paths = [("one compiled call", compiled), ("claimed items", claimed), ("op by op", op_by_op)]
+    times = {name: [] for name, _ in paths}
     for r in range(rounds):
         for name, fn in paths if r % 2 == 0 else paths[::-1]:
             start = time.perf_counter()
@@ -64,11 +71,12 @@ def main(argv=None):
     p.add_argument("--cases", type=int, default=64)
     p.add_argument("--rounds", type=int, default=6)
     args = p.parse_args(argv)
-    print(f"| threads | one compiled call (us) | op by op (us) | model `{Path(args.model).name}`, "
-          f"{args.resident_share:.0%} resident |\n|---|---|---|---|")
+    print(f"| threads | one compiled call (us) | claimed items (us) | op by op (us) | model `{Path(args.model).name}`, "
+          f"{args.resident_share:.0%} resident |\n|---|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         result = seconds_a_call(threads, args.model, args.resident_share, args.cases, args.rounds)
-        print(f"| {threads} | {result['one compiled call'] * 1e6:.1f} | {result['op by op'] * 1e6:.1f} | |")
+        print(f"| {threads} | {result['one compiled call'] * 1e6:.1f} | {result['claimed items'] * 1e6:.1f} | "
+              f"{result['op by op'] * 1e6:.1f} | |")
     return 0
 
 
