@@ -46,7 +46,11 @@
 #define PF_ASYNC 0
 #endif
 #define PF_BUFS (PF_ASYNC ? 2 : 1)
-static_assert(PF_BUFS * 2 * PF_KEYS * (128 + PF_PAD) * 4 <= 48 * 1024, "K and V tiles fit static shared memory");
+#ifndef PF_DYNAMIC_SHARED  // 1: the tiles in dynamic shared memory, PF_SHARED_BYTES (the host allows past 48 KiB)
+#define PF_DYNAMIC_SHARED 0
+#endif
+#define PF_SHARED_BYTES (PF_BUFS * 2 * PF_KEYS * (128 + PF_PAD) * 4)
+static_assert(PF_DYNAMIC_SHARED || PF_SHARED_BYTES <= 48 * 1024, "K and V tiles fit static shared memory");
 #if defined(KV_F16) || defined(KV_BF16)
 #define PF_KV_TF32 1  // K and V values are TF32 values: their split's remainder is 0
 #else
@@ -314,8 +318,12 @@ paged_prefill(const float* q, const kv_t* k_pool, const kv_t* v_pool, const floa
     // the last rows' tile first: the blocks of most keys start first, those of few fill in behind them
     int G = Hq / Hkv, row0 = (gridDim.x - 1 - blockIdx.x) * PF_ROWS, last = min(row0 + PF_ROWS, T * G) - 1;
     int kb = key_lo + blockIdx.z * split_keys, ke = min(kb + split_keys, start + last / G + 1);
-    __shared__ float4 tiles[PF_BUFS * 2 * PF_KEYS * (128 + PF_PAD) / 4];  // [PF_BUFS][K, V][NK][D + PF_PAD]
-    float* sh = (float*)tiles;
+#if PF_DYNAMIC_SHARED
+    extern __shared__ float4 pf_tiles[];  // [PF_BUFS][K, V][NK][D + PF_PAD]
+#else
+    __shared__ float4 pf_tiles[PF_SHARED_BYTES / 16];  // [PF_BUFS][K, V][NK][D + PF_PAD]
+#endif
+    float* sh = (float*)pf_tiles;
     if (D == 128) prefill_rows<128>(q, kv, out, lse, want_lse, T, Hq, row0, start, kb, ke, window, scale, sh);
     else prefill_rows<64>(q, kv, out, lse, want_lse, T, Hq, row0, start, kb, ke, window, scale, sh);
 #endif
