@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 import gpu_kernels.kernels as kernels_module  # noqa: E402
 from gpu_kernels.gemm import (GEMM_KERNEL, GEMM_ROWS, GEMM_THREADS, GEMM_TOKENS, MOE_GEMM_TOKENS,  # noqa: E402
-                              gemm_shared_bytes)
+                              gemm_shared_bytes, variant_defines)
 from gpu_kernels.kernels import TILE_TOKENS, Kernels, format_tuning, tuned_module_name, tuned_source  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from gpu_kernels.sources import GEMM_KERNELS  # noqa: E402
@@ -81,19 +81,14 @@ def old_kernels():
         kernels_module.GEMM_MIN_TOKENS = saved
 
 
-def variant_defines(variant):
-    """{NAME: VALUE} of a variant "NAME[=VALUE][+NAME[=VALUE]...]" (VALUE 1 where not given)."""
-    return dict((part.partition("=")[0], part.partition("=")[2] or "1") for part in variant.split("+") if part)
-
-
 def variant_gemm(rt, kernels, qtype, variant):
     """{kernel name: compiled function} of qtype's GEMM module: the engine's for "", "t32", "t64", else with
     variant_defines(variant) before its source."""
     if variant in ("", *FORCED):
         return {name: kernels._mm(qtype, name) for name in GEMM_KERNELS}
     rows, _, blocks = format_tuning(qtype)
-    defines = "".join(f"#define {name} {value}\n" for name, value in variant_defines(variant).items())
-    suffix = "".join(f"_{name}{value}" for name, value in variant_defines(variant).items())
+    defines = "".join(f"#define {name} {value}\n" for name, value in variant_defines(variant))
+    suffix = "".join(f"_{name}{value}" for name, value in variant_defines(variant))
     return rt.compile(f"{tuned_module_name(qtype, rows, blocks)}{suffix}", defines + tuned_source(qtype, rows, blocks),
                       GEMM_KERNELS)
 
@@ -101,7 +96,7 @@ def variant_gemm(rt, kernels, qtype, variant):
 def variant_shared(fn, qtype, variant, tokens):
     """Dynamic shared bytes of a variant's kernel of `tokens` a block: gemm_shared_bytes where it sets GEMM_ASYNC
     (the kernel's limit raised to them), else 0."""
-    if variant_defines(variant).get("GEMM_ASYNC", "0") == "0":
+    if dict(variant_defines(variant)).get("GEMM_ASYNC", "0") == "0":
         return 0
     shared = gemm_shared_bytes(qtype, tokens)
     if shared > 48 * 1024:

@@ -1,11 +1,11 @@
 """A GPU prompt read under each of the tiled GEMM's products (gpu_kernels/gemm.py's gemm_math), in one process, side
 by side: the wall time of a one-chunk prompt read (every expert resident), the summed GPU time of the GEMM kernels
 (`gemm`, `gemm32`, `gemm_reduce`) in it, and the last position's logits against those of the first math listed
-(max |diff| / max |logit|, the same prompt). A math named with "+async" (e.g. tf32x3+async) runs with Kernels.gemm_async
-(gemm.cu's GEMM_ASYNC, double-buffered stages). --moe-tiles: the experts' work tiles of each size listed (32: gemm32,
+(max |diff| / max |logit|, the same prompt). A math named with "/VARIANT" (e.g. tf32x3/GEMM_ASYNC=1+GEMM_DEQUANT=1) runs with
+that Kernels.gemm_variant (gemm.cu's compile-time alternatives). --moe-tiles: the experts' work tiles of each size listed (32: gemm32,
 64: gemm; gemm.MOE_GEMM_TOKENS set while its runs go), each with every math.
 
-    python bench/gpu_gemm_prompt.py --model /tmp/q8l.gguf [--tokens 512] [--maths fp32,tf32x3,tf32,tf32x3+async] [--moe-tiles 32]
+    python bench/gpu_gemm_prompt.py --model /tmp/q8l.gguf [--tokens 512] [--maths fp32,tf32x3,tf32,tf32x3/GEMM_ASYNC=1] [--moe-tiles 32]
         [--runs 5]
 """
 import argparse
@@ -54,7 +54,7 @@ def main(argv=None):
     maths = [(m, int(t)) for t in args.moe_tiles.split(",") for m in args.maths.split(",")]
 
     def use(case):
-        name, kernels.gemm_async = case[0].partition("+")[0], case[0].endswith("+async")
+        name, _, kernels.gemm_variant = case[0].partition("/")
         kernels.gemm_math, gemm_module.MOE_GEMM_TOKENS = gemm_math(name), case[1]
 
     print(f"Model `{Path(args.model).name}` on {model.backend.rt.device_name}, every expert resident, a "

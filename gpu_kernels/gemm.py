@@ -60,13 +60,19 @@ def gemm_defines(qtype):
             f"#define GEMM_STAGE_COLS {stage_columns(qtype)}\n")
 
 
+def variant_defines(variant):
+    """((NAME, VALUE), ...) of a variant "NAME[=VALUE][+NAME[=VALUE]...]" of gemm.cu's defines (VALUE 1 where not
+    given)."""
+    return tuple((part.partition("=")[0], part.partition("=")[2] or "1") for part in variant.split("+") if part)
+
+
 def gemm_shared_bytes(qtype, tokens):
     """Dynamic shared memory bytes of qtype's GEMM of `tokens` a block compiled with GEMM_ASYNC 1 (gemm.cu's
     GEMM_ASYNC_SHARED at its step K, the mma path's: 32 where the static tiles fit 48 KiB, else 16)."""
     block_weights, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
     stage_bytes = stage_columns(qtype) // block_weights * block_bytes
     step = 32 if 4 * 32 * (GEMM_ROWS + tokens) + 4 * GEMM_ROWS * (((stage_bytes + 3) // 4) | 1) <= 48 * 1024 else 16
-    return 4 * step * (GEMM_ROWS + tokens) + 2 * 4 * GEMM_ROWS * (((stage_bytes + 6) // 4) | 1)
+    return 4 * step * (GEMM_ROWS + tokens) + 2 * 4 * GEMM_ROWS * (((stage_bytes + 5) // 4) | 1)
 
 
 def gemm_fits(qtype, num_cols):
@@ -102,20 +108,20 @@ class GemmLaunchers:
 
     split_columns = True
     gemm_math = DEFAULT_GEMM_MATH  # gemm_math's setting of the products
-    gemm_async = False  # opt-in, CUDA sm_80+ with a tensor-core gemm_math: gemm.cu's GEMM_ASYNC (double-buffered)
+    gemm_variant = ""  # opt-in compile-time alternatives of gemm.cu, "NAME=VALUE+..." (variant_defines; benches)
     _gemm_partial = None  # f32 scratch of the splits' partial sums, grown as needed
 
     def _gemm_fn(self, qtype, name):
-        """(qtype's GEMM kernel `name` at self.gemm_math and gemm_async, its dynamic shared bytes): the matmul
-        module's at the defaults, else the module compiled again with its GEMM_MATH / GEMM_ASYNC (Kernels._module)."""
-        defines, tag = "", ""
+        """(qtype's GEMM kernel `name` at self.gemm_math and gemm_variant, its dynamic shared bytes): the matmul
+        module's at the defaults, else the module compiled again with its GEMM_MATH and the variant's defines
+        (Kernels._module). A variant with GEMM_ASYNC (CUDA sm_80+, tensor-core maths only) takes gemm_shared_bytes."""
+        defines = dict(variant_defines(self.gemm_variant)) if name != "gemm_reduce" else {}
         if self.gemm_math != DEFAULT_GEMM_MATH:
-            math = GEMM_MATHS[gemm_math(self.gemm_math)]
-            defines, tag = f"#define GEMM_MATH {math}\n", f"_gemm{math}"
-        if self.gemm_async and name != "gemm_reduce":
-            defines, tag = defines + "#define GEMM_ASYNC 1\n", tag + "_async"
-        fn = self._module(qtype, defines, tag)[name] if defines else self._mm(qtype, name)
-        if not self.gemm_async or name == "gemm_reduce":
+            defines["GEMM_MATH"] = str(GEMM_MATHS[gemm_math(self.gemm_math)])
+        tag = "".join(f"_{key}{value}" for key, value in sorted(defines.items()))
+        lines = "".join(f"#define {key} {value}\n" for key, value in sorted(defines.items()))
+        fn = self._module(qtype, lines, tag)[name] if defines else self._mm(qtype, name)
+        if defines.get("GEMM_ASYNC", "0") == "0":
             return fn, 0
         shared = gemm_shared_bytes(qtype, {kernel: tokens for tokens, kernel in GEMM_KERNEL.items()}[name])
         if shared > 48 * 1024 and getattr(fn, "max_dynamic_shared_size_bytes", shared) < shared:

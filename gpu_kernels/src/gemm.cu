@@ -50,14 +50,15 @@
 #endif
 static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS == 0, "a step holds whole units");
 // GEMM_ASYNC 1 (opt-in, mma path only): double-buffered stages. The next stage's raw bytes go to the other of two
-// staged buffers by cp.async (4-byte words from the row's aligned word on; `mine` then starts (address & 3) bytes
-// into its row) while this stage's steps run; the tiles live in dynamic shared memory of GEMM_ASYNC_SHARED bytes
-// (gemm.py's gemm_shared_bytes: past 48 KiB, the launcher raises the kernel's limit).
+// staged buffers by cp.async while this stage's steps run: 4-byte words from the row's aligned word on (rows 2-byte
+// aligned, as every GEMM format's are; `mine` then starts (address & 3) bytes into its row). The tiles live in
+// dynamic shared memory of GEMM_ASYNC_SHARED bytes (gemm.py's gemm_shared_bytes: past 48 KiB, the launcher raises
+// the kernel's limit).
 #ifndef GEMM_ASYNC
 #define GEMM_ASYNC 0
 #endif
 #define GEMM_PIPE (GEMM_ASYNC && GEMM_MMA)
-#define GEMM_RAW_WORDS (((GEMM_STAGE_BYTES + 3 + 3) / 4) | 1)  // a stage's words from its aligned word: odd stride
+#define GEMM_RAW_WORDS (((GEMM_STAGE_BYTES + 2 + 3) / 4) | 1)  // words from a 2-byte aligned row's aligned word: odd
 #define GEMM_ASYNC_SHARED(T, K) (4 * (K) * (GEMM_ROWS + (T)) + 2 * 4 * GEMM_ROWS * GEMM_RAW_WORDS)
 
 // staged [GEMM_ROWS][GEMM_STAGE_WORDS] words = the stage's raw bytes (`offset` into each row) of rows r0 .. (clamped
@@ -100,11 +101,49 @@ __device__ __forceinline__ void gemm_copy_async(const u8* __restrict__ raw, i64 
 }
 #endif
 
+// GEMM_DEQUANT 1 (Q6_K only, the format whose block is 210 bytes): gemm_q6_k_unit's word-wise dequantization.
+#ifndef GEMM_DEQUANT
+#define GEMM_DEQUANT 0
+#endif
+#define GEMM_Q6_K_WORDS (GEMM_DEQUANT && GEMM_BLOCK_BYTES == 210 && GEMM_BLOCK_WEIGHTS == 256)
+
+#if GEMM_Q6_K_WORDS
+// The 4 bytes at p (2-byte aligned at least) as a word, from the aligned words around them.
+__device__ __forceinline__ u32 gemm_word_at(const u8* p) {
+    const u32* a = (const u32*)((size_t)p & ~(size_t)3);
+    return (u32)((((unsigned long long)a[1] << 32) | a[0]) >> (8 * ((size_t)p & 3)));
+}
+
+// unit_dequant of Q6_K (q6_k.cuh) four weights at a time, bit for bit: the 6-bit codes v of 4 neighbouring weights
+// assembled in a word's bytes (ql's nibbles | qh's 2 bits << 4), each byte made the float 2^23 + v by __byte_perm
+// beside 0x4B000000's bytes, less 2^23 + 32: v - 32 exactly, times ds (__fmul_rn as unit_dequant).
+__device__ __forceinline__ void gemm_q6_k_unit(const u8* row, int u, float* w) {
+    const u8* b = row + 210 * (u >> 4);
+    int s = u & 15, h = s >> 3, p = (s & 7) >> 1, l0 = 16 * (s & 1);
+    float ds = __fmul_rn(load_half(b + 208), (float)(i8)b[192 + s]);
+    const u8* ql = b + 64 * h + 32 * (p & 1) + l0;
+    const u8* qh = b + 128 + 32 * h + l0;
+    int shift = 4 * (p >> 1);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 v = ((gemm_word_at(ql + 4 * j) >> shift) & 0x0f0f0f0fu) |
+                (((gemm_word_at(qh + 4 * j) >> (2 * p)) & 0x03030303u) << 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            w[4 * j + i] = __fmul_rn(ds, __fadd_rn(__uint_as_float(__byte_perm(v, 0x4b00u, 0x5440u | i)), -8388640.0f));
+    }
+}
+#endif
+
 // w [K] = columns k0 .. k0 + K - 1 of a stage whose bytes start at `row`, by the format's unit_dequant.
 template <int K>
 __device__ __forceinline__ void gemm_dequant(const u8* row, int k0, float (&w)[K]) {
 #pragma unroll
+#if GEMM_Q6_K_WORDS
+    for (int u = 0; u < K / UNIT_WEIGHTS; ++u) gemm_q6_k_unit(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
+#else
     for (int u = 0; u < K / UNIT_WEIGHTS; ++u) unit_dequant(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
+#endif
 }
 
 // A thread's part of the x tile of a step: X_LOADS float4s of x [n, C] (tokens past n: zeros), loaded a step ahead
