@@ -101,11 +101,18 @@ __device__ __forceinline__ void gemm_copy_async(const u8* __restrict__ raw, i64 
 }
 #endif
 
-// GEMM_DEQUANT 1 (Q6_K only, the format whose block is 210 bytes): gemm_q6_k_unit's word-wise dequantization.
+// GEMM_DEQUANT 1: Q6_K's and Q4_K's stages (the formats of 256-weight blocks of 210 and 144 bytes) dequantized a
+// word at a time, without integer-to-float conversions (gemm_q6_k_unit, gemm_q4_k_unit); other formats as before.
 #ifndef GEMM_DEQUANT
 #define GEMM_DEQUANT 0
 #endif
 #define GEMM_Q6_K_WORDS (GEMM_DEQUANT && GEMM_BLOCK_BYTES == 210 && GEMM_BLOCK_WEIGHTS == 256)
+#define GEMM_Q4_K_WORDS (GEMM_DEQUANT && GEMM_BLOCK_BYTES == 144 && GEMM_BLOCK_WEIGHTS == 256)
+
+// The float of byte i of v (0 .. 255) plus 2^23: the byte beside 0x4B000000's bytes (__byte_perm).
+__device__ __forceinline__ float gemm_byte_float(u32 v, int i) {
+    return __uint_as_float(__byte_perm(v, 0x4b00u, 0x5440u | i));
+}
 
 #if GEMM_Q6_K_WORDS
 // The 4 bytes at p (2-byte aligned at least) as a word, from the aligned words around them.
@@ -130,7 +137,28 @@ __device__ __forceinline__ void gemm_q6_k_unit(const u8* row, int u, float* w) {
                 (((gemm_word_at(qh + 4 * j) >> (2 * p)) & 0x03030303u) << 4);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            w[4 * j + i] = __fmul_rn(ds, __fadd_rn(__uint_as_float(__byte_perm(v, 0x4b00u, 0x5440u | i)), -8388640.0f));
+            w[4 * j + i] = __fmul_rn(ds, __fadd_rn(gemm_byte_float(v, i), -8388640.0f));
+    }
+}
+#endif
+
+#if GEMM_Q4_K_WORDS
+// unit_dequant of Q4_K (q4_k.cuh), bit for bit: each word's 4 nibbles masked into bytes, made floats as in
+// gemm_q6_k_unit (2^23 + q, less 2^23: q exactly), then ds q - dm rounded twice as unit_dequant does.
+__device__ __forceinline__ void gemm_q4_k_unit(const u8* row, int u, float* w) {
+    const u8* b = row + 144 * (u >> 3);
+    int j = u & 7, sc, m;
+    scale_min_k4(b + 4, j, &sc, &m);
+    float ds = __fmul_rn(load_half(b), (float)sc);
+    float dm = __fmul_rn(load_half(b + 2), (float)m);
+    const u32* q = (const u32*)(b + 16 + 32 * (j >> 1));  // a staged row's bytes start word-aligned
+    int shift = 4 * (j & 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        u32 v = (q[i] >> shift) & 0x0f0f0f0fu;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            w[4 * i + c] = __fsub_rn(__fmul_rn(ds, __fadd_rn(gemm_byte_float(v, c), -8388608.0f)), dm);
     }
 }
 #endif
@@ -141,6 +169,8 @@ __device__ __forceinline__ void gemm_dequant(const u8* row, int k0, float (&w)[K
 #pragma unroll
 #if GEMM_Q6_K_WORDS
     for (int u = 0; u < K / UNIT_WEIGHTS; ++u) gemm_q6_k_unit(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
+#elif GEMM_Q4_K_WORDS
+    for (int u = 0; u < K / UNIT_WEIGHTS; ++u) gemm_q4_k_unit(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
 #else
     for (int u = 0; u < K / UNIT_WEIGHTS; ++u) unit_dequant(row, k0 / UNIT_WEIGHTS + u, w + u * UNIT_WEIGHTS);
 #endif
