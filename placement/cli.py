@@ -154,7 +154,8 @@ def format_plan(placement):
 def format_check(check):
     """One line on planner.cross_check's verdict."""
     if not check or not check["folds"]:
-        return "plan not checked: the profile has one part (record it with `strata profile` to keep one per prompt)"
+        return ("plan not checked against the global top-k: the profile has fewer than two parts (`strata profile` "
+                "keeps one per prompt; `profile merge` keeps them, a file without parts counting as one)")
     verdict = "the plan is kept" if check["keep"] else "not shown: the cache holds the global top-k by the counts"
     return (f"checked on {check['folds']} folds of the profile: the plan's gain over the global top-k "
             f"{check['gain_ms']:+.4f} ms +- {check['gain_se_ms']:.4f} a step ({check['hit_points']:+.2f} hit-rate "

@@ -31,8 +31,8 @@ The plan is kept only where it is shown to beat the simple baseline, the global 
 plan from (`cross_check`): the profile's parts (its prompts, or groups of them) are dealt into folds;
 for each fold both choices are made from the other folds and scored on the fold's routings by the
 cost model (the predicted step). The plan stays where its mean gain over the folds exceeds
-CHECK_Z standard errors, else the cache holds the global top-k. A profile of one part (no parts
-kept, a single recording) cannot be checked: the plan stays.
+CHECK_Z standard errors, else the cache holds the global top-k. A profile of fewer than two parts
+(none kept: a single recording, or a file older than the parts) cannot be checked: the plan stays.
 Shape legend: L layers, E experts, P parts.
 """
 import itertools
@@ -193,24 +193,25 @@ def top_mask(counts, groups):
 
 def cross_check(profile, sizes, groups, batch, speeds=Speeds(), max_context=4096, kv_dtype="f16"):
     """The plan against the global top-k on parts of the profile it did not plan from: a JSON-ready dict with
-    folds, gain (mean over folds of top-k's predicted step minus the plan's, ms; > 0: the plan is faster),
-    gain_se (its standard error), hit_points (mean hit-rate points of the plan over top-k) and keep (whether
-    the gain exceeds CHECK_Z standard errors); folds 0 and keep True where the profile has one part.
+    folds, gain_ms (mean over folds of top-k's predicted step minus the plan's; > 0: the plan is faster),
+    gain_se_ms (its standard error), hit_points (mean hit-rate points of the plan over top-k) and keep
+    (whether the gain exceeds CHECK_Z standard errors); folds 0 and keep True where fewer than two parts
+    hold routings of the phase planned for (nothing to hold out).
 
-    The profile's parts are dealt into min(parts, MAX_FOLDS) folds (part i to fold i mod folds); each fold's
-    choices are planned from the others' counts as `plan_slots` plans (decode estimate, `planned_mask`) and
-    as the baseline chooses (`top_mask` of prompt and decode counts together), and scored by the cost model
-    on the fold's own routings of the phase being planned for (decode, prefill for a profile without decode
-    tokens)."""
+    That phase is decode (prefill for a profile without decode tokens). The parts holding its routings are
+    dealt into min(their number, MAX_FOLDS) folds (the i-th to fold i mod folds; the other parts always
+    plan); each fold's choices are planned from the rest of the counts as `plan_slots` plans (decode
+    estimate, `planned_mask`) and as the baseline chooses (`top_mask` of prompt and decode counts together),
+    and scored by the cost model on the fold's own routings of the phase."""
     prefill, decode, tokens = profile.parts()  # [P, L, E], [P, L, E], [P, 2]
     phase = 1 if profile.tokens_decode else 0
     target = (prefill, decode)[phase]
-    usable = tokens[:, phase] > 0
+    usable = tokens[:, phase] > 0  # parts without routings of the phase are never held out
     num_folds = min(int(usable.sum()), MAX_FOLDS)
     if num_folds < 2:
-        return {"folds": 0, "keep": True, "why": "one part: nothing to hold out"}
-    prefill, decode, tokens, target = prefill[usable], decode[usable], tokens[usable], target[usable]
-    fold_of = np.arange(len(tokens)) % num_folds
+        return {"folds": 0, "keep": True, "why": "fewer than two parts: nothing to hold out"}
+    fold_of = np.full(len(tokens), -1)
+    fold_of[usable] = np.arange(int(usable.sum())) % num_folds
     total_prefill, total_decode, total_tokens = prefill.sum(axis=0), decode.sum(axis=0), tokens.sum(axis=0)
     gains, hits = [], []
     for fold in range(num_folds):

@@ -93,3 +93,12 @@ def test_plan_refuses_a_context_beyond_the_models(tmp_path, tiny_model, capsys):
                  "4096", "-o", str(tmp_path / "pl.json")]) == 2
     assert capsys.readouterr().err.strip() == (f"strata: error: --max-context 4096: {tiny_model} holds a context "
                                                f"of 1 to 1024 tokens (from its metadata)")
+
+
+def test_plan_output_says_whether_the_check_kept_the_plan():
+    from placement.cli import format_check
+
+    assert format_check({"folds": 0, "keep": True, "why": "fewer than two parts: nothing to hold out"}).startswith(
+        "plan not checked against the global top-k")
+    line = format_check({"folds": 10, "gain_ms": -0.01, "gain_se_ms": 0.004, "hit_points": -0.5, "keep": False})
+    assert "checked on 10 folds" in line and "-0.50 hit-rate points" in line and line.endswith("by the counts")

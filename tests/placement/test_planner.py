@@ -231,10 +231,11 @@ def layer_sets(mask):
 
 def test_plan_kept_where_held_out_parts_show_its_gain(make_sizes):
     """Every prompt's decode tokens use experts 4-7, its prompt tokens 0-3: the counts' top-k holds 0-3,
-    the plan 4-7, and each fold of the profile's parts confirms the plan's choice."""
+    the plan 4-7, and each fold of the profile's parts confirms the plan's choice. A prompt without decode
+    tokens is never held out."""
     from placement.planner import cross_check, plan_slots, top_mask
 
-    profile = parts_profile(8, [(PROMPT, [(4, 5), (6, 7)] * 5)] * 6)
+    profile = parts_profile(8, [(PROMPT, [(4, 5), (6, 7)] * 5)] * 6 + [(PROMPT, [])])
     sizes = make_sizes(num_layers=2, num_experts=8)
     check = cross_check(profile, sizes, [(range(2), 8)], batch=1)
     assert check["folds"] == 6 and check["keep"] and check["gain_ms"] > 0 and check["hit_points"] == 100
@@ -266,7 +267,7 @@ def test_a_profile_of_one_part_keeps_the_plan_unchecked(make_profile, make_sizes
     from placement.planner import cross_check
 
     check = cross_check(make_profile(), make_sizes(), [(range(3), 6)], batch=1)
-    assert check == {"folds": 0, "keep": True, "why": "one part: nothing to hold out"}
+    assert check == {"folds": 0, "keep": True, "why": "fewer than two parts: nothing to hold out"}
 
 
 def test_folds_follow_the_parts_and_the_checked_multi_gpu_plan_keeps_its_budgets(make_sizes):
