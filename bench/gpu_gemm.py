@@ -96,7 +96,7 @@ def variant_gemm(rt, kernels, qtype, variant):
 def variant_shared(fn, qtype, variant, tokens):
     """Dynamic shared bytes of a variant's kernel of `tokens` a block: gemm_shared_bytes where it sets GEMM_ASYNC
     (the kernel's limit raised to them), else 0."""
-    if dict(variant_defines(variant)).get("GEMM_ASYNC", "0") == "0":
+    if dict(variant_defines(variant)).get("GEMM_ASYNC", "0") != "1":
         return 0
     shared = gemm_shared_bytes(qtype, tokens)
     if shared > 48 * 1024:

@@ -121,7 +121,7 @@ class GemmLaunchers:
         tag = "".join(f"_{key}{value}" for key, value in sorted(defines.items()))
         lines = "".join(f"#define {key} {value}\n" for key, value in sorted(defines.items()))
         fn = self._module(qtype, lines, tag)[name] if defines else self._mm(qtype, name)
-        if defines.get("GEMM_ASYNC", "0") == "0":
+        if defines.get("GEMM_ASYNC", "0") != "1":
             return fn, 0
         shared = gemm_shared_bytes(qtype, {kernel: tokens for tokens, kernel in GEMM_KERNEL.items()}[name])
         if shared > 48 * 1024 and getattr(fn, "max_dynamic_shared_size_bytes", shared) < shared:

@@ -49,6 +49,8 @@
 #endif
 #endif
 static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS == 0, "a step holds whole units");
+// GEMM_ASYNC 2 (opt-in, mma path only): one staged buffer (static, as without), filled by cp.async words as below,
+// the next stage's copy issued once the stage's last step is dequantized (during that step's products).
 // GEMM_ASYNC 1 (opt-in, mma path only): double-buffered stages. The next stage's raw bytes go to the other of two
 // staged buffers by cp.async while this stage's steps run: 4-byte words from the row's aligned word on (rows 2-byte
 // aligned, as every GEMM format's are; `mine` then starts (address & 3) bytes into its row). The tiles live in
@@ -57,8 +59,9 @@ static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS 
 #ifndef GEMM_ASYNC
 #define GEMM_ASYNC 0
 #endif
-#define GEMM_PIPE (GEMM_ASYNC && GEMM_MMA)
+#define GEMM_PIPE (GEMM_MMA ? GEMM_ASYNC : 0)
 #define GEMM_RAW_WORDS (((GEMM_STAGE_BYTES + 2 + 3) / 4) | 1)  // words from a 2-byte aligned row's aligned word: odd
+static_assert(GEMM_PIPE != 2 || GEMM_RAW_WORDS == GEMM_STAGE_WORDS, "GEMM_ASYNC 2: the static tiles' size");
 #define GEMM_ASYNC_SHARED(T, K) (4 * (K) * (GEMM_ROWS + (T)) + 2 * 4 * GEMM_ROWS * GEMM_RAW_WORDS)
 
 // staged [GEMM_ROWS][GEMM_STAGE_WORDS] words = the stage's raw bytes (`offset` into each row) of rows r0 .. (clamped
@@ -366,11 +369,15 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
                                           float* __restrict__ out, int n, int R, int C, int cols, i64 row_bytes,
                                           int r0) {
     const int TN = GemmShape<TOKENS>::TN, K = GemmShape<TOKENS>::K;
-#if GEMM_PIPE
+#if GEMM_PIPE == 1
     extern __shared__ float4 gemm_shared[];
     float4* ws = gemm_shared;                               // [K][GEMM_ROWS]
     float4* xs = ws + K * GEMM_ROWS / 4;                    // [K][TOKENS]
     u32* staged = (u32*)(xs + K * TOKENS / 4);              // [2][GEMM_ROWS][GEMM_RAW_WORDS]
+#elif GEMM_PIPE == 2
+    __shared__ float4 ws[K * GEMM_ROWS / 4];                // [K][GEMM_ROWS]
+    __shared__ float4 xs[K * TOKENS / 4];                   // [K][TOKENS]
+    __shared__ u32 staged[GEMM_ROWS * GEMM_RAW_WORDS];     // [GEMM_ROWS][GEMM_RAW_WORDS]
 #else
     __shared__ float4 ws[K * GEMM_ROWS / 4];                // [K][GEMM_ROWS]
     __shared__ float4 xs[K * TOKENS / 4];                   // [K][TOKENS]
@@ -396,7 +403,15 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
 #endif
     float4 xv[GemmShape<TOKENS>::X_LOADS];
     gemm_load_x<TOKENS>(x, C, n, 0, xv);
-#if GEMM_PIPE
+#if GEMM_PIPE == 2
+    const u8* row = raw + (i64)min(r0 + (int)threadIdx.x, R - 1) * row_bytes;
+    gemm_copy_async(raw, row_bytes, R, r0, 0, staged);
+    for (int s0 = 0; s0 < cols; s0 += GEMM_STAGE_COLS) {
+        i64 offset = (i64)(s0 / GEMM_BLOCK_WEIGHTS) * GEMM_BLOCK_BYTES;
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+        const u8* mine = (const u8*)(staged + threadIdx.x * GEMM_RAW_WORDS) + ((size_t)(row + offset) & 3);
+#elif GEMM_PIPE
     const u8* row = raw + (i64)min(r0 + (int)threadIdx.x, R - 1) * row_bytes;
     gemm_copy_async(raw, row_bytes, R, r0, 0, staged);
     for (int s0 = 0, buffer = 0; s0 < cols; s0 += GEMM_STAGE_COLS, buffer ^= 1) {
@@ -433,6 +448,11 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ raw, const floa
 #endif
             gemm_store_x<TOKENS>(xv, (float*)xs);
             __syncthreads();
+#if GEMM_PIPE == 2
+            // the stage's last reads lie behind this barrier: the next stage's copy runs during these products
+            if (k0 + K == GEMM_STAGE_COLS && s0 + GEMM_STAGE_COLS < cols)
+                gemm_copy_async(raw, row_bytes, R, r0, offset + GEMM_STAGE_BYTES, staged);
+#endif
             if (s0 + k0 + K < cols) gemm_load_x<TOKENS>(x, C, n, s0 + k0 + K, xv);
 #if GEMM_MMA
             gemm_products_mma<TOKENS, K>(wsf, (const float*)xs, n, acc);

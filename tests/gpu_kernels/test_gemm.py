@@ -130,7 +130,7 @@ def test_gemm_modules_compile_for_sm86(qtype):
 
 
 MATH_TOL = {"tf32x3": TOL, "fp32": TOL, "tf32": 2e-3}  # gemm_math's stated tolerance (TF32: 10-bit mantissas)
-ASYNC = "+async"  # a case's suffix: Kernels.gemm_variant GEMM_ASYNC=1 (CUDA sm_80+), the same tolerance
+VARIANTS = ["tf32x3/GEMM_ASYNC=1+GEMM_DEQUANT=1", "tf32/GEMM_ASYNC=1", "tf32x3/GEMM_ASYNC=2"]  # MATH/gemm_variant
 
 
 def test_gemm_math_names():
@@ -143,18 +143,18 @@ def test_gemm_math_names():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [*MATH_TOL, "tf32x3" + ASYNC, "tf32" + ASYNC])
+@pytest.mark.parametrize("case", [*MATH_TOL, *VARIANTS])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_gemm_math_at_prefill_sizes(runtime, qtype, case):
-    """Each gemm_math (and with the double-buffered stages and Q6_K's word-wise dequantization) within its tolerance: a dense GEMM of 512
-    tokens over 2048 columns (column splits) and of 300 tokens (a short last tile), and expert groups of 512 x top-8
-    pairs routed at random over 32 experts plus ragged ones (1, 31, 33, 70 rows; Q6_K's 768-column rows 2-byte
-    aligned every other row) in tiles of 32 and 64 rows."""
+    """Each gemm_math and gemm.cu variant (CUDA sm_80+: cp.async stages, word-wise dequantization) within the math's
+    tolerance: a dense GEMM of 512 tokens over 2048 columns (column splits) and of 300 tokens (a short last tile),
+    and expert groups of 512 x top-8 pairs routed at random over 32 experts plus ragged ones (1, 31, 33, 70 rows;
+    Q6_K's 768-column rows 2-byte aligned every other row) in tiles of 32 and 64 rows."""
     from gpu_kernels.kernels import Kernels
 
     kernels = Kernels(runtime)
-    math = case.removesuffix(ASYNC)
-    kernels.gemm_math, kernels.gemm_variant = math, "GEMM_ASYNC=1+GEMM_DEQUANT=1" if case.endswith(ASYNC) else ""
+    math, _, kernels.gemm_variant = case.partition("/")
+    kernels.gemm_math = math
     rng = np.random.default_rng(int(qtype) * 31 + len(math))
     raw = quant(rng, qtype, (260, 2048))  # [R, B]
     for num_tokens in (512, 300):
