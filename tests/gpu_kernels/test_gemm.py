@@ -130,7 +130,8 @@ def test_gemm_modules_compile_for_sm86(qtype):
 
 
 MATH_TOL = {"tf32x3": TOL, "fp32": TOL, "tf32": 2e-3}  # gemm_math's stated tolerance (TF32: 10-bit mantissas)
-VARIANTS = ["tf32x3/GEMM_ASYNC=1+GEMM_DEQUANT=1", "tf32/GEMM_ASYNC=1", "tf32x3/GEMM_ASYNC=2+GEMM_DEQUANT=1"]  # MATH/variant
+VARIANTS = ["tf32x3/GEMM_ASYNC=1+GEMM_DEQUANT=1", "tf32/GEMM_ASYNC=1",  # MATH/gemm_variant
+            "tf32x3/GEMM_ASYNC=2+GEMM_DEQUANT=1"]
 
 
 def test_gemm_math_names():
