@@ -169,7 +169,9 @@ class HostRelay:
                 return
             layer, seq, resident, num_tokens = job
             try:
-                numba.set_num_threads(min(self.threads or chosen_threads(), numba.config.NUMBA_NUM_THREADS))
+                threads = min(self.threads or chosen_threads(), numba.config.NUMBA_NUM_THREADS)
+                if threads != numba.get_num_threads():
+                    numba.set_num_threads(threads)
                 status, pairs, entered, seen, posted = self.host.relay_decode_experts(
                     layer, self.mailbox, seq, resident, self.limit_ticks, num_tokens)
                 error = None
@@ -181,4 +183,5 @@ class HostRelay:
             with self._answered:
                 self._results.append(RelayResult(layer.index, int(status), int(pairs), int(seen), int(posted), error,
                                                  int(entered)))
-                self._answered.notify_all()
+                if len(self._results) >= self.outstanding:  # what wait_idle waits for: a wake-up per layer would
+                    self._answered.notify_all()  # take a core from the next layer's experts for nothing
