@@ -59,7 +59,11 @@ static_assert(GEMM_STEP(64) % UNIT_WEIGHTS == 0 && GEMM_STEP(32) % UNIT_WEIGHTS 
 #ifndef GEMM_ASYNC
 #define GEMM_ASYNC 0
 #endif
-#define GEMM_PIPE (GEMM_MMA ? GEMM_ASYNC : 0)
+#if GEMM_MMA && !defined(GEMM_MMA_EMULATED)  // cp.async: the real tensor-core path only
+#define GEMM_PIPE GEMM_ASYNC
+#else
+#define GEMM_PIPE 0
+#endif
 #define GEMM_RAW_WORDS (((GEMM_STAGE_BYTES + 2 + 3) / 4) | 1)  // words from a 2-byte aligned row's aligned word: odd
 static_assert(GEMM_PIPE != 2 || GEMM_RAW_WORDS == GEMM_STAGE_WORDS, "GEMM_ASYNC 2: the static tiles' size");
 #define GEMM_ASYNC_SHARED(T, K) (4 * (K) * (GEMM_ROWS + (T)) + 2 * 4 * GEMM_ROWS * GEMM_RAW_WORDS)
