@@ -7,7 +7,7 @@ A prompt's expert groups of at most tiles.DECODE_MAX_TOKENS tokens are too small
 or 32 token lanes whatever the count), so they run as decode items; one token at a time, each unpacks the rows again.
 A uniformly routed 256-token prompt over 512 experts (top-10) gives most experts ~5 tokens.
 
-One row a pass (quant_driver.tokens_dot_i16 passes 2 to 4 tokens), the bytes of the rows a few on prefetched: two
+One row a pass (quant_driver.tokens_dot_i16 passes 4, then 2 tokens), the bytes of the rows a few on prefetched: two
 rows a pass ran Q4_K ~5 % faster and Q6_K slower, four slower for both (bench/results/qwen3next.md, session 50).
 
 Shape legend: R rows, B bytes per row, N rows of x (tokens), Cx x values (or bytes) per row, A aux values per row.
