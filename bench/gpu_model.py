@@ -92,8 +92,8 @@ def decode_rate(llm, num_tokens):
 def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
     """(tok/s each user saw, mean; tok/s of all users together, prompts included; tok/s of all users while every one
     of them decodes, as llama-batched-bench's S_TG counts): `users` greedy requests decoded at once by the serving
-    engine (one decode batch of `users` tokens a step), each after its own 32-token prompt; decode steps of up to
-    relay_tokens tokens through the relay (ExpertSplit.relay.tokens)."""
+    engine (one decode batch of `users` tokens a step), each after its own 32-token prompt, all queued at once; decode
+    steps of up to relay_tokens tokens through the relay (ExpertSplit.relay.tokens)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hybrid.engine import Engine
@@ -111,11 +111,13 @@ def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
     split, usage = llm.model.split, llm.model.usage
     if split is not None:
         split.relay.tokens = relay_tokens
-    engine = Engine(llm, num_slots=users).start()
+    engine = Engine(llm, num_slots=users)
     try:
         params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
         t0 = time.perf_counter()
+        # every request queued before the engine's first step, as llama-batched-bench gives its prompts together
         handles = [engine.submit(Request(prompt(llm, 32, 10 + u), params)) for u in range(users)]
+        engine.start()
         with ThreadPoolExecutor(users) as pool:
             followed = list(pool.map(follow, handles))
         wall = time.perf_counter() - t0
