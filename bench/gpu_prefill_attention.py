@@ -19,9 +19,8 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_decode_ops import graph_us  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 4, 128, 64
-VARIANTS = {"PF_KEYS 16": "#define PF_KEYS 16\n",
-            "PF_ASYNC (f32), PF_KEYS 16": "#define PF_KEYS 16\n#define PF_ASYNC 1\n",
-            "PF_ASYNC (f32), PF_KEYS 32, 66 KiB dynamic shared": "#define PF_ASYNC 1\n#define PF_DYNAMIC_SHARED 1\n",
+VARIANTS = {"one buffer (no cp.async), PF_KEYS 32": "#define PF_ASYNC 0\n",
+            "PF_KEYS 32, 66 KiB dynamic shared": "#define PF_KEYS 32\n#define PF_DYNAMIC_SHARED 1\n",
             "PF_VGROUP 8": "#define PF_VGROUP 8\n", "tf32 (opt-in)": "#define PF_MATH 1\n"}
 
 
@@ -55,7 +54,7 @@ def variant_function(rt, kv_dtype, defines):
     mod = kv_module_name(kv_dtype)
     tag = "_".join(defines.split()[1::3] + defines.split()[2::3])
     fn = rt.compile(f"{mod}_{tag}", defines + module_source(mod), KV_KERNELS)["paged_prefill"]
-    if "PF_DYNAMIC_SHARED 1" in defines:  # two buffers of 32 keys: PF_SHARED_BYTES
+    if "PF_DYNAMIC_SHARED 1" in defines:  # two buffers of 32 keys (f32): PF_SHARED_BYTES
         return DynamicShared(fn, 2 * 2 * 32 * (128 + 4) * 4)
     return fn
 

@@ -19,10 +19,12 @@ MAX_SPLITS = 64
 # for a power-of-two bound from 256 keys (hybrid/backends/gpu_step.py): its first one takes it.
 SHORT_ATTENTION_KEYS = 256
 PF_ROWS = 64  # kv_prefill.cu's PF_ROWS: query rows a block of the tensor-core prompt kernel
-PF_KEYS = 32  # kv_prefill.cu's PF_KEYS: keys a tile
+PF_KEYS = 32  # keys a split's length is a multiple of: kv_prefill.cu's PF_KEYS (32, f32 K/V 16)
 PF_HEAD_DIMS = (64, 128)  # head dims paged_prefill takes
-# A chunk of at least this many tokens takes paged_prefill where the GPU has its tensor-core path (prefill_mma).
-PREFILL_MIN_TOKENS = 32
+# A chunk of at least this many tokens takes paged_prefill where the GPU has its tensor-core path (prefill_mma): from
+# 8 tokens (the fewest measured) on faster than paged_attention at the Qwen3-30B-A3B shape
+# (bench/results/vs_llamacpp_gpu.md, session 50)
+PREFILL_MIN_TOKENS = 8
 
 
 def _pow2_at_least(n):

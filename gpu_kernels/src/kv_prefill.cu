@@ -18,9 +18,6 @@
 
 #define PF_THREADS 128
 #define PF_ROWS 64  // query rows a block: 16 a warp
-#ifndef PF_KEYS  // a compile-time alternative for bench/gpu_prefill_attention.py --variants
-#define PF_KEYS 32  // keys a tile
-#endif
 #ifndef PF_MIN_BLOCKS
 #define PF_MIN_BLOCKS 2  // blocks a multiprocessor holds (__launch_bounds__: registers a thread at most 255)
 #endif
@@ -39,11 +36,20 @@
 #define PF_MMA 0
 #endif
 #endif
-// PF_ASYNC (a compile-time alternative, f32 K/V on the mma path): the next tile's K and V copied by cp.async into a
-// second buffer while the block computes on this one (two buffers of PF_KEYS 16 fit the 48 KiB of static shared).
-#if !defined(PF_ASYNC) || !defined(KV_F32) || !PF_MMA
+// PF_ASYNC (on by default for f32 K/V on the mma path): the next tile's K and V copied by cp.async into a second
+// buffer while the block computes on this one; two buffers of PF_KEYS 16 fit the 48 KiB of static shared memory (as
+// fast as two of 32 in dynamic shared memory: bench/results/vs_llamacpp_gpu.md, session 50). The other types widen
+// their rows as they load them: one buffer of 32 keys. PF_KEYS, PF_ASYNC, PF_DYNAMIC_SHARED: compile-time
+// alternatives for bench/gpu_prefill_attention.py --variants.
+#ifndef PF_ASYNC
+#define PF_ASYNC 1
+#endif
+#if !defined(KV_F32) || !PF_MMA
 #undef PF_ASYNC
 #define PF_ASYNC 0
+#endif
+#ifndef PF_KEYS
+#define PF_KEYS (PF_ASYNC ? 16 : 32)  // keys a tile
 #endif
 #define PF_BUFS (PF_ASYNC ? 2 : 1)
 #ifndef PF_DYNAMIC_SHARED  // 1: the tiles in dynamic shared memory, PF_SHARED_BYTES (the host allows past 48 KiB)

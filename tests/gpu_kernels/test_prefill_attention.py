@@ -177,7 +177,7 @@ def build(tmp_path_factory):
                       "{ return a > b ? a : b; }\n" + common + kv + mma + ASYNC + defines
                       + (SRC / "kv_prefill.cu").read_text()
                       + HARNESS)
-            path = tmp_path_factory.mktemp("prefill_" + kv_dtype + "_async" * ("PF_ASYNC" in defines))
+            path = tmp_path_factory.mktemp("prefill_" + kv_dtype + "_sync" * ("PF_ASYNC" in defines))
             (path / "prefill.cpp").write_text(source)
             subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-fno-gnu-unique", "-shared", "-fPIC", "-o",
                             str(path / "prefill.so"), str(path / "prefill.cpp")], check=True, capture_output=True,
@@ -241,8 +241,9 @@ def test_emulated_prefill_f16(build, reference_kernels):
 @pytest.mark.slow
 @pytest.mark.parametrize("case,head_dim,group,splits", [((70, 20, 0, 0, 16, 24), 64, 1, 1),
                                                         ((9, 61, 0, 2, 16, 0), 128, 8, 2)], ids=["window", "splits"])
-def test_emulated_prefill_async(build, reference_kernels, case, head_dim, group, splits):
-    """PF_ASYNC (bench/gpu_prefill_attention.py's variant): two buffers of PF_KEYS 16, the next tile's copies issued
-    before this one's products."""
-    lib = build("f32", "#define PF_KEYS 16\n#define PF_ASYNC 1\n")
+def test_emulated_prefill_one_buffer(build, reference_kernels, case, head_dim, group, splits):
+    """f32 K/V without PF_ASYNC (the other types' way: one buffer of 32 keys, loaded and widened between the
+    products); the default f32 build above copies the next 16 keys (cp.async, here a memcpy) before this tile's
+    products."""
+    lib = build("f32", "#define PF_ASYNC 0\n")
     check(None, Emulated(lib, splits), reference_kernels, "f32", case, head_dim, group, num_kv_heads=1)
