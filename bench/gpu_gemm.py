@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 import gpu_kernels.kernels as kernels_module  # noqa: E402
 from gpu_kernels.gemm import (GEMM_KERNEL, GEMM_ROWS, GEMM_THREADS, GEMM_TOKENS, MOE_GEMM_TOKENS,  # noqa: E402
-                              gemm_shared_bytes, variant_defines)
+                              allow_dynamic_shared, gemm_dynamic_shared, variant_defines)
 from gpu_kernels.kernels import TILE_TOKENS, Kernels, format_tuning, tuned_module_name, tuned_source  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
 from gpu_kernels.sources import GEMM_KERNELS  # noqa: E402
@@ -93,14 +93,11 @@ def variant_gemm(rt, kernels, qtype, variant):
                       GEMM_KERNELS)
 
 
-def variant_shared(fn, qtype, variant, tokens):
-    """Dynamic shared bytes of a variant's kernel of `tokens` a block: gemm_shared_bytes where it sets GEMM_ASYNC
-    (the kernel's limit raised to them), else 0."""
-    if dict(variant_defines(variant)).get("GEMM_ASYNC", "0") != "1":
-        return 0
-    shared = gemm_shared_bytes(qtype, tokens)
-    if shared > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = shared
+def variant_shared(kernels, fn, qtype, variant, tokens):
+    """Dynamic shared bytes of a variant's kernel of `tokens` a block (gemm_dynamic_shared; its limit raised)."""
+    shared = gemm_dynamic_shared(qtype, tokens, variant_defines(variant) if variant not in FORCED else (),
+                                 kernels.gemm_mma())
+    allow_dynamic_shared(fn, shared)
     return shared
 
 
@@ -109,7 +106,7 @@ def describe(rt, kernels, qtype, variants):
     for variant in [v for v in variants if v not in FORCED]:
         for tokens, name in GEMM_KERNEL.items():
             fn = variant_gemm(rt, kernels, qtype, variant)[name]
-            shared = variant_shared(fn, qtype, variant, tokens)
+            shared = variant_shared(kernels, fn, qtype, variant, tokens)
             blocks = rt.resident_blocks(fn, GEMM_THREADS, shared) // rt.multiprocessors
             print(f"# {qtype.name} {variant or 'default'} {name}: {getattr(fn, 'num_regs', '?')} registers a thread, "
                   f"{blocks} blocks an SM")
@@ -137,7 +134,7 @@ def moe_case(rt, kernels, qtype, raw, x, tiles, num_rows, variants, repeats):
     for variant in variants:
         tokens = FORCED.get(variant, MOE_GEMM_TOKENS)
         fn = variant_gemm(rt, kernels, qtype, variant)[GEMM_KERNEL[tokens]]
-        shared = variant_shared(fn, qtype, variant, tokens)
+        shared = variant_shared(kernels, fn, qtype, variant, tokens)
         seconds = timed(rt, lambda: launch(kernels, fn, tokens, raw, x, out_new, num_rows, tiles[tokens], shared),
                         repeats)
         label = f"{variant or 'default'} (tiles {tokens})"
@@ -161,7 +158,7 @@ def dense_case(rt, kernels, qtype, raw, x, variants, repeats):
         if variant:
             tokens = FORCED.get(variant, plan_tokens)
             fn = variant_gemm(rt, kernels, qtype, variant)[GEMM_KERNEL[tokens]]
-            shared = variant_shared(fn, qtype, variant, tokens)
+            shared = variant_shared(kernels, fn, qtype, variant, tokens)
             call = lambda: launch(kernels, fn, tokens, raw, x, out_new, num_rows, shared=shared)  # noqa: E731
             label = f"{variant} ({tokens} tokens)"
         else:

@@ -1,7 +1,7 @@
 """A GPU prompt read under each of the tiled GEMM's products (gpu_kernels/gemm.py's gemm_math), in one process, side
 by side: the wall time of a one-chunk prompt read (every expert resident), the summed GPU time of the GEMM kernels
 (`gemm`, `gemm32`, `gemm_reduce`) in it, and the last position's logits against those of the first math listed
-(max |diff| / max |logit|, the same prompt). A math named MATH/VARIANT (e.g. tf32x3/GEMM_ASYNC=1+GEMM_DEQUANT=1) runs
+(max |diff| / max |logit|, the same prompt). A math named MATH/VARIANT (e.g. tf32x3/GEMM_ASYNC=0+GEMM_DEQUANT=0) runs
 with that Kernels.gemm_variant (gemm.cu's compile-time alternatives). --moe-tiles: the experts' work tiles of each
 size listed (32: gemm32, 64: gemm; gemm.MOE_GEMM_TOKENS set while its runs go), each with every math.
 

@@ -14,6 +14,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from .attention_plan import prefill_mma
+
 GEMM_FORMATS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})  # matmul modules with gemm.cu
 GEMM_KERNELS = ("gemm", "gemm32", "gemm_reduce")
 GEMM_ROWS = 128  # gemm.cu's GEMM_ROWS: weight rows a block
@@ -29,6 +31,7 @@ GEMM_SPLIT_MIN_TOKENS = 128  # splits only from here: no decode step (a captured
 REDUCE_THREADS = 256
 GEMM_MATHS = {"tf32x3": 3, "tf32": 1, "fp32": 0}  # gemm.cu's GEMM_MATH of each gemm_math setting
 DEFAULT_GEMM_MATH = "tf32x3"
+DEFAULT_GEMM_ASYNC = 1  # gemm.cu's GEMM_ASYNC: stages double-buffered by cp.async on the tensor-core path
 
 
 def gemm_math(name=None):
@@ -66,13 +69,24 @@ def variant_defines(variant):
     return tuple((part.partition("=")[0], part.partition("=")[2] or "1") for part in variant.split("+") if part)
 
 
-def gemm_shared_bytes(qtype, tokens):
-    """Dynamic shared memory bytes of qtype's GEMM of `tokens` a block compiled with GEMM_ASYNC 1 (gemm.cu's
-    GEMM_ASYNC_SHARED at its step K, the mma path's: 32 where the static tiles fit 48 KiB, else 16)."""
+def gemm_dynamic_shared(qtype, tokens, defines=(), mma=True):
+    """Dynamic shared memory bytes of qtype's GEMM kernel of `tokens` a block, compiled with `defines` ((NAME, VALUE)
+    pairs, variant_defines) before gemm.cu's defaults, on a GPU where it takes the tensor-core path (mma: CUDA
+    sm_80+): GEMM_ASYNC 1's two staged buffers and tiles (GEMM_ASYNC_SHARED at its step K: 32 where the static tiles
+    fit 48 KiB, else 16); 0 where its tiles are static (GEMM_ASYNC 0 or 2, GEMM_MATH 0, no tensor cores)."""
+    defines = dict(defines)
+    if not mma or defines.get("GEMM_MATH") == "0" or defines.get("GEMM_ASYNC", str(DEFAULT_GEMM_ASYNC)) != "1":
+        return 0
     block_weights, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
     stage_bytes = stage_columns(qtype) // block_weights * block_bytes
     step = 32 if 4 * 32 * (GEMM_ROWS + tokens) + 4 * GEMM_ROWS * (((stage_bytes + 3) // 4) | 1) <= 48 * 1024 else 16
     return 4 * step * (GEMM_ROWS + tokens) + 2 * 4 * GEMM_ROWS * (((stage_bytes + 5) // 4) | 1)
+
+
+def allow_dynamic_shared(fn, shared):
+    """Raise compiled kernel fn's dynamic shared memory limit to `shared` bytes where past the default 48 KiB."""
+    if shared > 48 * 1024 and getattr(fn, "max_dynamic_shared_size_bytes", shared) < shared:
+        fn.max_dynamic_shared_size_bytes = shared
 
 
 def gemm_fits(qtype, num_cols):
@@ -109,23 +123,31 @@ class GemmLaunchers:
     split_columns = True
     gemm_math = DEFAULT_GEMM_MATH  # gemm_math's setting of the products
     gemm_variant = ""  # opt-in compile-time alternatives of gemm.cu, "NAME=VALUE+..." (variant_defines; benches)
+    _gemm_mma = None  # whether the runtime has the tensor-core path (gemm_mma), found at the first GEMM
     _gemm_partial = None  # f32 scratch of the splits' partial sums, grown as needed
+
+    def gemm_mma(self):
+        """Whether the GEMM takes the tensor-core path here: CUDA sm_80+ (attention_plan.prefill_mma's test) and a
+        gemm_math other than fp32."""
+        if self._gemm_mma is None:
+            self._gemm_mma = prefill_mma(self.rt)
+        return self._gemm_mma and self.gemm_math != "fp32"
 
     def _gemm_fn(self, qtype, name):
         """(qtype's GEMM kernel `name` at self.gemm_math and gemm_variant, its dynamic shared bytes): the matmul
         module's at the defaults, else the module compiled again with its GEMM_MATH and the variant's defines
-        (Kernels._module). A variant with GEMM_ASYNC (CUDA sm_80+, tensor-core maths only) takes gemm_shared_bytes."""
+        (Kernels._module); the bytes by gemm_dynamic_shared (the kernel's limit raised to them)."""
         defines = dict(variant_defines(self.gemm_variant)) if name != "gemm_reduce" else {}
         if self.gemm_math != DEFAULT_GEMM_MATH:
             defines["GEMM_MATH"] = str(GEMM_MATHS[gemm_math(self.gemm_math)])
         tag = "".join(f"_{key}{value}" for key, value in sorted(defines.items()))
         lines = "".join(f"#define {key} {value}\n" for key, value in sorted(defines.items()))
         fn = self._module(qtype, lines, tag)[name] if defines else self._mm(qtype, name)
-        if defines.get("GEMM_ASYNC", "0") != "1":
+        if name == "gemm_reduce":
             return fn, 0
-        shared = gemm_shared_bytes(qtype, {kernel: tokens for tokens, kernel in GEMM_KERNEL.items()}[name])
-        if shared > 48 * 1024 and getattr(fn, "max_dynamic_shared_size_bytes", shared) < shared:
-            fn.max_dynamic_shared_size_bytes = shared
+        tokens = {kernel: tokens for tokens, kernel in GEMM_KERNEL.items()}[name]
+        shared = gemm_dynamic_shared(qtype, tokens, defines.items(), self.gemm_mma())
+        allow_dynamic_shared(fn, shared)
         return fn, shared
 
     def gemm_plan(self, qtype, num_tokens, num_rows, num_cols):

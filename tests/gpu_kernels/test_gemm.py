@@ -130,8 +130,21 @@ def test_gemm_modules_compile_for_sm86(qtype):
 
 
 MATH_TOL = {"tf32x3": TOL, "fp32": TOL, "tf32": 2e-3}  # gemm_math's stated tolerance (TF32: 10-bit mantissas)
-VARIANTS = ["tf32x3/GEMM_ASYNC=1+GEMM_DEQUANT=1", "tf32/GEMM_ASYNC=1",  # MATH/gemm_variant
-            "tf32x3/GEMM_ASYNC=2+GEMM_DEQUANT=1"]
+VARIANTS = ["tf32x3/GEMM_ASYNC=0+GEMM_DEQUANT=0", "tf32x3/GEMM_ASYNC=2"]  # MATH/gemm_variant (gemm.cu's alternatives)
+
+
+def test_gemm_dynamic_shared():
+    """GEMM_ASYNC 1's dynamic shared memory (two staged buffers + tiles): on the tensor-core path only, within an
+    H100 / A100 block's 227 KiB and an sm_86 block's 99 KiB; none for the static variants."""
+    from gpu_kernels.gemm import gemm_dynamic_shared
+
+    assert gemm_dynamic_shared(Q.Q6_K, MOE_GEMM_TOKENS) == 4 * 32 * 160 + 2 * 4 * 128 * 53  # 74.8 KB: K 32
+    assert gemm_dynamic_shared(Q.Q6_K, GEMM_TOKENS) == 4 * 16 * 192 + 2 * 4 * 128 * 53  # K 16 (static tiles: 51.7 KB)
+    assert gemm_dynamic_shared(Q.Q4_K, MOE_GEMM_TOKENS) == 4 * 32 * 160 + 2 * 4 * 128 * 37
+    assert all(gemm_dynamic_shared(q, t) <= 99 * 1024 for q in FORMATS for t in (MOE_GEMM_TOKENS, GEMM_TOKENS))
+    assert gemm_dynamic_shared(Q.Q6_K, MOE_GEMM_TOKENS, mma=False) == 0
+    assert gemm_dynamic_shared(Q.Q6_K, MOE_GEMM_TOKENS, (("GEMM_MATH", "0"),)) == 0
+    assert gemm_dynamic_shared(Q.Q6_K, MOE_GEMM_TOKENS, (("GEMM_ASYNC", "2"),)) == 0
 
 
 def test_gemm_math_names():
