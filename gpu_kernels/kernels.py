@@ -37,8 +37,8 @@ LANE_SLICES = 2  # slices each lane of a group takes, about: sets the group's wi
 DECODE_TUNING = {Q.F16: (4, 2), Q.Q8_0: (4, 4), Q.Q4_0: (8, 8), Q.Q4_K: (4, 8), Q.Q5_K: (2, 8), Q.Q6_K: (2, 4),
                  Q.IQ4_XS: (4, 4), Q.MXFP4: (2, 4), Q.IQ3_S: (4, 4)}
 # Per format, blocks an SM must hold at once (common.cuh's DECODE_MIN_BLOCKS: registers capped to fit them) where
-# that measured better than the compiler's choice (0).
-DECODE_MIN_BLOCKS = {}
+# that measured better than the compiler's choice (0): IQ3_S at (4, 4) in two H100 calls (bench/results/gpu_kernels.md).
+DECODE_MIN_BLOCKS = {Q.IQ3_S: 3}
 # A dense one-token launch (one work tile) whose blocks at its format's tuning would fill at most half the GPU's
 # multiprocessors is latency-bound: it takes SMALL_TUNING (rows a lane group, slices a lane, slices in flight a lane
 # plus one or None), shorter chains of loads a lane and more blocks, instead of DECODE_TUNING's (swept on a

@@ -91,9 +91,10 @@ __device__ __forceinline__ void load_words_a2(const u8* p, u32* out, int num_wor
 #endif
 #define MATMUL_THREADS 256
 
-// The one-token kernels may cap their registers so that DECODE_MIN_BLOCKS blocks of MATMUL_THREADS fit on
-// an SM (more warps to hide the memory latency, at the risk of spills); 0 leaves it to the compiler. CUDA
-// only: HIP's second bound counts waves per execution unit, another quantity.
+// The one-token kernels (matmul.cu's `_1` and `_1q`; not the few-token `_n` / `_nq`, whose 4 tokens' sums spill under
+// such a cap) may cap their registers so that DECODE_MIN_BLOCKS blocks of MATMUL_THREADS fit on an SM (more warps to
+// hide the memory latency, at the risk of spills); 0 leaves it to the compiler. CUDA only: HIP's second bound counts
+// waves per execution unit, another quantity.
 #ifndef DECODE_MIN_BLOCKS
 #define DECODE_MIN_BLOCKS 0
 #endif

@@ -185,47 +185,6 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
     return sl;
 }
 
-// IQ3S_GROUP_LOADS (CUDA; 0 or 1): the one-token kernels' lanes that share a super-block (8 of a lane group of at least
-// 8: slices s and s + 1 lie side by side, a super-block's 8 sub-blocks on 8 neighbouring lanes) load it together, lane
-// s % 8 the 16-byte word s % 8 of the 128 aligned bytes from the one that holds its first byte (one load a row where a
-// slice took 8 loads, each touching the cache lines of every super-block of the warp); at its dot each lane puts its
-// word in the warp's shared buffer and reads its slice's fields from there (load_slice on the shared copy). Groups of
-// fewer lanes load their own slices.
-#ifndef IQ3S_GROUP_LOADS
-#define IQ3S_GROUP_LOADS 0
-#endif
-#if IQ3S_GROUP_LOADS && (defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__))
-#undef IQ3S_GROUP_LOADS
-#define IQ3S_GROUP_LOADS 0  // a wave's lanes run in step, without bar.warp.sync: left to a HIP variant of its own
-#endif
-#if IQ3S_GROUP_LOADS
-#if IQ3S_SUBS != 1
-#error "IQ3S_GROUP_LOADS takes slices of one sub-block"
-#endif
-#define GROUP_SLICES 1
-// A warp's loads of one row, [warps, 36] 16-byte words: lane l's at word l + 4 (l >= 16), so that the two halves of the
-// warp read their fields from other banks (IQ3S_GROUP_LANE).
-__shared__ uint4 iq3s_group_smem[MATMUL_THREADS / 32][36];
-#define IQ3S_GROUP_LANE(l) ((l) + (((l) >> 4) << 2))
-
-// What a lane loads towards slice s of `row`: with tpr >= 8 lanes a group the 16-byte word s % 8 of its super-block's
-// aligned 128 bytes (held in a Slice's 4 words; none past the super-block's last byte), else the slice itself.
-__device__ __forceinline__ Slice group_slice_load(const u8* row, int s, int tpr) {
-    if (tpr < 8) return load_slice(row, s);
-    const u8* b = row + 110 * (s >> 3);
-    u32 m = (u32)(size_t)b & 15u, k = (u32)(s & 7);
-    uint4 word = make_uint4(0u, 0u, 0u, 0u);
-    if (16u * k < m + 110u) word = __ldg((const uint4*)(b - m) + k);
-    Slice sl;
-    sl.qs[0] = word.x;
-    sl.qs[1] = word.y;
-    sl.signs[0] = word.z;
-    sl.tail = word.w;
-    return sl;
-}
-
-#endif
-
 template <int RPT, int TT>
 __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
                                           float (&acc)[RPT][TT]) {
@@ -382,33 +341,3 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const
         }
     }
 }
-
-#if IQ3S_GROUP_LOADS
-// Slice s of `row` from group_slice_load's `loaded` (tpr >= 8): the 8 lanes of its super-block put their words in the
-// warp's buffer and read the fields of theirs (the same 8 lanes synced, before and after: bar.warp.sync, which the
-// compiler drops where it finds the warp converged).
-__device__ __forceinline__ Slice group_slice_fields(const Slice& loaded, const u8* row, int s) {
-    uint4* buffer = iq3s_group_smem[threadIdx.x >> 5];
-    u32 lane = threadIdx.x & 31u, mask = 0xFFu << (lane & 24u);
-    buffer[IQ3S_GROUP_LANE(lane)] = make_uint4(loaded.qs[0], loaded.qs[1], loaded.signs[0], loaded.tail);
-    asm volatile("bar.warp.sync %0;" ::"r"(mask) : "memory");
-    u32 m = (u32)(size_t)(row + 110 * (s >> 3)) & 15u;
-    Slice sl = load_slice((const u8*)(buffer + IQ3S_GROUP_LANE(lane & 24u)) + m, s & 7);
-    asm volatile("bar.warp.sync %0;" ::"r"(mask) : "memory");
-    return sl;
-}
-
-// slice_run of group_slice_load's loads of rows `row`: every row's slice, then slice_run.
-template <int RPT, int TT, class X>
-__device__ __forceinline__ void group_slice_run(const Slice (&loaded)[RPT], const u8* const (&row)[RPT], int s, int tpr,
-                                                const X& xs, float (&acc)[RPT][TT]) {
-    if (tpr < 8) {
-        slice_run(loaded, s, xs, acc);
-        return;
-    }
-    Slice own[RPT];
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) own[r] = group_slice_fields(loaded[r], row[r], s);
-    slice_run(own, s, xs, acc);
-}
-#endif

@@ -34,27 +34,6 @@ __device__ __forceinline__ void slice_run(const Slice (&sl)[RPT], int s, const X
 }
 #endif
 
-// A format whose lanes load their group's slices together (iq3_s.cuh's IQ3S_GROUP_LOADS) defines GROUP_SLICES,
-// group_slice_load (row, s, tpr: what a lane loads towards slice s) and group_slice_run (slice_run of those loads, the
-// group's lanes exchanging them); the one-token kernels' walks load and dot through them (run_slices), the tiled
-// kernels' group_rows_dot through load_slice and slice_run.
-#ifdef GROUP_SLICES
-#define LOAD_SLICE(row, s, tpr) group_slice_load(row, s, tpr)
-#else
-#define LOAD_SLICE(row, s, tpr) load_slice(row, s)
-#endif
-
-// slice_run of the slices a walk loaded (LOAD_SLICE) from rows `row`.
-template <int RPT, int TT, class X>
-__device__ __forceinline__ void run_slices(const Slice (&sl)[RPT], const u8* const (&row)[RPT], int s, int tpr,
-                                           const X& xs, float (&acc)[RPT][TT]) {
-#ifdef GROUP_SLICES
-    group_slice_run(sl, row, s, tpr, xs, acc);
-#else
-    slice_run(sl, s, xs, acc);
-#endif
-}
-
 // out [n, R] rows t of `out` (R apart) = acc, by the group's first lane.
 template <int RPT, int TT>
 __device__ __forceinline__ void store_rows(float* out, int R, int r0, int n, int tpr, const float (&acc)[RPT][TT]) {
@@ -117,7 +96,7 @@ __device__ __forceinline__ void first_slices(const u8* __restrict__ raw, i64 row
     int lane = threadIdx.x & (tpr - 1);
     if (lane < C / SLICE_WEIGHTS) {
 #pragma unroll
-        for (int r = 0; r < RPT; ++r) cur[r] = LOAD_SLICE(raw + (i64)min(r0 + r, R - 1) * row_bytes, lane, tpr);
+        for (int r = 0; r < RPT; ++r) cur[r] = load_slice(raw + (i64)min(r0 + r, R - 1) * row_bytes, lane);
     }
 }
 
@@ -160,10 +139,10 @@ __device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 r
             if (!last || c + 1 < chunks) {  // after a chunk's last slices: the next chunk's first
 #pragma unroll
                 for (int r = 0; r < RPT; ++r)
-                    next[r] = LOAD_SLICE(last ? raw + (i64)min(rc + stride + r, R - 1) * row_bytes : row[r],
-                                         last ? lane : s + tpr, tpr);
+                    next[r] = load_slice(last ? raw + (i64)min(rc + stride + r, R - 1) * row_bytes : row[r],
+                                         last ? lane : s + tpr);
             }
-            run_slices(cur, row, s, tpr, xs, acc);
+            slice_run(cur, s, xs, acc);
 #pragma unroll
             for (int r = 0; r < RPT; ++r) cur[r] = next[r];
         }
@@ -196,7 +175,7 @@ __device__ __forceinline__ void rows_dot_store_ring(const u8* __restrict__ raw, 
         if (u < total && s < num_slices) {
 #pragma unroll
             for (int r = 0; r < RPT; ++r)
-                ring[u][r] = LOAD_SLICE(raw + (i64)min(r0 + lc * stride + r, R - 1) * row_bytes, s, tpr);
+                ring[u][r] = load_slice(raw + (i64)min(r0 + lc * stride + r, R - 1) * row_bytes, s);
         }
     }
     int c = 0, i = 0;  // chunk and index of the slice dotted
@@ -212,12 +191,7 @@ __device__ __forceinline__ void rows_dot_store_ring(const u8* __restrict__ raw, 
                         for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
                 }
                 int s = lane + i * tpr;
-                if (s < num_slices) {
-                    const u8* row[RPT];
-#pragma unroll
-                    for (int r = 0; r < RPT; ++r) row[r] = raw + (i64)min(r0 + c * stride + r, R - 1) * row_bytes;
-                    run_slices(ring[u], row, s, tpr, xs, acc);
-                }
+                if (s < num_slices) slice_run(ring[u], s, xs, acc);
                 if (++li == per_lane) {
                     li = 0;
                     ++lc;
@@ -226,7 +200,7 @@ __device__ __forceinline__ void rows_dot_store_ring(const u8* __restrict__ raw, 
                 if (g0 + u + DECODE_PREFETCH < total && sn < num_slices) {
 #pragma unroll
                     for (int r = 0; r < RPT; ++r)
-                        ring[u][r] = LOAD_SLICE(raw + (i64)min(r0 + lc * stride + r, R - 1) * row_bytes, sn, tpr);
+                        ring[u][r] = load_slice(raw + (i64)min(r0 + lc * stride + r, R - 1) * row_bytes, sn);
                 }
                 if (++i == per_lane) {
                     group_sum<RPT, TT>(acc, n, tpr);
@@ -343,7 +317,7 @@ extern "C" __global__ void DECODE_BOUNDS matmul_1(MATMUL_ARGS) {
 // matmul_1 over T <= MULTI_TOKENS * gridDim.y tokens (a decode step of several users): each block's lane groups read
 // their rows once for the MULTI_TOKENS tokens of blockIdx.y; grid (ceil(R / (RPT * blockDim / tpr * chunks)),
 // ceil(T / MULTI_TOKENS)).
-extern "C" __global__ void DECODE_BOUNDS matmul_n(MATMUL_ARGS) {
+extern "C" __global__ void matmul_n(MATMUL_ARGS) {
     walk_matmul_body<DECODE_ROWS, MULTI_TOKENS>(raw, x, out, T, R, C, row_bytes, tpr, chunks);
 }
 
@@ -405,7 +379,7 @@ __device__ __forceinline__ void slice_run(const Slice (&sl)[RPT], int s, const X
 // matmul_1q over T <= MULTI_TOKENS * gridDim.y tokens: each block's lane groups read their rows once for the
 // MULTI_TOKENS tokens of blockIdx.y, whose x it rounds to int16 (each at a multiple of 16 bytes of XQ_SHARED_BYTES(C)
 // in dynamic shared memory); out [T, R]. grid (ceil(R / (RPT * blockDim / tpr * chunks)), ceil(T / MULTI_TOKENS)).
-extern "C" __global__ void DECODE_BOUNDS matmul_nq(MATMUL_ARGS) {
+extern "C" __global__ void matmul_nq(MATMUL_ARGS) {
     extern __shared__ float4 xq_smem[];
     Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
     int t0 = blockIdx.y * MULTI_TOKENS, n = min(MULTI_TOKENS, T - t0), step = (XQ_SHARED_BYTES(C) + 15) & ~15;
