@@ -18,10 +18,12 @@ Build llama.cpp first (the commit and flags go into the results):
         --shares 0,25,50,75,100 --runs 2 --output bench/results/vs_llamacpp_gpu.md
 """
 import argparse
+import ctypes
 import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -51,7 +53,8 @@ def llama_bench(args, n_cpu_moe):
     cmd = [str(Path(args.llama_bin) / "llama-bench"), "-m", args.model, "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe),
            "-t", str(args.threads), "-p", ",".join(map(str, args.prompt_tokens)), "-n", str(args.decode_tokens),
            "-r", "1", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, check=True,
+                         preexec_fn=die_with_parent).stdout
     result = {}
     for test in json.loads(out):
         kind, n = ("prompt", test["n_prompt"]) if test["n_gen"] == 0 else ("decode", test["n_gen"])
@@ -64,7 +67,8 @@ def llama_users(args, n_cpu_moe):
     cmd = [str(Path(args.llama_bin) / "llama-batched-bench"), "-m", args.model, "-ngl", "99", "--n-cpu-moe",
            str(n_cpu_moe), "-t", str(args.threads), "-c", str(args.users * (32 + args.decode_tokens) + 64),
            "-npp", "32", "-ntg", str(args.decode_tokens), "-npl", str(args.users)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, check=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, check=True,
+                          preexec_fn=die_with_parent)
     out = proc.stdout + proc.stderr  # its table goes through llama.cpp's log
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -95,11 +99,17 @@ def strata_worker(spec):
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def die_with_parent():
+    """In a child process (Linux): end it when the bench ends, also when a `timeout` kills the bench; else a worker
+    left running takes the host's cores from whatever runs next."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def run_strata(args, mask):
     spec = {"model": args.model, "threads": args.threads, "mask": mask.tolist(), "prompt_tokens": args.prompt_tokens,
             "decode_tokens": args.decode_tokens, "users": args.users}
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=args.timeout_s)
+                          timeout=args.timeout_s, preexec_fn=die_with_parent)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"Strata worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
