@@ -118,9 +118,9 @@ class EngineConfig:
     step_graphs: bool = setting(True, switch, "with dense graphs, a decode step whose experts are all resident as one "
                                 "captured graph (1) or layer by layer (0)", "gpu")
     gemm_math: str = setting("tf32x3", choice(*GEMM_MATHS, fold=True), "how a prompt chunk's GPU matmuls "
-                             "multiply (NVIDIA sm_80+): tf32x3 (tensor cores, each operand split in two TF32 parts: "
-                             "float32-like, default), tf32 (one TF32 product: faster, ~3e-4 off) or fp32 (float32 "
-                             "FMA)", "gpu")
+                             "and attention multiply (NVIDIA sm_80+): tf32x3 (tensor cores, each operand split in two "
+                             "TF32 parts: float32-like, default), tf32 (one TF32 product: faster, ~3e-4 off) or fp32 "
+                             "(float32 FMA; the attention's kernel before tensor cores)", "gpu")
     gpus: tuple = setting(None, gpu_list, "GPUs to run on, each a pipeline stage of consecutive layers (--layer-split); "
                           "an index given twice is one GPU presented as two logical devices, each with half its free "
                           "memory (default: every visible GPU)", "gpu", RUN, metavar="I[,I]")
