@@ -111,12 +111,13 @@ class ExpertSplit:
                                     device_rows=len(device_groups.order),
                                     device_estimate=device.chunk_expert_flops(layer))  # [G_host]
             borrowed, host_groups = host_groups.select(~keep), host_groups.select(keep)
+        num_borrowed, borrowed_rows = (0, 0) if borrowed is None else (borrowed.num_groups, len(borrowed.order))
         host_part, rows = None, device.fetch_rows(h) if host_groups.num_groups else None  # [T, H] queued
         if rows is not None and self.host_side.host_thread:  # the host starts first: queuing the device part takes time
             host_part = self.host_side.submit(layer, device.wait_rows(rows), ids_host, weights_host, host_groups)
         pending, queue_s, t_queue = None, 0.0, time.perf_counter()
         try:
-            if device_groups.num_groups or (borrowed is not None and borrowed.num_groups):
+            if device_groups.num_groups or num_borrowed:
                 pending = device.submit(layer, h, ids, weights, device_groups, borrowed)
                 queue_s = time.perf_counter() - t_queue
         finally:
@@ -126,11 +127,9 @@ class ExpertSplit:
             host_out, cpu_s = self.host_side.wait(host_part)
         out = self._combine(device, h, pending, host_out)
         if pending is not None:  # timed once the device is past it (the next chunk layer's routing): no wait here
-            num_borrowed = 0 if borrowed is None else borrowed.num_groups
             self._untimed = (device, layer, pending, num_borrowed * expert_bytes(layer), queue_s if num_borrowed else 0.0,
-                             len(device_groups.order) + (0 if borrowed is None else len(borrowed.order)))
-        self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s,
-                     0 if borrowed is None else borrowed.num_groups)
+                             len(device_groups.order) + borrowed_rows)
+        self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s, num_borrowed)
         return out
 
     def _run_decode(self, device, layer, h, ids, weights, usage):
