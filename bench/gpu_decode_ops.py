@@ -153,6 +153,49 @@ def matmul_variants(rt, stream):
     found["prefetch 4"] = Kernels(rt, stream, prefetch=4)
     found["prefetch 4, rows 1 slices 2"] = Kernels(rt, stream, prefetch=4, decode_rows=1, lane_slices=2)
     found["prefetch 8, rows 1"] = Kernels(rt, stream, prefetch=8, decode_rows=1)
+    found["x rounded once a launch"] = per_launch = Kernels(rt, stream)
+    per_launch.xq_per_launch = True
+    return found
+
+
+def few_token_ops(rt, stream, rng, num_tokens):
+    """[(name, {variant: launch})] of the dense matmuls at num_tokens tokens (a decode step of that many users) and the
+    expert pair kernels at 8 pairs a token: x rounded in every block (the tree's default), once a launch
+    (Kernels.xq_per_launch), the dense ones also by the tiled kernel (float x; multi_tokens 0)."""
+    from gpu_kernels.kernels import Kernels
+    from hybrid.formats.synthetic import encode
+
+    dev = rt.to_device
+    variants = {"x rounded in every block": Kernels(rt, stream), "x rounded once a launch": Kernels(rt, stream),
+                "tiled kernel": Kernels(rt, stream)}
+    variants["x rounded once a launch"].xq_per_launch = True
+    variants["tiled kernel"].multi_tokens = 0
+
+    def raw(qtype, shape):
+        return dev(encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw)
+
+    found = []
+    for label, qtype, rows, cols in (("q+k Q4_K", Q.Q4_K, 4608, HIDDEN), ("v Q6_K", Q.Q6_K, 512, HIDDEN),
+                                     ("output Q6_K", Q.Q6_K, HIDDEN, HEADS * HEAD_DIM),
+                                     ("router F32", Q.F32, EXPERTS, HIDDEN)):
+        w, x = raw(qtype, (rows, cols)), dev(rng.standard_normal((num_tokens, cols)).astype(np.float32))
+        out = rt.empty((num_tokens, rows), np.float32)
+        found.append((f"matmul {label} {rows} x {cols}, {num_tokens} tokens",
+                      {name: (lambda k=k, w=w, x=x, out=out, q=qtype: k.matmul(w, q, x, out))
+                       for name, k in variants.items() if name != "tiled kernel" or num_tokens > 1}))
+    pairs = TOP_K * num_tokens
+    gate, up = raw(Q.Q4_K, (EXPERTS, MOE_FF, HIDDEN)), raw(Q.Q4_K, (EXPERTS, MOE_FF, HIDDEN))
+    down = raw(Q.Q6_K, (EXPERTS, HIDDEN, MOE_FF))
+    xs = dev(rng.standard_normal((pairs, HIDDEN)).astype(np.float32))
+    g, u = (dev(rng.standard_normal((pairs, MOE_FF)).astype(np.float32)) for _ in range(2))
+    d = rt.empty((pairs, HIDDEN), np.float32)
+    tiles = [dev(np.ascontiguousarray(t)) for t in np.stack([rng.integers(0, EXPERTS, pairs), np.arange(pairs),
+                                                             np.ones(pairs)]).astype(np.int32)]
+    experts = {name: k for name, k in variants.items() if name != "tiled kernel"}
+    found.append((f"moe_matmul2 gate+up Q4_K {pairs} pairs", {
+        name: (lambda k=k: k.moe_matmul2(gate, up, Q.Q4_K, xs, g, u, *tiles)) for name, k in experts.items()}))
+    found.append((f"moe_matmul_glu down Q6_K {pairs} pairs", {
+        name: (lambda k=k: k.moe_matmul_glu(down, Q.Q6_K, g, u, d, *tiles)) for name, k in experts.items()}))
     return found
 
 
@@ -223,7 +266,7 @@ def overlap_ops(rt, stream, rng):
         "in order": in_order, "v on a second stream": beside})]
 
 
-GROUPS = ("small", "attention", "matmuls", "overlap")
+GROUPS = ("small", "attention", "matmuls", "overlap", "few")
 
 
 def main(argv=None, runtime=None):
@@ -232,6 +275,7 @@ def main(argv=None, runtime=None):
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--contexts", default="8,40,128,256,1024,4096", help="keys of the attention timings")
     p.add_argument("--skip-matmuls", action="store_true")
+    p.add_argument("--few-tokens", default="1,4", help="tokens of the few group's launches (users decoding at once)")
     p.add_argument("--groups", default=",".join(GROUPS), help=f"kernel groups timed, of {', '.join(GROUPS)}")
     p.add_argument("--output")
     args = p.parse_args(argv)
@@ -254,6 +298,9 @@ def main(argv=None, runtime=None):
         groups += matmul_ops(rt, matmul_variants(rt, stream), rng)
     if "overlap" in chosen:
         groups += overlap_ops(rt, stream, rng)
+    if "few" in chosen:
+        for num_tokens in (int(t) for t in args.few_tokens.split(",")):
+            groups += few_token_ops(rt, stream, rng, num_tokens)
     lines = [f"{rt.device_name}: us a launch, {args.reps} launches back to back in one graph (best of 5 replays)", "",
              "| kernel | variant | us |", "|---|---|---|"]
     for name, variants in groups:

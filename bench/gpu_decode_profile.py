@@ -154,6 +154,8 @@ def tuned(llm, args):
     kernels._launches.clear()  # the shapes launched while loading, planned again
     if args.multi_tokens is not None:
         kernels.multi_tokens = args.multi_tokens
+    if args.xq_per_launch:
+        kernels.xq_per_launch = True
     if args.group_tokens is not None:
         llm.model.backend.device_experts.group_tokens = args.group_tokens or None
     return llm
@@ -169,6 +171,7 @@ def markdown(args, times, per_step, graphed_s, gpu_name):
     rows += f", {args.prefetch} slices in flight" if args.prefetch else ""
     rows += f", pairs grouped from {args.group_tokens or 'no'} tokens" if args.group_tokens is not None else ""
     rows += f", few-token matmuls up to {args.multi_tokens} tokens" if args.multi_tokens is not None else ""
+    rows += ", x rounded once a launch" if args.xq_per_launch else ""
     lines = [f"Model `{Path(args.model).name}` on {gpu_name}, {args.users} user(s){rows}, every expert resident; "
              f"{args.steps} decode steps after {args.context}-token prompts, {per_step:.0f} launches a step. GPU time "
              f"of the launches back to back: "
@@ -200,6 +203,9 @@ def main(argv=None):
     p.add_argument("--multi-tokens", type=int, default=None,
                    help="dense matmuls of 2 to this many tokens take matmul_n / matmul_nq (0: the tiled kernel; "
                         "default: gpu_kernels.kernels MULTI_DECODE_TOKENS)")
+    p.add_argument("--xq-per-launch", action="store_true",
+                   help="the int16 one- and few-token matmuls' x rounded once a launch into global memory, not in "
+                        "every block (gpu_kernels.kernels.Kernels xq_per_launch)")
     p.add_argument("--group-tokens", type=int, default=None,
                    help="decode steps of at least this many tokens group their pairs by expert (0: never; default: "
                         "hybrid/backends/gpu_experts.py GROUP_DECODE_TOKENS)")
@@ -219,7 +225,8 @@ def main(argv=None):
         lines = [f"Model `{Path(args.model).name}` on {llm.model.backend.rt.device_name}, every expert resident; the "
                  f"default decode step after {args.context}-token prompts, median of 14 steps, by users at once "
                  f"(pairs grouped by expert from {grouped or 'no'} tokens; dense matmuls of 2 to "
-                 f"{llm.model.backend.kernels.multi_tokens} tokens by matmul_n / matmul_nq).", "",
+                 f"{llm.model.backend.kernels.multi_tokens} tokens by matmul_n / matmul_nq"
+                 f"{'; x rounded once a launch' if args.xq_per_launch else ''}).", "",
                  *step_table(llm, counts, args.context, lambda m: m.model.runner.last_path)]
         text = "\n".join(lines) + "\n"
         print(text)

@@ -62,6 +62,13 @@ MULTI_TOKENS = 4  # matmul.cu's MULTI_TOKENS: tokens of a matmul_nq block (each 
 # read once for every 4 tokens with x as int16 (where act_quant rounds one token's so), not the tiled kernel (float x
 # from global memory); 0: never.
 MULTI_DECODE_TOKENS = 16
+# The `_1q` / `_nq` kernels' x (Kernels.xq_per_launch): False, each block rounds its rows' x to int16 into shared
+# memory; True, one quantize_xq launch rounds it once into global memory and the `_qx` kernels' blocks read it there.
+XQ_PER_LAUNCH = False
+# quantize_xq's x [N, step] of the `_qx` kernels as the x kernels of the `_q` names take it
+XQ_KERNELS = {"matmul_1q": "matmul_1qx", "matmul_nq": "matmul_nqx", "moe_matmul_1q": "moe_matmul_1qx",
+              "moe_matmul2_1q": "moe_matmul2_1qx", "moe_matmul_glu_1q": "moe_matmul_1qx"}
+XQ_SCRATCH_ROWS = 64  # rows of x a quantize_xq buffer holds at first (grown, the old ones kept, for more)
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 SHARED_LIMIT = 48 << 10  # a block's shared memory without opting in: x and the format's tables
 
@@ -164,6 +171,10 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self.min_blocks, self.row_chunks, self.fill_sms = min_blocks, row_chunks, fill_sms
         self.small_tuning, self.prefetch, self.expert_prefetch = small_tuning, prefetch, EXPERT_PREFETCH
         self.multi_tokens = MULTI_DECODE_TOKENS  # dense matmuls of 2 to this many tokens take matmul_nq
+        self.xq_per_launch = XQ_PER_LAUNCH
+        self._xq_kernels = set()  # compiled `_qx` kernels: x from quantize_xq
+        self._xq_buffers = {}  # C -> quantize_xq's scratch uint8 [rows * step]
+        self._xq_kept = []  # buffers a larger one replaced: a captured graph may still point at them
         self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
         self._functions = {}  # (qtype or KV dtype, kernel name(, rows)) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B, ...) -> _mm_launch's (kernel, blocks, scalars)
@@ -260,7 +271,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         memory bytes) of a matmul launch (one: the one-token kernel's, `_1q` where x goes in as int16 unless
         float_x; num_tiles: its work tiles, for fill_sms), kept per shape: a decode step launches the same few
         shapes hundreds of times."""
-        key = (qtype, kernel, num_rows, num_cols, row_bytes, float_x, num_tiles)
+        key = (qtype, kernel, num_rows, num_cols, row_bytes, float_x, num_tiles, self.xq_per_launch)
         launch = self._launches.get(key)
         if launch is None:
             slices, rem = divmod(num_cols, SLICE_WEIGHTS[Q(qtype)])
@@ -283,11 +294,32 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                     kernel, shared = "matmul_nq", multi
             elif int16 and xq_fits(qtype, num_cols):
                 kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
-            launch = self._launches[key] = (
-                self._mm(qtype, kernel, rows_per_group if one else None, prefetch),
-                (num_rows + per_block - 1) // per_block,
-                (np.int32(num_rows), np.int32(num_cols), np.int64(row_bytes), np.int32(tpr)), shared)
+            fn = self._mm(qtype, XQ_KERNELS[kernel] if self.xq_per_launch and kernel in XQ_KERNELS else kernel,
+                          rows_per_group if one else None, prefetch)
+            if self.xq_per_launch and kernel in XQ_KERNELS:
+                self._xq_kernels.add(fn)
+                shared = 0
+            launch = self._launches[key] = (fn, (num_rows + per_block - 1) // per_block,
+                                            (np.int32(num_rows), np.int32(num_cols), np.int64(row_bytes),
+                                             np.int32(tpr)), shared)
         return launch
+
+    def _x_arg(self, fn, qtype, x, up=None):
+        """x [N, C] as kernel fn takes it: for a `_qx` kernel (xq_per_launch) its rows (silu(x) * up where up is
+        given) rounded to int16 by one quantize_xq launch into a scratch buffer [N, step] kept per C, else x."""
+        if fn not in self._xq_kernels:
+            return x
+        num_rows, num_cols = x.shape
+        step = _pad16(xq_shared_bytes(num_cols))
+        buf = self._xq_buffers.get(num_cols)
+        if buf is None or buf.size < num_rows * step:
+            if buf is not None:
+                self._xq_kept.append(buf)
+            buf = self._xq_buffers[num_cols] = self.rt.empty((max(num_rows, XQ_SCRATCH_ROWS) * step,), np.uint8)
+        warps = MATMUL_THREADS // 32
+        self._launch(self._mm(qtype, "quantize_xq"), (-(-num_cols // (32 * warps)), num_rows), MATMUL_THREADS,
+                     (x, self._or_dummy(up), np.int32(up is not None), buf, np.int32(num_cols)))
+        return buf
 
     def _row_chunks(self, fn, num_blocks, num_tiles, shared, one):
         """Runs of rows a matmul block walks, given the launch's num_blocks x num_tiles blocks at one run a block.
@@ -324,7 +356,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                                                           num_cols, raw.shape[-1], one, float_x)
         num_tiles = 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, num_tiles, shared, one)
-        self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars + (chunks,),
+        self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS,
+                     (raw, self._x_arg(fn, qtype, x), out, np.int32(num_tokens)) + scalars + (chunks,),
                      shared_mem=shared)
 
     def _matmul_multi(self, raw, qtype, x, out, float_x=False):
@@ -336,7 +369,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                                                           True, float_x)
         num_tiles = -(-num_tokens // MULTI_TOKENS)
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, num_tiles, shared, True)
-        self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS, (raw, x, out, np.int32(num_tokens)) + scalars + (chunks,),
+        self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS,
+                     (raw, self._x_arg(fn, qtype, x), out, np.int32(num_tokens)) + scalars + (chunks,),
                      shared_mem=shared)
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=TILE_TOKENS):
@@ -351,7 +385,8 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                                                           num_tiles=len(tile_slot))
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, len(tile_slot), shared, one)
         self._launch(fn, (grid_x, len(tile_slot)), MATMUL_THREADS,
-                     (raw, x, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)
+                     (raw, self._x_arg(fn, qtype, x), out, tile_slot, tile_row, tile_count) + scalars + (chunks,),
+                     shared_mem=shared)
 
     def dequant_rows(self, raw, qtype, row_ids, out):
         """out [M, C] = dequant(raw [rows, B][row_ids]); row_ids int64 [M] on the device."""

@@ -21,7 +21,7 @@ COMBINE_THREADS = 128  # a combine_rows block's threads (4 columns each): a one-
 
 class OpsLaunchers:
     """Kernels' launchers of the routers, norms and fused ops (uses Kernels' rt, _ops, _launch, _threads, _mm_launch,
-    _mm_grid_x)."""
+    _mm_grid_x, _x_arg)."""
 
     def norm_threads(self, hidden):
         """Threads of a norm block over rows of `hidden` values (ops.cu norm_row: a float4 a thread up to 1024 threads
@@ -112,7 +112,8 @@ class OpsLaunchers:
                                                           raw.shape[-1], True, num_tiles=2 * len(tile_slot))
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, 2 * len(tile_slot), shared, True)
         self._launch(fn, (grid_x, 2 * len(tile_slot)), MATMUL_THREADS,
-                     (raw, raw2, x, out, out2, tile_slot, tile_row, tile_count) + scalars + (chunks,),
+                     (raw, raw2, self._x_arg(fn, qtype, x), out, out2, tile_slot, tile_row, tile_count) + scalars
+                     + (chunks,),
                      shared_mem=shared)
 
     def moe_matmul_glu(self, raw, qtype, gate, up, out, tile_slot, tile_row, tile_count):
@@ -121,8 +122,9 @@ class OpsLaunchers:
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "moe_matmul_glu_1", raw.shape[1], gate.shape[1],
                                                           raw.shape[-1], True, num_tiles=len(tile_slot))
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, len(tile_slot), shared, True)
+        x = (self._x_arg(fn, qtype, gate, up),) if fn in self._xq_kernels else (gate, up)  # moe_matmul_1qx's
         self._launch(fn, (grid_x, len(tile_slot)), MATMUL_THREADS,
-                     (raw, gate, up, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)
+                     (raw, *x, out, tile_slot, tile_row, tile_count) + scalars + (chunks,), shared_mem=shared)
 
     def paged_attention_slots(self, kv_dtype, q, k_pool, v_pool, k_scale, v_scale, tables, positions, bound, scale,
                               out, lse=None, window=0, scratch=None):

@@ -340,6 +340,9 @@ extern "C" __global__ void DECODE_BOUNDS moe_matmul2_1(MOE2_ARGS) {
 // (whose sync publishes them); none by default.
 #ifndef STAGE_TABLES
 #define STAGE_TABLES()
+#define TABLES_SYNC()
+#else
+#define TABLES_SYNC() __syncthreads()  // the `_qx` kernels stage no x: the tables' own sync
 #endif
 
 // The one-token kernels with x rounded to int16 once per block (XQ_SHARED_BYTES(C) of dynamic shared memory):
@@ -428,6 +431,110 @@ extern "C" __global__ void DECODE_BOUNDS moe_matmul_glu_1q(const u8* raw, const 
                                                            const int* tile_count, int R, int C, i64 row_bytes, int tpr,
                                                            int chunks) {
     moe_1q_body(raw, x, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks, blockIdx.y, up);
+}
+
+// ---- x rounded to int16 once per launch (the `_qx` kernels; Kernels.xq_per_launch): quantize_xq rounds every row of x
+// into global memory, each row's XQ (stage_xq's layout) XQ_STEP(C) bytes apart, and the kernels' blocks read it there
+// instead of each rounding its rows' x into shared memory.
+#define XQ_STEP(C) ((XQ_SHARED_BYTES(C) + 15) & ~15)
+
+// The XQ of one row of x at `at` (XQ_STEP(C) bytes, quantize_xq's).
+__device__ __forceinline__ XQ xq_at(const unsigned char* __restrict__ at, int C) {
+    XQ xq;
+    xq.hi = (const i8*)at;
+    xq.lo = xq.hi + C;
+    xq.scale = (const float*)(at + 2 * C);
+    xq.sum = xq.scale + C / XQ_BLOCK;
+    return xq;
+}
+
+// xq [N, XQ_STEP(C)] = x [N, C] (silu_mul(x, up) where up is given: the experts' SwiGLU) rounded as stage_xq rounds
+// it: a warp a 32-value block. grid (ceil(C / (32 * blockDim / 32)), N).
+extern "C" __global__ void quantize_xq(const float* __restrict__ x, const float* __restrict__ up, int has_up,
+                                       unsigned char* __restrict__ xq, int C) {
+    int lane = threadIdx.x & 31, b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= C / XQ_BLOCK) return;  // the whole warp
+    i64 row = blockIdx.y;
+    int i = XQ_BLOCK * b + lane;
+    float v = has_up ? silu_mul(x[row * C + i], up[row * C + i]) : x[row * C + i];
+    float amax = fabsf(v), total = v;
+    for (int m = 16; m > 0; m >>= 1) {
+        amax = fmaxf(amax, SHFL_XOR(amax, m, 32));
+        total += SHFL_XOR(total, m, 32);
+    }
+    float inv = amax > 0.0f ? XQ_LEVELS / amax : 0.0f;
+    int q = __float2int_rn(v * inv);
+    int h = (q + 128) >> 8;
+    unsigned char* at = xq + row * XQ_STEP(C);
+    at[XQ_BLOCK * b + XQ_POS(lane)] = (unsigned char)(i8)h;
+    at[C + XQ_BLOCK * b + XQ_POS(lane)] = (unsigned char)(i8)(q - 256 * h);
+    if (lane == 0) {
+        ((float*)(at + 2 * C))[b] = amax / XQ_LEVELS;
+        ((float*)(at + 2 * C))[C / XQ_BLOCK + b] = total;
+    }
+}
+
+#define XQ_ARGS \
+    const u8 *raw, const unsigned char *xq, float *out, int T, int R, int C, i64 row_bytes, int tpr, int chunks
+#define MOE_XQ_ARGS                                                                                          \
+    const u8 *raw, const unsigned char *xq, float *out, const int *tile_slot, const int *tile_row,           \
+        const int *tile_count, int R, int C, i64 row_bytes, int tpr, int chunks
+#define MOE2_XQ_ARGS                                                                                         \
+    const u8 *raw, const u8 *raw2, const unsigned char *xq, float *out, float *out2, const int *tile_slot,    \
+        const int *tile_row, const int *tile_count, int R, int C, i64 row_bytes, int tpr, int chunks
+
+// matmul_1q over quantize_xq's x [1, XQ_STEP(C)]: the same grid, rows and sums.
+extern "C" __global__ void DECODE_BOUNDS matmul_1qx(XQ_ARGS) {
+    Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
+    Slice cur[DECODE_ROWS];
+    first_slices<DECODE_ROWS>(raw, row_bytes, R, wk.r0, C, tpr, cur);
+    STAGE_TABLES();
+    TABLES_SYNC();
+    ROWS_DOT_STORE<DECODE_ROWS, 1>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xq_at(xq, C), C, 1, tpr, cur, out);
+}
+
+// matmul_nq over quantize_xq's x [T, XQ_STEP(C)]: the same grid, rows and sums.
+extern "C" __global__ void matmul_nqx(XQ_ARGS) {
+    Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
+    int t0 = blockIdx.y * MULTI_TOKENS, n = min(MULTI_TOKENS, T - t0);
+    Slice cur[DECODE_ROWS];
+    first_slices<DECODE_ROWS>(raw, row_bytes, R, wk.r0, C, tpr, cur);
+    STAGE_TABLES();
+    TABLES_SYNC();
+    XQn xs;
+    xs.n = n;
+#pragma unroll
+    for (int t = 0; t < MULTI_TOKENS; ++t)
+        if (t < n) xs.t[t] = xq_at(xq + (i64)(t0 + t) * XQ_STEP(C), C);
+    ROWS_DOT_STORE<DECODE_ROWS, MULTI_TOKENS>(raw, row_bytes, R, wk.r0, wk.stride, wk.chunks, xs, C, n, tpr, cur,
+                                              out + (i64)t0 * R);
+}
+
+// moe_1q_body over quantize_xq's rows xq [N, XQ_STEP(C)].
+__device__ __forceinline__ void moe_1qx_body(const u8* __restrict__ raw, const unsigned char* __restrict__ xq,
+                                             float* __restrict__ out, const int* tile_slot, const int* tile_row,
+                                             const int* tile_count, int R, int C, i64 row_bytes, int tpr, int chunks,
+                                             int w) {
+    int row0 = tile_row[w];
+    if (tile_count[w] <= 0) return;  // the whole block: a pair whose expert is not resident
+    const u8* expert = raw + (i64)tile_slot[w] * R * row_bytes;
+    Walk wk = block_walk<DECODE_ROWS>(R, tpr, chunks);
+    Slice cur[DECODE_ROWS];
+    first_slices<DECODE_ROWS>(expert, row_bytes, R, wk.r0, C, tpr, cur);
+    STAGE_TABLES();
+    TABLES_SYNC();
+    ROWS_DOT_STORE<DECODE_ROWS, 1>(expert, row_bytes, R, wk.r0, wk.stride, wk.chunks,
+                                   xq_at(xq + (i64)row0 * XQ_STEP(C), C), C, 1, tpr, cur, out + (i64)row0 * R);
+}
+
+// moe_matmul_1q and moe_matmul2_1q over quantize_xq's rows (with up, moe_matmul_glu_1q's).
+extern "C" __global__ void DECODE_BOUNDS moe_matmul_1qx(MOE_XQ_ARGS) {
+    moe_1qx_body(raw, xq, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks, blockIdx.y);
+}
+
+extern "C" __global__ void DECODE_BOUNDS moe_matmul2_1qx(MOE2_XQ_ARGS) {
+    MOE2_PICK
+    moe_1qx_body(raw, xq, out, tile_slot, tile_row, tile_count, R, C, row_bytes, tpr, chunks, w);
 }
 #endif
 
