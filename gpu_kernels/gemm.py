@@ -29,6 +29,7 @@ GEMM_MIN_PAIRS = 8  # a prompt chunk's expert groups take it where they average 
 GEMM_MAX_SPLITS = 8  # a dense GEMM's column splits at most (GemmLaunchers.gemm_splits)
 GEMM_SPLIT_MIN_TOKENS = 128  # splits only from here: no decode step (a captured graph) gets their scratch allocation
 REDUCE_THREADS = 256
+GROUP_THREADS = 256  # prompt_groups' block: a thread an expert in its row pass (more where there are more experts)
 GEMM_MATHS = {"tf32x3": 3, "tf32": 1, "fp32": 0}  # gemm.cu's GEMM_MATH of each gemm_math setting
 DEFAULT_GEMM_MATH = "tf32x3"
 DEFAULT_GEMM_ASYNC = 1  # gemm.cu's GEMM_ASYNC: stages double-buffered by cp.async on the tensor-core path
@@ -101,6 +102,12 @@ def moe_tile_tokens(projections, num_pairs, num_groups, small):
     if num_pairs < GEMM_MIN_PAIRS * max(1, num_groups) or not all(gemm_fits(q, c) for q, c in projections):
         return small
     return MOE_GEMM_TOKENS
+
+
+def group_tiles_bound(num_pairs, num_experts, tile_tokens):
+    """Work tiles prompt_groups may give num_pairs pairs over num_experts experts: ceil(N / tile_tokens), plus one
+    partial tile for each expert with pairs at most."""
+    return -(-num_pairs // tile_tokens) + min(num_experts, num_pairs)
 
 
 def split_count(num_blocks, num_stages, target_blocks):
@@ -180,6 +187,21 @@ class GemmLaunchers:
             n = num_tokens * num_rows
             self._launch(self._gemm_fn(qtype, "gemm_reduce")[0], (-(-n // REDUCE_THREADS),), REDUCE_THREADS,
                          (target, out, np.int64(n), np.int32(splits)))
+
+    def prompt_groups(self, ids, slot_map, tile_tokens, order, row_of_pair, tiles):
+        """A prompt chunk's pairs grouped by expert on the device (prompt_groups.cu): ids int32 [T, K], slot_map int32
+        [E] (-1: not resident) -> order int32 [N] (the pair of each row, N = T * K), row_of_pair int32 [N] and tiles
+        int32 [3, W] (slot, first row, rows of each work tile of at most tile_tokens rows; W >= group_tiles_bound)."""
+        num_pairs, num_experts = ids.size, slot_map.shape[0]
+        if tiles.shape[1] < group_tiles_bound(num_pairs, num_experts, tile_tokens):
+            raise ValueError(f"prompt_groups: {tiles.shape[1]} work tiles for {num_pairs} pairs over {num_experts} "
+                             f"experts in tiles of {tile_tokens}; expected at least "
+                             f"{group_tiles_bound(num_pairs, num_experts, tile_tokens)}")
+        threads = max(GROUP_THREADS, self._threads(num_experts, cap=1024))
+        self._launch(self._ops("prompt_groups"), (1,), threads,
+                     (ids, slot_map, np.int32(num_pairs), np.int32(num_experts), np.int32(tile_tokens),
+                      np.int32(tiles.shape[1]), order, row_of_pair, tiles),
+                     shared_mem=4 * (3 * num_experts + threads))
 
     def moe_gemm(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=MOE_GEMM_TOKENS):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W] of at

@@ -99,7 +99,8 @@ def module_source(name):
     """The full source of module `name` ("ops", "matmul_<type>" or "kv_<type>")."""
     prefix, tables = "", ""
     if name in ("ops", "delta_net"):
-        files = ("common.cuh", f"{name}.cu") + (("moe_parts.cu", "routing.cu") if name == "ops" else ())
+        files = ("common.cuh", f"{name}.cu") + (("moe_parts.cu", "routing.cu", "prompt_groups.cu") if name == "ops"
+                                                 else ())
     elif name.startswith("kv_"):
         prefix = f"#define {KV_DEFINES[name.removeprefix('kv_')]}\n"
         files = ("common.cuh", "kv.cu", "kv_short.cu", "kv_prefill.cu")

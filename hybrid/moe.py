@@ -85,6 +85,8 @@ class ExpertSplit:
         if device.capabilities.decode_experts and (num_tokens == 1 or resident.all() and (
                 relayed or self._device_decode_fits(device, num_tokens, ids.shape[1]))):
             return self._run_decode(device, layer, h, ids, weights, usage)
+        if resident.all() and device.capabilities.resident_chunks:
+            return self._run_resident_chunk(device, layer, h, ids, weights, usage)
         return self._run_chunk(device, layer, h, ids, weights, usage)
 
     @staticmethod
@@ -96,7 +98,8 @@ class ExpertSplit:
         return num_tokens <= DEVICE_DECODE_TOKENS and num_tokens * top_k <= limit
 
     def _run_chunk(self, device, layer, h, ids, weights, usage):
-        """A prompt chunk (or a step of many tokens): fetch the routing, split the pairs, borrow, run both parts."""
+        """A prompt chunk (or a step of many tokens) with a host part: fetch the routing, split the pairs, borrow, run
+        both parts."""
         t0 = time.perf_counter()
         ids_host, weights_host = device.fetch_routing(ids, weights)  # [T, K] each
         self._time_last_part()
@@ -131,6 +134,16 @@ class ExpertSplit:
                              len(device_groups.order) + borrowed_rows)
         self._traced(device, layer, len(ids_host), t0, pending, cpu_s, queue_s, num_borrowed)
         return out
+
+    def _run_resident_chunk(self, device, layer, h, ids, weights, usage):
+        """A prompt chunk of a layer whose experts are all on the device: the device groups the pairs itself, so the
+        calling thread only queues (no routing read back, no wait); the routing is recorded at finish_step."""
+        t0 = time.perf_counter()
+        if usage is not None:
+            self._deferred.append((layer.index, device.queue_ids(ids, f"ids.{layer.index}")))
+        pending = device.submit_resident_chunk(layer, h, ids, weights)
+        self._traced(device, layer, len(h), t0, pending)
+        return device.wait(pending)
 
     def _run_decode(self, device, layer, h, ids, weights, usage):
         """One token (or a small step's tokens in a fully resident layer): the device resolves which of its pairs

@@ -147,6 +147,31 @@ __device__ __forceinline__ float iq3s_slice_db(const Slice& sl, int s, int h) {
 #endif
 }
 
+#ifndef IQ3S_LEAN_LOADS
+#define IQ3S_LEAN_LOADS 0
+#endif
+
+#if IQ3S_LEAN_LOADS && IQ3S_SUBS == 1
+// IQ3S_LEAN_LOADS (one sub-block a slice): load_slice's words and bytes addressed from few pointers, with unsigned
+// index math. With o = b % 4 (0 or 2), b + o is 4-byte aligned: qs's words start at b + o + 8j (qs at b + 2 + 8j: a
+// 16-bit shift where o is 0), the signs' at b + o + 72 + 4j, both off one pointer pj = b + o + 4j; qh[j] and the scale
+// byte come off b + j and b + j / 2.
+__device__ __forceinline__ Slice load_slice(const u8* row, int s) {
+    unsigned us = (unsigned)s, j = us & 7u;
+    const u8* b = row + 110u * (us >> 3);
+    u32 o = (u32)(size_t)b & 2u, shift = 16u - 8u * o;
+    const u8* pj = b + o + 4u * j;
+    const u32* q = (const u32*)(pj + 4u * j);
+    const u32* g = (const u32*)(pj + 72);
+    u32 q0 = q[0], q1 = q[1], q2 = q[2], g0 = g[0], g1 = g[1];
+    Slice sl;
+    sl.qs[0] = funnel_right(q0, q1, shift);
+    sl.qs[1] = funnel_right(q1, q2, shift);
+    sl.signs[0] = funnel_right(g0, g1, shift);
+    sl.tail = (u32)*(const u16*)b | ((u32)b[66 + j] << 16) | ((u32)b[106 + (j >> 1)] << 24);
+    return sl;
+}
+#else
 // Super-blocks are 2-byte aligned: qs and signs come from the aligned words w from the one that holds the super-block's
 // first byte (o = its address % 4, 0 or 2), at word indices from o and j, so that the compiler forms few addresses.
 // Slice s: sub-blocks j = IQ3S_SUBS (s % (8 / IQ3S_SUBS)) .. of super-block s / (8 / IQ3S_SUBS).
@@ -184,6 +209,7 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
 #endif
     return sl;
 }
+#endif
 
 template <int RPT, int TT>
 __device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,

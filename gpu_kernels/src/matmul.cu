@@ -113,6 +113,12 @@ __device__ __forceinline__ void first_slices(const u8* __restrict__ raw, i64 row
 #define DECODE_PREFETCH 2
 #endif
 
+// PEEL_LAST_SLICE (0 or 1): rows_dot_store's loop without its last slices, which load the next chunk's first (the
+// loop's loads then come from the chunk's rows alone, their addresses not picked a slice at a time).
+#ifndef PEEL_LAST_SLICE
+#define PEEL_LAST_SLICE 0
+#endif
+
 // out [n, R] (rows t R apart), rows of each chunk = those rows of `raw` dotted with the n token rows of xs;
 // cur: first_slices' loads. The group sums its lanes with shuffles and its first lane stores.
 template <int RPT, int TT, class X>
@@ -132,6 +138,28 @@ __device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 r
 #pragma unroll
             for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
         }
+#if PEEL_LAST_SLICE
+        // the chunk's last slices apart: the loop's loads come from the chunk's own rows alone
+#pragma unroll SLICE_UNROLL
+        for (int i = 0; i + 1 < per_lane; ++i) {  // the next slices' loads are in flight while these are dotted
+            int s = lane + i * tpr;
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) next[r] = load_slice(row[r], s + tpr);
+            slice_run(cur, s, xs, acc);
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) cur[r] = next[r];
+        }
+        if (per_lane > 0) {
+            if (c + 1 < chunks) {  // after a chunk's last slices: the next chunk's first
+#pragma unroll
+                for (int r = 0; r < RPT; ++r)
+                    next[r] = load_slice(raw + (i64)min(rc + stride + r, R - 1) * row_bytes, lane);
+            }
+            slice_run(cur, lane + (per_lane - 1) * tpr, xs, acc);
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) cur[r] = next[r];
+        }
+#else
 #pragma unroll SLICE_UNROLL
         for (int i = 0; i < per_lane; ++i) {  // the next slices' loads are in flight while these are dotted
             int s = lane + i * tpr;
@@ -146,6 +174,7 @@ __device__ __forceinline__ void rows_dot_store(const u8* __restrict__ raw, i64 r
 #pragma unroll
             for (int r = 0; r < RPT; ++r) cur[r] = next[r];
         }
+#endif
         group_sum<RPT, TT>(acc, n, tpr);
         store_rows<RPT, TT>(out, R, rc, n, tpr, acc);
     }

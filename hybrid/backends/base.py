@@ -29,6 +29,8 @@ class Capabilities:
     decode_experts: as a split's device, `submit(layer, h, ids, weights)` (no groups) finds a decode step's
     resident pairs from the routing it holds (nothing read back).
     max_decode_pairs: the most (token, expert) pairs of such a step (None: no limit).
+    resident_chunks: as a split's device, `submit_resident_chunk(layer, h, ids, weights)` runs a prompt chunk's pairs
+    of a layer whose experts it all holds, grouping them itself (nothing read back, no host wait).
     decode_relay_device: as a split's device, the device side of the decode relay (hybrid/relay.py):
     `decode_mailbox`, `publish_decode`, `await_host_rows`.
     decode_relay_host: as a split's host, `relay_decode_experts(...)`, the relay's host side.
@@ -48,6 +50,7 @@ class Capabilities:
     step_graph: bool = False
     decode_experts: bool = False
     max_decode_pairs: Optional[int] = None
+    resident_chunks: bool = False
     decode_relay_device: bool = False
     decode_relay_host: bool = False
     host_decode_experts: bool = False

@@ -69,7 +69,7 @@ class GpuBackend(GpuDeltaOps):
     name = "gpu"
     capabilities = Capabilities(graphed_decode=True, step_graph=True, decode_experts=True,
                                 max_decode_pairs=MAX_DECODE_PAIRS, decode_relay_device=True, expert_cache=True,
-                                fused_norms=True)
+                                fused_norms=True, resident_chunks=True)
 
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
                  max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
@@ -408,6 +408,10 @@ class GpuBackend(GpuDeltaOps):
         if groups is None:
             return self.device_experts.submit_decode(self, layer, x, ids, weights)
         return self.device_experts.submit_groups(self, layer, x, ids, weights, groups, borrowed)
+
+    def submit_resident_chunk(self, layer, x, ids, weights):
+        """Queue a prompt chunk's pairs of a layer whose experts are all resident, grouped here (nothing read back)."""
+        return self.device_experts.submit_resident_chunk(self, layer, x, ids, weights)
 
     def wait(self, pending):
         """The device part's result; stream order makes later device work see it, so no host wait."""

@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from gpu_kernels.gemm import moe_tile_tokens
+from gpu_kernels.gemm import group_tiles_bound, moe_tile_tokens
 from gpu_kernels.kernels import MAX_THREADS, TILE_TOKENS, fuses_glu
 
 from .gpu_staging import Pending
@@ -115,6 +115,40 @@ class GpuExperts:
         be.kernels.combine_rows(down, pair_rows, weights, k, pending.out)
         pending.stop = be.rt.event(timing=True)
         pending.stop.record(be.stream)
+        return pending
+
+    def submit_resident_chunk(self, be, layer, x, ids, weights):
+        """Queue a prompt chunk's pairs where every expert of `layer` is resident (x [T, H], ids int32 / weights [T, K]
+        on the device): grouped by expert on the device (prompt_groups), so nothing is read back and the host runs
+        ahead; the launches as submit_groups'. Returns a Pending."""
+        num_tokens, k = ids.shape
+        num_pairs, num_experts = num_tokens * k, be.cache.slot_map.shape[1]
+        pending = Pending(None)
+        if be.time_experts:
+            pending.start, pending.stop = be.rt.event(timing=True), be.rt.event(timing=True)
+            pending.start.record(be.stream)
+        hidden, width = x.shape[1], layer.gate_exps.shape[1]
+        projections = ((layer.gate_exps.qtype, hidden), (layer.up_exps.qtype, hidden), (layer.down_exps.qtype, width))
+        tile_tokens = moe_tile_tokens(projections, num_pairs, min(num_experts, num_pairs), TILE_TOKENS)
+        order = be.rt.empty((num_pairs,), np.int32)  # [N]
+        row_of_pair = be.rt.empty((num_pairs,), np.int32)  # [T*K]
+        tiles = be.rt.empty((3, group_tiles_bound(num_pairs, num_experts, tile_tokens)), np.int32)  # [3, W]
+        be.kernels.prompt_groups(ids, be.cache.slot_map[layer.index], tile_tokens, order, row_of_pair, tiles)
+        xs = be.rt.empty((num_pairs, hidden), np.float32)  # [N, H]
+        be.kernels.gather_rows(x, order, k, xs)
+        gate = be.rt.empty((num_pairs, width), np.float32)  # [N, F]
+        up = be.rt.empty((num_pairs, width), np.float32)  # [N, F]
+        down = be.rt.empty((num_pairs, hidden), np.float32)  # [N, H]
+        slabs = be.cache.layers[layer.index]
+        be.kernels.moe_matmul(slabs[0], layer.gate_exps.qtype, xs, gate, *tiles, tile_tokens)
+        be.kernels.moe_matmul(slabs[1], layer.up_exps.qtype, xs, up, *tiles, tile_tokens)
+        activate(be, layer, gate, up, order, ids)
+        be.kernels.moe_matmul(slabs[2], layer.down_exps.qtype, gate, down, *tiles, tile_tokens)
+        add_down_bias(be, layer, down, order, ids)
+        pending.out = be.rt.empty(x.shape, np.float32)  # [T, H]
+        be.kernels.combine_rows(down, row_of_pair, weights, k, pending.out)
+        if be.time_experts:
+            pending.stop.record(be.stream)
         return pending
 
     def _borrow(self, be, layer, experts):

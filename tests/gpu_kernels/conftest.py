@@ -298,6 +298,11 @@ class ReferenceKernels:
             row += count
         assert w <= num_pairs
 
+    def prompt_groups(self, ids, slot_map, tile_tokens, order, row_of_pair, tiles):
+        from tests.gpu_kernels.test_gemm_groups import prompt_groups
+
+        prompt_groups(ids, slot_map, tile_tokens, order, row_of_pair, tiles)
+
     def add_into(self, out, src):
         out += src
 

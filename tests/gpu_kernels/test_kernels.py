@@ -134,6 +134,21 @@ def test_one_token_blocks_walking_several_runs_of_rows(runtime, reference_kernel
     assert rel_err(runtime.to_host(out), ref) < tol
 
 
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("act_quant", ["float", "int16"])
+def test_one_token_blocks_with_the_last_slices_peeled(runtime, reference_kernels, monkeypatch, qtype, act_quant):
+    """test_one_token_blocks_walking_several_runs_of_rows with matmul.cu's PEEL_LAST_SLICE (a chunk's last slices, which
+    load the next chunk's first, out of the slice loop), at 2 and 3 runs a block."""
+    from gpu_kernels import kernels as kernels_module
+
+    source, name = kernels_module.tuned_source, kernels_module.tuned_module_name
+    monkeypatch.setattr(kernels_module, "tuned_source", lambda q, r, b, defines="": source(
+        q, r, b, "#define PEEL_LAST_SLICE 1\n" + defines))
+    monkeypatch.setattr(kernels_module, "tuned_module_name", lambda q, r, b: f"{name(q, r, b)}_peel")
+    for row_chunks in (2, 3):
+        test_one_token_blocks_walking_several_runs_of_rows(runtime, reference_kernels, qtype, row_chunks, act_quant)
+
+
 @pytest.mark.parametrize("rows,width", [(1, 2048), (37, 96), (64, 128)])
 def test_rmsnorm(runtime, kernels, reference_kernels, rows, width):
     rng = np.random.default_rng(rows)

@@ -143,7 +143,7 @@ def test_iq3_s_grid_copies_and_x_fit_a_blocks_shared_memory(monkeypatch):
 # IQ3_S's compile-time alternatives of its int16 slice dot (iq3_s.cuh; bench/gpu_kernels.py --variants sweeps them)
 IQ3S_VARIANTS = ["IQ3S_SIGNED_GRID=0", "IQ3S_SIGNED_GRID=0+IQ3S_PRMT_MASKS", "IQ3S_SIGNED_GRID=0+IQ3S_XOR_SIGNS",
                  "IQ3S_SIGNED_GRID=0+IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_PAIR_SLICES", "IQ3S_SLICE_SUBS=4",
-                 "IQ3S_SIGNED_GRID=0+IQ3S_PAIR_SLICES", "IQ3S_SKIP_ALIGNED"]
+                 "IQ3S_SIGNED_GRID=0+IQ3S_PAIR_SLICES", "IQ3S_SKIP_ALIGNED", "IQ3S_LEAN_LOADS"]
 
 
 def variant_defines(variant):
@@ -309,7 +309,7 @@ def test_int16_moe_matvec_tunings(runtime, qtype, rows, slices, chunks):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (3, 4, 2), (4, 4, 2), (4, 8, 1)])
-@pytest.mark.parametrize("variant", ["", "IQ3S_SIGNED_GRID=0", "IQ3S_SKIP_ALIGNED"])
+@pytest.mark.parametrize("variant", ["", "IQ3S_SIGNED_GRID=0", "IQ3S_LEAN_LOADS", "PEEL_LAST_SLICE+IQ3S_LEAN_LOADS"])
 def test_iq3_s_variants_int16_moe_matvec(runtime, monkeypatch, variant, rows, slices, chunks):
     """test_int16_moe_matvec_tunings on IQ3_S compiled with each of its variants, as the bench compiles them ("": the
     default source; 3 rows a lane group as the bench sweeps them)."""
