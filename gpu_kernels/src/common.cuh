@@ -132,6 +132,15 @@ struct XQ {
 #else
 #define XQ_POS(l) (l)
 #endif
+// Where value l of 32-value block b of C sits in hi and lo: at XQ_BLOCK b + XQ_POS(l), or with XQ_HALVES defined (not with
+// XQ_NIBBLE_ORDER) the first 16 values of every block in [0, C / 2) and the last 16 in [C / 2, C), 16 a block: a warp's
+// 16-byte reads of neighbouring blocks' halves then lie side by side in shared memory (fewer bank conflicts than 32
+// bytes apart).
+#ifdef XQ_HALVES
+#define XQ_INDEX(b, l, C) (((l) >> 4) * ((C) >> 1) + 16 * (b) + ((l) & 15))
+#else
+#define XQ_INDEX(b, l, C) (XQ_BLOCK * (b) + XQ_POS(l))
+#endif
 
 // Dynamic shared memory bytes of a block's XQ for C columns.
 #define XQ_SHARED_BYTES(C) (2 * (C) + 8 * ((C) / XQ_BLOCK))
@@ -180,8 +189,8 @@ __device__ __forceinline__ XQ stage_xq(const float* __restrict__ x, int C, unsig
             float inv = amax > 0.0f ? XQ_LEVELS / amax : 0.0f;
             int q = __float2int_rn(v[u] * inv);
             int h = (q + 128) >> 8;
-            hi[XQ_BLOCK * b + XQ_POS(lane)] = (i8)h;
-            lo[XQ_BLOCK * b + XQ_POS(lane)] = (i8)(q - 256 * h);
+            hi[XQ_INDEX(b, lane, C)] = (i8)h;
+            lo[XQ_INDEX(b, lane, C)] = (i8)(q - 256 * h);
             if (lane == 0) {
                 scale[b] = amax / XQ_LEVELS;
                 sum[b] = total;

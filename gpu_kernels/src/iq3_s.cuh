@@ -325,6 +325,8 @@ __device__ __forceinline__ void slice_dot(const Slice (&raw)[RPT], int s, const 
     }
 }
 
+#define XQ_HALVES_READ  // slice_dot_q reads x laid out by common.cuh's XQ_HALVES where that is defined
+
 // The same slice dotted with int16 activations (XQ, the `_1q` kernels): per grid row, its 4 values signed in place
 // (a byte mask m from the 4 sign bits; (v ^ m) + (m & 1) negates the masked bytes, and as every grid value is 1..15
 // no byte carries into the next) and dotted with x's two bytes by two dp4a, exact in int32. Grid rows go in pairs:
@@ -423,9 +425,14 @@ __device__ __forceinline__ void slice_dot_q(const Slice (&raw)[RPT], int s, cons
     iq3s_fields<RPT>(raw, sl);
 #pragma unroll
     for (int h = 0; h < IQ3S_SUBS; ++h) {
-        int block = IQ3S_SUBS * s + h, at = XQ_BLOCK * block;
-        uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + at + 16);
-        uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + at + 16);
+        int block = IQ3S_SUBS * s + h;
+#ifdef XQ_HALVES
+        int at = 16 * block, second = (int)(xq.lo - xq.hi) / 2 + at;  // lo - hi: C
+#else
+        int at = XQ_BLOCK * block, second = at + 16;
+#endif
+        uint4 h0 = *(const uint4*)(xq.hi + at), h1 = *(const uint4*)(xq.hi + second);
+        uint4 l0 = *(const uint4*)(xq.lo + at), l1 = *(const uint4*)(xq.lo + second);
         int x_sum = 0;
 #if IQ3S_XOR_SIGNS
         int sum_hi = 0, sum_lo = 0;  // the sub-block's sums of x's hi and lo bytes

@@ -28,6 +28,9 @@ __device__ __forceinline__ void slice_run(const Slice (&sl)[RPT], int s, const F
 }
 
 #ifdef INT_DECODE
+#if defined(XQ_HALVES) && !defined(XQ_HALVES_READ)
+#error "XQ_HALVES: this format's slice_dot_q reads x in blocks of 32 (IQ3_S reads the halves' layout)"
+#endif
 template <int RPT>
 __device__ __forceinline__ void slice_run(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
     slice_dot_q<RPT>(sl, s, xq, acc);
@@ -495,8 +498,8 @@ extern "C" __global__ void quantize_xq(const float* __restrict__ x, const float*
     int q = __float2int_rn(v * inv);
     int h = (q + 128) >> 8;
     unsigned char* at = xq + row * XQ_STEP(C);
-    at[XQ_BLOCK * b + XQ_POS(lane)] = (unsigned char)(i8)h;
-    at[C + XQ_BLOCK * b + XQ_POS(lane)] = (unsigned char)(i8)(q - 256 * h);
+    at[XQ_INDEX(b, lane, C)] = (unsigned char)(i8)h;
+    at[C + XQ_INDEX(b, lane, C)] = (unsigned char)(i8)(q - 256 * h);
     if (lane == 0) {
         ((float*)(at + 2 * C))[b] = amax / XQ_LEVELS;
         ((float*)(at + 2 * C))[C / XQ_BLOCK + b] = total;

@@ -189,7 +189,7 @@ def test_emulated_iq3_s_variants_dot_as_the_plain_source(tmp_path):
         assert np.array_equal(results[variant], results[""]), variant
 
 
-@pytest.mark.parametrize("variant", IQ3S_VARIANTS + ["IQ3S_SHFL_TAIL"])  # its shuffles: not emulated
+@pytest.mark.parametrize("variant", IQ3S_VARIANTS + ["IQ3S_SHFL_TAIL", "XQ_HALVES"])  # not emulated: shuffles, x
 def test_iq3_s_variants_compile_for_sm90(variant):
     """Each IQ3_S variant's module (its `_1q` kernels' inline PTX included) compiles with NVRTC for sm_90."""
     from gpu_kernels.nvrtc import Nvrtc, find_library
@@ -310,7 +310,7 @@ def test_int16_moe_matvec_tunings(runtime, qtype, rows, slices, chunks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (3, 4, 2), (4, 4, 2), (4, 8, 1)])
 @pytest.mark.parametrize("variant", ["", "IQ3S_LEAN_LOADS", "PEEL_LAST_SLICE+IQ3S_LEAN_LOADS", "IQ3S_SHFL_TAIL",
-                                     "PEEL_LAST_SLICE+IQ3S_SHFL_TAIL"])
+                                     "PEEL_LAST_SLICE+IQ3S_SHFL_TAIL", "XQ_HALVES"])
 def test_iq3_s_variants_int16_moe_matvec(runtime, monkeypatch, variant, rows, slices, chunks):
     """test_int16_moe_matvec_tunings on IQ3_S compiled with each of its variants, as the bench compiles them ("": the
     default source; 3 rows a lane group as the bench sweeps them)."""
