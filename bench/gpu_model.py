@@ -37,6 +37,8 @@ DECODE_MODES = {
     "thread": dict(decode_relay=False, decode_host_thread=True, compiled_host_decode=True),
     "inline, op by op": dict(decode_relay=False, decode_host_thread=False, compiled_host_decode=False),
     "relay, claimed items": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True, claimed=True),
+    "relay, step graph": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True,
+                              relay_graphs=True),
 }
 DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "relay": "handed to a host worker through mapped memory, the calling thread never waits",
@@ -44,9 +46,11 @@ DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "(STRATA_RELAY_THREADS), leaving the calling thread a core",
                 "thread": "one compiled call in a worker thread", "inline, op by op": "NumPy bookkeeping and five "
                 "kernel calls", "relay, claimed items": "the relay, its worker's gate+up and down items claimed by the "
-                "threads rather than in static shares (CpuBackend.claimed_host_experts)"}
+                "threads rather than in static shares (CpuBackend.claimed_host_experts)",
+                "relay, step graph": "the relay, the whole decode step one captured graph that waits on the host's rows "
+                "inside it (relay_graphs; its overlap rows are traced layer by layer)"}
 MODE_KEYS = {"inline": "inline", "relay": "relay", "spare": "relay, a core spare", "thread": "thread",
-             "opbyop": "inline, op by op", "claimed": "relay, claimed items"}  # --modes names; relayN (e.g. relay14): the relay's worker on N threads
+             "opbyop": "inline, op by op", "claimed": "relay, claimed items", "graph": "relay, step graph"}  # --modes names; relayN (e.g. relay14): the relay's worker on N threads
 
 
 def mode_name(key):
@@ -64,6 +68,7 @@ def use_mode(split, mode):
     """Set the ExpertSplit's decode settings to DECODE_MODES[mode] (relay_threads: the split's own unless set)."""
     settings = DECODE_MODES[mode]
     split.relay.enabled = settings["decode_relay"]
+    split.relay.graphs = settings.get("relay_graphs", False)
     split.host_side.decode_host_thread = settings["decode_host_thread"]
     split.host_side.compiled_host_decode = settings["compiled_host_decode"]
     threads = settings.get("relay_threads")

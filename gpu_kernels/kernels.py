@@ -532,21 +532,23 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self._launch(self._ops("pack_decode"), ((n + MAX_THREADS - 1) // MAX_THREADS,), MAX_THREADS,
                      (ids, weights, x, packed, np.int32(k), np.int32(hidden)))
 
-    def publish_decode(self, packed, box, flag, seq, times):
+    def publish_decode(self, packed, box, flag, step, times):
         """The decode relay's post (ops.cu): packed f32 [n] (device) copied to box, then the device clock to
-        times[0] and seq (int64) to flag; box, flag, times: device addresses (np.uint64) of mapped host memory."""
+        times[0] and the step number step int64 [1] (device) holds to flag; box, flag, times: device addresses
+        (np.uint64) of mapped host memory."""
         n = packed.size
-        self._launch(self._ops("publish_decode"), (1,), self._threads(n), (packed, box, np.int32(n), flag,
-                                                                             np.int64(seq), times))
+        self._launch(self._ops("publish_decode"), (1,), self._threads(n), (packed, box, np.int32(n), flag, step,
+                                                                             times))
 
-    def await_host_add(self, out, rows, flag, seq, timeout_ns, error, layer, times):
-        """The decode relay's wait (ops.cu): once the host posts seq on flag, out f32 [n] += rows [n]; after
-        timeout_ns, error [2] = (seq, layer) instead. rows, flag, error, times: device addresses of mapped
-        host memory (np.uint64)."""
+    def await_host_add(self, out, rows, flag, step, timeout_ns, error, layer, times, add=True):
+        """The decode relay's wait (ops.cu): once the host posts the step number step int64 [1] (device) holds on
+        flag, out f32 [n] += rows [n] (add False: out = rows); after timeout_ns, or at once where error holds an
+        earlier wait's failure, error [2] = (step, layer) instead. rows, flag, error, times: device addresses of
+        mapped host memory (np.uint64)."""
         n = out.size
         self._launch(self._ops("await_host_add"), (1,), self._threads(n),
-                     (out, rows, np.int32(n), flag, np.int64(seq), np.int64(timeout_ns), error, np.int32(layer),
-                      times))
+                     (out, rows, np.int32(n), flag, step, np.int64(timeout_ns), error, np.int32(layer), times,
+                      np.int32(bool(add))))
 
     def add_into(self, out, src):
         """out += src, elementwise over contiguous arrays of one size; src may be a device address (np.uint64) of

@@ -7,6 +7,10 @@ A graph is captured as a CUDA graph is: the copies and kernels queued while capt
 queue_or_run) are recorded with their arguments as they were, arrays by reference and numbers by value, and each
 launch runs those calls again. So work that passes a step's number as a kernel argument, or reads an array the
 next step replaces, gives stale results here as it would on a GPU.
+
+Made with mapped_memory, pinned host arrays have device addresses (their own: the device is the host), as CUDA's
+mapped pinned memory does, so the decode relay (hybrid/relay.py) runs here: its kernels' stand-ins read and write the
+mailbox through those addresses while the relay's host worker, another thread, answers them.
 """
 import threading
 import weakref
@@ -47,8 +51,8 @@ class NumpyRuntime:
     warp_size = 32
     captures = 0
 
-    def __init__(self, device_index=0, memory_bytes=64 << 30):
-        self.device_index, self.memory_bytes = device_index, memory_bytes
+    def __init__(self, device_index=0, memory_bytes=64 << 30, mapped_memory=False):
+        self.device_index, self.memory_bytes, self.mapped_memory = device_index, memory_bytes, mapped_memory
         self.device_name = "numpy" if device_index == 0 else f"numpy {device_index}"
         self.allocated = self.peak = 0
 
@@ -90,6 +94,10 @@ class NumpyRuntime:
 
     def pinned_empty(self, shape, dtype):
         return np.empty(shape, dtype)
+
+    def mapped_address(self, host):
+        """The device address of a pinned host array (its own address), or None unless made with mapped_memory."""
+        return host.ctypes.data if self.mapped_memory else None
 
     @staticmethod
     def page_lock(address, num_bytes):

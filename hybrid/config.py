@@ -109,6 +109,9 @@ class EngineConfig:
                                 env="STRATA_DECODE_RELAY_TOKENS")
     relay_threads: int = setting(None, integer(1), "Numba threads of the relay worker's CPU experts (default: "
                                  "--threads)", "gpu")
+    relay_graphs: bool = setting(False, switch, "with step graphs, a decode step whose CPU experts go through the "
+                                 "relay as one captured graph, waiting on the CPU's rows inside it (1), or layer by "
+                                 "layer (0)", "gpu")
     prefill_cpu_share: float = setting(None, number(0, 1), "share of a prompt chunk's expert work kept on the CPU "
                                        "(default: from the cost model)", "gpu")
     decode_graphs: bool = setting(True, switch, "a decode token's expert launches as one captured graph (1) or one "

@@ -42,7 +42,8 @@ def gpu_options(cfg, max_context, resident):
 
 def split_settings(cfg):
     return SplitSettings(cpu_share=cfg.prefill_cpu_share, decode_relay=cfg.decode_relay,
-                         relay_tokens=cfg.relay_tokens, relay_threads=cfg.relay_threads)
+                         relay_tokens=cfg.relay_tokens, relay_threads=cfg.relay_threads,
+                         relay_graphs=cfg.relay_graphs)
 
 
 @dataclass

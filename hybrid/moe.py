@@ -51,7 +51,8 @@ class ExpertSplit:
         self.host, self.resident = host, np.asarray(resident, dtype=bool)
         self.borrow = BorrowModel(settings.cpu_share)
         self.host_side = HostSide(host, self.resident, self.borrow)
-        self.relay = DecodeRelay(host, settings.decode_relay, settings.relay_tokens, settings.relay_threads)
+        self.relay = DecodeRelay(host, settings.decode_relay, settings.relay_tokens, settings.relay_threads,
+                                 settings.relay_graphs)
         self.trace = None
         self._untimed = None  # (device, layer, pending, borrowed bytes, gather s, pair rows): the last chunk layer's part
         self._deferred = []  # (layer index, queued routing copy) of fully resident decode layers, for finish_step
@@ -65,6 +66,11 @@ class ExpertSplit:
     def decode_relay(self):
         """Whether decode tokens' host parts go through the relay (where both sides have it)."""
         return self.relay.enabled
+
+    @property
+    def step_number(self):
+        """The current step's number, which the relay posts on its flags."""
+        return self._step
 
     def close(self):
         """Stop the threads this split started (the host part's worker, the relay's); a later layer starts them

@@ -16,12 +16,16 @@ log = logging.getLogger(__name__)
 class DecodeRelay:
     """host: the split's host backend. enabled: decode tokens' host parts go through the relay, where both sides
     have it (hybrid/split_settings.py decode_relay); tokens: the most tokens of a relayed step (relay_tokens);
-    threads: the worker's Numba threads (relay_threads). worker: the HostRelay, made at the first relayed layer."""
+    threads: the worker's Numba threads (relay_threads); graphs: a decode step with relayed layers may be one device
+    graph (relay_graphs: hybrid/step_graph.py). worker: the HostRelay, made at the first relayed layer."""
 
-    def __init__(self, host, enabled=True, tokens=1, threads=None):
-        self.host, self.enabled, self.tokens, self.threads = host, enabled, tokens, threads
+    def __init__(self, host, enabled=True, tokens=1, threads=None, graphs=False):
+        self.host, self.enabled, self.tokens, self.threads, self.graphs = host, enabled, tokens, threads, graphs
         self.worker, self._ready = None, set()  # the layers whose host side ran once on a scratch mailbox
+        self.version = 0  # bumped with each new mailbox: a graph that posts to an older one is not launched again
         self._relayed = []  # (layer, pending device part, queuing seconds, tokens) of this step's relayed layers
+        self._ahead = False  # the step's host jobs were submitted before its layers were queued (a step graph)
+        self._graphed = False  # this step's relayed layers ran in a step graph (submit_step)
 
     def close(self):
         if self.worker is not None:
@@ -37,19 +41,51 @@ class DecodeRelay:
         limit = caps.max_decode_pairs or num_tokens * top_k
         return num_tokens == 1 or (num_tokens <= self.tokens and num_tokens * top_k <= limit)
 
+    def graph_layers(self, device, layers, resident, num_tokens, hidden, top_k):
+        """The layers a decode step of num_tokens tokens relays (those with experts not all resident), where that step
+        may be one device graph: graphs on, the relay taking the step, every relayed layer's experts plain SwiGLU,
+        the worker alive and each layer's host side compiled (a graph must never wait through a compilation). None
+        where it may not."""
+        relayed = [layer for layer in layers if layer.gate_exps is not None and not resident[layer.index].all()]
+        if not relayed:
+            return []
+        if not (self.graphs and self.takes(device, num_tokens, top_k)
+                and all(layer.expert_glu is None for layer in relayed)):
+            return None
+        if any(self._worker_for(device, layer, resident, hidden, top_k) is None for layer in relayed):
+            return None
+        return relayed if self.worker.alive else None
+
+    def submit_step(self, device, relayed, resident, step, num_tokens):
+        """Before a step graph that relays `relayed` (graph_layers') is launched, or queued for its first run: the
+        step number where the device's relay kernels read it, then every layer's host job, so that each wait the
+        graph makes on the host will be answered. The layers' run() calls until end_step only queue device work."""
+        device.relay_step(step)
+        for layer in relayed:
+            self.worker.submit(layer, step, resident[layer.index], num_tokens)
+            self._relayed.append((layer, None, 0.0, num_tokens))
+        self._ahead = self._graphed = True
+
+    def end_step(self):
+        """After a step graph's launch (or its failure): run() submits its own jobs again."""
+        self._ahead = False
+
     def run(self, device, layer, h, ids, weights, resident, step):
         """A decode step's n tokens through the relay (resident: the split's bool [L, E]): the calling thread only
-        queues; usage and trace are read at finish. None (the relay turned off) where the device has no mailbox."""
-        worker = self._worker_for(device, layer, resident, h.shape[1], ids.shape[1])
+        queues; usage and trace are read at finish. None (the relay turned off) where the device has no mailbox.
+        Inside a step graph's queuing (submit_step) the layer's host job is already submitted."""
+        worker = self.worker if self._ahead else self._worker_for(device, layer, resident, h.shape[1], ids.shape[1])
         if worker is None:
             return None
         t0 = time.perf_counter()
         device.publish_decode(layer, h, ids, weights, worker.mailbox, step)
-        worker.submit(layer, step, resident[layer.index], len(h))
+        if not self._ahead:
+            worker.submit(layer, step, resident[layer.index], len(h))
         pending = device.submit(layer, h, ids, weights) if resident[layer.index].any() else None
-        out = device.wait(pending) if pending is not None else device.zeros_like(h)  # [n, H]
-        out = device.await_host_rows(out, layer, worker.mailbox, step, worker.timeout_s)
-        self._relayed.append((layer, pending, time.perf_counter() - t0, len(h)))
+        out = device.wait(pending) if pending is not None else device.empty(h.shape)  # [n, H]
+        out = device.await_host_rows(out, layer, worker.mailbox, step, worker.timeout_s, add=pending is not None)
+        if not self._ahead:
+            self._relayed.append((layer, pending, time.perf_counter() - t0, len(h)))
         return out
 
     def _worker_for(self, device, layer, resident, hidden, top_k):
@@ -66,6 +102,7 @@ class DecodeRelay:
                 self.enabled, self.worker = False, None
                 return None
             self.worker, self._ready = HostRelay(self.host, mailbox), set()
+            self.version += 1
         self.worker.threads = self.threads
         if layer.index not in self._ready:
             self.worker.wait_idle()  # the worker's compiled calls and these never run at once
@@ -79,7 +116,7 @@ class DecodeRelay:
 
     def begin_step(self):
         """Before a step's layers: stop the jobs a failed step left waiting."""
-        self._relayed = []
+        self._relayed, self._ahead, self._graphed = [], False, False
         if self.worker is not None:
             self.worker.abandon()
 
@@ -94,7 +131,7 @@ class DecodeRelay:
         to trace (where given); RuntimeError if any layer's host rows were missing."""
         if not self._relayed:
             return
-        relayed, self._relayed = self._relayed, []
+        relayed, self._relayed, graphed, self._graphed = self._relayed, [], self._graphed, False
         results = self.worker.collect()
         device.synchronize()
         mailbox = self.worker.mailbox
@@ -106,7 +143,7 @@ class DecodeRelay:
                             f"rows of step {failed[0]} and gave up")
         if problems:
             raise RuntimeError("decode relay: " + "; ".join(problems))
-        if usage is not None:
+        if usage is not None and not graphed:  # a step graph keeps every layer's routing itself (step_graph.py)
             for layer, _, _, num_tokens in relayed:
                 usage.record(layer.index, mailbox.routing_ids(layer.index, num_tokens))
         if trace is not None:

@@ -14,7 +14,8 @@ Shape legend: T tokens, H hidden.
 """
 from .arch.recipe import LayerRecipe
 from .blocks import layer_steps
-from .step_graph import queue_step, record_step_routing, step_graph_bound, step_graph_ready, step_tokens_fit
+from .step_graph import (queue_step, record_step_routing, relay_key, run_step, step_graph_plan, step_graph_ready,
+                         step_tokens_fit)
 
 
 class PlainRunner:
@@ -98,15 +99,17 @@ class GraphRunner:
         if not (self.graphs.enabled and (one or step_tokens_fit(model, batch))):
             self.last_path = "plain"
             return self.plain.run(model, x, batch)
-        bound = step_graph_bound(model, batch) if self._step_graph_ready(model, be) else None
-        if bound is None and not one:  # several users' tokens: a step graph or op by op
+        plan = step_graph_plan(model, batch) if self._step_graph_ready(model, be) else None
+        if plan is None and not one:  # several users' tokens: a step graph or op by op
             self.last_path = "plain"
             return self.plain.run(model, x, batch)
         x = self.graphs.begin_step(be, x, batch.positions)  # [n, H], the fixed buffer the graphs read
-        if bound is not None:
-            key = (*be.step_graph_key(batch.chunks, bound), model.usage is not None)  # usage: keeps routing
-            outputs = self.graphs.run_step(be, key, lambda: queue_step(model, x, batch, self.plain.steps_of,
-                                                                       self.graphs.position, bound))
+        if plan is not None:
+            bound, relayed = plan
+            key = (*be.step_graph_key(batch.chunks, bound), model.usage is not None,  # usage: keeps routing
+                   relay_key(model, relayed))
+            outputs = run_step(model, self.graphs, key, batch, relayed, lambda: queue_step(
+                model, x, batch, self.plain.steps_of, self.graphs.position, bound))
             record_step_routing(model, outputs)
             self.last_path = "step graph"
             return x

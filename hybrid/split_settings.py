@@ -14,12 +14,15 @@ class SplitSettings:
     relay, their resident pairs found by the device too; a step of more runs as a prompt chunk does.
     relay_threads: Numba threads of the relay worker's experts (None: set_threads' count). While the calling thread
     queues a step's first layers it takes a core, and a parallel region of every core then waits on the thread that
-    shares one; fewer threads leave it a core."""
+    shares one; fewer threads leave it a core.
+    relay_graphs: a decode step whose host experts go through the relay runs as one device graph, the relay's waits on
+    the host inside it (hybrid/step_graph.py), as a step with every expert resident does."""
 
     cpu_share: Optional[float] = None
     decode_relay: bool = True
     relay_tokens: int = 1
     relay_threads: Optional[int] = None
+    relay_graphs: bool = False
 
     def __post_init__(self):
         if self.cpu_share is not None and not 0.0 <= self.cpu_share <= 1.0:

@@ -1,10 +1,13 @@
 """A whole decode step of one-token chunks as one device graph (GraphRunner's fast path; the GPU's is
 hybrid/backends/gpu_step.py): one sequence's next token, or up to MAX_STEP_TOKENS users' at once.
 
-Taken when nothing in the step needs the host: the backend declares `step_graph`, every step of every
-layer is capturable or may run inside a step graph (hybrid/blocks.py Step.step_graph), every expert is
-resident (no host part, no relay), the split is not traced, and the backend accepts the sequences' KV.
-The routing the usage record needs is copied inside the graph and read back once a step.
+Taken when nothing in the step needs the host's hand: the backend declares `step_graph`, every step of every
+layer is capturable or may run inside a step graph (hybrid/blocks.py Step.step_graph), the split is not traced,
+the backend accepts the sequences' KV, and every expert is resident, or (the split's relay_graphs) the layers with
+host experts go through the decode relay (hybrid/moe_relay.py): the graph posts their routing to the host and waits
+for their rows inside it, reading the step's number from the device, and their host jobs are submitted before the
+graph is launched, so that each wait is answered. The routing the usage record needs is copied inside the graph
+and read back once a step.
 Shape legend: n chunks of one token each, H hidden, K top-k.
 """
 
@@ -24,14 +27,42 @@ def step_tokens_fit(model, batch):
     return len(batch.token_ids) == n and n <= MAX_STEP_TOKENS and n * k <= limit
 
 
-def step_graph_bound(model, batch):
-    """The keys bound of a step graph for this batch of one-token chunks, or None where the step needs the host."""
+def step_graph_plan(model, batch):
+    """(keys bound, relayed layers) of a step graph for this batch of one-token chunks, or None where the step needs
+    the host: the relayed layers' host experts run through the relay while the graph waits (none where every expert
+    is resident)."""
     be, split = model.backend, model.split
-    if split is not None and (split.trace is not None or not split.resident.all()):
+    if split is not None and split.trace is not None or not step_tokens_fit(model, batch):
         return None
-    if not step_tokens_fit(model, batch):
+    c = model.config
+    relayed = [] if split is None else split.relay.graph_layers(be, model.layers, split.resident, len(batch.chunks),
+                                                                c.hidden_size, c.num_experts_per_tok)
+    if relayed is None:
         return None
-    return be.prepare_step_graph(batch.chunks, len(model.layers), model.config.num_experts_per_tok)
+    bound = be.prepare_step_graph(batch.chunks, len(model.layers), c.num_experts_per_tok)
+    return None if bound is None else (bound, relayed)
+
+
+def relay_key(model, relayed):
+    """What a step graph's relayed part depends on beyond its token count: the mailbox it posts to, and per layer
+    whether it relays and whether the device has experts of it (an expert-cache change may change either)."""
+    if not relayed:
+        return None
+    resident = model.split.resident
+    return model.split.relay.version, resident.all(axis=1).tobytes(), resident.any(axis=1).tobytes()
+
+
+def run_step(model, graphs, key, batch, relayed, queue):
+    """graphs.run_step(key, queue) (gpu_layer_graphs.LayerGraphs) with the relayed layers' host jobs of this step
+    submitted first: the graph (or its first, uncaptured run) waits on the host for their rows."""
+    relay = model.split.relay if relayed else None
+    if relay is not None:
+        relay.submit_step(model.backend, relayed, model.split.resident, model.split.step_number, len(batch.chunks))
+    try:
+        return graphs.run_step(model.backend, key, queue)
+    finally:
+        if relay is not None:
+            relay.end_step()
 
 
 def queue_step(model, x, batch, steps_of, positions, bound):

@@ -316,31 +316,36 @@ __device__ __forceinline__ i64 clock_ns() {
 #endif
 
 // The decode relay's device side (hybrid/relay.py); box, flag, rows, error and times live in host memory the
-// device maps. publish_decode: box [n] = packed [n], then, once those writes reach the host, times[0] = the
-// clock and *flag = seq (the host worker waits on it). grid (1).
-extern "C" __global__ void publish_decode(const float* packed, float* box, int n, i64* flag, i64 seq, i64* times) {
+// device maps. The step number is read from device memory (step [1]), which the host writes before the step's
+// kernels run, so a captured graph of them serves every step. publish_decode: box [n] = packed [n], then, once
+// those writes reach the host, times[0] = the clock and *flag = *step (the host worker waits on it). grid (1).
+extern "C" __global__ void publish_decode(const float* packed, float* box, int n, i64* flag, const i64* step,
+                                          i64* times) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) box[i] = packed[i];
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
         times[0] = clock_ns();
         __threadfence_system();
-        *(volatile i64*)flag = seq;
+        *(volatile i64*)flag = *step;
     }
 }
 
-// await_host_add: waits until the host posts seq on *flag, then out [n] += rows [n]. After timeout_ns without
-// it, error [2] = (seq, layer) and out is left as it was. times[1] = the clock at the end. grid (1).
-extern "C" __global__ void await_host_add(float* out, const float* rows, int n, const i64* flag, i64 seq,
-                                          i64 timeout_ns, i64* error, int layer, i64* times) {
+// await_host_add: waits until the host posts *step on *flag, then out [n] = (add ? out [n] : 0) + rows [n]. After
+// timeout_ns without it, or at once where an earlier wait gave up (error[0] != 0: the host is not answering, so
+// a step of many layers fails in one timeout, not one a layer), out is left as it was (zeros where add is 0) and
+// error [2] = (step, layer) unless an earlier wait wrote it. times[1] = the clock at the end. grid (1).
+extern "C" __global__ void await_host_add(float* out, const float* rows, int n, const i64* flag, const i64* step,
+                                          i64 timeout_ns, i64* error, int layer, i64* times, int add) {
     __shared__ int arrived;
     if (threadIdx.x == 0) {
         const volatile i64* posted = (const volatile i64*)flag;
-        i64 start = clock_ns();
-        while (*posted < seq && clock_ns() - start < timeout_ns) {
+        const volatile i64* failed = (const volatile i64*)error;
+        i64 seq = *step, start = clock_ns();
+        while (*posted < seq && *failed == 0 && clock_ns() - start < timeout_ns) {
         }
         arrived = *posted >= seq;
-        if (!arrived) {
+        if (!arrived && *failed == 0) {  // the first wait that gave up names the step and layer
             ((volatile i64*)error)[1] = layer;
             __threadfence_system();
             *(volatile i64*)error = seq;
@@ -348,9 +353,10 @@ extern "C" __global__ void await_host_add(float* out, const float* rows, int n, 
         __threadfence_system();  // the rows are read after the flag
     }
     __syncthreads();
-    if (arrived) {
-        const volatile float* host_rows = (const volatile float*)rows;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] += host_rows[i];
+    const volatile float* host_rows = (const volatile float*)rows;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float base = add ? out[i] : 0.0f;
+        out[i] = arrived ? base + host_rows[i] : base;
     }
     __syncthreads();
     if (threadIdx.x == 0) times[1] = clock_ns();

@@ -229,8 +229,13 @@ class RelayDevice(Protocol):
     def publish_decode(self, layer, x, ids, weights, mailbox, seq) -> None:
         """Queue the post of a step's routing and rows x [n, H] to the mailbox, flagged with step number seq."""
 
-    def await_host_rows(self, out, layer, mailbox, seq, timeout_s) -> Any:
-        """Queue out [n, H] += the host rows of step seq, once the host posts them; returns out."""
+    def relay_step(self, seq) -> None:
+        """With a step graph (capabilities.step_graph): the relay kernels queued or launched from now on post and
+        wait for step number seq (read from the device, so one captured graph serves every step)."""
+
+    def await_host_rows(self, out, layer, mailbox, seq, timeout_s, add=True) -> Any:
+        """Queue out [n, H] += the host rows of step seq (add False: out = those rows), once the host posts them;
+        returns out."""
 
 
 class HostExperts(Protocol):

@@ -469,5 +469,9 @@ class GpuBackend(GpuDeltaOps):
     def publish_decode(self, layer, x, ids, weights, mailbox, seq):
         self.relay.publish_decode(self, layer, x, ids, weights, mailbox, seq)
 
-    def await_host_rows(self, out, layer, mailbox, seq, timeout_s):
-        return self.relay.await_host_rows(self, out, layer, mailbox, seq, timeout_s)
+    def await_host_rows(self, out, layer, mailbox, seq, timeout_s, add=True):
+        return self.relay.await_host_rows(self, out, layer, mailbox, seq, timeout_s, add)
+
+    def relay_step(self, seq):
+        """The relay kernels queued from now on (a step graph's launch) post and wait for step number seq."""
+        self.relay.set_step(self, seq)

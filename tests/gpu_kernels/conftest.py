@@ -1,6 +1,7 @@
 """Fixtures of the GPU tests: the runtime (skips without a GPU), and NumPy references of every kernel
 with the launchers' signatures (gpu_kernels.kernels.Kernels), which also drive GpuBackend on the CPU."""
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -78,6 +79,13 @@ def paged_rows(pool, pool_scale, stage, stage_scale, table, positions):
             at = (index[held], offsets[held])
             rows[held] = kv_store.decode(data[at], None if scale is None else scale[at])
     return rows
+
+
+def at_address(address, dtype, count):
+    """count values of dtype at a host address (np.uint64): a kernel's pointer into mapped host memory, as
+    NumpyRuntime(mapped_memory=True) gives them."""
+    kind = np.ctypeslib.as_ctypes_type(np.dtype(dtype))
+    return np.ctypeslib.as_array((kind * count).from_address(int(address)))
 
 
 class ReferenceKernels:
@@ -304,7 +312,26 @@ class ReferenceKernels:
         prompt_groups(ids, slot_map, tile_tokens, order, row_of_pair, tiles)
 
     def add_into(self, out, src):
-        out += src
+        out += at_address(src, out.dtype, out.size).reshape(out.shape) if isinstance(src, np.uint64) else src
+
+    def publish_decode(self, packed, box, flag, step, times):
+        at_address(box, np.float32, packed.size)[:] = packed
+        at_address(times, np.int64, 1)[0] = time.monotonic_ns()
+        at_address(flag, np.int64, 1)[0] = step[0]  # after the box: the host reads the box once it sees the flag
+
+    def await_host_add(self, out, rows, flag, step, timeout_ns, error, layer, times, add=True):
+        posted, failed = at_address(flag, np.int64, 1), at_address(error, np.int64, 2)
+        seq, deadline = int(step[0]), time.monotonic_ns() + timeout_ns
+        while posted[0] < seq and failed[0] == 0 and time.monotonic_ns() < deadline:
+            time.sleep(1e-5)
+        base = out if add else np.zeros_like(out)
+        if posted[0] >= seq:
+            out[...] = base + at_address(rows, np.float32, out.size).reshape(out.shape)
+        else:
+            if failed[0] == 0:
+                failed[1], failed[0] = layer, seq
+            out[...] = base
+        at_address(times, np.int64, 2)[1] = time.monotonic_ns()
 
     def pack_decode(self, ids, weights, x, packed):
         k = ids.shape[1]

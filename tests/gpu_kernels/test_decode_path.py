@@ -74,7 +74,7 @@ def test_relay_publish_and_await_through_mapped_memory(runtime, kernels):
     flag_at, times_at = np.uint64(layer * LINE * 8), np.uint64(layer * 16)
     packed = rng.standard_normal(2 * k + hidden).astype(np.float32)
     kernels.publish_decode(runtime.to_device(packed), a["inbox"] + np.uint64(layer * mb.inbox[0].nbytes),
-                           a["flags_in"] + flag_at, seq, a["times"] + times_at)
+                           a["flags_in"] + flag_at, runtime.to_device(np.array([seq], np.int64)), a["times"] + times_at)
     never = np.zeros(LINE, np.int64)
     assert wait_for(mb.flags_in, layer * LINE, seq, never, ticks(10)) == WAIT_OK
     np.testing.assert_array_equal(mb.inbox[layer], packed)
@@ -90,15 +90,17 @@ def test_relay_publish_and_await_through_mapped_memory(runtime, kernels):
     out = runtime.to_device(x)
     timer = threading.Timer(0.1, host_posts)
     timer.start()
-    kernels.await_host_add(out, a["outbox"] + np.uint64(layer * mb.outbox[0].nbytes), a["flags_out"] + flag_at, seq,
-                           int(10e9), a["error"], layer, a["times"] + times_at)
+    kernels.await_host_add(out, a["outbox"] + np.uint64(layer * mb.outbox[0].nbytes), a["flags_out"] + flag_at,
+                           runtime.to_device(np.array([seq], np.int64)), int(10e9), a["error"], layer,
+                           a["times"] + times_at)
     np.testing.assert_array_equal(runtime.to_host(out), x + rows)
     timer.join()
     assert mb.error[0] == 0 and mb.times[layer, 1] - mb.times[layer, 0] > 0.05e9  # it waited for the post
 
     out = runtime.to_device(x)
     kernels.await_host_add(out, a["outbox"] + np.uint64(layer * mb.outbox[0].nbytes), a["flags_out"] + flag_at,
-                           seq + 1, int(0.05e9), a["error"], layer, a["times"] + times_at)
+                           runtime.to_device(np.array([seq + 1], np.int64)), int(0.05e9), a["error"], layer,
+                           a["times"] + times_at)
     np.testing.assert_array_equal(runtime.to_host(out), x)  # gave up: nothing added
     assert mb.error[:2].tolist() == [seq + 1, layer]
 

@@ -6,6 +6,7 @@ import ctypes
 import shutil
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -46,8 +47,8 @@ def lib(tmp_path_factory):
                     str(path / "relay.cpp")], check=True, capture_output=True)
     found = ctypes.CDLL(str(path / "relay.so"))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    found.publish_decode.argtypes = [p, p, i32, p, i64, p]
-    found.await_host_add.argtypes = [p, p, i32, p, i64, i64, p, i32, p]
+    found.publish_decode.argtypes = [p, p, i32, p, p, p]
+    found.await_host_add.argtypes = [p, p, i32, p, p, i64, p, i32, p, i32]
     return found
 
 
@@ -55,11 +56,15 @@ def _ptr(a):
     return a.ctypes.data_as(ctypes.c_void_p)
 
 
+def _step(seq):
+    return np.array([seq], np.int64)  # the step number, read by the kernels from (device) memory
+
+
 def test_publish_posts_the_data_then_the_flag_and_the_clock(lib):
     rng = np.random.default_rng(1)
     packed = rng.standard_normal(2 * 8 + 300).astype(np.float32)
-    box, flag, times = np.zeros_like(packed), np.zeros(8, np.int64), np.zeros(2, np.int64)
-    lib.publish_decode(_ptr(packed), _ptr(box), packed.size, _ptr(flag), 7, _ptr(times))
+    box, flag, times, step = np.zeros_like(packed), np.zeros(8, np.int64), np.zeros(2, np.int64), _step(7)
+    lib.publish_decode(_ptr(packed), _ptr(box), packed.size, _ptr(flag), _ptr(step), _ptr(times))
     np.testing.assert_array_equal(box, packed)
     assert flag[0] == 7 and times[0] > 0 and times[1] == 0
 
@@ -76,19 +81,23 @@ def test_await_adds_the_rows_once_posted_and_gives_up_at_its_timeout(lib):
         rows[:] = posted
         flag[0] = seq
 
-    out = x.copy()
+    def wait(out, step, timeout_s, add=1):
+        lib.await_host_add(_ptr(out), _ptr(rows), hidden, _ptr(flag), _ptr(_step(step)), int(timeout_s * 1e9),
+                           _ptr(error), layer, _ptr(times), add)
+        return out
+
     timer = threading.Timer(0.05, host_posts)
     timer.start()
-    lib.await_host_add(_ptr(out), _ptr(rows), hidden, _ptr(flag), seq, int(10e9), _ptr(error), layer, _ptr(times))
+    out = wait(x.copy(), seq, 10)
     timer.join()
     np.testing.assert_array_equal(out, x + posted)
     assert error[0] == 0 and times[1] > 0
+    np.testing.assert_array_equal(wait(x.copy(), seq, 10, add=0), posted)  # the host rows alone
 
-    out = x.copy()
-    lib.await_host_add(_ptr(out), _ptr(rows), hidden, _ptr(flag), seq + 1, int(0.02e9), _ptr(error), layer,
-                       _ptr(times))
-    np.testing.assert_array_equal(out, x)  # gave up: nothing added
+    np.testing.assert_array_equal(wait(x.copy(), seq + 1, 0.02), x)  # gave up: nothing added
     assert error[:2].tolist() == [seq + 1, layer]
-    lib.await_host_add(_ptr(out), _ptr(rows), hidden, _ptr(flag), seq - 1, int(10e9), _ptr(error), layer,
-                       _ptr(times))
-    np.testing.assert_array_equal(out, x + posted)  # an older step's number passes at once
+    t0 = time.perf_counter()
+    np.testing.assert_array_equal(wait(x.copy(), seq + 2, 10, add=0), 0 * x)  # an earlier wait gave up: at once
+    assert time.perf_counter() - t0 < 5 and error[:2].tolist() == [seq + 1, layer]  # the first stays
+    error[:2] = 0
+    np.testing.assert_array_equal(wait(x.copy(), seq - 1, 10), x + posted)  # an older step's number passes at once

@@ -114,8 +114,10 @@ class StandInDevice(CpuBackend):
         mailbox.times[layer.index, 0] = time.perf_counter_ns()
         post(mailbox.flags_in, layer.index * LINE, seq)
 
-    def await_host_rows(self, out, layer, mailbox, seq, timeout_s):
+    def await_host_rows(self, out, layer, mailbox, seq, timeout_s, add=True):
         never = np.zeros(LINE, np.int64)
+        if not add:
+            out[...] = 0.0
         if wait_for(mailbox.flags_out, layer.index * LINE, seq, never, ticks(timeout_s)) != WAIT_OK:
             mailbox.error[:2] = seq, layer.index
             return out
