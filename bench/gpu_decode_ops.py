@@ -1,9 +1,12 @@
 """GPU time of each kernel of a one-token decode step at the Qwen3-30B-A3B shapes, as a step graph runs it: each
 kernel captured `--reps` times back to back in one CUDA graph, replayed, the best replay's time over reps. Beside
 the kernels of the tree: the ones they replaced (tests/gpu_kernels/previous_ops.cu) and the attention's plans
-(heads a block, fewest keys a split) at several context lengths.
+(heads a block, fewest keys a split) at several context lengths. The `few` group times the dense matmuls and the
+expert pair kernels at --few-tokens tokens (users decoding at once) with x rounded to int16 in every block or once a
+launch (Kernels.xq_per_launch), the dense ones also by the tiled kernel.
 
-    python3 bench/gpu_decode_ops.py [--reps 100] [--output FILE]
+    python3 bench/gpu_decode_ops.py [--reps 100] [--groups small,attention,matmuls,overlap,few] [--few-tokens 1,4]
+        [--output FILE]
 """
 import argparse
 import sys
