@@ -13,8 +13,11 @@ whole prompt in one chunk), as the scheduler reads a prompt nobody else waits on
 from the first launch's start to the last one's stop less the launches' own time: where the device waited for the
 host (a routing read back, Python between launches).
 --simt-attention: the prompt's attention by kv.cu's paged_attention, the kernel before paged_prefill (tensor cores).
+--host-groups: each layer's routing read back and its pairs grouped on the host (ExpertSplit's chunk path), as before
+the device grouped a fully resident layer's pairs itself (prompt_groups).
 """
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -62,7 +65,8 @@ def profile(model, tokens, runs, chunk):
 
 def markdown(args, chunk, times, per_prompt, walls, idle, plain, gpu_name):
     total = sum(sum(v) for v in times.values()) / args.runs
-    attention = " (SIMT attention)" if args.simt_attention else ""
+    attention = (" (SIMT attention)" if args.simt_attention else "") + (" (pairs grouped on the host)"
+                                                                        if args.host_groups else "")
     chunks = -(-args.tokens // chunk)
     lines = [f"Model `{Path(args.model).name}`{attention} on {gpu_name}, every expert resident; a {args.tokens}-token "
              f"prompt in {chunks} chunk(s) of {chunk}: {np.median(plain) * 1e3:.1f} ms wall "
@@ -87,6 +91,7 @@ def main(argv=None):
     p.add_argument("--chunks", default="", help="comma-separated chunk sizes (default: the prompt in one chunk)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--simt-attention", action="store_true")
+    p.add_argument("--host-groups", action="store_true")
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -95,6 +100,9 @@ def main(argv=None):
     llm = LLM(args.model, device="gpu", threads=args.threads, max_context=args.tokens + 64, kv_sequences=1)
     if args.simt_attention:
         llm.model.backend.kernels.prefill_mma = False
+    if args.host_groups:
+        be = llm.model.backend
+        be.capabilities = dataclasses.replace(be.capabilities, resident_chunks=False)
     sizes = [int(c) for c in args.chunks.split(",") if c] or [args.tokens]
     lines = []
     for chunk in sizes:
