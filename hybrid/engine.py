@@ -94,7 +94,8 @@ class Engine:
                                    eos_ids=self.tokenizer.eos_ids, max_queue=max_queue, decode_share=decode_share,
                                    max_step_tokens=max_step_tokens, clock=clock,
                                    restore_prefix=conversation_cache.restore if conversation_cache else None,
-                                   park=_weak(self._park) if conversation_cache else None, draft=_weak(self._draft))
+                                   park=_weak(self._park) if conversation_cache else None, draft=_weak(self._draft),
+                                   solo_step_tokens=getattr(llm.model.backend, "solo_chunk_tokens", None))
         self.speculation = speculation if speculation is not None and speculation.enabled and all(
             s.kv.supports_rollback for s in self.scheduler.slots) else None
         self.mtp = MtpHead.of(self.model) if self.speculation is not None and self.speculation.mtp else None

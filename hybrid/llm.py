@@ -157,11 +157,13 @@ class LLM:
         return ids
 
     def _prefill(self, ids, kv, logits="last"):
-        """Read `ids` into `kv` chunk by chunk; returns the logits the chunks asked for."""
-        outputs = []
-        for lo in range(0, len(ids), PREFILL_CHUNK):
-            chunk = np.asarray(ids[lo : lo + PREFILL_CHUNK], dtype=np.int64)
-            is_last = lo + PREFILL_CHUNK >= len(ids)
+        """Read `ids` into `kv` chunk by chunk (the backend's solo_chunk_tokens a chunk where it has them and the last
+        logits are all that is asked); returns the logits the chunks asked for."""
+        solo = getattr(self.model.backend, "solo_chunk_tokens", None) if logits == "last" else None
+        step, outputs = max(PREFILL_CHUNK, solo or 0), []
+        for lo in range(0, len(ids), step):
+            chunk = np.asarray(ids[lo : lo + step], dtype=np.int64)
+            is_last = lo + step >= len(ids)
             want = logits if (logits == "all" or is_last) else "none"
             outputs.append(self.model.forward(Batch([SeqChunk(kv, kv.length, chunk, want)])))
         return np.concatenate(outputs)

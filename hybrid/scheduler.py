@@ -24,7 +24,9 @@ the chunks it measured and takes the smallest chunk that reads at least
 pays for more); it waits, decoding only, until the credit pays for that
 chunk. So the read gets the whole time the share leaves, spent in chunks
 large enough to use it well. With no slot decoding, a chunk takes the whole
-step budget.
+step budget, or `solo_step_tokens` where the backend reads longer chunks well
+(a GPU holding every expert: fewer, fuller expert tiles); a slot that starts
+decoding brings back the share rule and its budget at the next step.
 """
 import enum
 import logging
@@ -164,10 +166,11 @@ class ChunkCost:
 class ChunkSizer:
     """The prompt chunk size of each step under the decode share rule (see the module docstring)."""
 
-    def __init__(self, decode_share, max_step_tokens, min_chunk=16):
+    def __init__(self, decode_share, max_step_tokens, min_chunk=16, solo_step_tokens=None):
         if not 0 < decode_share <= 1:
             raise ValueError(f"decode share must be in (0, 1], got {decode_share}")
         self.decode_share, self.max_step_tokens, self.min_chunk = decode_share, max_step_tokens, min_chunk
+        self.solo_step_tokens = max(max_step_tokens, solo_step_tokens or 0)  # prompt tokens a step while none decodes
         self.decode_s = None  # seconds of a step that only decodes
         self.cost = ChunkCost()  # extra seconds of a step that also reads a chunk
         self.credit_s = 0.0  # prompt-read time earned by the steps so far, less what chunks spent
@@ -175,7 +178,7 @@ class ChunkSizer:
     def size(self, num_decode, num_left):
         """Prompt tokens for this step; 0 means decode only and let the credit grow."""
         if num_decode == 0:
-            return min(num_left, self.max_step_tokens)
+            return min(num_left, self.solo_step_tokens)
         full = self.max_step_tokens - num_decode
         if self.decode_s is None:
             return 0  # first a step that only decodes: the time chunks are weighed against
@@ -212,8 +215,10 @@ class ChunkSizer:
 class Scheduler:
     def __init__(self, num_slots, new_sequence, max_context, eos_ids=(), max_queue=64,
                  decode_share=DEFAULT_DECODE_SHARE, max_step_tokens=DEFAULT_STEP_TOKENS, clock=time.perf_counter,
-                 restore_prefix=None, park=None, draft=None):
+                 restore_prefix=None, park=None, draft=None, solo_step_tokens=None):
         """restore_prefix(prompt_ids, kv) -> tokens restored: fills a new slot's KV from parked conversations.
+        solo_step_tokens: prompt tokens a step may read while no slot decodes (None: max_step_tokens; see the module
+        docstring).
 
         park(token_ids, kv, finish_reason): keeps the KV of an ending request's computed positions (token_ids).
         draft(slot, limit, num_slots, step_times) -> at most `limit` draft tokens to score after the slot's last
@@ -227,7 +232,7 @@ class Scheduler:
         self.queue = deque()
         self.max_queue, self.max_context = max_queue, max_context
         self.eos_ids = frozenset(eos_ids)
-        self.sizer = ChunkSizer(decode_share, max_step_tokens)
+        self.sizer = ChunkSizer(decode_share, max_step_tokens, solo_step_tokens=solo_step_tokens)
         self.clock = clock
         self.restore_prefix, self.park, self.draft = restore_prefix, park, draft
         self.step_times = StepTimes()

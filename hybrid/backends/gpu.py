@@ -43,6 +43,9 @@ DEFAULT_RESERVE_MIB = 512
 PCIE_PROBE_BYTES = 64 << 20  # the pinned host -> device copy timed at start-up
 CHUNK_FLOPS_GEMM = 1.5e13  # prompt-chunk expert matmuls through the tiled GEMM (H100: 15-30 TFLOPS, gpu_model.md)
 CHUNK_FLOPS_TILES = 1e12  # through the 8-token tile kernels (H100, MXFP4 at 50 % resident: ~0.3 TFLOPS)
+# Prompt tokens a step reads while no slot decodes, where every expert is resident and VRAM holds their activations
+# besides the expert cache: fewer, fuller expert tiles and fewer launches a prompt than chunks of chunk_tokens.
+SOLO_CHUNK_TOKENS = 2048
 
 
 def check_gpu_formats(weights):
@@ -90,6 +93,7 @@ class GpuBackend(GpuDeltaOps):
         self.cache_bytes = None if expert_cache_mib is None else int(expert_cache_mib * MIB)
         self.reserve = int(vram_reserve_mib * MIB)
         self.kv_sequences, self.chunk_tokens = kv_sequences, chunk_tokens
+        self.solo_chunk_tokens = None  # prompt tokens a step reads while no slot decodes, if more (set by place())
         self.kv_pool = None  # made by place()
         self.requested_resident = resident
         self.resident = None  # bool [L, E], set by place()
@@ -126,14 +130,16 @@ class GpuBackend(GpuDeltaOps):
         kv = kv_blocks * per_block + self.kv.stage_bytes(c)
         if model.recurrent_shape is not None:  # the linear-attention layers' state of each sequence
             kv += self.kv_sequences * model.recurrent_shape.slot_bytes
-        scratch = self.chunk_tokens * 4 * (c.vocab_size + 8 * c.hidden_size + 2 * c.num_heads * c.head_dim
-                                           + c.num_experts_per_tok * (3 * c.moe_intermediate_size + 2 * c.hidden_size)
-                                           + 3 * max(c.dense_intermediate_size, c.shared_intermediate_size))
+        activations = 4 * (8 * c.hidden_size + 2 * c.num_heads * c.head_dim  # bytes a token of a chunk, less logits
+                            + c.num_experts_per_tok * (3 * c.moe_intermediate_size + 2 * c.hidden_size)
+                            + 3 * max(c.dense_intermediate_size, c.shared_intermediate_size))
+        scratch = self.chunk_tokens * (4 * c.vocab_size + activations)
         free, total = self.rt.memory_info()
         self.budget, self.resident = plan(free, total, dense_bytes, kv, scratch, self.reserve,
                                           [expert_bytes(layer) if layer.gate_exps is not None else 0
                                            for layer in model.layers], c.num_experts,
                                           self.cache_bytes, self.requested_resident)
+        self.solo_chunk_tokens = self._solo_chunk(moe_layers, free, activations)
         attention = [layer for layer in model.layers if layer.attn_q is not None]  # not linear-attention layers
         projections = [(layer.attn_q, layer.attn_k, layer.attn_v) for layer in attention]
         self._projections = {layer.index: self._upload_projections(p) for layer, p in zip(attention, projections)}
@@ -155,6 +161,16 @@ class GpuBackend(GpuDeltaOps):
                  self.budget.describe(), self.borrow_bytes_per_second / 1e9,
                  describe_act_quant(self.kernels.act_quant))
 
+
+    def _solo_chunk(self, moe_layers, free, activations):
+        """SOLO_CHUNK_TOKENS where every expert of moe_layers is resident, the KV is all in VRAM (no resident window
+        sized for chunk_tokens) and the VRAM the budget leaves holds the longer chunk's activations; else None."""
+        if not moe_layers or self.kv.resident is not None \
+                or not self.resident[[layer.index for layer in moe_layers]].all():
+            return None
+        b = self.budget
+        left = free - (b.dense + b.kv + b.scratch + b.reserve + b.expert_cache)
+        return SOLO_CHUNK_TOKENS if (SOLO_CHUNK_TOKENS - self.chunk_tokens) * activations <= left else None
 
     def _measure_upload(self):
         """Bytes per second of a pinned host -> device copy (PCIE_PROBE_BYTES, best of three)."""
