@@ -13,6 +13,7 @@ whole prompt in one chunk), as the scheduler reads a prompt nobody else waits on
 from the first launch's start to the last one's stop less the launches' own time: where the device waited for the
 host (a routing read back, Python between launches).
 --simt-attention: the prompt's attention by kv.cu's paged_attention, the kernel before paged_prefill (tensor cores).
+--moe-tiles 64: the experts' work tiles of 64 pairs (gemm.cu's `gemm`) instead of MOE_GEMM_TOKENS (32, gemm32).
 --host-groups: each layer's routing read back and its pairs grouped on the host (ExpertSplit's chunk path), as before
 the device grouped a fully resident layer's pairs itself (prompt_groups).
 """
@@ -66,7 +67,8 @@ def profile(model, tokens, runs, chunk):
 def markdown(args, chunk, times, per_prompt, walls, idle, plain, gpu_name):
     total = sum(sum(v) for v in times.values()) / args.runs
     attention = (" (SIMT attention)" if args.simt_attention else "") + (" (pairs grouped on the host)"
-                                                                        if args.host_groups else "")
+                                                                        if args.host_groups else "") + (
+        f" (expert tiles of {args.moe_tiles})" if args.moe_tiles else "")
     chunks = -(-args.tokens // chunk)
     lines = [f"Model `{Path(args.model).name}`{attention} on {gpu_name}, every expert resident; a {args.tokens}-token "
              f"prompt in {chunks} chunk(s) of {chunk}: {np.median(plain) * 1e3:.1f} ms wall "
@@ -92,6 +94,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--simt-attention", action="store_true")
     p.add_argument("--host-groups", action="store_true")
+    p.add_argument("--moe-tiles", type=int, default=None)
     p.add_argument("--output")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -100,6 +103,10 @@ def main(argv=None):
     llm = LLM(args.model, device="gpu", threads=args.threads, max_context=args.tokens + 64, kv_sequences=1)
     if args.simt_attention:
         llm.model.backend.kernels.prefill_mma = False
+    if args.moe_tiles:
+        import gpu_kernels.gemm as gemm_module
+
+        gemm_module.MOE_GEMM_TOKENS = args.moe_tiles
     if args.host_groups:
         be = llm.model.backend
         be.capabilities = dataclasses.replace(be.capabilities, resident_chunks=False)
