@@ -94,11 +94,12 @@ def decode_rate(llm, num_tokens):
     return out.timings["predicted_per_second"]
 
 
-def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
+def concurrent_rates(llm, users, num_tokens, relay_tokens=1, graphs=False):
     """(tok/s each user saw, mean; tok/s of all users together, prompts included; tok/s of all users while every one
     of them decodes, as llama-batched-bench's S_TG counts): `users` greedy requests decoded at once by the serving
     engine (one decode batch of `users` tokens a step), each after its own 32-token prompt, all queued at once; decode
-    steps of up to relay_tokens tokens through the relay (ExpertSplit.relay.tokens)."""
+    steps of up to relay_tokens tokens through the relay (ExpertSplit.relay.tokens), each one step graph with graphs
+    (relay_graphs)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hybrid.engine import Engine
@@ -115,7 +116,7 @@ def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
 
     split, usage = llm.model.split, llm.model.usage
     if split is not None:
-        split.relay.tokens = relay_tokens
+        split.relay.tokens, split.relay.graphs = relay_tokens, graphs
     engine = Engine(llm, num_slots=users)
     try:
         params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
@@ -130,7 +131,7 @@ def concurrent_rates(llm, users, num_tokens, relay_tokens=1):
         engine.stop()
         llm.model.usage = usage  # the engine records usage while it serves; the runs after it as before
         if split is not None:
-            split.relay.tokens = split.settings.relay_tokens
+            split.relay.tokens, split.relay.graphs = split.settings.relay_tokens, split.settings.relay_graphs
     results = [event for _, event in followed]
     failed = [r for r in results if not isinstance(r, Finished)]
     if failed:
@@ -310,9 +311,10 @@ def main(argv=None):
             decode[-1] += " |" * (len(modes) - 1)
         if args.users:
             concurrent.append(f"| {share} |")
-            for relay_tokens in (1, args.users):  # the prompt-chunk way, then the whole step through the relay
+            for relay_tokens, graphs in users_ways(args.users, modes):
                 try:
-                    each, together, decoding = concurrent_rates(llm, args.users, args.decode_tokens, relay_tokens)
+                    each, together, decoding = concurrent_rates(llm, args.users, args.decode_tokens, relay_tokens,
+                                                                graphs)
                     concurrent[-1] += f" {each:.1f} | {together:.1f} | {decoding:.1f} |"
                 except Exception as exc:  # the other tables still come out
                     log.exception("%d users at once at %d %% resident failed", args.users, share)
@@ -331,7 +333,7 @@ def main(argv=None):
                  f"{m}: {DECODE_NOTES[m]}" for m in modes) + ".", "",
              "| resident % | " + " | ".join(f"tok/s ({m}{', the default' if m == DEFAULT_MODE else ''})"
                                            for m in modes) + " |", "|---|" + "---|" * len(modes), *decode, "",
-             *(users_table(args.users, args.decode_tokens, concurrent) if concurrent else []),
+             *(users_table(args.users, args.decode_tokens, concurrent, modes) if concurrent else []),
              f"## Prefill ({args.prompt_tokens}-token prompt)", "",
              "| resident % | prefill borrow | tok/s (best of 3 alternating runs) |", "|---|---|---|", *prefill, "",
              "## Overlap of the hybrid MoE step, mean per layer", "",
@@ -367,14 +369,23 @@ def main(argv=None):
     return 0
 
 
-def users_table(users, num_tokens, rows):
+def users_ways(users, modes):
+    """(relay_tokens, relay_graphs) of each users-at-once run: the prompt-chunk way, the whole step through the relay,
+    and (with the step graph among the modes) that step as one graph."""
+    return ((1, False), (users, False)) + (((users, True),) if "relay, step graph" in modes else ())
+
+
+def users_table(users, num_tokens, rows, modes):
+    ways = ["one by one", "batch", "batch, step graph"][:len(users_ways(users, modes))]
     return [f"## {users} users at once ({num_tokens} tokens each, the serving engine's decode batches)", "",
             "Each: the mean tok/s each user saw; together: generated tok/s of all users, prompts included; all "
             "decoding: tok/s of all users while every one decodes (llama-batched-bench's S_TG). "
             f"One by one: relay_tokens 1 (a step of several tokens runs as a prompt chunk); batch: relay_tokens "
-            f"{users} (the whole step through the relay, STRATA_DECODE_RELAY_TOKENS).", "",
-            "| resident % | each (one by one) | together (one by one) | all decoding (one by one) | each (batch) | "
-            "together (batch) | all decoding (batch) |", "|---|---|---|---|---|---|---|", *rows, ""]
+            f"{users} (the whole step through the relay, STRATA_DECODE_RELAY_TOKENS); step graph: that step as one "
+            "graph (relay_graphs).", "",
+            "| resident % | " + " | ".join(f"{what} ({way})" for way in ways for what in ("each", "together",
+                                                                                        "all decoding")) + " |",
+            "|---|" + "---|" * 3 * len(ways), *rows, ""]
 
 
 def prefill_rows(llm, num_tokens, share, runs=3):

@@ -81,7 +81,7 @@ def test_bench_times_the_relay_at_a_thread_count_and_the_host_part_alone(bench, 
 
 
 def test_a_failed_users_run_leaves_the_other_tables(bench, gguf_models, tmp_path, monkeypatch):
-    def fail(llm, users, num_tokens, relay_tokens):
+    def fail(llm, users, num_tokens, relay_tokens, graphs=False):
         raise RuntimeError("2 of 3 concurrent requests failed: injected")
 
     monkeypatch.setattr(bench, "concurrent_rates", fail)
