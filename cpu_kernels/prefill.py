@@ -81,16 +81,20 @@ _outer32 = _outer_intrinsic(PASS_TOKENS, ROWS_PER_PASS)
 @njit(nogil=True, cache=True)
 def chunk_spans(items, wanted):
     """[S, 2]: each token chunk's (first token, end token) of the work items [W, 6] (decode items have none:
-    tiles.NO_CHUNK); [0, 2] when every item has one token (decode reads x directly) or not wanted."""
+    tiles.NO_CHUNK; an item of more than TOKENS_PER_ITEM tokens has chunks s, s + 1, ... of that many); [0, 2]
+    when every item has one token (decode reads x directly) or not wanted."""
     several, last = False, -1
     for i in range(items.shape[0] if wanted else 0):
         several = several or items[i, 3] - items[i, 2] > 1
-        last = max(last, items[i, 4])
+        if items[i, 4] >= 0:
+            last = max(last, items[i, 4] + (items[i, 3] - items[i, 2] - 1) // TOKENS_PER_ITEM)
     num_chunks = last + 1 if several else 0
     spans = np.empty((num_chunks, 2), dtype=np.int64)  # [S, 2]
     for i in range(items.shape[0] if num_chunks else 0):
-        if items[i, 4] >= 0:
-            spans[items[i, 4], 0], spans[items[i, 4], 1] = items[i, 2], items[i, 3]
+        s = items[i, 4]
+        for c0 in range(items[i, 2], items[i, 3] if s >= 0 else items[i, 2], TOKENS_PER_ITEM):
+            spans[s, 0], spans[s, 1] = c0, min(c0 + TOKENS_PER_ITEM, items[i, 3])
+            s += 1
     return spans
 
 

@@ -205,9 +205,13 @@ def dot_tile_i16(wq, factors, mins, num_rows, xq, dx, sums, t0, t1, out, r0):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def tile_i16(wq, factors, mins, xq, dx, sums, item, out):
-    """dot_tile_i16 of work item (e, r0, t0, t1, s, r1) with its chunk's panels (token_panels_i16)."""
+    """dot_tile_i16 of work item (e, r0, t0, t1, s, r1) with its chunks' panels (token_panels_i16): tokens
+    t0:t1 in chunks of TOKENS_PER_ITEM (chunk s, then s + 1, ...), the item's rows unpacked once for all."""
     s = item[4]
-    dot_tile_i16(wq, factors, mins, item[5] - item[1], xq[s], dx[s], sums[s], item[2], item[3], out, item[1])
+    for c0 in range(item[2], item[3], TOKENS_PER_ITEM):
+        dot_tile_i16(wq, factors, mins, item[5] - item[1], xq[s], dx[s], sums[s], c0,
+                     min(c0 + TOKENS_PER_ITEM, item[3]), out, item[1])
+        s += 1
 
 
 @njit(nogil=True, cache=True)

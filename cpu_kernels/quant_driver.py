@@ -192,9 +192,9 @@ def prepare(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     several = act_quant == INT16 + PROMPT_ITEMS
     act_quant %= PROMPT_ITEMS
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
-                       several)
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
+                       several, int_prefill)
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, without_int8(act_quant))  # noqa: F821 ([N, C], [N, C/16] or empty)
@@ -205,9 +205,9 @@ def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
     """(work items [W, 6], what the items read of x) of a moe_matmul call: its serial part."""
     several = act_quant == INT16 + PROMPT_ITEMS
     act_quant %= PROMPT_ITEMS
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
-                       several)
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
+                       several, int_prefill)
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, act_quant)  # noqa: F821 ([N, C], [N, C/16], empty unless int16 decode)
@@ -220,10 +220,10 @@ def prepare_sums(raws, x, expert_ids, row_starts, act_quant):
     int16 dots by _quantize_rows (quantize_rows, or quantize_rows_split), for the int8 ones in NIBBLE_ORDER."""
     several = act_quant == INT16 + PROMPT_ITEMS
     act_quant %= PROMPT_ITEMS
-    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
-                       several)
-    xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
+    items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
+                       several, int_prefill)
+    xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, act_quant)  # noqa: F821 ([N, C], [N, C/16], empty unless int16 decode)

@@ -1,7 +1,8 @@
 """Work split, argument checks, random blocks and the public wrappers shared by every format.
 
 A work item is (expert, first row, first token, end token, token chunk, end row): output rows
-of one expert for at most TOKENS_PER_ITEM of its tokens. Prefill items (several tokens) take
+of one expert for at most TOKENS_PER_ITEM of its tokens (integer prefill on long rows: a whole group's,
+prefill_span). Prefill items (several tokens) take
 ROWS_PER_ITEM rows, unpack them to float32 once and multiply them with every token of the item
 (`prefill`). Decode items (one token) dot each row straight from its blocks and take more rows
 while the threads still get DECODE_ITEMS_PER_THREAD items each: an item costs ~170 ns of calls
@@ -27,6 +28,10 @@ DECODE_MAX_ROWS_PER_ITEM = 128  # most output rows of a decode (one-token) work 
 DECODE_MAX_ITEM_BYTES = 512 << 10  # short rows: a decode item grows to this many weight bytes
 DECODE_ITEMS_PER_THREAD = 4  # decode items grow while each thread keeps at least this many
 TOKENS_PER_ITEM = 64  # tokens per work item: each unpacked weight row serves up to 64 tokens
+WHOLE_SHARES = 4  # on several threads whole-group prefill items span at most 1 / (4 threads) of a call's rows
+WHOLE_MIN_ROW_BYTES = 1024  # and only for rows of this many bytes or more: short rows unpack cheaply, and one token
+# chunk's panel (128 bytes a column) of a few hundred columns stays near L1 across that chunk's items (Q6_K [2048, 512]
+# measured slower with whole-group items)
 DECODE_MAX_TOKENS = 8  # groups of at most this many tokens are split into one-token (decode) items
 NO_CHUNK = -1  # the token chunk of a decode item: no panel (a 256-token prompt over 512 experts, top-10, made
 # ~2,500 one-token panels of 300 KB each when decode items had chunks: 60 % of its experts' time)
@@ -41,13 +46,15 @@ KERNELS = {}  # format module name: (moe_kernel, moe_kernel_serial), as format_a
 
 
 @njit(nogil=True, cache=True)
-def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, several=False):
+def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, several=False, whole=False):
     """Split every group into (rows, tokens) tiles: [W, 6] of (expert, first row, first token, end token,
     token chunk, end row), the token chunk numbering the distinct (first token, end token) ranges of the prefill
     items from 0 (their token panels: prefill.token_panels). Groups of at most DECODE_MAX_TOKENS tokens get
     one-token (decode) items of decode_rows_per_item rows (rows of row_bytes bytes: 0 unknown), each row range's
     tokens in a row, token chunk NO_CHUNK (they read x, no panel), or with `several` one decode item of all the
-    group's tokens a row range (PROMPT_ITEMS); the others ROWS_PER_ITEM rows by TOKENS_PER_ITEM tokens."""
+    group's tokens a row range (PROMPT_ITEMS); the others ROWS_PER_ITEM rows by TOKENS_PER_ITEM tokens, or with
+    `whole` (integer prefill: its tiles unpack an item's rows once for all its token chunks) by prefill_span
+    tokens, an item's token chunks numbered one after another from its token chunk."""
     num_decode = 0
     for g in range(expert_ids.shape[0]):
         if not 0 <= expert_ids[g] < num_experts or row_starts[g + 1] < row_starts[g]:
@@ -56,14 +63,14 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, sever
         if num_tokens <= DECODE_MAX_TOKENS:
             num_decode += 1 if several else num_tokens
     decode_rows = decode_rows_per_item(num_decode, num_rows, num_threads(), row_bytes)
+    span = prefill_span(row_starts, num_threads()) if whole and row_bytes >= WHOLE_MIN_ROW_BYTES else TOKENS_PER_ITEM
     num_items = 0
     for g in range(expert_ids.shape[0]):
         num_tokens = row_starts[g + 1] - row_starts[g]
         if num_tokens <= DECODE_MAX_TOKENS:
             num_items += (num_rows + decode_rows - 1) // decode_rows * (1 if several else num_tokens)
         else:
-            num_items += ((num_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
-                          * ((num_tokens + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM))
+            num_items += (num_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM * ((num_tokens + span - 1) // span)
     items = np.empty((num_items, 6), dtype=np.int64)  # [W, 6]
     i = 0
     chunk = 0
@@ -80,13 +87,24 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, sever
                     _set_item(items, i, expert_ids[g], r0, t, t + 1, NO_CHUNK, min(r0 + decode_rows, num_rows))
                     i += 1
             continue
-        for c0 in range(t0, t1, TOKENS_PER_ITEM):
+        for c0 in range(t0, t1, span):
+            c1 = min(c0 + span, t1)
             for r0 in range(0, num_rows, ROWS_PER_ITEM):
-                _set_item(items, i, expert_ids[g], r0, c0, min(c0 + TOKENS_PER_ITEM, t1), chunk,
-                          min(r0 + ROWS_PER_ITEM, num_rows))
+                _set_item(items, i, expert_ids[g], r0, c0, c1, chunk, min(r0 + ROWS_PER_ITEM, num_rows))
                 i += 1
-            chunk += 1
+            chunk += (c1 - c0 + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM
     return items
+
+
+@njit(nogil=True, cache=True)
+def prefill_span(row_starts, threads):
+    """Tokens of a whole-group prefill item (work_items' `whole`), a multiple of TOKENS_PER_ITEM: every group
+    whole on one thread; on several at most 1 / (WHOLE_SHARES threads) of the call's (token, expert) rows, at
+    least TOKENS_PER_ITEM (a parallel region hands each thread a run of items, and an item costs its token
+    count: a run of a few whole large groups would hold up the others)."""
+    num_rows = row_starts[-1] - row_starts[0]
+    share = num_rows if threads == 1 else num_rows // (WHOLE_SHARES * threads)
+    return max(TOKENS_PER_ITEM, (share + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM * TOKENS_PER_ITEM)
 
 
 @njit(inline="always", nogil=True)

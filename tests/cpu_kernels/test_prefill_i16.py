@@ -1,11 +1,13 @@
-"""Integer prefill (prefill_i16): token panels against a NumPy reference, sums that must not overflow, odd x."""
+"""Integer prefill (prefill_i16): token panels against a NumPy reference, sums that must not overflow, odd x,
+whole-group items (their rows unpacked once for all token chunks) against chunk by chunk."""
 import gguf
+import numba
 import numpy as np
 import pytest
 
-from cpu_kernels import prefill_i16, q5_k, q6_k, q8_0
+from cpu_kernels import prefill, prefill_i16, q4_k, q5_k, q6_k, q8_0
 from cpu_kernels.act_quant import FLOAT, INT16
-from cpu_kernels.tiles import work_items
+from cpu_kernels.tiles import NO_CHUNK, TOKENS_PER_ITEM, WHOLE_MIN_ROW_BYTES, prefill_span, work_items
 
 needs_int = pytest.mark.skipif(not prefill_i16.integer_prefill(INT16), reason="integer prefill needs AVX2")
 
@@ -96,3 +98,65 @@ def test_zero_and_tiny_blocks_of_x():
     ref = x.astype(np.float64) @ gguf.quants.dequantize(raw, q8_0.QTYPE).astype(np.float64).T
     assert np.all(np.isfinite(out)) and not out[3].any()
     np.testing.assert_allclose(out, ref, atol=1e-4 * np.abs(ref).max())
+
+
+WHOLE_GROUPS = [150, 3, 70, 12, 64]  # [G] tokens: several chunks, decode, a partial second chunk, one, exactly one
+
+
+def test_prefill_span():
+    assert prefill_span(np.array([0, 100, 700]), 1) == 704  # one thread: every group whole
+    assert prefill_span(np.array([0, 100, 700]), 2) == 128  # 700 // 8 = 87, to a whole chunk
+    assert prefill_span(np.array([0, 2560]), 16) == TOKENS_PER_ITEM
+
+
+def test_whole_group_items_number_their_chunks_as_chunk_by_chunk():
+    row_starts = np.concatenate([[0], np.cumsum(WHOLE_GROUPS)]).astype(np.int64)
+    experts = np.arange(len(WHOLE_GROUPS), dtype=np.int64)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        whole = work_items(experts, row_starts, len(experts), 40, WHOLE_MIN_ROW_BYTES, True, True)  # [W, 6]
+        short = work_items(experts, row_starts, len(experts), 40, WHOLE_MIN_ROW_BYTES - 1, True, True)
+    finally:
+        numba.set_num_threads(threads)
+    chunked = work_items(experts, row_starts, len(experts), 40, WHOLE_MIN_ROW_BYTES, True)
+    np.testing.assert_array_equal(short, chunked)  # short rows keep chunk-sized items
+    tiles = whole[whole[:, 4] != NO_CHUNK]
+    sizes = np.asarray(WHOLE_GROUPS)[tiles[:, 0]]
+    np.testing.assert_array_equal(tiles[:, 3] - tiles[:, 2], sizes)  # a group's tokens in one item a row range
+    assert len(tiles) == 3 * sum(s > 8 for s in WHOLE_GROUPS)  # 40 rows: 3 row ranges
+    spans = prefill.chunk_spans(whole, True)  # [S, 2]
+    np.testing.assert_array_equal(spans, prefill.chunk_spans(chunked, True))
+    assert np.all(spans[:, 1] - spans[:, 0] <= TOKENS_PER_ITEM)
+    x = np.random.default_rng(3).standard_normal((row_starts[-1], 64)).astype(np.float32)
+    for got, want in zip(prefill_i16.token_panels_i16(x, whole, INT16, np.float32(32767)),
+                         prefill_i16.token_panels_i16(x, chunked, INT16, np.float32(32767))):
+        np.testing.assert_array_equal(got, want)
+
+
+@needs_int
+@pytest.mark.parametrize("fmt, cols", [(q8_0, 1024), (q4_k, 2048)], ids=["q8_0", "q4_k"])
+def test_whole_group_items_match_numpy_and_chunk_by_chunk(fmt, cols):
+    """One thread runs the groups of more than 8 tokens as whole-group items (rows of >= 1 KiB); two threads
+    (here: 232 rows / 8 = 29 tokens a span) chunk by chunk: the same products, bit for bit."""
+    rng = np.random.default_rng(4)
+    raw = fmt.random_blocks(rng, (len(WHOLE_GROUPS), 40, cols), 0.02)  # [E, R, B]: 40 rows, a partial row range
+    assert raw.shape[-1] >= WHOLE_MIN_ROW_BYTES
+    row_starts = np.concatenate([[0], np.cumsum(WHOLE_GROUPS)]).astype(np.int64)
+    experts = np.array([3, 0, 4, 1, 2], dtype=np.int64)
+    x = rng.standard_normal((row_starts[-1], cols)).astype(np.float32)  # [N, C]
+    w = gguf.quants.dequantize(raw.reshape(-1, raw.shape[-1]), fmt.QTYPE).reshape(len(WHOLE_GROUPS), 40, cols)
+    ref = np.concatenate([x[a:b].astype(np.float64) @ w[e].astype(np.float64).T
+                          for e, a, b in zip(experts, row_starts[:-1], row_starts[1:])])
+    outs = {}
+    threads = numba.get_num_threads()
+    try:
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(n)
+            outs[n] = np.empty((row_starts[-1], 40), dtype=np.float32)
+            fmt.moe_matmul(raw, x, experts, row_starts, outs[n], act_quant="int16")
+    finally:
+        numba.set_num_threads(threads)
+    np.testing.assert_allclose(outs[1], ref, atol=2e-4 * np.abs(ref).max())
+    for out in outs.values():
+        np.testing.assert_array_equal(out, outs[1])
