@@ -7,6 +7,9 @@ from cpu_kernels import attention
 from hybrid import kv_store
 
 BT = 16  # positions per block in these tests
+# lse, k_scale, v_scale, window as hybrid.backends.cpu.paged_attention passes them: every argument given, so the
+# tests run the engine's compiled instances (an omitted array default is keyed by its id(), compiled anew each run)
+NO_EXTRAS = (attention.NO_LSE, attention.NO_SCALES, attention.NO_SCALES, 0)
 
 
 def paged(x, table, num_blocks):
@@ -49,7 +52,7 @@ def test_paged_f32_matches_dense(num_tokens, start, kernel):
     q, k, v, table, pool_blocks = random_case(rng, num_tokens, start)
     ours = np.empty_like(q)
     getattr(attention, kernel)(q, paged(k, table, pool_blocks), paged(v, table, pool_blocks), table, start, 0,
-                               start + num_tokens, 0.125, ours)
+                               start + num_tokens, 0.125, ours, *NO_EXTRAS)
     ref, _ = dense_attention(q, k, v, start)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
@@ -62,10 +65,11 @@ def test_encoded_cache_matches_decoded(dtype, num_tokens, start, kernel):
     q, k, v, table, pool_blocks = random_case(rng, num_tokens, start)
     k, v = np.nan_to_num(k), np.nan_to_num(v)  # encodings of NaN rows are not the point here
     (k_data, k_scale), (v_data, v_scale) = kv_store.encode(k, dtype), kv_store.encode(v, dtype)
-    scales = (paged(k_scale, table, pool_blocks), paged(v_scale, table, pool_blocks)) if dtype == "int8" else ()
+    scales = ((paged(k_scale, table, pool_blocks), paged(v_scale, table, pool_blocks)) if dtype == "int8" else
+              (attention.NO_SCALES, attention.NO_SCALES))
     ours = np.empty_like(q)
     getattr(attention, kernel)(q, paged(k_data, table, pool_blocks), paged(v_data, table, pool_blocks), table,
-                               start, 0, start + num_tokens, 0.125, ours, attention.NO_LSE, *scales)
+                               start, 0, start + num_tokens, 0.125, ours, attention.NO_LSE, *scales, 0)
     ref, _ = dense_attention(q, kv_store.decode(k_data, k_scale), kv_store.decode(v_data, v_scale), start)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
@@ -80,7 +84,7 @@ def test_partial_ranges_and_merge(num_tokens, start, split):
     parts = []
     for lo, hi in ((0, split), (split, start + num_tokens)):
         out, lse = np.empty_like(q), np.empty(q.shape[:2], np.float32)
-        attention.attention(q, kp, vp, table, start, lo, hi, 0.125, out, lse)
+        attention.attention(q, kp, vp, table, start, lo, hi, 0.125, out, lse, *NO_EXTRAS[1:])
         ref_out, ref_lse = dense_attention(q, k, v, start, lo, hi)
         np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-5 * np.abs(ref_out).max() + 1e-30)
         finite = np.isfinite(ref_lse)
