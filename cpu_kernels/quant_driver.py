@@ -111,7 +111,7 @@ def tile(w, x, xq, xaux, panels, pxq, pdx, psums, out, item, act_quant):
         _rows_dot(w, r0, r1, x[t0], out[t0])  # noqa: F821
         return
     if _INT_PREFILL and integer_prefill(act_quant):  # noqa: F821
-        wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
+        wq, factors, mins = unpacked_rows(x.shape[1], r1 - r0)  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
         tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
@@ -140,7 +140,7 @@ def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_q
         _rows_dot(w, r0, r1, x[t0], out[t0])  # noqa: F821
         return
     if _INT_PREFILL and integer_prefill(act_quant):  # noqa: F821
-        wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
+        wq, factors, mins = unpacked_rows(x.shape[1], r1 - r0)  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
         tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
@@ -169,7 +169,7 @@ def tile_sums(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, ite
         _rows_dot(w, r0, r1, x[t0], xsum[t0], out[t0])  # noqa: F821
         return
     if _INT_PREFILL and integer_prefill(act_quant):  # noqa: F821
-        wq, factors, mins = unpacked_rows(x.shape[1])  # [K, C], [K, C/32], [K, C/32]
+        wq, factors, mins = unpacked_rows(x.shape[1], r1 - r0)  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
         tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
