@@ -43,6 +43,12 @@ class _Live:
 
 
 
+def solo_chunk_tokens(model):
+    """The prompt tokens a step may read while no slot decodes: the model's backend's solo_chunk_tokens where it has
+    them (GpuBackend holding every expert), else None (the step budget)."""
+    return getattr(getattr(model, "backend", None), "solo_chunk_tokens", None)
+
+
 def _weak(method):
     """A callback to the bound `method` that does not keep its object alive: the scheduler belongs to the engine, so
     a plain bound method would make the two a cycle, and a dropped engine's slots would hold their KV blocks until
@@ -95,7 +101,7 @@ class Engine:
                                    max_step_tokens=max_step_tokens, clock=clock,
                                    restore_prefix=conversation_cache.restore if conversation_cache else None,
                                    park=_weak(self._park) if conversation_cache else None, draft=_weak(self._draft),
-                                   solo_step_tokens=getattr(llm.model.backend, "solo_chunk_tokens", None))
+                                   solo_step_tokens=solo_chunk_tokens(self.model))
         self.speculation = speculation if speculation is not None and speculation.enabled and all(
             s.kv.supports_rollback for s in self.scheduler.slots) else None
         self.mtp = MtpHead.of(self.model) if self.speculation is not None and self.speculation.mtp else None
