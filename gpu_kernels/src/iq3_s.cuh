@@ -48,9 +48,6 @@ __device__ __forceinline__ u32 iq3s_negated(u32 v, u32 m) { return (v ^ m) + (m 
 #ifndef IQ3S_SKIP_ALIGNED
 #define IQ3S_SKIP_ALIGNED 0
 #endif
-#ifndef IQ3S_SHFL_TAIL
-#define IQ3S_SHFL_TAIL 0
-#endif
 
 // IQ3S_XOR_SIGNS: the shared grid holds each value v (odd, 1..15) as t = (v - 1) / 2, and a
 // signed weight is 2 (t ^ m) + 1 in signed bytes (m: 0xFF where negative; t ^ 0xFF = -t - 1), so that signing costs
@@ -130,9 +127,6 @@ struct Slice {
 #if IQ3S_SUBS > 1
     u32 qh;  // qh[j ..]: a byte a sub-block
 #endif
-#if IQ3S_SHFL_TAIL
-    u32 o;  // as loaded (iq3s_gather's input): the super-block's address % 4
-#endif
 };
 
 // qh byte of sub-block h of slice sl.
@@ -153,84 +147,6 @@ __device__ __forceinline__ float iq3s_slice_db(const Slice& sl, int s, int h) {
 #endif
 }
 
-#ifndef IQ3S_LEAN_LOADS
-#define IQ3S_LEAN_LOADS 0
-#endif
-
-#if IQ3S_SHFL_TAIL
-#if IQ3S_SUBS != 1
-#error "IQ3S_SHFL_TAIL: one sub-block a slice"
-#endif
-// IQ3S_SHFL_TAIL: the 8 lanes of a super-block (lanes 8k .. 8k + 7 of a warp hold its sub-blocks j = 0 .. 7: lane groups
-// of at least 8 lanes, rows of whole super-blocks) load 4 words a lane instead of 8 loads, and exchange the rest by 5
-// shuffles (iq3s_gather, when the words are used). In the aligned words w from b - o (o = b % 4): lane j loads its qs
-// words 2j + o/2 and 2j + 1 + o/2, its first signs word 18 + j + o/2, and one word T of {16 + o/2, 0, 16, 17, 18, 26,
-// 27, 26 + o/2}[j]: d (word 0), qh (bytes o + 66 .. in words 16 .. 18) and the scales (o + 106 .. in words 26, 27) come
-// from those, lane j's last qs word from lane j + 1's first (lane 7's from lane 0's T), its last signs word from lane
-// j + 1's first (lane 7's is its own T). Word 27 where o is 0 holds the next super-block's first 2 bytes (after a row's
-// last super-block: 2 bytes past it, in the aligned word its last bytes are in).
-__device__ __forceinline__ Slice load_slice(const u8* row, int s) {
-    unsigned us = (unsigned)s, j = us & 7u;
-    const u8* b = row + 110u * (us >> 3);
-    u32 o = (u32)(size_t)b & 2u, o2 = o >> 1;
-    const u32* w = (const u32*)(b - o);
-    unsigned t = (unsigned)(0x1A1B1A1211100010ull >> (8 * j)) & 0xffu;
-    Slice sl;
-    sl.qs[0] = w[2 * j + o2];
-    sl.qs[1] = w[2 * j + 1 + o2];
-    sl.signs[0] = w[18 + j + o2];
-    sl.tail = w[t + (j == 0 || j == 7 ? o2 : 0u)];
-    sl.o = o;
-    return sl;
-}
-
-// Word v of lane `src` (0 .. 7) of this lane's 8.
-__device__ __forceinline__ u32 iq3s_shfl(u32 v, unsigned src) {
-#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__)
-    return __shfl(v, (int)src, 8);
-#else
-    return __shfl_sync(__activemask(), v, (int)src, 8);
-#endif
-}
-
-// The slice's fields (load_slice's layout) from IQ3S_SHFL_TAIL's words: the whole 8 lanes take part.
-__device__ __forceinline__ Slice iq3s_gather(const Slice& raw) {
-    unsigned j = threadIdx.x & 7u, o = raw.o, shift = 16u - 8u * o;
-    unsigned qh_at = o + 66 + j, scale_at = o + 106 + (j >> 1);  // bytes from w
-    u32 q2 = iq3s_shfl(j == 0 ? raw.tail : raw.qs[0], (j + 1) & 7u);
-    u32 g1 = iq3s_shfl(raw.signs[0], (j + 1) & 7u);
-    u32 d = iq3s_shfl(raw.tail, 1u), qh = iq3s_shfl(raw.tail, (qh_at >> 2) - 14u);
-    u32 scale = iq3s_shfl(raw.tail, (scale_at >> 2) - 21u);
-    Slice f;
-    f.qs[0] = funnel_right(raw.qs[0], raw.qs[1], shift);
-    f.qs[1] = funnel_right(raw.qs[1], q2, shift);
-    f.signs[0] = funnel_right(raw.signs[0], j == 7 ? raw.tail : g1, shift);
-    f.tail = ((d >> (8 * o)) & 0xffffu) | (((qh >> (8 * (qh_at & 3))) & 0xffu) << 16) |
-             (((scale >> (8 * (scale_at & 3))) & 0xffu) << 24);
-    f.o = o;
-    return f;
-}
-#elif IQ3S_LEAN_LOADS && IQ3S_SUBS == 1
-// IQ3S_LEAN_LOADS (one sub-block a slice): load_slice's words and bytes addressed from few pointers, with unsigned
-// index math. With o = b % 4 (0 or 2), b + o is 4-byte aligned: qs's words start at b + o + 8j (qs at b + 2 + 8j: a
-// 16-bit shift where o is 0), the signs' at b + o + 72 + 4j, both off one pointer pj = b + o + 4j; qh[j] and the scale
-// byte come off b + j and b + j / 2.
-__device__ __forceinline__ Slice load_slice(const u8* row, int s) {
-    unsigned us = (unsigned)s, j = us & 7u;
-    const u8* b = row + 110u * (us >> 3);
-    u32 o = (u32)(size_t)b & 2u, shift = 16u - 8u * o;
-    const u8* pj = b + o + 4u * j;
-    const u32* q = (const u32*)(pj + 4u * j);
-    const u32* g = (const u32*)(pj + 72);
-    u32 q0 = q[0], q1 = q[1], q2 = q[2], g0 = g[0], g1 = g[1];
-    Slice sl;
-    sl.qs[0] = funnel_right(q0, q1, shift);
-    sl.qs[1] = funnel_right(q1, q2, shift);
-    sl.signs[0] = funnel_right(g0, g1, shift);
-    sl.tail = (u32)*(const u16*)b | ((u32)b[66 + j] << 16) | ((u32)b[106 + (j >> 1)] << 24);
-    return sl;
-}
-#else
 // Super-blocks are 2-byte aligned: qs and signs come from the aligned words w from the one that holds the super-block's
 // first byte (o = its address % 4, 0 or 2), at word indices from o and j, so that the compiler forms few addresses.
 // Slice s: sub-blocks j = IQ3S_SUBS (s % (8 / IQ3S_SUBS)) .. of super-block s / (8 / IQ3S_SUBS).
@@ -268,26 +184,10 @@ __device__ __forceinline__ Slice load_slice(const u8* row, int s) {
 #endif
     return sl;
 }
-#endif
-
-// The slices' fields as the dots read them: load_slice's, or with IQ3S_SHFL_TAIL iq3s_gather's of its words.
-template <int RPT>
-__device__ __forceinline__ void iq3s_fields(const Slice (&raw)[RPT], Slice (&sl)[RPT]) {
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-#if IQ3S_SHFL_TAIL
-        sl[r] = iq3s_gather(raw[r]);
-#else
-        sl[r] = raw[r];
-#endif
-    }
-}
 
 template <int RPT, int TT>
-__device__ __forceinline__ void slice_dot(const Slice (&raw)[RPT], int s, const float* x, int C, int n,
+__device__ __forceinline__ void slice_dot(const Slice (&sl)[RPT], int s, const float* x, int C, int n,
                                           float (&acc)[RPT][TT]) {
-    Slice sl[RPT];
-    iq3s_fields<RPT>(raw, sl);
 #pragma unroll
     for (int h = 0; h < IQ3S_SUBS; ++h) {  // sub-block h: weights 32h .. 32h + 31 of the slice
         const float* xs = x + SLICE_WEIGHTS * s + 32 * h;
@@ -420,9 +320,7 @@ __device__ __forceinline__ int iq3s_sub_dot(const u32* qs, u32 signs, u32 qh, co
 }
 
 template <int RPT>
-__device__ __forceinline__ void slice_dot_q(const Slice (&raw)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
-    Slice sl[RPT];
-    iq3s_fields<RPT>(raw, sl);
+__device__ __forceinline__ void slice_dot_q(const Slice (&sl)[RPT], int s, const XQ& xq, float (&acc)[RPT][1]) {
 #pragma unroll
     for (int h = 0; h < IQ3S_SUBS; ++h) {
         int block = IQ3S_SUBS * s + h;

@@ -143,7 +143,7 @@ def test_iq3_s_grid_copies_and_x_fit_a_blocks_shared_memory(monkeypatch):
 # IQ3_S's compile-time alternatives of its int16 slice dot (iq3_s.cuh; bench/gpu_kernels.py --variants sweeps them)
 IQ3S_VARIANTS = ["IQ3S_SIGNED_GRID=0", "IQ3S_SIGNED_GRID=0+IQ3S_PRMT_MASKS", "IQ3S_SIGNED_GRID=0+IQ3S_XOR_SIGNS",
                  "IQ3S_SIGNED_GRID=0+IQ3S_PRMT_MASKS+IQ3S_XOR_SIGNS", "IQ3S_PAIR_SLICES", "IQ3S_SLICE_SUBS=4",
-                 "IQ3S_SIGNED_GRID=0+IQ3S_PAIR_SLICES", "IQ3S_SKIP_ALIGNED", "IQ3S_LEAN_LOADS"]
+                 "IQ3S_SIGNED_GRID=0+IQ3S_PAIR_SLICES", "IQ3S_SKIP_ALIGNED"]
 
 
 def variant_defines(variant):
@@ -189,7 +189,7 @@ def test_emulated_iq3_s_variants_dot_as_the_plain_source(tmp_path):
         assert np.array_equal(results[variant], results[""]), variant
 
 
-@pytest.mark.parametrize("variant", IQ3S_VARIANTS + ["IQ3S_SHFL_TAIL", "XQ_HALVES"])  # not emulated: shuffles, x
+@pytest.mark.parametrize("variant", IQ3S_VARIANTS + ["XQ_HALVES"])  # not emulated: x in its own layout
 def test_iq3_s_variants_compile_for_sm90(variant):
     """Each IQ3_S variant's module (its `_1q` kernels' inline PTX included) compiles with NVRTC for sm_90."""
     from gpu_kernels.nvrtc import Nvrtc, find_library
@@ -309,8 +309,7 @@ def test_int16_moe_matvec_tunings(runtime, qtype, rows, slices, chunks):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,slices,chunks", [(1, 1, 1), (2, 3, 3), (3, 4, 2), (4, 4, 2), (4, 8, 1)])
-@pytest.mark.parametrize("variant", ["", "IQ3S_LEAN_LOADS", "PEEL_LAST_SLICE+IQ3S_LEAN_LOADS", "IQ3S_SHFL_TAIL",
-                                     "PEEL_LAST_SLICE+IQ3S_SHFL_TAIL", "XQ_HALVES"])
+@pytest.mark.parametrize("variant", ["", "IQ3S_SKIP_ALIGNED", "PEEL_LAST_SLICE", "XQ_HALVES"])
 def test_iq3_s_variants_int16_moe_matvec(runtime, monkeypatch, variant, rows, slices, chunks):
     """test_int16_moe_matvec_tunings on IQ3_S compiled with each of its variants, as the bench compiles them ("": the
     default source; 3 rows a lane group as the bench sweeps them)."""
