@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as Q
 
 from hybrid.formats.synthetic import encode
 
-FORMATS = ["Q4_K", "Q6_K", "Q8_0", "IQ3_S"]
+FORMATS = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4", "IQ3_S"]  # IQ4_XS, MXFP4: x in nibble order
 
 
 def _pair(runtime, qtype):
