@@ -146,7 +146,7 @@ def matmul_variants(rt, stream):
     """{name: Kernels} of the one-token matmuls' settings to time: the default, fill_sms, smaller lane groups' work
     (rows a group, slices a lane) for launches too small to fill the GPU, x staged in one batch of loads, more
     slices in flight a lane (matmul.cu's DECODE_PREFETCH)."""
-    from gpu_kernels.kernels import Kernels
+    from gpu_kernels.kernels import XQ_KERNELS, Kernels
 
     found = {"tree default": Kernels(rt, stream), "format tuning": Kernels(rt, stream, small_tuning=None),
              "fill_sms": Kernels(rt, stream, fill_sms=True, small_tuning=None)}
@@ -157,7 +157,7 @@ def matmul_variants(rt, stream):
     found["prefetch 4, rows 1 slices 2"] = Kernels(rt, stream, prefetch=4, decode_rows=1, lane_slices=2)
     found["prefetch 8, rows 1"] = Kernels(rt, stream, prefetch=8, decode_rows=1)
     found["x rounded once a launch"] = per_launch = Kernels(rt, stream)
-    per_launch.xq_per_launch = True
+    per_launch.xq_per_launch = frozenset(XQ_KERNELS)
     return found
 
 
@@ -165,13 +165,13 @@ def few_token_ops(rt, stream, rng, num_tokens):
     """[(name, {variant: launch})] of the dense matmuls at num_tokens tokens (a decode step of that many users) and the
     expert pair kernels at 8 pairs a token: x rounded in every block (the tree's default), once a launch
     (Kernels.xq_per_launch), the dense ones also by the tiled kernel (float x; multi_tokens 0)."""
-    from gpu_kernels.kernels import Kernels
+    from gpu_kernels.kernels import XQ_KERNELS, Kernels
     from hybrid.formats.synthetic import encode
 
     dev = rt.to_device
     variants = {"x rounded in every block": Kernels(rt, stream), "x rounded once a launch": Kernels(rt, stream),
                 "tiled kernel": Kernels(rt, stream)}
-    variants["x rounded once a launch"].xq_per_launch = True
+    variants["x rounded once a launch"].xq_per_launch = frozenset(XQ_KERNELS)
     variants["tiled kernel"].multi_tokens = 0
 
     def raw(qtype, shape):

@@ -155,7 +155,9 @@ def tuned(llm, args):
     if args.multi_tokens is not None:
         kernels.multi_tokens = args.multi_tokens
     if args.xq_per_launch:
-        kernels.xq_per_launch = True
+        from gpu_kernels.kernels import XQ_KERNELS
+
+        kernels.xq_per_launch = frozenset(XQ_KERNELS)
     if args.group_tokens is not None:
         llm.model.backend.device_experts.group_tokens = args.group_tokens or None
     return llm
@@ -204,7 +206,7 @@ def main(argv=None):
                    help="dense matmuls of 2 to this many tokens take matmul_n / matmul_nq (0: the tiled kernel; "
                         "default: gpu_kernels.kernels MULTI_DECODE_TOKENS)")
     p.add_argument("--xq-per-launch", action="store_true",
-                   help="the int16 one- and few-token matmuls' x rounded once a launch into global memory, not in "
+                   help="every int16 one- and few-token matmul's x rounded once a launch into global memory, not in "
                         "every block (gpu_kernels.kernels.Kernels xq_per_launch)")
     p.add_argument("--group-tokens", type=int, default=None,
                    help="decode steps of at least this many tokens group their pairs by expert (0: never; default: "

@@ -62,12 +62,12 @@ MULTI_TOKENS = 4  # matmul.cu's MULTI_TOKENS: tokens of a matmul_nq block (each 
 # read once for every 4 tokens with x as int16 (where act_quant rounds one token's so), not the tiled kernel (float x
 # from global memory); 0: never.
 MULTI_DECODE_TOKENS = 16
-# The `_1q` / `_nq` kernels' x (Kernels.xq_per_launch): False, each block rounds its rows' x to int16 into shared
-# memory; True, one quantize_xq launch rounds it once into global memory and the `_qx` kernels' blocks read it there.
-XQ_PER_LAUNCH = False
-# quantize_xq's x [N, step] of the `_qx` kernels as the x kernels of the `_q` names take it
+# The `_q` kernels (int16 x) and their `_qx` twins: a `_q` kernel's blocks each round their rows' x to int16 into shared
+# memory, a `_qx` kernel's read it from global memory, rounded once a launch by quantize_xq (the SwiGLU'd rows of
+# moe_matmul_glu_1q through quantize_xq's up).
 XQ_KERNELS = {"matmul_1q": "matmul_1qx", "matmul_nq": "matmul_nqx", "moe_matmul_1q": "moe_matmul_1qx",
               "moe_matmul2_1q": "moe_matmul2_1qx", "moe_matmul_glu_1q": "moe_matmul_1qx"}
+XQ_PER_LAUNCH = frozenset()  # the `_q` kernels (XQ_KERNELS' keys) that take their `_qx` twin (Kernels.xq_per_launch)
 XQ_SCRATCH_ROWS = 64  # rows of x a quantize_xq buffer holds at first (grown, the old ones kept, for more)
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 SHARED_LIMIT = 48 << 10  # a block's shared memory without opting in: x and the format's tables
@@ -171,7 +171,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self.min_blocks, self.row_chunks, self.fill_sms = min_blocks, row_chunks, fill_sms
         self.small_tuning, self.prefetch, self.expert_prefetch = small_tuning, prefetch, EXPERT_PREFETCH
         self.multi_tokens = MULTI_DECODE_TOKENS  # dense matmuls of 2 to this many tokens take matmul_nq
-        self.xq_per_launch = XQ_PER_LAUNCH
+        self.xq_per_launch = XQ_PER_LAUNCH  # `_q` kernel names: those launched as their `_qx` twin
         self._xq_kernels = set()  # compiled `_qx` kernels: x from quantize_xq
         self._xq_buffers = {}  # C -> quantize_xq's scratch uint8 [rows * step]
         self._xq_kept = []  # buffers a larger one replaced: a captured graph may still point at them
@@ -294,9 +294,9 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                     kernel, shared = "matmul_nq", multi
             elif int16 and xq_fits(qtype, num_cols):
                 kernel, shared = kernel + "q", xq_shared_bytes(num_cols)
-            fn = self._mm(qtype, XQ_KERNELS[kernel] if self.xq_per_launch and kernel in XQ_KERNELS else kernel,
-                          rows_per_group if one else None, prefetch)
-            if self.xq_per_launch and kernel in XQ_KERNELS:
+            twin = kernel in XQ_KERNELS and kernel in self.xq_per_launch
+            fn = self._mm(qtype, XQ_KERNELS[kernel] if twin else kernel, rows_per_group if one else None, prefetch)
+            if twin:
                 self._xq_kernels.add(fn)
                 shared = 0
             launch = self._launches[key] = (fn, (num_rows + per_block - 1) // per_block,
@@ -305,7 +305,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         return launch
 
     def _x_arg(self, fn, qtype, x, up=None):
-        """x [N, C] as kernel fn takes it: for a `_qx` kernel (xq_per_launch) its rows (silu(x) * up where up is
+        """x [N, C] as kernel fn takes it: for a `_qx` kernel (xq_per_launch's) its rows (silu(x) * up where up is
         given) rounded to int16 by one quantize_xq launch into a scratch buffer [N, step] kept per C, else x."""
         if fn not in self._xq_kernels:
             return x

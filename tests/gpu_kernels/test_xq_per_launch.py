@@ -12,11 +12,11 @@ FORMATS = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4", "IQ3_S"]  
 
 
 def _pair(runtime, qtype):
-    from gpu_kernels.kernels import Kernels
+    from gpu_kernels.kernels import XQ_KERNELS, Kernels
 
     per_block = Kernels(runtime, act_quant="int16")
     per_launch = Kernels(runtime, act_quant="int16")
-    per_launch.xq_per_launch = True
+    per_launch.xq_per_launch = frozenset(XQ_KERNELS)
     return per_block, per_launch
 
 
