@@ -9,11 +9,18 @@ read) or `GxT` items.
     python bench/prefill_groups.py --sizes 40x12,40x20,24x103,1x256
     python bench/prefill_groups.py --model /tmp/compiled/bench-qwen3next-80b.gguf --save-sizes /tmp/sizes.npy
     python bench/prefill_groups.py --sizes /tmp/sizes.npy --layers
+    # against an older tree, one process, round by round (git archive OLD | tar -x -C /tmp/old):
+    python bench/prefill_groups.py --sizes /tmp/sizes.npy --layers --runs 9 --baseline /tmp/old
 
-Prints per weight shape and group set: ms a call and G multiply-adds a second (median and min of `--runs`).
+Prints per weight shape and group set: ms a call (median and min of `--runs`, process CPU time) and G
+multiply-adds a second; with --baseline both trees, the baseline's time over this tree's, and whether their
+outputs are equal.
 """
 import argparse
+import functools
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,14 +70,34 @@ def save_sizes(model_path, path, num_tokens):
     np.save(path, np.concatenate(sizes))
 
 
-def time_calls(fn, runs):
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.process_time()
+def packages(baseline):
+    """{label: cpu_kernels package}: this tree's, and with `baseline` (another tree's root, e.g. a `git archive`
+    export) a copy of that tree's cpu_kernels imported as package cpu_kernels_baseline (its modules import each
+    other relatively), so one process times both."""
+    import importlib
+
+    found = {"this tree": importlib.import_module("cpu_kernels")}
+    if baseline:
+        copy = Path(tempfile.mkdtemp(prefix="prefill_groups_"))
+        shutil.copytree(Path(baseline) / "cpu_kernels", copy / "cpu_kernels_baseline",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        sys.path.insert(0, str(copy))
+        found["baseline"] = importlib.import_module("cpu_kernels_baseline")
+    return found
+
+
+def time_rounds(calls, runs):
+    """{label: (median, min) seconds of CPU time}: each call once to compile, then `runs` rounds calling each
+    in turn (the order alternating), so that every label sees the same load."""
+    times = {label: [] for label in calls}
+    for fn in calls.values():
         fn()
-        times.append(time.process_time() - start)
-    return np.median(times), min(times)
+    for r in range(runs):
+        for label in list(calls)[::1 if r % 2 else -1]:
+            start = time.process_time()
+            calls[label]()
+            times[label].append(time.process_time() - start)
+    return {label: (np.median(t), min(t)) for label, t in times.items()}
 
 
 def main(argv=None):
@@ -82,6 +109,7 @@ def main(argv=None):
     p.add_argument("--hot", action="store_true", help="every group on expert 0 (weights from cache)")
     p.add_argument("--act-quant", default="int16")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--baseline", help="another tree's root: its cpu_kernels timed beside this tree's, round by round")
     p.add_argument("--model", help="with --save-sizes: the GGUF whose prompt's group sizes are recorded")
     p.add_argument("--save-sizes")
     args = p.parse_args(argv)
@@ -93,30 +121,37 @@ def main(argv=None):
     import numba
 
     numba.set_num_threads(args.threads)
-    from cpu_kernels.act_quant import act_quant_code
-    from cpu_kernels.tiles import PROMPT_ITEMS
-    from cpu_kernels.tiles import KERNELS
-
+    trees = packages(args.baseline)
     rng = np.random.default_rng(0)
-    code = act_quant_code(args.act_quant)
-    code += PROMPT_ITEMS if args.act_quant == "int16" else 0
     sets = parse_sizes(args.sizes, args.layers, 10 * args.tokens)
-    print("| weight | groups | ms a call (median, min) | GMAC/s (median) |\n|---|---|---|---|")
+    print("| weight | groups | " + " | ".join(f"{label}: ms a call (median, min), GMAC/s" for label in trees)
+          + (" | ratio (median) | outputs" if args.baseline else "") + " |")
+    print("|---|---|" + "---|" * (len(trees) + (2 if args.baseline else 0)))
     for fmt_name, rows, cols, pair in SHAPES:
-        fmt = importlib.import_module(f"cpu_kernels.{fmt_name}")
-        raws = tuple(fmt.random_blocks(rng, (NUM_EXPERTS, rows, cols), 0.02) for _ in range(2 if pair else 1))
-        kernel = KERNELS[fmt.__name__][0]
+        fmts = {label: importlib.import_module(f"{pkg.__name__}.{fmt_name}") for label, pkg in trees.items()}
+        raws = tuple(fmts["this tree"].random_blocks(rng, (NUM_EXPERTS, rows, cols), 0.02)
+                     for _ in range(2 if pair else 1))
         for label, sizes in sets:
             num_pairs = int(sizes.sum())
             x = rng.standard_normal((num_pairs, cols)).astype(np.float32)
-            outs = tuple(np.empty((num_pairs, rows), np.float32) for _ in raws)
             experts = np.zeros(len(sizes), np.int64) if args.hot else \
                 rng.choice(NUM_EXPERTS, size=len(sizes), replace=False).astype(np.int64)
             starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-            med, best = time_calls(lambda: kernel(raws, x, experts, starts, outs, code), args.runs)
+            outs, calls = {}, {}
+            for tree, pkg in trees.items():
+                kernel = pkg.tiles.KERNELS[fmts[tree].__name__][0]
+                code = pkg.act_quant.act_quant_code(args.act_quant)
+                code += pkg.tiles.PROMPT_ITEMS if args.act_quant == "int16" else 0
+                outs[tree] = tuple(np.empty((num_pairs, rows), np.float32) for _ in raws)
+                calls[tree] = functools.partial(kernel, raws, x, experts, starts, outs[tree], code)
+            timed = time_rounds(calls, args.runs)
             macs = num_pairs * rows * cols * len(raws)
             name = f"{fmt_name} [{rows}, {cols}]" + (" x2" if pair else "")
-            print(f"| {name} | {label} | {med * 1e3:.2f}, {best * 1e3:.2f} | {macs / med / 1e9:.1f} |", flush=True)
+            cells = [f"{med * 1e3:.2f}, {best * 1e3:.2f}, {macs / med / 1e9:.1f}" for med, best in timed.values()]
+            if args.baseline:
+                same = all(np.array_equal(a, b) for a, b in zip(outs["this tree"], outs["baseline"]))
+                cells += [f"{timed['baseline'][0] / timed['this tree'][0]:.3f}x", "equal" if same else "differ"]
+            print(f"| {name} | {label} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
