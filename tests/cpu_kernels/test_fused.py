@@ -103,6 +103,7 @@ def test_serial_twins_match_parallel_kernels():
     k, v = rng.standard_normal((2, 1, 5, 2, 16)).astype(np.float32)  # one pool block of 5 positions each
     table = np.zeros(1, dtype=np.int32)
     a, b = np.empty_like(q), np.empty_like(q)
-    attention.attention(q, k, v, table, 3, 0, 5, 0.25, a)
-    attention.attention_serial(q, k, v, table, 3, 0, 5, 0.25, b)
+    extras = (attention.NO_LSE, attention.NO_SCALES, attention.NO_SCALES, 0)  # every argument: the engine's instances
+    attention.attention(q, k, v, table, 3, 0, 5, 0.25, a, *extras)
+    attention.attention_serial(q, k, v, table, 3, 0, 5, 0.25, b, *extras)
     _close(a, b)
