@@ -1,5 +1,5 @@
-"""Diagnostics of call B's failure (session 51): test_decode_path.py's three-user relay test hit cudaErrorInvalidValue in
-the logits' to_host. The same steps under variants, each a fresh LLM, every step synchronized; the report names each
+"""Diagnostics of call B's failure (session 51): test_decode_path.py's three-user relay test hit cudaErrorInvalidValue
+in the logits' to_host. The same steps under variants, each a fresh LLM, every step synchronized; the report names each
 variant's first failing step (or its error against the CPU engine). Temporary: removed once the cause is known."""
 import numpy as np
 import pytest
@@ -18,7 +18,8 @@ def _steps(model, sync):
         sync(f"prompt {i}")
     out = []
     for s in range(3):
-        out.append(model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([19 + s + u])) for u, kv in enumerate(kvs)])))
+        batch = Batch([SeqChunk(kv, kv.length, np.asarray([19 + s + u])) for u, kv in enumerate(kvs)])
+        out.append(model.forward(batch))
         sync(f"step {s}")
     return np.concatenate(out)
 

@@ -163,3 +163,33 @@ def test_on_a_gpu_the_graphed_hybrid_step_matches_the_layer_by_layer_relay(runti
         assert len(graphs) == 1 and graphs[0] is not None, name  # captured once, launched at every later step
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=name)
         np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1), err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_K_M"])
+def test_on_a_gpu_an_llm_with_relay_graphs_decodes_the_cpu_engines_tokens(runtime, gguf_models, target):
+    """LLM(relay_graphs=True), as a server would run it: greedy decode at 0 % and 50 % resident gives the CPU engine's
+    tokens, every decode step after the first a launch of one step graph, and four users at once (relay_tokens 4)
+    decode as one step graph a step, the first user's logits within 2e-3 of its own alone."""
+    from hybrid import LLM
+
+    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
+    prompt = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250]
+    cpu = LLM(path, device="cpu", max_context=256)
+    ref_tokens = cpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+    c = cpu.config
+    rng = np.random.default_rng(0)
+    for name, mask in {"0%": np.zeros((c.num_layers, c.num_experts), bool),
+                       "50%": rng.random((c.num_layers, c.num_experts)) < 0.5}.items():
+        with LLM(path, device="gpu", max_context=512, kv_sequences=4, resident=mask, relay_graphs=True,
+                 relay_tokens=4) as gpu:
+            assert gpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens, name
+            assert gpu.model.runner.last_path == "step graph", name
+            graphs = _step_graphs(gpu.model)
+            assert len(graphs) == 1 and graphs[0] is not None, name
+            prompts = [np.asarray(prompt[:n]) for n in (10, 7, 5, 9)]
+            alone, _ = _decode(gpu.model, prompts[:1], 4)
+            together, paths = _decode(gpu.model, prompts, 4)
+            assert set(paths) == {"step graph"}, name
+            scale = np.abs(alone).max()
+            np.testing.assert_allclose(together[:, 0], alone[:, 0], rtol=0, atol=2e-3 * scale, err_msg=name)
