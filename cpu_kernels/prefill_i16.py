@@ -11,7 +11,8 @@ row's factor times the tokens' scales; the min term comes from the tokens' float
 An int32 accumulator holds 32 columns of products, so x is rounded to at most 2^31 / (32 max|w|)
 levels (`x_levels`): 32767 (int16's), or 16383 for Q6_K; a value moves by at most half a level,
 max|x| / 65534 of its 32 columns (Q6_K: / 32766). Where the target has AVX-512 a pass covers
-4 rows x 32 tokens (16 of the 32 registers hold accumulators), on AVX2 4 rows x 16 tokens.
+4 rows x 32 tokens (16 of the 32 registers hold accumulators), or for at most 16 tokens 8 rows x 16
+tokens (each token vector read from the panel serves twice the rows), on AVX2 4 rows x 16 tokens.
 Integer prefill runs wherever the integer decode dots do (act_quant not FLOAT);
 STRATA_ACT_QUANT=float keeps the float path.
 
@@ -180,26 +181,28 @@ def _outer_intrinsic(num_rows, num_vectors):
     return intrinsic(impl)
 
 
-_outer_one = _outer_intrinsic(PASS_ROWS, 1)
+ONE_ROWS = 8 if LANES == 16 else PASS_ROWS  # rows of a one-vector pass (AVX-512's 32 registers hold 8 rows' sums)
+_outer_one = _outer_intrinsic(ONE_ROWS, 1)
 _outer_two = _outer_intrinsic(PASS_ROWS, PASS_VECTORS)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def dot_tile_i16(wq, factors, mins, num_rows, xq, dx, sums, t0, t1, out, r0):
     """out[t0:t1, r0:r0 + num_rows] = x[t0:t1] @ W[:num_rows].T for t1 - t0 <= 64 and W given as (wq int16 [K, C],
-    factors, mins f32 [K, J]) (K a multiple of PASS_ROWS, rows past num_rows finite), x as the chunk's panels
+    factors, mins f32 [K, J]) (K a multiple of ONE_ROWS, rows past num_rows finite), x as the chunk's panels
     (xq int16 [P, 128], dx, sums f32 [J, 64]; token_panels_i16)."""
     span = PASS_VECTORS * LANES
-    res = np.empty((PASS_ROWS, span), dtype=np.float32)  # [rows, tokens]
+    res = np.empty((ONE_ROWS, span), dtype=np.float32)  # [rows, tokens]
     for p0 in range(t0, t1, span):
         p1 = min(p0 + span, t1)
-        for k in range(0, num_rows, PASS_ROWS):
+        step = ONE_ROWS if p1 - p0 <= LANES else PASS_ROWS
+        for k in range(0, num_rows, step):
             if p1 - p0 <= LANES:
                 _outer_one(wq, factors, mins, k, xq, dx, sums, p0 - t0, res)
             else:
                 _outer_two(wq, factors, mins, k, xq, dx, sums, p0 - t0, res)
             for t in range(p0, p1):
-                for i in range(min(PASS_ROWS, num_rows - k)):
+                for i in range(min(step, num_rows - k)):
                     out[t, r0 + k + i] = res[i, t - p0]
 
 
@@ -217,7 +220,7 @@ def tile_i16(wq, factors, mins, xq, dx, sums, item, out):
 @njit(nogil=True, cache=True)
 def unpacked_rows(num_cols, num_rows):
     """Work buffers of one integer prefill item of num_rows rows: (wq int16 [K, C], factors, mins f32 [K, J]),
-    the rows past num_rows zero (a pass multiplies 4 rows; their results are dropped, but must stay finite),
+    the rows past num_rows zero (a pass multiplies 4 or 8 rows; their results are dropped, but must stay finite),
     the others for the item to fill (zeroing them all cost 4-9 % of Q4_K [512, 2048] items' time)."""
     wq = np.empty((ROWS_PER_ITEM, num_cols), dtype=np.int16)
     factors = np.empty((ROWS_PER_ITEM, num_cols // SUB), dtype=np.float32)
