@@ -7,16 +7,19 @@ import numpy as np
 import pytest
 
 from gpu_kernels.numpy_runtime import NumpyRuntime
+from hybrid.backends import CpuBackend
 from hybrid.backends.gpu import GpuBackend
 from hybrid.batch import Batch, SeqChunk
 from hybrid.expert_usage import ExpertUsage
 from hybrid.formats import load_model
 from hybrid.model import Model
 from hybrid.split_settings import SplitSettings
-from tests.gpu_kernels.test_backend_wiring import TOKENS, CpuBackend
+from tests.gpu_kernels.test_backend_wiring import TOKENS
 
 
 def _model(weights, reference_kernels, resident, graphs, users=1):
+    """The host with its default int16 x (the graphed and the layer-by-layer steps share it; its relay compiles are
+    test_hybrid_moe's)."""
     backend = GpuBackend(NumpyRuntime(mapped_memory=True), max_context=512, kv_sequences=users, resident=resident,
                          prefill_borrow=False)  # borrowing follows measured times: the prompts' logits would vary
     backend.kernels = reference_kernels
