@@ -37,7 +37,7 @@ def gpu_options(cfg, max_context, resident):
                 resident=resident, prefill_borrow=cfg.prefill_borrow, kv_dtype=cfg.kv, kv_resident=cfg.kv_resident,
                 kv_host_attention=cfg.kv_host_attention, decode_graphs=cfg.decode_graphs,
                 dense_graphs=cfg.dense_graphs, step_graphs=cfg.step_graphs, act_quant=cfg.act_quant or "auto",
-                gemm_math=cfg.gemm_math)
+                gemm_math=cfg.gemm_math, solo_chunk_tokens=cfg.solo_chunk_tokens)
 
 
 def split_settings(cfg):

@@ -43,9 +43,6 @@ DEFAULT_RESERVE_MIB = 512
 PCIE_PROBE_BYTES = 64 << 20  # the pinned host -> device copy timed at start-up
 CHUNK_FLOPS_GEMM = 1.5e13  # prompt-chunk expert matmuls through the tiled GEMM (H100: 15-30 TFLOPS, gpu_model.md)
 CHUNK_FLOPS_TILES = 1e12  # through the 8-token tile kernels (H100, MXFP4 at 50 % resident: ~0.3 TFLOPS)
-# Prompt tokens a step reads while no slot decodes, where every expert is resident and VRAM holds their activations
-# besides the expert cache: fewer, fuller expert tiles and fewer launches a prompt than chunks of chunk_tokens.
-SOLO_CHUNK_TOKENS = 2048
 
 
 def check_gpu_formats(weights):
@@ -67,7 +64,8 @@ class GpuBackend(GpuDeltaOps):
     (gpu_layer_graphs.py: much faster decode, bench/results/gpu_model.md); else one by one; step_graphs (with
     dense_graphs): a decode step whose experts are all resident captured whole, one graph (gpu_step.py). act_quant: how
     one-token matmuls take x (gpu_kernels.kernels.gpu_act_quant); gemm_math: how the prompt chunks' tiled GEMMs
-    multiply (gpu_kernels.gemm.gemm_math)."""
+    multiply (gpu_kernels.gemm.gemm_math). solo_chunk_tokens: prompt tokens a step may read while no slot decodes, where
+    every expert is resident (place() keeps them where VRAM holds their activations; None: chunk_tokens)."""
 
     name = "gpu"
     capabilities = Capabilities(graphed_decode=True, step_graph=True, decode_experts=True,
@@ -77,7 +75,7 @@ class GpuBackend(GpuDeltaOps):
     def __init__(self, runtime, expert_cache_mib=None, vram_reserve_mib=DEFAULT_RESERVE_MIB, kv_sequences=1,
                  max_context=4096, chunk_tokens=512, resident=None, prefill_borrow=True, kv_dtype="f32",
                  kv_resident=None, kv_host_attention="gpu", decode_graphs=True, dense_graphs=True, step_graphs=True,
-                 act_quant="auto", gemm_math=None):
+                 act_quant="auto", gemm_math=None, solo_chunk_tokens=None):
         self.kv = GpuKV(kv_dtype, max_context, chunk_tokens, kv_resident, kv_host_attention)
         self.rt = runtime
         self.stream = runtime.stream()  # made current at every embed: CuPy's own array operations run there too
@@ -93,6 +91,7 @@ class GpuBackend(GpuDeltaOps):
         self.cache_bytes = None if expert_cache_mib is None else int(expert_cache_mib * MIB)
         self.reserve = int(vram_reserve_mib * MIB)
         self.kv_sequences, self.chunk_tokens = kv_sequences, chunk_tokens
+        self.requested_solo = solo_chunk_tokens
         self.solo_chunk_tokens = None  # prompt tokens a step reads while no slot decodes, if more (set by place())
         self.kv_pool = None  # made by place()
         self.requested_resident = resident
@@ -163,14 +162,20 @@ class GpuBackend(GpuDeltaOps):
 
 
     def _solo_chunk(self, moe_layers, free, activations):
-        """SOLO_CHUNK_TOKENS where every expert of moe_layers is resident, the KV is all in VRAM (no resident window
-        sized for chunk_tokens) and the VRAM the budget leaves holds the longer chunk's activations; else None."""
-        if not moe_layers or self.kv.resident is not None \
+        """The requested solo_chunk_tokens where they exceed chunk_tokens, every expert of moe_layers is resident, the
+        KV is all in VRAM (no resident window sized for chunk_tokens) and the VRAM the budget leaves holds the longer
+        chunk's activations; else None."""
+        solo = self.requested_solo
+        if not solo or solo <= self.chunk_tokens or not moe_layers or self.kv.resident is not None \
                 or not self.resident[[layer.index for layer in moe_layers]].all():
             return None
         b = self.budget
         left = free - (b.dense + b.kv + b.scratch + b.reserve + b.expert_cache)
-        return SOLO_CHUNK_TOKENS if (SOLO_CHUNK_TOKENS - self.chunk_tokens) * activations <= left else None
+        if (solo - self.chunk_tokens) * activations > left:
+            log.info("prompt chunks of %d tokens while nobody decodes: not taken, their activations need %.0f MiB more "
+                     "than the %.0f MiB VRAM left", solo, (solo - self.chunk_tokens) * activations / MIB, left / MIB)
+            return None
+        return solo
 
     def _measure_upload(self):
         """Bytes per second of a pinned host -> device copy (PCIE_PROBE_BYTES, best of three)."""

@@ -1,11 +1,12 @@
-"""Longer prompt chunks while nobody decodes (scheduler solo_step_tokens, GpuBackend.solo_chunk_tokens, LLM._prefill):
-a prompt read alone takes the backend's solo chunks; a slot that decodes brings back the decode share's budget; the GPU
-backend offers them only where every expert is resident and VRAM holds their activations."""
+"""Longer prompt chunks while nobody decodes (the solo_chunk_tokens setting: scheduler solo_step_tokens,
+GpuBackend.solo_chunk_tokens, LLM._prefill): a prompt read alone takes the backend's solo chunks; a slot that decodes
+brings back the decode share's budget; the GPU backend offers them only where asked, every expert is resident and VRAM
+holds their activations."""
 import numpy as np
 import pytest
 
 from gpu_kernels.numpy_runtime import NumpyRuntime
-from hybrid.backends.gpu import SOLO_CHUNK_TOKENS, GpuBackend
+from hybrid.backends.gpu import GpuBackend
 from hybrid.formats import load_model
 from tests.hybrid.test_scheduler import FakeClock, make_scheduler, request, run_step
 
@@ -39,13 +40,15 @@ def weights(gguf_models):
     return load_model(gguf_models("small", "Q8_0")[0])
 
 
-@pytest.mark.parametrize("share,kv_resident,memory_mib,expect", [
-    (1.0, None, 65536, SOLO_CHUNK_TOKENS),
-    (0.5, None, 65536, None),  # experts on the host: the chunk's host part decides its pace
-    (1.0, 128, 65536, None),  # a resident KV window is sized for chunk_tokens
-    (1.0, None, None, None),  # no room past the budget for the longer chunk's activations
+@pytest.mark.parametrize("solo,share,kv_resident,memory_mib,expect", [
+    (2048, 1.0, None, 65536, 2048),
+    (None, 1.0, None, 65536, None),  # not asked for (the default)
+    (256, 1.0, None, 65536, None),  # no more than chunk_tokens
+    (2048, 0.5, None, 65536, None),  # experts on the host: the chunk's host part decides its pace
+    (2048, 1.0, 128, 65536, None),  # a resident KV window is sized for chunk_tokens
+    (2048, 1.0, None, None, None),  # no room past the budget for the longer chunk's activations
 ])
-def test_gpu_backend_offers_solo_chunks_where_every_expert_is_resident(weights, share, kv_resident, memory_mib,
+def test_gpu_backend_offers_solo_chunks_where_every_expert_is_resident(weights, solo, share, kv_resident, memory_mib,
                                                                        expect):
     from hybrid.model import Model
 
@@ -59,7 +62,7 @@ def test_gpu_backend_offers_solo_chunks_where_every_expert_is_resident(weights, 
     else:
         memory = memory_mib << 20
     backend = GpuBackend(NumpyRuntime(memory_bytes=memory), max_context=256, resident=resident,
-                         kv_resident=kv_resident)
+                         kv_resident=kv_resident, solo_chunk_tokens=solo)
     Model(weights, backend)
     assert backend.solo_chunk_tokens == expect
 
