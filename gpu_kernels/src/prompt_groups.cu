@@ -15,7 +15,7 @@
 extern "C" __global__ void prompt_groups(const int* ids, const int* slot_map, int T, int K, int E, int TT, int W,
                                          int TR, int* order, int* row_of_pair, int* tiles) {
     extern __shared__ int sp[];
-    int* count = sp;                              // [E] resident pairs of each expert, then its tiles (the scan)
+    int* count = sp;                              // [E] resident pairs of each expert
     int* next = count + E;                        // [E] each expert's next row
     int* first_tile = next + E;                   // [E]
     unsigned* seen = (unsigned*)(first_tile + E); // [E, NW] the tokens of this round that route each expert
