@@ -3,6 +3,7 @@ with the launchers' signatures (gpu_kernels.kernels.Kernels), which also drive G
 import functools
 import time
 
+import numba
 import numpy as np
 import pytest
 
@@ -31,10 +32,17 @@ def kernels(runtime):
 
 
 def dequant(raw, qtype, num_cols):
-    """raw uint8 [..., R, B] -> float32 [..., R, C] (the CPU formats, bit-exact with gguf)."""
+    """raw uint8 [..., R, B] -> float32 [..., R, C] (the CPU formats, bit-exact with gguf), on this thread alone: the
+    stand-in dequantizes an expert's few rows thousands of times a test, where a parallel region's start costs more
+    than the rows (and its threads spin while another process holds the other core)."""
     rows = np.ascontiguousarray(raw.reshape(-1, raw.shape[-1]))
     out = np.empty((rows.shape[0], num_cols), np.float32)
-    format_for(qtype).dequantize(rows, out)
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        format_for(qtype).dequantize(rows, out)
+    finally:
+        numba.set_num_threads(before)
     return out.reshape(*raw.shape[:-1], num_cols)
 
 
