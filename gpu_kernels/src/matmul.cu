@@ -481,7 +481,7 @@ __device__ __forceinline__ XQ xq_at(const unsigned char* __restrict__ at, int C)
 }
 
 // xq [N, XQ_STEP(C)] = x [N, C] (silu_mul(x, up) where up is given: the experts' SwiGLU) rounded as stage_xq rounds
-// it: a warp a 32-value block. grid (ceil(C / (32 * blockDim / 32)), N).
+// it: a warp a 32-value block. grid (ceil(C / blockDim), N).
 extern "C" __global__ void quantize_xq(const float* __restrict__ x, const float* __restrict__ up, int has_up,
                                        unsigned char* __restrict__ xq, int C) {
     int lane = threadIdx.x & 31, b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
