@@ -46,15 +46,16 @@ class DecodeRelay:
         may be one device graph: graphs on, the relay taking the step, every relayed layer's experts plain SwiGLU,
         the worker alive and each layer's host side compiled (a graph must never wait through a compilation). None
         where it may not."""
-        relayed = [layer for layer in layers if layer.gate_exps is not None and not resident[layer.index].all()]
-        if not relayed:
+        if resident.all():
             return []
-        if not (self.graphs and self.takes(device, num_tokens, top_k)
-                and all(layer.expert_glu is None for layer in relayed)):
+        if not (self.graphs and self.takes(device, num_tokens, top_k)):  # one check a step where graphs are off
+            return None
+        relayed = [layer for layer in layers if layer.gate_exps is not None and not resident[layer.index].all()]
+        if any(layer.expert_glu is not None for layer in relayed):
             return None
         if any(self._worker_for(device, layer, resident, hidden, top_k) is None for layer in relayed):
             return None
-        return relayed if self.worker.alive else None
+        return relayed if not relayed or self.worker.alive else None
 
     def submit_step(self, device, relayed, resident, step, num_tokens):
         """Before a step graph that relays `relayed` (graph_layers') is launched, or queued for its first run: the
