@@ -29,8 +29,7 @@ GEMM_MIN_PAIRS = 8  # a prompt chunk's expert groups take it where they average 
 GEMM_MAX_SPLITS = 8  # a dense GEMM's column splits at most (GemmLaunchers.gemm_splits)
 GEMM_SPLIT_MIN_TOKENS = 128  # splits only from here: no decode step (a captured graph) gets their scratch allocation
 REDUCE_THREADS = 256
-GROUP_THREADS = 1024  # prompt_groups' block: a pair a thread in each round of its row pass
-GROUP_SHARED = 48 * 1024  # prompt_groups' dynamic shared memory at most (its rounds shrink to fit)
+GROUP_THREADS = 256  # prompt_groups' block: a thread an expert in its row pass (more where there are more experts)
 GEMM_MATHS = {"tf32x3": 3, "tf32": 1, "fp32": 0}  # gemm.cu's GEMM_MATH of each gemm_math setting
 DEFAULT_GEMM_MATH = "tf32x3"
 DEFAULT_GEMM_ASYNC = 1  # gemm.cu's GEMM_ASYNC: stages double-buffered by cp.async on the tensor-core path
@@ -198,13 +197,11 @@ class GemmLaunchers:
             raise ValueError(f"prompt_groups: {tiles.shape[1]} work tiles for {num_pairs} pairs over {num_experts} "
                              f"experts in tiles of {tile_tokens}; expected at least "
                              f"{group_tiles_bound(num_pairs, num_experts, tile_tokens)}")
-        num_tokens, k = ids.shape
-        words = max(1, min(GROUP_THREADS // k // 32, (GROUP_SHARED // 4 - 3 * num_experts - 2) // num_experts))
-        round_tokens = 32 * words  # prompt_groups' TR: a pair a thread, its bits within GROUP_SHARED
-        self._launch(self._ops("prompt_groups"), (1,), GROUP_THREADS,
-                     (ids, slot_map, np.int32(num_tokens), np.int32(k), np.int32(num_experts), np.int32(tile_tokens),
-                      np.int32(tiles.shape[1]), np.int32(round_tokens), order, row_of_pair, tiles),
-                     shared_mem=4 * (3 * num_experts + num_experts * (round_tokens // 32)))
+        threads = max(GROUP_THREADS, self._threads(num_experts, cap=1024))
+        self._launch(self._ops("prompt_groups"), (1,), threads,
+                     (ids, slot_map, np.int32(num_pairs), np.int32(num_experts), np.int32(tile_tokens),
+                      np.int32(tiles.shape[1]), order, row_of_pair, tiles),
+                     shared_mem=4 * (3 * num_experts + threads))
 
     def moe_gemm(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=MOE_GEMM_TOKENS):
         """out [N, R] = per work tile w: x[rows of w] @ dequant(raw [S, R, B][tile_slot[w]]).T; tiles int32 [W] of at
