@@ -22,7 +22,7 @@ from tqdm import tqdm
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from gpu_kernels.hipcc import Hipcc, kernel_assembly, kernel_lines  # noqa: E402
 from gpu_kernels.kernels import format_tuning, tuned_source  # noqa: E402
-from gpu_kernels.sources import INT_DECODE, INT_DECODE_KERNELS, module_name  # noqa: E402
+from gpu_kernels.sources import INT_DECODE, INT_DOT_KERNELS, module_name  # noqa: E402
 
 LABEL = re.compile(r"^\.(LBB\d+_\d+):(.*)$")
 WORK = ("v_dot4", "v_mul_i32_i24", "v_mad_i32_i24")  # the dots' instructions: the chip's, or the products' multiplies
@@ -85,7 +85,7 @@ def main():
     lines = ["| format | chip | kernel | instructions, 4 products | with the dot instruction | dot loop, 4 products "
              "| dot loop, with the dot instruction | dots in it | loop ratio |", "|---" * 9 + "|"]
     lines += [row(q, chip, kernel, built[(q, chip, False)], built[(q, chip, True)])
-              for q in formats for chip in chips for kernel in INT_DECODE_KERNELS]
+              for q in formats for chip in chips for kernel in INT_DOT_KERNELS]
     table = "\n".join(lines)
     print(table)
     if args.output:

@@ -49,8 +49,9 @@ OPS_KERNELS = ("rmsnorm", "rope_neox", "attn_merge", "swiglu", "route_topk", "ga
                "add_pair_bias", "add_rmsnorm", "qk_norm_rope", "decode_pairs", "decode_groups", "prompt_groups")
 MATMUL_KERNELS = ("matmul", "matmul_1", "moe_matmul", "moe_matmul_1", "moe_matmul2_1", "dequant_rows", "matmul_n")
 # one token, x rounded to int16 (formats in INT_DECODE)
-INT_DECODE_KERNELS = ("matmul_1q", "moe_matmul_1q", "moe_matmul2_1q", "moe_matmul_glu_1q", "matmul_nq", "quantize_xq",
-                      "matmul_1qx", "matmul_nqx", "moe_matmul_1qx", "moe_matmul2_1qx")
+INT_DOT_KERNELS = ("matmul_1q", "moe_matmul_1q", "moe_matmul2_1q", "moe_matmul_glu_1q", "matmul_nq", "matmul_1qx",
+                   "matmul_nqx", "moe_matmul_1qx", "moe_matmul2_1qx")  # the dots; quantize_xq rounds x for the `_qx`
+INT_DECODE_KERNELS = INT_DOT_KERNELS + ("quantize_xq",)
 # formats whose header defines INT_DECODE (slice_dot_q)
 INT_DECODE = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.IQ3_S})
 KV_DEFINES = {"f32": "KV_F32", "f16": "KV_F16", "bf16": "KV_BF16", "int8": "KV_INT8"}  # KV dtype -> kv.cu's type

@@ -15,7 +15,7 @@ from gpu_kernels import hiprtc
 from gpu_kernels.errors import KernelCompileError
 from gpu_kernels.hipcc import Hipcc, find_hipcc, kernel_assembly
 from gpu_kernels.kernels import format_tuning, has_dot4, tuned_source
-from gpu_kernels.sources import FORMAT_HEADERS, INT_DECODE, INT_DECODE_KERNELS, module_name, module_source
+from gpu_kernels.sources import FORMAT_HEADERS, INT_DECODE, INT_DOT_KERNELS, module_name, module_source
 
 from .module_sets import DEFAULT_MODULES, REST_MODULES, module_params
 
@@ -164,7 +164,7 @@ def test_the_assembly_bench_counts_fewer_loop_instructions_with_the_dot_instruct
     assert done.returncode == 0, done.stderr
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[2:]]
     assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
-        ("Q8_0", "gfx1100", kernel) for kernel in INT_DECODE_KERNELS]
+        ("Q8_0", "gfx1100", kernel) for kernel in INT_DOT_KERNELS]
     for r in rows:
         products_loop, dot_loop, dots = int(r[5]), int(r[6]), int(r[7])
         assert dots > 0 and products_loop > dot_loop > 0
