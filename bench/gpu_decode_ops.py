@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT))
 from hybrid.setup.attention_time import best_replay_seconds  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, MOE_FF, EPS = 2048, 32, 4, 128, 128, 8, 768, 1e-6
+DENSE_MATMULS = (("q+k Q4_K", Q.Q4_K, 4608, HIDDEN), ("v Q6_K", Q.Q6_K, 512, HIDDEN),  # (label, format, rows, cols)
+                 ("output Q6_K", Q.Q6_K, HIDDEN, HEADS * HEAD_DIM), ("router F32", Q.F32, EXPERTS, HIDDEN))
 PREVIOUS = ("prev_rmsnorm", "prev_add_rmsnorm", "prev_combine_rows", "prev_route_topk")
 
 
@@ -178,9 +180,7 @@ def few_token_ops(rt, stream, rng, num_tokens):
         return dev(encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw)
 
     found = []
-    for label, qtype, rows, cols in (("q+k Q4_K", Q.Q4_K, 4608, HIDDEN), ("v Q6_K", Q.Q6_K, 512, HIDDEN),
-                                     ("output Q6_K", Q.Q6_K, HIDDEN, HEADS * HEAD_DIM),
-                                     ("router F32", Q.F32, EXPERTS, HIDDEN)):
+    for label, qtype, rows, cols in DENSE_MATMULS:
         w, x = raw(qtype, (rows, cols)), dev(rng.standard_normal((num_tokens, cols)).astype(np.float32))
         out = rt.empty((num_tokens, rows), np.float32)
         found.append((f"matmul {label} {rows} x {cols}, {num_tokens} tokens",
@@ -212,9 +212,7 @@ def matmul_ops(rt, variants, rng):
         return dev(encode("w", rng.standard_normal(shape).astype(np.float32), qtype, rng).raw)
 
     found = []
-    for label, qtype, rows, cols in (("q+k Q4_K", Q.Q4_K, 4608, HIDDEN), ("v Q6_K", Q.Q6_K, 512, HIDDEN),
-                                     ("output Q6_K", Q.Q6_K, HIDDEN, HEADS * HEAD_DIM),
-                                     ("router F32", Q.F32, EXPERTS, HIDDEN)):
+    for label, qtype, rows, cols in DENSE_MATMULS:
         w, x, out = raw(qtype, (rows, cols)), dev(rng.standard_normal((1, cols)).astype(np.float32)), \
             rt.empty((1, rows), np.float32)
         found.append((f"matmul {label} {rows} x {cols}",
