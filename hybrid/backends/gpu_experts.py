@@ -98,21 +98,8 @@ class GpuExperts:
         tile_tokens = 1 if num_tokens == 1 else moe_tile_tokens(
             projections, sum(len(g.order) for *_, g in parts), sum(g.num_groups for *_, g in parts), TILE_TOKENS)
         order, pair_rows, tile_args = _pair_layout(be, parts, num_tokens * k, tile_tokens)
-        num_pairs, width = len(order), layer.gate_exps.shape[1]
-        xs = be.rt.empty((num_pairs, x.shape[1]), np.float32)  # [N, H]
-        be.kernels.gather_rows(x, order, k, xs)
-        gate = be.rt.empty((num_pairs, width), np.float32)  # [N, F]
-        up = be.rt.empty((num_pairs, width), np.float32)  # [N, F]
-        down = be.rt.empty((num_pairs, x.shape[1]), np.float32)  # [N, H]
-        for (slabs, _, _), args in zip(parts, tile_args):
-            be.kernels.moe_matmul(slabs[0], layer.gate_exps.qtype, xs, gate, *args, tile_tokens)
-            be.kernels.moe_matmul(slabs[1], layer.up_exps.qtype, xs, up, *args, tile_tokens)
-        activate(be, layer, gate, up, order, ids)
-        for (slabs, _, _), args in zip(parts, tile_args):
-            be.kernels.moe_matmul(slabs[2], layer.down_exps.qtype, gate, down, *args, tile_tokens)
-        add_down_bias(be, layer, down, order, ids)
-        pending.out = be.rt.empty(x.shape, np.float32)  # [T, H]
-        be.kernels.combine_rows(down, pair_rows, weights, k, pending.out)
+        pending.out = _queue_pairs(be, layer, x, ids, weights, order, pair_rows,
+                                   [(slabs, args) for (slabs, _, _), args in zip(parts, tile_args)], tile_tokens)
         pending.stop = be.rt.event(timing=True)
         pending.stop.record(be.stream)
         return pending
@@ -134,19 +121,8 @@ class GpuExperts:
         row_of_pair = be.rt.empty((num_pairs,), np.int32)  # [T*K]
         tiles = be.rt.empty((3, group_tiles_bound(num_pairs, num_experts, tile_tokens)), np.int32)  # [3, W]
         be.kernels.prompt_groups(ids, be.cache.slot_map[layer.index], tile_tokens, order, row_of_pair, tiles)
-        xs = be.rt.empty((num_pairs, hidden), np.float32)  # [N, H]
-        be.kernels.gather_rows(x, order, k, xs)
-        gate = be.rt.empty((num_pairs, width), np.float32)  # [N, F]
-        up = be.rt.empty((num_pairs, width), np.float32)  # [N, F]
-        down = be.rt.empty((num_pairs, hidden), np.float32)  # [N, H]
-        slabs = be.cache.layers[layer.index]
-        be.kernels.moe_matmul(slabs[0], layer.gate_exps.qtype, xs, gate, *tiles, tile_tokens)
-        be.kernels.moe_matmul(slabs[1], layer.up_exps.qtype, xs, up, *tiles, tile_tokens)
-        activate(be, layer, gate, up, order, ids)
-        be.kernels.moe_matmul(slabs[2], layer.down_exps.qtype, gate, down, *tiles, tile_tokens)
-        add_down_bias(be, layer, down, order, ids)
-        pending.out = be.rt.empty(x.shape, np.float32)  # [T, H]
-        be.kernels.combine_rows(down, row_of_pair, weights, k, pending.out)
+        pending.out = _queue_pairs(be, layer, x, ids, weights, order, row_of_pair,
+                                   [(be.cache.layers[layer.index], tiles)], tile_tokens)
         if be.time_experts:
             pending.stop.record(be.stream)
         return pending
@@ -308,6 +284,28 @@ def add_down_bias(be, layer, down, order, ids):
     """down [N, H] += the down projection's bias of each pair row's expert, where the layer has an ExpertGLU."""
     if layer.expert_glu is not None:
         be.kernels.add_pair_bias(down, order, ids, be._weight(layer.expert_glu.down_bias))
+
+
+def _queue_pairs(be, layer, x, ids, weights, order, pair_rows, parts, tile_tokens):
+    """Queue a chunk's grouped pairs on the stream: gather, gate/up, SwiGLU, down, weighted combine. x [T, H],
+    ids / weights [T, K]; order [N] (the token of each pair row), pair_rows [T*K] (each pair's row); parts: (device
+    slots (gate, up, down), tile arguments) of each run of expert tiles. Returns the combined rows [T, H]."""
+    k, num_pairs, hidden, width = ids.shape[1], len(order), x.shape[1], layer.gate_exps.shape[1]
+    xs = be.rt.empty((num_pairs, hidden), np.float32)  # [N, H]
+    be.kernels.gather_rows(x, order, k, xs)
+    gate = be.rt.empty((num_pairs, width), np.float32)  # [N, F]
+    up = be.rt.empty((num_pairs, width), np.float32)  # [N, F]
+    down = be.rt.empty((num_pairs, hidden), np.float32)  # [N, H]
+    for slabs, tiles in parts:
+        be.kernels.moe_matmul(slabs[0], layer.gate_exps.qtype, xs, gate, *tiles, tile_tokens)
+        be.kernels.moe_matmul(slabs[1], layer.up_exps.qtype, xs, up, *tiles, tile_tokens)
+    activate(be, layer, gate, up, order, ids)
+    for slabs, tiles in parts:
+        be.kernels.moe_matmul(slabs[2], layer.down_exps.qtype, gate, down, *tiles, tile_tokens)
+    add_down_bias(be, layer, down, order, ids)
+    out = be.rt.empty(x.shape, np.float32)  # [T, H]
+    be.kernels.combine_rows(down, pair_rows, weights, k, out)
+    return out
 
 
 def _pair_layout(be, parts, num_pair_slots, tile_tokens):
