@@ -17,6 +17,7 @@ from .batch import Batch, SeqChunk
 from .errors import RequestError
 from .expert_usage import ExpertUsage
 from .grammar import GrammarError, GrammarVocab, allowed
+from .model import solo_chunk_tokens
 from .request import Delta, Failed, Finished, RequestHandle, StopFilter, check_prompt, timings
 from .sampling import Sampler, token_logprob
 from .scheduler import DEFAULT_DECODE_SHARE, DEFAULT_STEP_TOKENS, Scheduler
@@ -40,13 +41,6 @@ class _Live:
     logprobs: list = None  # the TokenLogprobs so far, when the request asks for them
     spec: SlotSpeculation = None  # the request's drafter, when it drafts
     text: str = ""
-
-
-
-def solo_chunk_tokens(model):
-    """The prompt tokens a step may read while no slot decodes: the model's backend's solo_chunk_tokens where it has
-    them (GpuBackend holding every expert), else None (the step budget)."""
-    return getattr(getattr(model, "backend", None), "solo_chunk_tokens", None)
 
 
 def _weak(method):

@@ -11,7 +11,7 @@ from .batch import Batch, SeqChunk
 from .config import EngineConfig, check_isa_floor
 from .expert_usage import ExpertUsage
 from .formats import load_model
-from .model import Model
+from .model import Model, solo_chunk_tokens
 from .request import StopFilter, check_prompt, context_limit, end_reason, timings
 from .devices import stage_gpus
 from .residency import expert_cache_device, resident_choice
@@ -159,7 +159,7 @@ class LLM:
     def _prefill(self, ids, kv, logits="last"):
         """Read `ids` into `kv` chunk by chunk (the backend's solo_chunk_tokens a chunk where it has them and the last
         logits are all that is asked); returns the logits the chunks asked for."""
-        solo = getattr(self.model.backend, "solo_chunk_tokens", None) if logits == "last" else None
+        solo = solo_chunk_tokens(self.model) if logits == "last" else None
         step, outputs = max(PREFILL_CHUNK, solo or 0), []
         for lo in range(0, len(ids), step):
             chunk = np.asarray(ids[lo : lo + step], dtype=np.int64)

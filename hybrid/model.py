@@ -21,6 +21,12 @@ from .weight_formats import dequantize
 log = logging.getLogger(__name__)
 
 
+def solo_chunk_tokens(model):
+    """The prompt tokens a step may read while no slot decodes: the model's backend's solo_chunk_tokens where it has
+    them (GpuBackend holding every expert), else None (the step budget)."""
+    return getattr(getattr(model, "backend", None), "solo_chunk_tokens", None)
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer's weights (each field filled from the tensor its family declares for it: hybrid/arch/base.py
