@@ -11,6 +11,8 @@ read) or `GxT` items.
     python bench/prefill_groups.py --sizes /tmp/sizes.npy --layers
     # against an older tree, one process, round by round (git archive OLD | tar -x -C /tmp/old):
     python bench/prefill_groups.py --sizes /tmp/sizes.npy --layers --runs 9 --baseline /tmp/old
+    # the exact (float x) projections of a linear-attention layer, a 256-token chunk:
+    python bench/prefill_groups.py --dense --sizes 1x256 --act-quant float --baseline /tmp/old
 
 Prints per weight shape and group set: ms a call (median and min of `--runs`, process CPU time) and G
 multiply-adds a second; with --baseline both trees, the baseline's time over this tree's, and whether their
@@ -31,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 NUM_EXPERTS = 512
 SHAPES = (("q4_k", 512, 2048, True), ("q6_k", 2048, 512, False))  # format, rows, columns, gate+up pair
+DENSE_SHAPES = (("q4_k", 8192, 2048, False), ("q4_k", 4096, 2048, False))  # the linear-attention layer's attn_qkv,
+# attn_gate (--dense: one weight, a 1xT group; with --act-quant float the exact projections' prefill tiles)
 
 
 def parse_sizes(text, layers, num_layer_pairs):
@@ -107,6 +111,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=256, help="the prompt's tokens (with --layers, top-10)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--hot", action="store_true", help="every group on expert 0 (weights from cache)")
+    p.add_argument("--dense", action="store_true", help="DENSE_SHAPES (one weight each) instead of the experts'")
     p.add_argument("--act-quant", default="int16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--baseline", help="another tree's root: its cpu_kernels timed beside this tree's, round by round")
@@ -127,14 +132,15 @@ def main(argv=None):
     print("| weight | groups | " + " | ".join(f"{label}: ms a call (median, min), GMAC/s" for label in trees)
           + (" | ratio (median) | outputs" if args.baseline else "") + " |")
     print("|---|---|" + "---|" * (len(trees) + (2 if args.baseline else 0)))
-    for fmt_name, rows, cols, pair in SHAPES:
+    num_experts = 1 if args.dense else NUM_EXPERTS
+    for fmt_name, rows, cols, pair in DENSE_SHAPES if args.dense else SHAPES:
         fmts = {label: importlib.import_module(f"{pkg.__name__}.{fmt_name}") for label, pkg in trees.items()}
-        raws = tuple(fmts["this tree"].random_blocks(rng, (NUM_EXPERTS, rows, cols), 0.02)
+        raws = tuple(fmts["this tree"].random_blocks(rng, (num_experts, rows, cols), 0.02)
                      for _ in range(2 if pair else 1))
         for label, sizes in sets:
             num_pairs = int(sizes.sum())
             x = rng.standard_normal((num_pairs, cols)).astype(np.float32)
-            experts = np.zeros(len(sizes), np.int64) if args.hot else \
+            experts = np.zeros(len(sizes), np.int64) if args.hot or args.dense else \
                 rng.choice(NUM_EXPERTS, size=len(sizes), replace=False).astype(np.int64)
             starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
             outs, calls = {}, {}

@@ -24,7 +24,7 @@ from numba.core.extending import intrinsic
 
 from . import simd
 from .simd import F32, I64
-from .tiles import TOKENS_PER_ITEM
+from .tiles import ROWS_PER_ITEM, TOKENS_PER_ITEM
 from .twins import serial_twin
 
 ROWS_PER_PASS = 8  # weight rows per micro-kernel pass: 8 x 32 tokens = 16 AVX-512 accumulators
@@ -150,3 +150,23 @@ def dot_tile(w, num_rows, panel, t0, t1, out, r0):
             for t in range(p0, p1):
                 for i in range(min(ROWS_PER_PASS, num_rows - k)):
                     out[t, r0 + k + i] = res[i, t - p0]
+
+
+@njit(nogil=True, cache=True)
+def unpacked_rows_f32(num_cols, num_rows):
+    """The work buffer of one float prefill item of num_rows rows: w f32 [K, C], the rows past num_rows zero (a pass
+    multiplies ROWS_PER_PASS rows; their results are dropped, but must stay finite), the others for the item to fill
+    (zeroing all K rows, 128 KB at C = 2048, cost as much as the item's unpacking)."""
+    w = np.empty((ROWS_PER_ITEM, num_cols), dtype=np.float32)
+    w[num_rows:] = 0
+    return w
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def tile_f32(w, num_rows, panels, item, out):
+    """dot_tile of work item (e, r0, t0, t1, s, r1) with its chunks' panels [S, C, 64] (token_panels): tokens t0:t1
+    in chunks of TOKENS_PER_ITEM (chunk s, then s + 1, ...), the item's rows w [K, C] unpacked once for all."""
+    s = item[4]
+    for c0 in range(item[2], item[3], TOKENS_PER_ITEM):
+        dot_tile(w, num_rows, panels[s], c0, min(c0 + TOKENS_PER_ITEM, item[3]), out, item[1])
+        s += 1

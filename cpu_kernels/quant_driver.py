@@ -26,9 +26,9 @@ from numba import njit, prange
 
 from . import simd
 from .act_quant import FLOAT, INT8, INT16, quantize_rows, quantize_rows_i8, without_int8
-from .prefill import dot_tile, token_panels
+from .prefill import dot_tile, tile_f32, token_panels, unpacked_rows_f32
 from .prefill_i16 import integer_prefill, tile_i16, token_panels_i16, unpack_row_i16_intrinsic, unpacked_rows
-from .tiles import NO_CHUNK, PROMPT_ITEMS, ROWS_PER_ITEM, decode_sub_block_sums, work_items
+from .tiles import NO_CHUNK, PROMPT_ITEMS, decode_sub_block_sums, work_items
 from .tokens_dot import tokens_dot_intrinsic
 from .twins import renamed_copy
 
@@ -116,10 +116,10 @@ def tile(w, x, xq, xaux, panels, pxq, pdx, psums, out, item, act_quant):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
         tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
-    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
+    buf = unpacked_rows_f32(x.shape[1], r1 - r0)  # [K, C]
     for r in range(r0, r1):
         _unpack_row_fast(w, r, buf[r - r0])  # noqa: F821
-    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
+    tile_f32(buf, r1 - r0, panels, item, out)
 
 
 def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_quant):
@@ -145,10 +145,10 @@ def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_q
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
         tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
-    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
+    buf = unpacked_rows_f32(x.shape[1], r1 - r0)  # [K, C]
     for r in range(r0, r1):
         _unpack_row_fast(w, r, buf[r - r0])  # noqa: F821
-    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
+    tile_f32(buf, r1 - r0, panels, item, out)
 
 
 def tile_sums(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_quant):
@@ -174,10 +174,10 @@ def tile_sums(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, ite
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
         tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
-    buf = np.zeros((ROWS_PER_ITEM, x.shape[1]), dtype=np.float32)  # [K, C]
+    buf = unpacked_rows_f32(x.shape[1], r1 - r0)  # [K, C]
     for r in range(r0, r1):
         _unpack_row_fast(w, r, buf[r - r0])  # noqa: F821
-    dot_tile(buf, r1 - r0, panels[item[4]], t0, t1, out, r0)
+    tile_f32(buf, r1 - r0, panels, item, out)
 
 
 # -- moe_matmul: its serial part (prepare), one item (run_item), the parallel region -----------------------
