@@ -257,21 +257,28 @@ def _panels_i16(x, spans, levels):
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _fill_panel_i16(x, t0, t1, levels, xq, dx, sums):
-    """One chunk's panels, each 32 values rounded as the decode rounding does (act_quant's block intrinsics:
-    the same bits under every caller's fast-math flags, which LLVM passes to what it inlines)."""
-    tmp = np.empty(SUB, dtype=np.int16)
-    for t in range(t0, t1):
-        tt = t - t0
-        row = x[t]
-        for j in range(x.shape[1] // SUB):
+    """One chunk's panels, a 32-column block at a time: each token's 32 values rounded as the decode rounding does
+    (act_quant's block intrinsics: the same bits under every caller's fast-math flags, which LLVM passes to what it
+    inlines) into a small buffer, then the block's 16 column pairs stored as rows of the tokens' int32 pairs (a token
+    at a time, its 32 values went to 32 places of 16 rows of the panel: 1.6 ns a value at C = 2048)."""
+    num_tokens = t1 - t0
+    tmp = np.zeros(SUB * TOKENS_PER_ITEM, dtype=np.int16)  # [64 tokens x 32 values]
+    tmp_pairs = tmp.view(np.int32)  # [64 tokens x 16 column pairs]
+    xq_pairs = xq.view(np.int32)  # [P, 64]: column pair p of token t at [p, t]
+    for j in range(x.shape[1] // SUB):
+        for tt in range(num_tokens):
+            row = x[t0 + tt]
             amax, total = _block_stats(row, j)
             sums[j, tt] = total
             if amax < TINY:  # all zero, or too small for levels / amax to stay finite: no integer part
+                tmp_pairs[SUB // 2 * tt:SUB // 2 * (tt + 1)] = 0
                 continue
             dx[j, tt] = amax / levels
-            _round_block(row, j, levels / amax, tmp, 0, -1)
-            for c in range(SUB):
-                xq[(SUB * j + c) // 2, 2 * tt + c % 2] = tmp[c]
+            _round_block(row, j, levels / amax, tmp, SUB * tt, -1)
+        for q in range(SUB // 2):
+            p = SUB // 2 * j + q
+            for tt in range(num_tokens):
+                xq_pairs[p, tt] = tmp_pairs[SUB // 2 * tt + q]
 
 
 _panels_i16_serial = serial_twin(_panels_i16)
