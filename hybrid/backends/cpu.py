@@ -88,9 +88,9 @@ class _Scratch:
 
 
 def expert_work_bytes(num_tokens, top_k, hidden, width):
-    """Bytes of one thread's reused expert work arrays (_Scratch) after a step of num_tokens tokens:
-    xs and down [N, H], gate and up [N, F] float32, N = num_tokens * top_k pairs."""
-    return 4 * num_tokens * top_k * (2 * hidden + 2 * width)
+    """Bytes of one thread's reused expert work arrays (_Scratch) after a step of num_tokens tokens: xs [N, H] (then
+    the activation [N, F]: the larger), down [N, H], gate and up [N, F] float32, N = num_tokens * top_k pairs."""
+    return 4 * num_tokens * top_k * (max(hidden, width) + hidden + 2 * width)
 
 
 class CpuBackend(CpuDeltaOps):
@@ -359,14 +359,17 @@ class CpuBackend(CpuDeltaOps):
         else:
             gate_k.parallel(gate_k.raws, xs, expert_ids, row_starts, (gate,), act_quant)
             up_k.parallel(up_k.raws, xs, expert_ids, row_starts, (up,), act_quant)
+        # the activation into xs's buffer (read by gate and up only, done): written over gate in place, its loop
+        # runs scalar (the vector loop's overlap check fails)
+        act = scratch.get("xs", (num_pairs, width))  # [N, F]
         if glu is None:
-            (activation.swiglu_serial if small else activation.swiglu)(gate, up, gate)
+            (activation.swiglu_serial if small else activation.swiglu)(gate, up, act)
         else:
             pair_expert = np.repeat(np.asarray(expert_ids, dtype=np.int64), np.diff(row_starts))  # [N]
             (activation.clamped_swiglu_serial if small else activation.clamped_swiglu)(
-                gate, up, pair_expert, glu.gate_bias, glu.up_bias, glu.alpha, glu.limit, gate)
+                gate, up, pair_expert, glu.gate_bias, glu.up_bias, glu.alpha, glu.limit, act)
         down = scratch.get("down", (num_pairs, hidden))  # [N, H]
-        down_k.parallel(down_k.raws, gate, expert_ids, row_starts, (down,), act_quant)
+        down_k.parallel(down_k.raws, act, expert_ids, row_starts, (down,), act_quant)
         if glu is not None:
             (activation.add_pair_bias_serial if small else activation.add_pair_bias)(down, pair_expert, glu.down_bias)
         out = np.zeros((num_tokens, hidden), dtype=np.float32)
