@@ -23,6 +23,7 @@ import numpy as np
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from hybrid import LLM  # noqa: E402
 from cpu_kernels.target import chosen_threads  # noqa: E402
+from hybrid.backends.cpu import CpuBackend  # noqa: E402
 from hybrid.moe import SplitSettings  # noqa: E402
 
 log = logging.getLogger("bench.gpu_model")
@@ -36,21 +37,25 @@ DECODE_MODES = {
                                 relay_threads=lambda: max(1, chosen_threads() - 1)),
     "thread": dict(decode_relay=False, decode_host_thread=True, compiled_host_decode=True),
     "inline, op by op": dict(decode_relay=False, decode_host_thread=False, compiled_host_decode=False),
-    "relay, claimed items": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True, claimed=True),
+    "relay, static shares": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True, claimed=False),
     "relay, step graph": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True,
                               relay_graphs=True),
+    "relay, step graph, static shares": dict(decode_relay=True, decode_host_thread=False, compiled_host_decode=True,
+                                             relay_graphs=True, claimed=False),
 }
 DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "relay": "handed to a host worker through mapped memory, the calling thread never waits",
                 "relay, a core spare": "the same, the worker's experts on one Numba thread fewer "
                 "(STRATA_RELAY_THREADS), leaving the calling thread a core",
                 "thread": "one compiled call in a worker thread", "inline, op by op": "NumPy bookkeeping and five "
-                "kernel calls", "relay, claimed items": "the relay, its worker's gate+up and down items claimed by the "
-                "threads rather than in static shares (CpuBackend.claimed_host_experts)",
+                "kernel calls", "relay, static shares": "the relay, its worker's gate+up and down items in static shares "
+                "of the threads rather than claimed (CpuBackend.claimed_host_experts off)",
                 "relay, step graph": "the relay, the whole decode step one captured graph that waits on the host's rows "
-                "inside it (relay_graphs; its overlap rows are traced layer by layer)"}
+                "inside it (relay_graphs; its overlap rows are traced layer by layer)",
+                "relay, step graph, static shares": "the step graph with the worker's items in static shares"}
 MODE_KEYS = {"inline": "inline", "relay": "relay", "spare": "relay, a core spare", "thread": "thread",
-             "opbyop": "inline, op by op", "claimed": "relay, claimed items", "graph": "relay, step graph"}  # --modes names; relayN (e.g. relay14): the relay's worker on N threads
+             "opbyop": "inline, op by op", "static": "relay, static shares", "graph": "relay, step graph",
+             "graphstatic": "relay, step graph, static shares"}  # --modes names; relayN (e.g. relay14): the relay's worker on N threads
 
 
 def mode_name(key):
@@ -61,7 +66,8 @@ def mode_name(key):
         DECODE_NOTES[name] = f"the relay, its worker's experts on {threads} Numba threads"
         return name
     return MODE_KEYS.get(key)
-DEFAULT_MODE = "relay" if SplitSettings().decode_relay else "inline"
+DEFAULT_MODE = (("relay, step graph" if SplitSettings().relay_graphs else "relay") if SplitSettings().decode_relay
+                else "inline")
 
 
 def use_mode(split, mode):
@@ -73,7 +79,7 @@ def use_mode(split, mode):
     split.host_side.compiled_host_decode = settings["compiled_host_decode"]
     threads = settings.get("relay_threads")
     split.relay.threads = threads() if threads else split.settings.relay_threads
-    claimed = settings.get("claimed", False)
+    claimed = settings.get("claimed", CpuBackend.claimed_host_experts)
     if getattr(split.host, "claimed_host_experts", claimed) != claimed:
         split.host.claimed_host_experts = claimed
         split.relay.close()  # its layers warmed again: the new plans compile before the device waits on them
@@ -359,7 +365,7 @@ def main(argv=None):
              "random routings, the relay worker's thread count)", "",
              "GB/s: the non-resident pairs' expert bytes over the time. Hot: calls back to back; gaps: 0.2 ms "
              "asleep between calls (as between a step's layers). Items: the gate+up and down items in static "
-             "shares (the default) or claimed by the threads (CpuBackend.claimed_host_experts).", "",
+             "shares or claimed by the threads (CpuBackend.claimed_host_experts, the default).", "",
              "| resident % | threads | items | pairs a call | ms a call, hot | GB/s hot | ms a call, gaps | GB/s gaps |",
              "|---|---|---|---|---|---|---|---|", *alone, ""]
     log.info("\n%s", "\n".join(lines))
@@ -372,7 +378,8 @@ def main(argv=None):
 def users_ways(users, modes):
     """(relay_tokens, relay_graphs) of each users-at-once run: the prompt-chunk way, the whole step through the relay,
     and (with the step graph among the modes) that step as one graph."""
-    return ((1, False), (users, False)) + (((users, True),) if "relay, step graph" in modes else ())
+    return ((1, SplitSettings().relay_graphs), (users, False)) + (((users, True),) if "relay, step graph" in modes
+                                                                    else ())
 
 
 def users_table(users, num_tokens, rows, modes):

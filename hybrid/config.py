@@ -109,7 +109,7 @@ class EngineConfig:
                                 env="STRATA_DECODE_RELAY_TOKENS")
     relay_threads: int = setting(None, integer(1), "Numba threads of the relay worker's CPU experts (default: "
                                  "--threads)", "gpu")
-    relay_graphs: bool = setting(False, switch, "with step graphs, a decode step whose CPU experts go through the "
+    relay_graphs: bool = setting(True, switch, "with step graphs, a decode step whose CPU experts go through the "
                                  "relay as one captured graph, waiting on the CPU's rows inside it (1), or layer by "
                                  "layer (0)", "gpu")
     prefill_cpu_share: float = setting(None, number(0, 1), "share of a prompt chunk's expert work kept on the CPU "
@@ -120,9 +120,9 @@ class EngineConfig:
                                  "by one (0)", "gpu")
     step_graphs: bool = setting(True, switch, "with dense graphs, a decode step whose experts are all resident as one "
                                 "captured graph (1) or layer by layer (0)", "gpu")
-    solo_chunk_tokens: int = setting(None, integer(1), "GPU holding every expert: prompt tokens a step reads while no "
-                                     "slot decodes, where VRAM holds their activations (e.g. 2048: fewer, fuller expert "
-                                     "tiles; default: the 512-token step)", "gpu", metavar="N")
+    solo_chunk_tokens: int = setting(2048, integer(1), "GPU holding every expert: prompt tokens a step reads while no "
+                                     "slot decodes, where VRAM holds their activations (fewer, fuller expert tiles; a "
+                                     "user arriving mid-read waits up to one such step)", "gpu", metavar="N")
     gemm_math: str = setting("tf32x3", choice(*GEMM_MATHS, fold=True), "how a prompt chunk's GPU matmuls "
                              "and attention multiply (NVIDIA sm_80+): tf32x3 (tensor cores, each operand split in two "
                              "TF32 parts: float32-like, default), tf32 (one TF32 product: faster, ~3e-4 off) or fp32 "

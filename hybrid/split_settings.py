@@ -22,7 +22,7 @@ class SplitSettings:
     decode_relay: bool = True
     relay_tokens: int = 1
     relay_threads: Optional[int] = None
-    relay_graphs: bool = False
+    relay_graphs: bool = True
 
     def __post_init__(self):
         if self.cpu_share is not None and not 0.0 <= self.cpu_share <= 1.0:

@@ -109,9 +109,10 @@ class CpuBackend(CpuDeltaOps):
     _kernels = None  # id(weight): _WeightKernels, made at first use (subclasses need not call an __init__)
     _local = None  # per thread: the _Scratch of grouped_experts
     _host_plans = None  # layer index: cpu_host_experts.HostExpertsPlan, made at the layer's first hybrid decode step
-    # a hybrid decode step's host experts with their gate+up and down items claimed by the threads, not in static
-    # shares (cpu_host_experts.claimed_matmul_template; bit-identical)
-    claimed_host_experts = False
+    # a hybrid decode step's host experts with their gate+up and down items claimed by the threads (a thread slowed
+    # by a core it shares holds up only what it took), not in static shares (cpu_host_experts.claimed_matmul_template;
+    # bit-identical)
+    claimed_host_experts = True
     # int64 [W, cpu_decode_fused.TRACE_COLUMNS]: ticks each worker of a fused decode layer spends per stage,
     # summed over calls (cpu_decode_fused.fused_layer; bench/fused_stages.py sets it); zero rows: not profiled
     stage_trace = np.zeros((0, 0), dtype=np.int64)

@@ -6,10 +6,17 @@ from gguf import GGMLQuantizationType as Q
 
 from gpu_kernels.kernels import (DECODE_MIN_BLOCKS, DECODE_ROWS, DECODE_TUNING, LANE_SLICES, MATMUL_THREADS,
                                  GPU_INT16_FORMATS, SLICE_WEIGHTS, Kernels, format_tuning, gpu_act_quant,
-                                 tuned_module_name, tuned_source)
+                                 XQ_KERNELS, tuned_module_name, tuned_source)
 from gpu_kernels.nvrtc import Nvrtc, find_library
 from gpu_kernels.runtime import amd_chip
 from gpu_kernels.sources import INT_DECODE, module_name, module_source
+
+
+@pytest.fixture(autouse=True)
+def blocks_round_x(monkeypatch):
+    """The tuning as the per-block `_q` kernels take it: their `_qx` twins (x rounded once a launch, the default)
+    launch with the same grid and arguments (test_a_twin_launches_as_its_per_block_kernel)."""
+    monkeypatch.setattr("gpu_kernels.kernels.XQ_PER_LAUNCH", frozenset())
 
 
 class LaunchRecorder:
@@ -35,6 +42,12 @@ class LaunchRecorder:
         self.launches.append((function, grid, args))
         self.shared.append(shared_mem)
 
+    @staticmethod
+    def empty(shape, dtype):  # the scratch of x rounded once a launch (Kernels.xq_per_launch)
+        return np.empty(shape, dtype)
+
+    zeros = empty
+
 
 def _one_token_launch(qtype, **tuning):
     rt = LaunchRecorder()
@@ -54,6 +67,22 @@ def test_one_token_launch_takes_the_format_tuning(qtype):
     assert f"#define DECODE_ROWS {rows}\n#define DECODE_MIN_BLOCKS {blocks}\n" in source
     assert tpr == min(32, 1 << max(0, -(-2048 // SLICE_WEIGHTS[qtype] // slices) - 1).bit_length())
     assert grid == (-(-768 // (MATMUL_THREADS // tpr * rows)), 1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_a_twin_launches_as_its_per_block_kernel(qtype):
+    launches = {}
+    for twins in (frozenset(), frozenset(XQ_KERNELS)):
+        rt = LaunchRecorder()
+        kernels = Kernels(rt, small_tuning=None)
+        kernels.xq_per_launch = twins
+        kernels.matmul(np.zeros((768, 8), np.uint8), qtype, np.zeros((1, 2048), np.float32),
+                       np.zeros((1, 768), np.float32))
+        (function, grid, args), shared = rt.launches[-1], rt.shared[-1]
+        launches[bool(twins)] = function, grid, [int(a) for a in args[-4:]], shared, len(rt.launches)
+    (one, grid, scalars, shared, count), (twin, twin_grid, twin_scalars, twin_shared, twin_count) = launches.values()
+    assert one == "matmul_1q" and twin == "matmul_1qx" and twin_grid == grid and twin_scalars == scalars
+    assert shared > 0 and twin_shared == 0 and twin_count == count + 1  # x staged by every block / by one launch before
 
 
 def test_explicit_tuning_wins_for_every_format():

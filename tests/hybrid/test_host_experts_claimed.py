@@ -28,7 +28,8 @@ def test_claimed_host_experts_are_bit_identical(gguf_models, model_name, target)
     c = weights.config
     rng = np.random.default_rng(3)
     hosts = {claimed: CpuBackend() for claimed in (False, True)}
-    hosts[True].claimed_host_experts = True
+    for claimed, host in hosts.items():
+        host.claimed_host_experts = claimed
     layers = {claimed: Model(weights, host).layers for claimed, host in hosts.items()}
     before = numba.get_num_threads()
     try:
