@@ -18,6 +18,10 @@ GGML type to its module.
 """
 import numba
 
+from .cache_stamp import install
+
+install()  # before any kernel module: Numba's cache keys each cached kernel by the modules it imports too
+
 # Kernels loaded from Numba's cache call the threading layer without launching it, and a serial twin
 # that holds a parallel helper crashed when it was a fresh process's first kernel (the backend's
 # set_threads launches it; other callers of these modules may not): launch it here.
