@@ -165,36 +165,43 @@ def without_int8(act_quant):
 
 
 @njit(nogil=True, cache=True)
-def _num_decode_rows(x, items, wanted):
-    """x's row count if `wanted` and a work item [W, 6] has a single token or is a decode item (token chunk
-    tiles.NO_CHUNK, -1: a prompt's several-token decode items dot int16 x too), else 0 (prefill rounds x its own
-    way: prefill_i16)."""
+def decode_rows(x, items, wanted):
+    """bool [N]: the rows of x that the decode dots read, if `wanted` and a work item [W, 6] has a single token or is
+    a decode item (token chunk tiles.NO_CHUNK, -1: a prompt's several-token decode items dot int16 x too): its
+    tokens' rows; else [0] (prefill rounds x its own way: prefill_i16). A prompt's rows in prefill items are not
+    rounded here (most of a 256-token MoE call's)."""
+    rows = np.zeros(0, dtype=np.bool_)
     for i in range(items.shape[0] if wanted else 0):
         if items[i, 3] - items[i, 2] == 1 or items[i, 4] < 0:
-            return x.shape[0]
-    return 0
+            if rows.shape[0] == 0:
+                rows = np.zeros(x.shape[0], dtype=np.bool_)
+            rows[items[i, 2]:items[i, 3]] = True
+    return rows
 
 
 @njit(nogil=True, cache=True)
 def quantize_rows(x, items, act_quant):
     """x f32 [N, C] -> (xq int16 [N, C], aux f32 [N, C/16]); aux holds (scale, sum of x) per 32-value block,
-    x ~= xq * scale. Empty ([0, C], [0, C/16]) unless act_quant is INT16 and a work item [W, 6] has a single
-    token."""
-    return _quantize(x, _num_decode_rows(x, items, act_quant == INT16))
+    x ~= xq * scale, for the rows decode_rows names (the others undefined). Empty ([0, C], [0, C/16]) unless
+    act_quant is INT16 and a work item [W, 6] has a single token or is a decode item."""
+    return _quantize(x, decode_rows(x, items, act_quant == INT16))
 
 
 @njit(nogil=True, cache=True)
 def quantize_rows_split(x, items, act_quant):
     """quantize_rows with each 256-value super-block's int16 values in SPLIT_ORDER (aux stays in column order)."""
-    return _quantize_split(x, _num_decode_rows(x, items, act_quant == INT16))
+    return _quantize_split(x, decode_rows(x, items, act_quant == INT16))
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _quantize_split(x, num_rows):
-    """quantize_rows_split of x's first num_rows rows, rounded straight into SPLIT_ORDER: each sub-block's
-    even and odd values are two contiguous runs there (SPLIT_RUNS), stored from one rounded vector."""
-    xq, aux, inv = _quantized_arrays(x, num_rows, np.int16)
-    for n in range(num_rows):
+def _quantize_split(x, rows):
+    """quantize_rows_split of x's rows where rows [N] (or [0]: none) is true, rounded straight into SPLIT_ORDER:
+    each sub-block's even and odd values are two contiguous runs there (SPLIT_RUNS), stored from one rounded
+    vector."""
+    xq, aux, inv = _quantized_arrays(x, rows.shape[0], np.int16)
+    for n in range(rows.shape[0]):
+        if not rows[n]:
+            continue
         row = np.ascontiguousarray(x[n])
         _block_scales(row, I16_MAX, inv, aux[n])
         for j in range(x.shape[1] // QBLOCK):
@@ -208,12 +215,13 @@ def quantize_rows_i8(x, items, act_quant, nibble_order):
     """x f32 [N, C] -> (xq int8 [N, C], aux f32 [N, C/16]) as quantize_rows, rounded to -127..127; empty unless
     act_quant is INT8 and a work item has a single token. nibble_order: each 256-value super-block's
     sub-blocks stored in NIBBLE_ORDER (aux stays in column order)."""
-    return _quantize_i8(x, _num_decode_rows(x, items, act_quant == INT8), nibble_order)
+    return _quantize_i8(x, decode_rows(x, items, act_quant == INT8), nibble_order)
 
 
 @njit(inline="always", nogil=True, cache=True)
 def _quantized_arrays(x, num_rows, dtype):
-    """The (xq [N, C] of dtype, aux f32 [N, C/16], inv f32 [C/32]) that quantizing num_rows rows of x fills."""
+    """The (xq [N, C] of dtype, aux f32 [N, C/16], inv f32 [C/32]) that quantizing rows of x's first num_rows
+    fills."""
     num_blocks = x.shape[1] // QBLOCK
     return (np.empty((num_rows, x.shape[1]), dtype=dtype), np.empty((num_rows, 2 * num_blocks), dtype=np.float32),
             np.empty(num_blocks, dtype=np.float32))
@@ -230,11 +238,13 @@ def _block_scales(row, levels, inv, aux):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _quantize(x, num_rows):
-    """quantize_rows of x's first num_rows rows: block maxima and sums first, then the rounding, each block
-    as one vector (_block_stats, _round_block)."""
-    xq, aux, inv = _quantized_arrays(x, num_rows, np.int16)
-    for n in range(num_rows):
+def _quantize(x, rows):
+    """quantize_rows of x's rows where rows [N] (or [0]: none) is true: block maxima and sums first, then the
+    rounding, each block as one vector (_block_stats, _round_block)."""
+    xq, aux, inv = _quantized_arrays(x, rows.shape[0], np.int16)
+    for n in range(rows.shape[0]):
+        if not rows[n]:
+            continue
         row = np.ascontiguousarray(x[n])
         _block_scales(row, I16_MAX, inv, aux[n])
         for j in range(x.shape[1] // QBLOCK):
@@ -243,15 +253,17 @@ def _quantize(x, num_rows):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _quantize_i8(x, num_rows, nibble_order):
-    """quantize_rows_i8 of x's first num_rows rows."""
+def _quantize_i8(x, rows, nibble_order):
+    """quantize_rows_i8 of x's rows where rows [N] (or [0]: none) is true."""
     num_blocks = x.shape[1] // QBLOCK
-    xq, aux, inv = _quantized_arrays(x, num_rows, np.int8)
+    xq, aux, inv = _quantized_arrays(x, rows.shape[0], np.int8)
     slot = np.arange(num_blocks)  # [C/32]: where block j goes in xq
     if nibble_order:
         for j in range(num_blocks):
             slot[j] = j - j % 8 + np.argmax(NIBBLE_ORDER == j % 8)
-    for n in range(num_rows):
+    for n in range(rows.shape[0]):
+        if not rows[n]:
+            continue
         row = np.ascontiguousarray(x[n])
         _block_scales(row, I8_MAX, inv, aux[n])
         for j in range(num_blocks):

@@ -249,12 +249,15 @@ def _split_run(typingctx, src, s, dst, d):
 
 
 @njit(nogil=True, cache=True)
-def bytes_of_rows(xq, runs):
+def bytes_of_rows(xq, runs, rows):
     """int16 xq [N, C] -> a new [N, C] whose bytes hold, per 256-value super-block, the values' high bytes, then
     their low bytes, each as 8 runs of 32: run r from xq's values runs[r] .. runs[r] + 31 of the super-block (the
-    byte form of digit_block_i16 and q6_k's int16 decode)."""
+    byte form of digit_block_i16 and q6_k's int16 decode); only the rows where rows [N] is true (the others
+    undefined: act_quant.decode_rows)."""
     out = np.empty_like(xq)
     for n in range(xq.shape[0]):
+        if not rows[n]:
+            continue
         src, dst = xq[n], out[n]
         for base in range(0, xq.shape[1], QK_K):
             for r in range(QK_K // SUB):

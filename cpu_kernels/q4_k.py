@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from numba import njit
 
 from . import quant_driver
-from .act_quant import NIBBLE_ORDER, QBLOCK, quantize_rows, quantize_rows_split
+from .act_quant import INT16, NIBBLE_ORDER, QBLOCK, decode_rows, quantize_rows, quantize_rows_split
 from .kquant import (QK_K, SUB, bytes_of_rows, digit_block_i16, integer_runs, split_block_i16, sub_block_pairs,
                      sub_block_quants, sub_scales, ubits, vector_blocks)
 from .prefill_i16 import x_levels
@@ -58,7 +58,7 @@ def quantize_rows_digits(x, items, act_quant):
     reads them: their high bytes, then their low bytes, each in NIBBLE_ORDER (in xq int16 [N, C]'s bytes; aux
     f32 [N, C/16] stays in column order)."""
     xq, aux = quantize_rows(x, items, act_quant)
-    return bytes_of_rows(xq, _DIGIT_RUNS), aux
+    return bytes_of_rows(xq, _DIGIT_RUNS, decode_rows(x, items, act_quant == INT16)), aux
 
 
 _DIGITS = vnni_width() > 0  # int16 x as bytes for vpdpbusd (digit_block_i16), else as words (split_block_i16)

@@ -16,7 +16,7 @@ from numba import njit
 
 from . import quant_driver, simd
 from .half import read_half
-from .act_quant import quantize_rows
+from .act_quant import INT16, decode_rows, quantize_rows
 from .kquant import QK_K, SUB, bytes_of_rows, join_bits
 from .prefill_i16 import x_levels
 from .simd import F32, I8, I32, I64
@@ -171,7 +171,7 @@ def quantize_rows_bytes(x, items, act_quant):
     """act_quant.quantize_rows with each 256-value super-block's int16 values stored as _block_bytes reads them:
     their high bytes, then their low bytes (in xq int16 [N, C]'s bytes; aux f32 [N, C/16] as quantize_rows)."""
     xq, aux = quantize_rows(x, items, act_quant)
-    return bytes_of_rows(xq, _BYTE_RUNS), aux
+    return bytes_of_rows(xq, _BYTE_RUNS, decode_rows(x, items, act_quant == INT16)), aux
 
 
 def _block_i8(builder, q, o, b, xq, aux, acc):

@@ -52,6 +52,23 @@ def test_quantize_rows_skips_float_and_prefill():
     assert aq.quantize_rows(x, prefill, aq.ACT_QUANTS["int16"])[0].shape == (0, 64)
 
 
+def test_a_prompt_call_rounds_only_the_rows_its_decode_items_read():
+    """A prompt's groups of a few tokens (PROMPT_ITEMS decode items) and a lone token read x as int16, its
+    prefill-sized group reads the panels: only the first ones' rows are rounded, as a decode call rounds them."""
+    sizes = [3, DECODE_MAX_TOKENS + 30, 1, 2]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # [G+1]
+    items = work_items(np.arange(len(sizes), dtype=np.int64), starts, len(sizes), 16, 0, True)  # [W, 6]
+    rows = aq.decode_rows(np.empty((starts[-1], 64), np.float32), items, True)  # [N]
+    want = np.ones(starts[-1], bool)
+    want[starts[1]:starts[2]] = False
+    np.testing.assert_array_equal(rows, want)
+    x = np.random.default_rng(2).standard_normal((starts[-1], 64)).astype(np.float32)  # [N, C]
+    xq, aux = aq.quantize_rows(x, items, aq.INT16)
+    one_by_one = [aq.quantize_rows(x[n:n + 1], decode_items(1), aq.INT16) for n in np.flatnonzero(want)]
+    np.testing.assert_array_equal(xq[want], np.concatenate([q for q, _ in one_by_one]))
+    np.testing.assert_array_equal(aux[want], np.concatenate([a for _, a in one_by_one]))
+
+
 def test_split_order_is_the_nibble_split_of_each_super_block():
     """Q4_K's int16 x: position 128h + 32v + i holds, for v = 0 / 1 (low nibbles of even / odd quant bytes) and
     v = 2 / 3 (high nibbles), the value that byte's nibble multiplies; aux stays in column order."""
