@@ -33,6 +33,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from gpu_kernels.errors import KernelCompileError  # noqa: E402
 import gpu_kernels.kernels as kernels_module  # noqa: E402
 from gpu_kernels.kernels import DECODE_TUNING, TILE_TOKENS, Kernels  # noqa: E402
 from gpu_kernels.runtime import probe  # noqa: E402
@@ -124,7 +125,12 @@ def expert_bandwidth(rt, tunings, acts, chunk_counts, qtype, repeats, variants=(
             def run():
                 kernels.moe_matmul(layers[next(step) % COPIES], qtype, x, out, *tiles, tile_tokens=1)
 
-            seconds, alone = timed(rt, run, repeats), timed(rt, run, repeats, queued=0)
+            try:
+                seconds, alone = timed(rt, run, repeats), timed(rt, run, repeats, queued=0)
+            except KernelCompileError as exc:  # a variant written for other formats (e.g. XQ_HALVES: IQ3_S)
+                log.warning("%s %s: not compiled, left out (%s)", qtype.name, variant,
+                            next((ln for ln in str(exc).splitlines() if "error" in ln), str(exc))[:160])
+                continue
             fn, num_blocks, _, shared = kernels._mm_launch(qtype, "moe_matmul_1", ROWS, COLS, one.shape[-1], True)
             runs = int(kernels._row_chunks(fn, num_blocks, NUM_EXPERTS, shared, True))
             runs = f"{runs}" + (" (auto)" if chunks == "auto" else "")
