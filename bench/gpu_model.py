@@ -48,14 +48,15 @@ DECODE_NOTES = {"inline": "one compiled call in the calling thread",
                 "relay, a core spare": "the same, the worker's experts on one Numba thread fewer "
                 "(STRATA_RELAY_THREADS), leaving the calling thread a core",
                 "thread": "one compiled call in a worker thread", "inline, op by op": "NumPy bookkeeping and five "
-                "kernel calls", "relay, static shares": "the relay, its worker's gate+up and down items in static shares "
-                "of the threads rather than claimed (CpuBackend.claimed_host_experts off)",
-                "relay, step graph": "the relay, the whole decode step one captured graph that waits on the host's rows "
-                "inside it (relay_graphs; its overlap rows are traced layer by layer)",
+                "kernel calls", "relay, static shares": "the relay, its worker's gate+up and down items in static "
+                "shares of the threads rather than claimed (CpuBackend.claimed_host_experts off)",
+                "relay, step graph": "the relay, the whole decode step one captured graph that waits on the host's "
+                "rows inside it (relay_graphs; its overlap rows are traced layer by layer)",
                 "relay, step graph, static shares": "the step graph with the worker's items in static shares"}
+# --modes names; relayN (e.g. relay14): the relay's worker on N threads
 MODE_KEYS = {"inline": "inline", "relay": "relay", "spare": "relay, a core spare", "thread": "thread",
              "opbyop": "inline, op by op", "static": "relay, static shares", "graph": "relay, step graph",
-             "graphstatic": "relay, step graph, static shares"}  # --modes names; relayN (e.g. relay14): the relay's worker on N threads
+             "graphstatic": "relay, step graph, static shares"}
 
 
 def mode_name(key):

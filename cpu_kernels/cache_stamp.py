@@ -4,8 +4,8 @@ Numba keys a cached function by a hash of the file that defines it, not of the f
 in: a kernel of q4_k.py that calls act_quant.py's quantize_rows kept its old machine code after act_quant.py
 changed (a git pull that leaves q4_k.py alone), and read past a buffer the new code sized differently. `install`
 puts locators first in Numba's list that, for a function of one of `packages`, add to that stamp a digest of the
-package modules its module's source imports, followed transitively. The cache folders stay Numba's own (NUMBA_CACHE_DIR, the module's
-__pycache__, or the user-wide one).
+package modules its module's source imports, followed transitively. The cache folders stay Numba's own
+(NUMBA_CACHE_DIR, the module's __pycache__, or the user-wide one).
 """
 import ast
 import hashlib
@@ -16,7 +16,7 @@ from numba.core import caching
 
 PACKAGES = ("cpu_kernels", "hybrid")
 _digests = {}  # (module name, packages): hex digest
-_sources = {}  # file: (its bytes, the module names its imports name)
+_sources = {}  # file: (its bytes, its imports as _imported gives them)
 
 
 def _module_file(name, top_dirs):
@@ -32,7 +32,7 @@ def _module_file(name, top_dirs):
 
 
 def _source(path, name):
-    """The file's bytes and the names of the modules it imports (each `from a import b` as a and a.b), read once."""
+    """The file's bytes and its imports as (module, names imported from it or ()), read once."""
     if path not in _sources:
         with open(path, "rb") as f:
             text = f.read()
@@ -41,20 +41,31 @@ def _source(path, name):
 
 
 def _imported(tree, path, name):
-    """Names of the modules a module's syntax tree imports, relative imports resolved against module `name`."""
+    """(module, names) of each import statement in a module's syntax tree, relative ones resolved against `name`."""
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-    names = set()
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            found += [(alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
+            found.append((base, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def _reached(imports, top_dirs):
+    """The package modules a file's imports reach: `from a import b, c` reaches a.b and a.c where they are modules,
+    and a itself unless every name is one (a package's __init__ is not a dependency of its modules)."""
+    names = []
+    for base, imported in imports:
+        if base.split(".", 1)[0] not in top_dirs:
+            continue
+        modules = [f"{base}.{n}" for n in imported if _module_file(f"{base}.{n}", top_dirs)]
+        names += modules + ([base] if len(modules) < len(imported) or not imported else [])
     return names
 
 
@@ -75,7 +86,7 @@ def module_digest(name, packages=PACKAGES):
             if path is None:
                 continue
             seen[current] = path
-            todo.extend(n for n in _source(path, current)[1] if n.split(".", 1)[0] in top_dirs)
+            todo.extend(_reached(_source(path, current)[1], top_dirs))
         digest = hashlib.sha1()
         for module_name in sorted(seen):
             digest.update(module_name.encode() + b"\0" + _source(seen[module_name], module_name)[0])

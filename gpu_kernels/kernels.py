@@ -67,7 +67,9 @@ MULTI_DECODE_TOKENS = 16
 # moe_matmul_glu_1q through quantize_xq's up).
 XQ_KERNELS = {"matmul_1q": "matmul_1qx", "matmul_nq": "matmul_nqx", "moe_matmul_1q": "moe_matmul_1qx",
               "moe_matmul2_1q": "moe_matmul2_1qx", "moe_matmul_glu_1q": "moe_matmul_1qx"}
-XQ_PER_LAUNCH = frozenset(XQ_KERNELS)  # the `_q` kernels (XQ_KERNELS' keys) that take their `_qx` twin (Kernels.xq_per_launch)
+# The `_q` kernels (XQ_KERNELS' keys) that take their `_qx` twin (Kernels.xq_per_launch): all of them, measured faster
+# at 1 and 4 tokens (bench/results/gpu_users.md)
+XQ_PER_LAUNCH = frozenset(XQ_KERNELS)
 XQ_SCRATCH_ROWS = 64  # rows of x a quantize_xq buffer holds at first (grown, the old ones kept, for more)
 XQ_MAX_SHARED = 40 << 10  # the `_1q` kernels' x in shared memory stays under this (48 KiB without opting in)
 SHARED_LIMIT = 48 << 10  # a block's shared memory without opting in: x and the format's tables

@@ -59,7 +59,8 @@ def test_bench_writes_every_table(bench, gguf_models, tmp_path):
 def test_bench_names_an_unknown_mode(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--model", "unused.gguf", "--modes", "relay,sideways"])
-    assert "--modes: unknown sideways (known: inline, relay, spare, thread, opbyop, static, graph, graphstatic, relayN)" in capsys.readouterr().err
+    assert ("--modes: unknown sideways (known: inline, relay, spare, thread, opbyop, static, graph, graphstatic, "
+            "relayN)") in capsys.readouterr().err
 
 
 def test_bench_times_the_relay_at_a_thread_count_and_the_host_part_alone(bench, gguf_models, tmp_path):
