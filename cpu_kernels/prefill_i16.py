@@ -190,7 +190,7 @@ _outer_two = _outer_intrinsic(PASS_ROWS, PASS_VECTORS)
 def dot_tile_i16(wq, factors, mins, num_rows, xq, dx, sums, t0, t1, out, r0):
     """out[t0:t1, r0:r0 + num_rows] = x[t0:t1] @ W[:num_rows].T for t1 - t0 <= 64 and W given as (wq int16 [K, C],
     factors, mins f32 [K, J]) (K a multiple of ONE_ROWS, rows past num_rows finite), x as the chunk's panels
-    (xq int16 [P, 2 V], dx, sums f32 [J, V], V >= its tokens rounded up to whole vectors; chunk_panel_i16)."""
+    (xq int16 [P, 128], dx, sums f32 [J, 64]; token_panels_i16)."""
     span = PASS_VECTORS * LANES
     res = np.empty((ONE_ROWS, span), dtype=np.float32)  # [rows, tokens]
     for p0 in range(t0, t1, span):
@@ -207,25 +207,14 @@ def dot_tile_i16(wq, factors, mins, num_rows, xq, dx, sums, t0, t1, out, r0):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def tile_i16(wq, factors, mins, xq, dx, sums, starts, item, out):
+def tile_i16(wq, factors, mins, xq, dx, sums, item, out):
     """dot_tile_i16 of work item (e, r0, t0, t1, s, r1) with its chunks' panels (token_panels_i16): tokens
     t0:t1 in chunks of TOKENS_PER_ITEM (chunk s, then s + 1, ...), the item's rows unpacked once for all."""
     s = item[4]
     for c0 in range(item[2], item[3], TOKENS_PER_ITEM):
-        pxq, pdx, psums = chunk_panel_i16(xq, dx, sums, starts, s, wq.shape[1])
-        dot_tile_i16(wq, factors, mins, item[5] - item[1], pxq, pdx, psums, c0, min(c0 + TOKENS_PER_ITEM, item[3]),
-                     out, item[1])
+        dot_tile_i16(wq, factors, mins, item[5] - item[1], xq[s], dx[s], sums[s], c0,
+                     min(c0 + TOKENS_PER_ITEM, item[3]), out, item[1])
         s += 1
-
-
-@njit(inline="always", nogil=True, cache=True)
-def chunk_panel_i16(xq, dx, sums, starts, s, num_cols):
-    """Token chunk s's panels in token_panels_i16's flat arrays: (xq int16 [P, 2 V], dx, sums f32 [J, V]) for its
-    V = starts[s + 1] - starts[s] token slots."""
-    a, b = starts[s], starts[s + 1]
-    pairs, subs = num_cols // 2, num_cols // SUB
-    return (xq[2 * pairs * a:2 * pairs * b].reshape(pairs, 2 * (b - a)), dx[subs * a:subs * b].reshape(subs, b - a),
-            sums[subs * a:subs * b].reshape(subs, b - a))
 
 
 @njit(nogil=True, cache=True)
@@ -244,62 +233,51 @@ def unpacked_rows(num_cols, num_rows):
 
 @njit(nogil=True, cache=True)
 def token_panels_i16(x, items, act_quant, levels):
-    """x f32 [N, C] -> (xq int16 [P * 2 L], dx f32 [J * L], sums f32 [J * L], starts int64 [S + 1]): token chunk s
-    of the work items [W, 6] rounded per (token, 32 columns) to xq * dx with |xq| <= levels (x_levels), its column
-    pairs interleaved by token, and the float sums of x over each 32 columns, in panels of V_s = starts[s + 1] -
-    starts[s] token slots (its tokens rounded up to whole vectors of LANES: what the passes read; zero past its
-    end token; chunk_panel_i16 gives the views), L = starts[S]. A 64-slot panel for every chunk was zeroed and
-    paged in for chunks of a few tokens (most of a prompt's expert groups). Empty (S = 0) unless
-    integer_prefill(act_quant) and some item has several tokens; decode items (token chunk tiles.NO_CHUNK) get
-    none."""
+    """x f32 [N, C] -> (xq int16 [S, P, 128], dx f32 [S, J, 64], sums f32 [S, J, 64]): token chunk s of the work
+    items [W, 6] rounded per (token, 32 columns) to xq * dx with |xq| <= levels (x_levels), its column pairs
+    interleaved by token, and the float sums of x over each 32 columns; zero past the chunk's end token.
+    Empty (S = 0) unless integer_prefill(act_quant) and some item has several tokens; decode items (token chunk
+    tiles.NO_CHUNK) get none."""
     spans = chunk_spans(items, integer_prefill(act_quant))  # [S, 2]
-    starts = np.zeros(spans.shape[0] + 1, dtype=np.int64)  # [S + 1]
-    for s in range(spans.shape[0]):
-        starts[s + 1] = starts[s] + (spans[s, 1] - spans[s, 0] + LANES - 1) // LANES * LANES
     if spans.shape[0] < PARALLEL_MIN_PANELS:
-        return _panels_i16_serial(x, spans, starts, levels)
-    return _panels_i16(x, spans, starts, levels)
+        return _panels_i16_serial(x, spans, levels)
+    return _panels_i16(x, spans, levels)
 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def _panels_i16(x, spans, starts, levels):
-    num_cols, slots = x.shape[1], starts[-1]
-    xq = np.empty(num_cols * slots, dtype=np.int16)  # [P * 2 L]
-    dx = np.empty(num_cols // SUB * slots, dtype=np.float32)  # [J * L]
-    sums = np.empty(num_cols // SUB * slots, dtype=np.float32)  # [J * L]
-    for s in prange(spans.shape[0]):
-        pxq, pdx, psums = chunk_panel_i16(xq, dx, sums, starts, s, num_cols)
-        _fill_panel_i16(x, spans[s, 0], spans[s, 1], levels, pxq, pdx, psums)
-    return xq, dx, sums, starts
+def _panels_i16(x, spans, levels):
+    num_chunks, num_cols = spans.shape[0], x.shape[1]
+    xq = np.zeros((num_chunks, num_cols // 2, 2 * TOKENS_PER_ITEM), dtype=np.int16)  # [S, P, 128]
+    dx = np.zeros((num_chunks, num_cols // SUB, TOKENS_PER_ITEM), dtype=np.float32)  # [S, J, 64]
+    sums = np.zeros((num_chunks, num_cols // SUB, TOKENS_PER_ITEM), dtype=np.float32)  # [S, J, 64]
+    for s in prange(num_chunks):
+        _fill_panel_i16(x, spans[s, 0], spans[s, 1], levels, xq[s], dx[s], sums[s])
+    return xq, dx, sums
 
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _fill_panel_i16(x, t0, t1, levels, xq, dx, sums):
-    """One chunk's panels (xq [P, 2 V], dx, sums [J, V]), a 32-column block at a time: each token's 32 values rounded
-    as the decode rounding does (act_quant's block intrinsics: the same bits under every caller's fast-math flags,
-    which LLVM passes to what it inlines) into a small buffer, then the block's 16 column pairs stored as rows of
-    the tokens' int32 pairs (a token at a time, its 32 values went to 32 places of 16 rows of the panel: 1.6 ns a
-    value at C = 2048); the slots past t1 - t0 zero."""
-    num_tokens, slots = t1 - t0, dx.shape[1]
-    tmp = np.zeros(SUB * slots, dtype=np.int16)  # [V tokens x 32 values], zero past the chunk's tokens
-    tmp_pairs = tmp.view(np.int32)  # [V tokens x 16 column pairs]
-    xq_pairs = xq.view(np.int32)  # [P, V]: column pair p of token t at [p, t]
+    """One chunk's panels, a 32-column block at a time: each token's 32 values rounded as the decode rounding does
+    (act_quant's block intrinsics: the same bits under every caller's fast-math flags, which LLVM passes to what it
+    inlines) into a small buffer, then the block's 16 column pairs stored as rows of the tokens' int32 pairs (a token
+    at a time, its 32 values went to 32 places of 16 rows of the panel: 1.6 ns a value at C = 2048)."""
+    num_tokens = t1 - t0
+    tmp = np.zeros(SUB * TOKENS_PER_ITEM, dtype=np.int16)  # [64 tokens x 32 values]
+    tmp_pairs = tmp.view(np.int32)  # [64 tokens x 16 column pairs]
+    xq_pairs = xq.view(np.int32)  # [P, 64]: column pair p of token t at [p, t]
     for j in range(x.shape[1] // SUB):
         for tt in range(num_tokens):
             row = x[t0 + tt]
             amax, total = _block_stats(row, j)
             sums[j, tt] = total
             if amax < TINY:  # all zero, or too small for levels / amax to stay finite: no integer part
-                dx[j, tt] = 0
                 tmp_pairs[SUB // 2 * tt:SUB // 2 * (tt + 1)] = 0
                 continue
             dx[j, tt] = amax / levels
             _round_block(row, j, levels / amax, tmp, SUB * tt, -1)
-        dx[j, num_tokens:] = 0
-        sums[j, num_tokens:] = 0
         for q in range(SUB // 2):
             p = SUB // 2 * j + q
-            for tt in range(slots):
+            for tt in range(num_tokens):
                 xq_pairs[p, tt] = tmp_pairs[SUB // 2 * tt + q]
 
 

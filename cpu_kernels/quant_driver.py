@@ -96,7 +96,7 @@ def tokens_dot_i16(w, r0, r1, t0, t1, xq, aux, out):
 
 # -- tiles: one work item (e, r0, t0, t1, s, r1) ----------------------------------------------------------
 
-def tile(w, x, xq, xaux, panels, pxq, pdx, psums, pstarts, out, item, act_quant):
+def tile(w, x, xq, xaux, panels, pxq, pdx, psums, out, item, act_quant):
     """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s, r1);
     panels [S, C, 64]."""
     r0, t0, t1 = item[1], item[2], item[3]
@@ -114,7 +114,7 @@ def tile(w, x, xq, xaux, panels, pxq, pdx, psums, pstarts, out, item, act_quant)
         wq, factors, mins = unpacked_rows(x.shape[1], r1 - r0)  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
-        tile_i16(wq, factors, mins, pxq, pdx, psums, pstarts, item, out)
+        tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
     buf = unpacked_rows_f32(x.shape[1], r1 - r0)  # [K, C]
     for r in range(r0, r1):
@@ -122,7 +122,7 @@ def tile(w, x, xq, xaux, panels, pxq, pdx, psums, pstarts, out, item, act_quant)
     tile_f32(buf, r1 - r0, panels, item, out)
 
 
-def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts, out, item, act_quant):
+def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_quant):
     """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's raw w [R, B] and item (e, r0, t0, t1, s, r1);
     panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
@@ -143,7 +143,7 @@ def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts, out, it
         wq, factors, mins = unpacked_rows(x.shape[1], r1 - r0)  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
-        tile_i16(wq, factors, mins, pxq, pdx, psums, pstarts, item, out)
+        tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
     buf = unpacked_rows_f32(x.shape[1], r1 - r0)  # [K, C]
     for r in range(r0, r1):
@@ -151,7 +151,7 @@ def tile_i8(w, x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts, out, it
     tile_f32(buf, r1 - r0, panels, item, out)
 
 
-def tile_sums(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts, out, item, act_quant):
+def tile_sums(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, out, item, act_quant):
     """out[t0:t1, r0:r1] = x[t0:t1] @ W[r0:r1].T for one expert's w [R, B] and item (e, r0, t0, t1, s, r1);
     xsum [N, C/32], panels [S, C, 64]; x as int16 (xq, xaux) or int8 (x8, x8aux) for the decode dots."""
     r0, t0, t1 = item[1], item[2], item[3]
@@ -172,7 +172,7 @@ def tile_sums(w, x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts,
         wq, factors, mins = unpacked_rows(x.shape[1], r1 - r0)  # [K, C], [K, C/32], [K, C/32]
         for r in range(r0, r1):
             _unpack_row_i16(w, r, wq[r - r0], factors[r - r0], mins[r - r0])  # noqa: F821
-        tile_i16(wq, factors, mins, pxq, pdx, psums, pstarts, item, out)
+        tile_i16(wq, factors, mins, pxq, pdx, psums, item, out)
         return
     buf = unpacked_rows_f32(x.shape[1], r1 - r0)  # [K, C]
     for r in range(r0, r1):
@@ -196,9 +196,9 @@ def prepare(raws, x, expert_ids, row_starts, act_quant):
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
                        several, int_prefill)
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
-    pxq, pdx, psums, pstarts = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, without_int8(act_quant))  # noqa: F821 ([N, C], [N, C/16] or empty)
-    return items, (xq, xaux, panels, pxq, pdx, psums, pstarts)
+    return items, (xq, xaux, panels, pxq, pdx, psums)
 
 
 def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
@@ -209,10 +209,10 @@ def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
                        several, int_prefill)
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
-    pxq, pdx, psums, pstarts = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, act_quant)  # noqa: F821 ([N, C], [N, C/16], empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, False)  # [N, C], [N, C/16] (empty unless int8 decode)
-    return items, (xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts)
+    return items, (xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
 
 
 def prepare_sums(raws, x, expert_ids, row_starts, act_quant):
@@ -225,27 +225,26 @@ def prepare_sums(raws, x, expert_ids, row_starts, act_quant):
                        several, int_prefill)
     xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
-    pxq, pdx, psums, pstarts = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
+    pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, act_quant)  # noqa: F821 ([N, C], [N, C/16], empty unless int16 decode)
     x8, x8aux = quantize_rows_i8(x, items, act_quant, True)  # [N, C], [N, C/16] (empty unless int8 decode)
-    return items, (xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts)
+    return items, (xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums)
 
 
 def run_item(raws, x, items, prep, outs, i, act_quant):
     """Item i of a moe_matmul call over its len(raws) weights: work item i % W of weight i // W."""
     num_items = items.shape[0]
     k, j = i // num_items, i % num_items
-    xq, xaux, panels, pxq, pdx, psums, pstarts = prep
-    _tile(raws[k][items[j, 0]], x, xq, xaux, panels, pxq, pdx, psums, pstarts,  # noqa: F821
-          outs[k], items[j], act_quant)
+    xq, xaux, panels, pxq, pdx, psums = prep
+    _tile(raws[k][items[j, 0]], x, xq, xaux, panels, pxq, pdx, psums, outs[k], items[j], act_quant)  # noqa: F821
 
 
 def run_item_i8(raws, x, items, prep, outs, i, act_quant):
     """Item i of a moe_matmul call over its len(raws) weights: work item i % W of weight i // W."""
     num_items = items.shape[0]
     k, j = i // num_items, i % num_items
-    xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts = prep
-    _tile(raws[k][items[j, 0]], x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts,  # noqa: F821
+    xq, xaux, x8, x8aux, panels, pxq, pdx, psums = prep
+    _tile(raws[k][items[j, 0]], x, xq, xaux, x8, x8aux, panels, pxq, pdx, psums,  # noqa: F821
           outs[k], items[j], act_quant)
 
 
@@ -253,8 +252,8 @@ def run_item_sums(raws, x, items, prep, outs, i, act_quant):
     """Item i of a moe_matmul call over its len(raws) weights: work item i % W of weight i // W."""
     num_items = items.shape[0]
     k, j = i // num_items, i % num_items
-    xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts = prep
-    _tile(raws[k][items[j, 0]], x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums, pstarts,  # noqa: F821
+    xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums = prep
+    _tile(raws[k][items[j, 0]], x, xsum, xq, xaux, x8, x8aux, panels, pxq, pdx, psums,  # noqa: F821
           outs[k], items[j], act_quant)
 
 

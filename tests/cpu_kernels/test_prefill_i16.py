@@ -24,29 +24,22 @@ def test_token_panels_match_numpy(group_sizes):
     x[1, 32:64] = 0.0  # an all-zero block
     items = _items(group_sizes)
     levels = np.float32(32767)
-    xq, dx, sums, starts = prefill_i16.token_panels_i16(x, items, INT16, levels)
+    xq, dx, sums = prefill_i16.token_panels_i16(x, items, INT16, levels)
     num_chunks = items[:, 4].max() + 1
-    lanes = prefill_i16.LANES
-    assert starts.shape == (num_chunks + 1,) and xq.shape == (96 * starts[-1],) and dx.shape == sums.shape == (
-        3 * starts[-1],)
+    assert xq.shape == (num_chunks, 48, 128) and dx.shape == sums.shape == (num_chunks, 3, 64)
     if len(group_sizes) > 2:
         assert num_chunks >= prefill_i16.PARALLEL_MIN_PANELS
     for s in range(num_chunks):
         t0, t1 = items[items[:, 4] == s][0, 2:4]
-        slots = starts[s + 1] - starts[s]
-        assert slots == -(-(t1 - t0) // lanes) * lanes  # its tokens in whole vectors: what the passes read
-        pxq, pdx, psums = (np.asarray(a) for a in prefill_i16.chunk_panel_i16(xq, dx, sums, starts, s, 96))
-        assert pxq.shape == (48, 2 * slots) and pdx.shape == psums.shape == (3, slots)
         blocks = x[t0:t1].reshape(t1 - t0, 3, 32)  # [t, J, 32]
         amax = np.abs(blocks).max(axis=2)  # [t, J]
-        np.testing.assert_allclose(pdx[:, :t1 - t0], (amax / levels).T, rtol=1e-6)
-        np.testing.assert_allclose(psums[:, :t1 - t0], blocks.sum(axis=2).T, rtol=1e-5, atol=1e-5)
-        got = pxq.reshape(48, slots, 2)[:, :t1 - t0].transpose(1, 0, 2).reshape(t1 - t0, 96)  # back to [t, C]
+        np.testing.assert_allclose(dx[s, :, :t1 - t0], (amax / levels).T, rtol=1e-6)
+        np.testing.assert_allclose(sums[s, :, :t1 - t0], blocks.sum(axis=2).T, rtol=1e-5, atol=1e-5)
+        got = xq[s].reshape(48, 64, 2)[:, :t1 - t0].transpose(1, 0, 2).reshape(t1 - t0, 96)  # back to [t, C]
         assert np.abs(got).max() <= levels
         scale = np.repeat(np.where(amax > 0, levels / np.maximum(amax, np.float32(1e-30)), 0), 32, axis=1)  # float32
         np.testing.assert_array_equal(got, np.rint(x[t0:t1] * scale))
-        assert not pxq.reshape(48, slots, 2)[:, t1 - t0:].any()
-        assert not pdx[:, t1 - t0:].any() and not psums[:, t1 - t0:].any()
+        assert not xq[s].reshape(48, 64, 2)[:, t1 - t0:].any() and not dx[s, :, t1 - t0:].any()
 
 
 def test_token_panels_are_empty_for_float_and_decode():
