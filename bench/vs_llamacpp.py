@@ -51,11 +51,14 @@ def strata_worker(model, threads, prompt_tokens, decode_tokens):
         return llm.model.forward(Batch([SeqChunk(kv, kv.length, np.asarray(ids, dtype=np.int64), logits)]))
 
     # Warm-up: every kernel compiled or loaded from Numba's cache, the parallel variants of the small
-    # ops included (a short prompt runs their serial twins; WARM_PROMPT tokens cross the thresholds).
-    warm = llm.model.new_sequence(SHORT_PROMPT + 1 + WARM_PROMPT)
+    # ops included (a short prompt runs their serial twins; WARM_PROMPT tokens cross the thresholds), and
+    # one read of the measured prompt's length (other tokens), as llama-bench warms up on the test it times:
+    # the first read of that size pays for its work arrays' pages.
+    warm_tokens = max(WARM_PROMPT, prompt_tokens)
+    warm = llm.model.new_sequence(SHORT_PROMPT + 1 + warm_tokens)
     read(warm, token_ids(SHORT_PROMPT, vocab, 1))
     read(warm, token_ids(1, vocab, 1))
-    read(warm, token_ids(WARM_PROMPT, vocab, 1))
+    read(warm, token_ids(warm_tokens, vocab, 1))
     prompt = token_ids(prompt_tokens, vocab, 2)
     kv = llm.model.new_sequence(prompt_tokens + 8)
     start = time.perf_counter()
