@@ -67,7 +67,8 @@ def mode_name(key):
         DECODE_NOTES[name] = f"the relay, its worker's experts on {threads} Numba threads"
         return name
     return MODE_KEYS.get(key)
-DEFAULT_MODE = (("relay, step graph" if SplitSettings().relay_graphs else "relay") if SplitSettings().decode_relay
+DEFAULT_SPLIT = SplitSettings()
+DEFAULT_MODE = (("relay, step graph" if DEFAULT_SPLIT.relay_graphs else "relay") if DEFAULT_SPLIT.decode_relay
                 else "inline")
 
 
@@ -379,8 +380,8 @@ def main(argv=None):
 def users_ways(users, modes):
     """(relay_tokens, relay_graphs) of each users-at-once run: the prompt-chunk way, the whole step through the relay,
     and (with the step graph among the modes) that step as one graph."""
-    return ((1, SplitSettings().relay_graphs), (users, False)) + (((users, True),) if "relay, step graph" in modes
-                                                                    else ())
+    graphed = ((users, True),) if "relay, step graph" in modes else ()
+    return ((1, DEFAULT_SPLIT.relay_graphs), (users, False)) + graphed
 
 
 def users_table(users, num_tokens, rows, modes):
