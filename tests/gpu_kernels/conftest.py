@@ -31,6 +31,24 @@ def kernels(runtime):
     return Kernels(runtime)
 
 
+GREEDY_PROMPT = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250]
+
+
+def greedy_reference(gguf_models, target):
+    """(path, prompt, the CPU engine's 8 greedy tokens, {"0%", "50%": resident mask [L, E]}) of the small (Q8_0) or
+    kquant model: what a relayed GPU decode must reproduce at each share."""
+    from hybrid import LLM
+
+    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
+    cpu = LLM(path, device="cpu", max_context=256)
+    ref_tokens = cpu.generate(GREEDY_PROMPT, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+    c = cpu.config
+    rng = np.random.default_rng(0)
+    masks = {"0%": np.zeros((c.num_layers, c.num_experts), bool),
+             "50%": rng.random((c.num_layers, c.num_experts)) < 0.5}
+    return path, GREEDY_PROMPT, ref_tokens, masks
+
+
 def dequant(raw, qtype, num_cols):
     """raw uint8 [..., R, B] -> float32 [..., R, C] (the CPU formats, bit-exact with gguf), on this thread alone: the
     stand-in dequantizes an expert's few rows thousands of times a test, where a parallel region's start costs more

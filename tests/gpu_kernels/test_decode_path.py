@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType as Q
 from gpu_kernels.kernels import takes_int16
 from hybrid.formats.synthetic import encode
 
-from .conftest import xq_rounded
+from .conftest import greedy_reference, xq_rounded
 
 pytestmark = pytest.mark.gpu
 
@@ -111,14 +111,8 @@ def test_decode_relay_matches_the_cpu_engine(runtime, gguf_models, target):
     resident, its trace has each hybrid layer's timings, and a failing host part fails that request only."""
     from hybrid import LLM
 
-    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
-    prompt = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250]
-    cpu = LLM(path, device="cpu", max_context=256)
-    ref_tokens = cpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids
-    c = cpu.config
-    rng = np.random.default_rng(0)
-    for name, mask in {"0%": np.zeros((c.num_layers, c.num_experts), bool),
-                       "50%": rng.random((c.num_layers, c.num_experts)) < 0.5}.items():
+    path, prompt, ref_tokens, masks = greedy_reference(gguf_models, target)
+    for name, mask in masks.items():
         gpu = LLM(path, device="gpu", max_context=256, resident=mask)
         split = gpu.model.split
         split.relay.enabled, split.trace = True, []

@@ -14,6 +14,7 @@ from hybrid.expert_usage import ExpertUsage
 from hybrid.formats import load_model
 from hybrid.model import Model
 from hybrid.split_settings import SplitSettings
+from tests.gpu_kernels.conftest import greedy_reference
 from tests.gpu_kernels.test_backend_wiring import TOKENS
 
 
@@ -176,14 +177,8 @@ def test_on_a_gpu_an_llm_with_relay_graphs_decodes_the_cpu_engines_tokens(runtim
     decode as one step graph a step, the first user's logits within 2e-3 of its own alone."""
     from hybrid import LLM
 
-    path, _ = gguf_models("small" if target == "Q8_0" else "kquant", target)
-    prompt = [3, 17, 42, 5, 99, 23, 64, 7, 11, 250]
-    cpu = LLM(path, device="cpu", max_context=256)
-    ref_tokens = cpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids
-    c = cpu.config
-    rng = np.random.default_rng(0)
-    for name, mask in {"0%": np.zeros((c.num_layers, c.num_experts), bool),
-                       "50%": rng.random((c.num_layers, c.num_experts)) < 0.5}.items():
+    path, prompt, ref_tokens, masks = greedy_reference(gguf_models, target)
+    for name, mask in masks.items():
         with LLM(path, device="gpu", max_context=512, kv_sequences=4, resident=mask, relay_graphs=True,
                  relay_tokens=4) as gpu:
             assert gpu.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids == ref_tokens, name
