@@ -102,12 +102,12 @@ def decode_rate(llm, num_tokens):
     return out.timings["predicted_per_second"]
 
 
-def concurrent_rates(llm, users, num_tokens, relay_tokens=1, graphs=False):
+def concurrent_rates(llm, users, num_tokens, relay_tokens=None, graphs=None):
     """(tok/s each user saw, mean; tok/s of all users together, prompts included; tok/s of all users while every one
     of them decodes, as llama-batched-bench's S_TG counts): `users` greedy requests decoded at once by the serving
     engine (one decode batch of `users` tokens a step), each after its own 32-token prompt, all queued at once; decode
     steps of up to relay_tokens tokens through the relay (ExpertSplit.relay.tokens), each one step graph with graphs
-    (relay_graphs)."""
+    (relay_graphs); None: the split's own settings (the engine's defaults)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hybrid.engine import Engine
@@ -124,7 +124,8 @@ def concurrent_rates(llm, users, num_tokens, relay_tokens=1, graphs=False):
 
     split, usage = llm.model.split, llm.model.usage
     if split is not None:
-        split.relay.tokens, split.relay.graphs = relay_tokens, graphs
+        split.relay.tokens = split.relay.tokens if relay_tokens is None else relay_tokens
+        split.relay.graphs = split.relay.graphs if graphs is None else graphs
     engine = Engine(llm, num_slots=users)
     try:
         params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
