@@ -1,13 +1,20 @@
 """Expert-usage recording: which experts each layer's router picks, for prefill and decode tokens.
 
-The model calls `begin(batch)` once per forward step and `record(layer, ids)` after each layer's
-routing; both are a few NumPy calls (bincount, add.at), so recording is always on when serving.
+The model runs each forward step inside `step(batch)` and calls `record(layer, ids)` after each layer's
+routing. Within a step a decode-sized layer's record is kept and the step's layers are added together at
+its end (one set of NumPy calls, bincount and add.at, for them all), so recording is always on when serving.
 A step's chunk of one token is counted as decode, a longer chunk as prefill.
 Shape legend: L layers, E experts, T tokens, K experts per token.
 """
+import contextlib
 import threading
 
 import numpy as np
+
+
+# Routings a layer (tokens x K) up to which a step's layers are added in one set of NumPy calls; above, a layer at a
+# time, so that the scattered adds into the co-activations [L, E, E] stay within one layer's E x E (cache-sized).
+GATHERED_ROUTINGS = 256
 
 
 class ExpertUsage:
@@ -22,6 +29,7 @@ class ExpertUsage:
         self._decode_rows = np.zeros(0, dtype=bool)  # [T] of the current step
         self._pairs = np.triu_indices(num_experts_per_tok, k=1)  # the K*(K-1)/2 slot pairs of a token
         self._lock = threading.Lock()
+        self._held = None  # within step(): [(layer, ids int64 [T, K])] added at its end
 
     @classmethod
     def for_config(cls, config):
@@ -36,26 +44,55 @@ class ExpertUsage:
             self.tokens_decode += num_decode
             self.tokens_prefill += len(self._decode_rows) - num_decode
 
+    @contextlib.contextmanager
+    def step(self, batch):
+        """begin(batch); within, the records of decode-sized layers are held and added when it ends (whether
+        or not the step failed: what it routed is counted, as with records added at once)."""
+        self.begin(batch)
+        self._held = []
+        try:
+            yield self
+        finally:
+            held, self._held = self._held, None
+            if held:
+                self._add(np.asarray([layer for layer, _ in held], dtype=np.int64),
+                          np.stack([ids for _, ids in held]), self._decode_rows)
+
     def record(self, layer, ids):
         """ids int [T, K] (host array): the experts routed for each token of this step at `layer`."""
+        if self._held is not None and np.size(ids) <= GATHERED_ROUTINGS:
+            self._held.append((layer, np.array(ids, dtype=np.int64)))  # a copy: ids may be a reused buffer
+            return
         self.record_rows(layer, ids, self._decode_rows)
+
+    def record_layers(self, layers, ids):
+        """record() of several layers at once: ids int [L', T, K] the routings of layers int [L'] (a step's
+        layers read back together; one set of NumPy calls for them all rather than a set a layer)."""
+        self._add(np.asarray(layers, dtype=np.int64), np.asarray(ids, dtype=np.int64), self._decode_rows)
 
     def record_rows(self, layer, ids, dec):
         """record() of a part of the step (a pipeline stage's slot group, hybrid/pipeline.py) whose rows are
         decode tokens where dec bool [T] says so."""
-        ids = np.asarray(ids, dtype=np.int64)  # [T, K]
+        self._add(np.asarray([layer], dtype=np.int64), np.asarray(ids, dtype=np.int64)[None], dec)
+
+    def _add(self, layers, ids, dec):
+        """layers int64 [L'], ids int64 [L', T, K], dec bool [T]: counts and co-activations added."""
         E = self.num_experts
-        if len(dec) != len(ids):
-            raise ValueError(f"expert usage: {len(ids)} routed tokens at layer {layer}, "
+        if len(dec) != ids.shape[1]:
+            raise ValueError(f"expert usage: {ids.shape[1]} routed tokens at layer {int(layers[0])}, "
                              f"the step has {len(dec)} (call begin(batch) first)")
-        decode_counts = np.bincount(ids[dec].ravel(), minlength=E)  # [E]
-        prefill_counts = np.bincount(ids[~dec].ravel(), minlength=E)  # [E]
-        a, b = ids[:, self._pairs[0]].ravel(), ids[:, self._pairs[1]].ravel()  # [T * K(K-1)/2]
+        if len(layers) > 1 and ids[0].size > GATHERED_ROUTINGS:  # a prompt's layers: one at a time (below)
+            for layer, layer_ids in zip(layers, ids):
+                self._add(layer[None], layer_ids[None], dec)
+            return
+        flat = ids + (layers * E)[:, None, None]  # [L', T, K]: an index into [L, E]
+        a, b = ids[:, :, self._pairs[0]], ids[:, :, self._pairs[1]]  # [L', T, K(K-1)/2]
+        base = (layers * E * E)[:, None, None]
+        both = np.concatenate(((base + a * E + b).ravel(), (base + b * E + a).ravel()))  # into [L, E, E]
         with self._lock:
-            self.decode[layer] += decode_counts
-            self.prefill[layer] += prefill_counts
-            np.add.at(self.coactivation[layer], (a, b), 1)
-            np.add.at(self.coactivation[layer], (b, a), 1)
+            np.add.at(self.decode.reshape(-1), flat[:, dec].ravel(), 1)
+            np.add.at(self.prefill.reshape(-1), flat[:, ~dec].ravel(), 1)
+            np.add.at(self.coactivation.reshape(-1), both, 1)
 
     def reset(self):
         with self._lock:

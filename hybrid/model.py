@@ -2,6 +2,7 @@
 
 Only calls kernels through a backend. Shape legend: T tokens, H hidden, V vocab.
 """
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -211,12 +212,14 @@ class Model:
         """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its cache. Where chunks ask
         for them (SeqChunk.hidden), batch.hidden gets the last layer's output rows (before output_norm) of all
         their positions, float32 [len(batch.hidden_rows), H] on the host."""
+        with self.usage.step(batch) if self.usage is not None else contextlib.nullcontext():
+            return self._forward_step(batch)
+
+    def _forward_step(self, batch):
         for chunk in batch.chunks:
             chunk.kv.reserve(chunk.start + len(chunk.token_ids))
         be, eps = self.backend, self.config.rms_norm_eps
         x = be.embed(self.token_embd, batch.token_ids)  # [T, H]
-        if self.usage is not None:
-            self.usage.begin(batch)
         if self.split is not None:
             self.split.begin_step()
         x = self.runner.run(self, x, batch)  # [T, H]

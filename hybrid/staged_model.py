@@ -7,6 +7,7 @@ N NumPy stand-in devices (gpu_kernels/numpy_runtime.py).
 StagedModel offers what the engine, the scheduler and the server use of a Model (forward, new_sequence, config,
 usage, backend, ...). Shape legend: T tokens, H hidden, V vocab, L layers, E experts.
 """
+import contextlib
 import logging
 from dataclasses import dataclass, field, replace
 
@@ -216,10 +217,12 @@ class StagedModel:
     def forward(self, batch):
         """Batch -> logits [len(batch.logit_rows), V]; each chunk's K/V is appended to its stages' caches. A batch of
         several chunks runs as pipelined slot groups (hybrid/pipeline.py) where batch_groups gives more than one."""
+        with self.usage.step(batch) if self.usage is not None else contextlib.nullcontext():
+            return self._forward_step(batch)
+
+    def _forward_step(self, batch):
         for chunk in batch.chunks:
             chunk.kv.reserve(chunk.start + len(chunk.token_ids))
-        if self.usage is not None:
-            self.usage.begin(batch)
         count = num_groups(self.batch_groups, len(batch.chunks), len(self.stages))
         if count > 1:
             if self.pipeline is None:

@@ -39,3 +39,39 @@ def test_model_records_prefill_and_decode(gguf_models):
     K = c.num_experts_per_tok
     assert (usage.prefill.sum(axis=1) == 5 * K).all() and (usage.decode.sum(axis=1) == 2 * K).all()
     assert (usage.coactivation.sum(axis=(1, 2)) == 7 * K * (K - 1)).all()
+
+
+def test_a_step_held_and_added_at_its_end_counts_as_records_added_at_once():
+    """Within step(), decode-sized records are held and the step's layers added in one go (prompt-sized ones at
+    once, a layer at a time): the counts equal those of every record added as it came, and nothing is counted
+    before the step ends. Random routings of 3 decode tokens and one 40-token prompt chunk, over 6 layers."""
+    L, E, K = 6, 16, 4
+    rng = np.random.default_rng(5)
+    steps = [Batch([SeqChunk(None, start, np.array([t])) for start, t in ((9, 1), (4, 2), (6, 3))]),
+             Batch([SeqChunk(None, 0, np.arange(40)), SeqChunk(None, 3, np.array([5]))])]
+    routings = [[np.stack([rng.choice(E, K, replace=False) for _ in range(sum(len(c.token_ids) for c in b.chunks))])
+                 for _ in range(L)] for b in steps]
+    at_once, held = ExpertUsage(L, E, K), ExpertUsage(L, E, K)
+    for batch, layers in zip(steps, routings):
+        at_once.begin(batch)
+        for layer in rng.permutation(L):
+            at_once.record(layer, layers[layer])
+        with held.step(batch):
+            for layer in rng.permutation(L):
+                buffer = layers[layer].astype(np.int32)
+                held.record(layer, buffer)
+                buffer[:] = 0  # a reused buffer: the held record is a copy
+            if len(batch.chunks) == 3:
+                assert held.decode.sum() == 0  # held until the step ends
+    for name in ("decode", "prefill", "coactivation"):
+        assert (getattr(held, name) == getattr(at_once, name)).all(), name
+    assert at_once.decode.sum() == 4 * L * K and at_once.prefill.sum() == 40 * L * K
+    layers = np.array([0, 2, 2, 5])  # record_layers: a layer may come twice
+    ids = rng.integers(0, E, (4, 3, K))
+    one, each = ExpertUsage(L, E, K), ExpertUsage(L, E, K)
+    one.begin(steps[0])
+    each.begin(steps[0])
+    one.record_layers(layers, ids)
+    for layer, layer_ids in zip(layers, ids):
+        each.record(layer, layer_ids)
+    assert (one.decode == each.decode).all() and (one.coactivation == each.coactivation).all()
