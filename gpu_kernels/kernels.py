@@ -16,7 +16,7 @@ from .attention_plan import (MAX_SPLITS, PA_MAX_HEAD_DIM, PA_OUTS, PA_THREADS, P
 from .delta_launch import DeltaNetLaunchers
 from .gemm import GEMM_MIN_TOKENS, GemmLaunchers, gemm_fits
 from .ops_launch import MATMUL_THREADS, OpsLaunchers
-from .sources import (INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source,
+from .sources import (FORMAT_DEFINES, INT_DECODE, KV_KERNELS, OPS_KERNELS, kv_module_name, matmul_kernels, module_name, module_source,
                       table_shared_bytes)
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,12 @@ def format_tuning(qtype):
     """(rows a lane group, slices a lane, blocks an SM holds or 0) of qtype's one-token matmuls by default."""
     rows, slices = DECODE_TUNING.get(Q(qtype), (DECODE_ROWS, LANE_SLICES))
     return rows, slices, DECODE_MIN_BLOCKS.get(Q(qtype), 0)
+
+
+def xq_layout(qtype):
+    """What orders a row's values in quantize_xq's buffer for qtype's `_qx` kernels (FORMAT_DEFINES' XQ_ macros): two
+    formats of one layout read one rounding of x."""
+    return tuple(sorted((k, v) for k, v in FORMAT_DEFINES.get(Q(qtype), {}).items() if k.startswith("XQ_")))
 
 
 def tuned_source(qtype, rows, blocks, defines=""):
@@ -177,6 +183,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         self._xq_kernels = set()  # compiled `_qx` kernels: x from quantize_xq
         self._xq_buffers = {}  # C -> quantize_xq's scratch uint8 [rows * step]
         self._xq_kept = []  # buffers a larger one replaced: a captured graph may still point at them
+        self._last_xq = None  # (x, its layout, the buffer) of the last quantize_xq launch of a plain x
         self._resident = {}  # (function, shared bytes) -> blocks of MATMUL_THREADS the GPU holds at once
         self._functions = {}  # (qtype or KV dtype, kernel name(, rows)) -> compiled function
         self._launches = {}  # (qtype, kernel name, R, C, B, ...) -> _mm_launch's (kernel, blocks, scalars)
@@ -306,11 +313,17 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
                                              np.int32(tpr)), shared)
         return launch
 
-    def _x_arg(self, fn, qtype, x, up=None):
+    def _x_arg(self, fn, qtype, x, up=None, same_x=False):
         """x [N, C] as kernel fn takes it: for a `_qx` kernel (xq_per_launch's) its rows (silu(x) * up where up is
-        given) rounded to int16 by one quantize_xq launch into a scratch buffer [N, step] kept per C, else x."""
+        given) rounded to int16 by one quantize_xq launch into a scratch buffer [N, step] kept per C, else x.
+        same_x: x is the array the last quantize_xq launch rounded, unchanged since (the caller says so: one input's
+        several projections); its buffer is taken again where the layouts of x's rounding agree."""
         if fn not in self._xq_kernels:
             return x
+        layout = xq_layout(qtype)
+        last = self._last_xq
+        if same_x and up is None and last is not None and last[0] is x and last[1] == layout:
+            return last[2]
         num_rows, num_cols = x.shape
         step = _pad16(xq_shared_bytes(num_cols))
         buf = self._xq_buffers.get(num_cols)
@@ -321,6 +334,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         warps = MATMUL_THREADS // 32
         self._launch(self._mm(qtype, "quantize_xq"), (-(-num_cols // (32 * warps)), num_rows), MATMUL_THREADS,
                      (x, self._or_dummy(up), np.int32(up is not None), buf, np.int32(num_cols)))
+        self._last_xq = (x, layout, buf) if up is None else None
         return buf
 
     def _row_chunks(self, fn, num_blocks, num_tiles, shared, one):
@@ -345,24 +359,25 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         chunks = self._row_chunks(fn, num_blocks, num_tiles, shared, one)
         return -(-num_blocks // chunks), np.int32(chunks)
 
-    def matmul(self, raw, qtype, x, out, float_x=False):
+    def matmul(self, raw, qtype, x, out, float_x=False, same_x=False):
         """out [T, R] = x [T, C] @ dequant(raw [R, B]).T; x and out contiguous. float_x: x as float32 in the
-        one-token kernel too (not rounded to int16 whatever act_quant says)."""
+        one-token kernel too (not rounded to int16 whatever act_quant says). same_x: x is unchanged since the last
+        matmul that rounded it (_x_arg)."""
         num_tokens, num_cols = x.shape
         if num_tokens >= GEMM_MIN_TOKENS and gemm_fits(qtype, num_cols):
             return self.gemm(raw, qtype, x, out)
         if 1 < num_tokens <= self.multi_tokens:
-            return self._matmul_multi(raw, qtype, x, out, float_x)
+            return self._matmul_multi(raw, qtype, x, out, float_x, same_x)
         one = num_tokens == 1
         fn, num_blocks, scalars, shared = self._mm_launch(qtype, "matmul_1" if one else "matmul", raw.shape[0],
                                                           num_cols, raw.shape[-1], one, float_x)
         num_tiles = 1 if one else (num_tokens + TILE_TOKENS - 1) // TILE_TOKENS
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, num_tiles, shared, one)
         self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS,
-                     (raw, self._x_arg(fn, qtype, x), out, np.int32(num_tokens)) + scalars + (chunks,),
+                     (raw, self._x_arg(fn, qtype, x, same_x=same_x), out, np.int32(num_tokens)) + scalars + (chunks,),
                      shared_mem=shared)
 
-    def _matmul_multi(self, raw, qtype, x, out, float_x=False):
+    def _matmul_multi(self, raw, qtype, x, out, float_x=False, same_x=False):
         """matmul's few-token launch (matmul.cu matmul_n / matmul_nq): the one-token kernel's tuning, lane groups and
         rows, each block's rows read once for MULTI_TOKENS tokens (x as int16 in shared memory where one token's
         would be and every token's fits)."""
@@ -372,7 +387,7 @@ class Kernels(DeltaNetLaunchers, OpsLaunchers, GemmLaunchers):
         num_tiles = -(-num_tokens // MULTI_TOKENS)
         grid_x, chunks = self._mm_grid_x(fn, num_blocks, num_tiles, shared, True)
         self._launch(fn, (grid_x, num_tiles), MATMUL_THREADS,
-                     (raw, self._x_arg(fn, qtype, x), out, np.int32(num_tokens)) + scalars + (chunks,),
+                     (raw, self._x_arg(fn, qtype, x, same_x=same_x), out, np.int32(num_tokens)) + scalars + (chunks,),
                      shared_mem=shared)
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=TILE_TOKENS):

@@ -25,7 +25,7 @@ from ..errors import ModelError
 from ..formats.weights import QuantTensor
 from .. import kv_store
 from ..kv_cache import BLOCK_TOKENS, KVPool
-from .base import Capabilities, separate_projections
+from .base import Capabilities
 from .gpu_delta import GpuDeltaOps
 from .gpu_experts import MAX_DECODE_PAIRS, GpuExperts
 from .gpu_kv import KV_HOST_ATTENTION, DeviceSequenceKV, GpuKV
@@ -249,11 +249,11 @@ class GpuBackend(GpuDeltaOps):
 
     # -- dense ops -------------------------------------------------------------------------
 
-    def linear(self, weight, x, exact=False):
+    def linear(self, weight, x, exact=False, same_x=False):
         """x [T, C] @ weight[R, C].T -> [T, R]; exact: x as float32 also where one token's matmul would round it
-        to int16 (act_quant)."""
+        to int16 (act_quant); same_x: x unchanged since the last linear, whose rounding of it may be read again."""
         out = self.rt.empty((x.shape[0], weight.shape[0]), np.float32)
-        self.kernels.matmul(self._weight(weight), weight.qtype, x, out, float_x=exact)
+        self.kernels.matmul(self._weight(weight), weight.qtype, x, out, float_x=exact, same_x=same_x)
         return out
 
     def add_into(self, x, y):
@@ -274,13 +274,17 @@ class GpuBackend(GpuDeltaOps):
     def project_qkv(self, layer, h):
         """h [T, H] -> (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], qk). One token: one launch for each run of
         the weights that share a device array (_upload_projections), and where q and k share one, qk is
-        [1, Hq + Hkv, D] over both (one RoPE launch for the two); else None."""
+        [1, Hq + Hkv, D] over both (one RoPE launch for the two); else None. h is rounded to int16 once for them all
+        (Kernels.matmul's same_x) where their formats round it alike."""
         if h.shape[0] != 1:
-            return separate_projections(self, layer, h)
+            num_tokens, d = h.shape[0], layer.head_dim
+            q, k, v = (self.linear(w, h, same_x=i > 0).reshape(num_tokens, -1, d)
+                       for i, w in enumerate((layer.attn_q, layer.attn_k, layer.attn_v)))
+            return q, k, v, None
         d, parts, qk = layer.head_dim, [], None
         for i, (raw, qtype, rows) in enumerate(self._projections[layer.index]):
             out = self.rt.empty((1, sum(rows)), np.float32)
-            self.kernels.matmul(raw, qtype, h, out)
+            self.kernels.matmul(raw, qtype, h, out, same_x=i > 0)
             flat, start = out.reshape(-1), 0  # [R], contiguous: its slices are too
             for r in rows:
                 parts.append(flat[start:start + r].reshape(1, r // d, d))

@@ -128,7 +128,7 @@ class ReferenceKernels:
             return attr
         return functools.partial(queue_or_run, attr)
 
-    def matmul(self, raw, qtype, x, out, float_x=False):
+    def matmul(self, raw, qtype, x, out, float_x=False, same_x=False):
         out[:] = x.astype(np.float64) @ dequant(raw, qtype, x.shape[1]).T.astype(np.float64)
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=None):

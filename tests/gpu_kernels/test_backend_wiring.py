@@ -243,7 +243,7 @@ class ProjectionCounter:
     def __getattr__(self, name):
         return getattr(self.kernels, name)
 
-    def matmul(self, raw, qtype, x, out, float_x=False):
+    def matmul(self, raw, qtype, x, out, float_x=False, same_x=False):
         self.matmul_rows.append((x.shape[0], raw.shape[0], qtype))
         self.kernels.matmul(raw, qtype, x, out, float_x)
 

@@ -74,3 +74,28 @@ def test_expert_matmuls(runtime, qtype, num_pairs):
         results.append([runtime.to_host(a) for a in (one, g2, u2, d)])
     for name, want, got in zip(("moe_matmul", "moe_matmul2 gate", "moe_matmul2 up", "moe_matmul_glu"), *results):
         _close(got, want, (name, num_pairs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("second", ["Q6_K", "IQ4_XS"])  # Q6_K: Q4_K's rounding read again; IQ4_XS: its own (nibbles)
+def test_one_rounding_for_several_projections(runtime, second):
+    """matmul(same_x=True) after a matmul of the same x (q + k, then v: GpuBackend.project_qkv) reads that matmul's
+    rounding where the layouts agree and rounds again where they do not: the same outputs as rounding for each, at
+    one token and four."""
+    from gpu_kernels.kernels import xq_layout
+
+    first, q2 = Q.Q4_K, Q[second]
+    rng = np.random.default_rng(7 + int(q2))
+    _, kernels = _pair(runtime, first)
+    raws = [runtime.to_device(encode("w", rng.standard_normal((rows, 2048)).astype(np.float32), q, rng).raw)
+            for rows, q in ((4608, first), (512, q2))]
+    assert (xq_layout(first) == xq_layout(q2)) == (second == "Q6_K")
+    for num_tokens in (1, 4):
+        x = runtime.to_device(_x(rng, num_tokens, 2048))
+        want = runtime.zeros((num_tokens, 512), np.float32)
+        kernels.matmul(raws[1], q2, x, want)
+        out = runtime.zeros((num_tokens, 4608), np.float32)
+        kernels.matmul(raws[0], first, x, out)
+        got = runtime.zeros((num_tokens, 512), np.float32)
+        kernels.matmul(raws[1], q2, x, got, same_x=True)
+        _close(runtime.to_host(got), runtime.to_host(want), (second, num_tokens))

@@ -48,7 +48,7 @@ class CachedKernels(ReferenceKernels):
             self._dequantized[key] = (raw, dequant(raw, qtype, num_cols).astype(np.float64))
         return self._dequantized[key][1]
 
-    def matmul(self, raw, qtype, x, out, float_x=False):
+    def matmul(self, raw, qtype, x, out, float_x=False, same_x=False):
         out[:] = x.astype(np.float64) @ self._weights(raw, qtype, x.shape[1]).T
 
     def moe_matmul(self, raw, qtype, x, out, tile_slot, tile_row, tile_count, tile_tokens=None):
