@@ -158,6 +158,9 @@ def tuned(llm, args):
         from gpu_kernels.kernels import XQ_KERNELS
 
         kernels.xq_per_launch = frozenset(XQ_KERNELS)
+    if args.round_each_projection:  # the A/B of same_x: every projection rounds its x again
+        plain = kernels.matmul
+        kernels.matmul = lambda raw, qtype, x, out, float_x=False, same_x=False: plain(raw, qtype, x, out, float_x)
     if args.group_tokens is not None:
         llm.model.backend.device_experts.group_tokens = args.group_tokens or None
     return llm
@@ -208,6 +211,8 @@ def main(argv=None):
     p.add_argument("--xq-per-launch", action="store_true",
                    help="every int16 one- and few-token matmul's x rounded once a launch into global memory, not in "
                         "every block (gpu_kernels.kernels.Kernels xq_per_launch)")
+    p.add_argument("--round-each-projection", action="store_true",
+                   help="q, k and v each round their x to int16 again (Kernels.matmul's same_x off)")
     p.add_argument("--group-tokens", type=int, default=None,
                    help="decode steps of at least this many tokens group their pairs by expert (0: never; default: "
                         "hybrid/backends/gpu_experts.py GROUP_DECODE_TOKENS)")
@@ -228,7 +233,8 @@ def main(argv=None):
                  f"default decode step after {args.context}-token prompts, median of 14 steps, by users at once "
                  f"(pairs grouped by expert from {grouped or 'no'} tokens; dense matmuls of 2 to "
                  f"{llm.model.backend.kernels.multi_tokens} tokens by matmul_n / matmul_nq"
-                 f"{'; x rounded once a launch' if args.xq_per_launch else ''}).", "",
+                 f"{'; x rounded once a launch' if args.xq_per_launch else ''}"
+                 f"{'; q, k, v each rounding x' if args.round_each_projection else ''}).", "",
                  *step_table(llm, counts, args.context, lambda m: m.model.runner.last_path)]
         text = "\n".join(lines) + "\n"
         print(text)
