@@ -21,6 +21,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core.extending import intrinsic
 
+from . import aligned
 from .simd import F32, FAST, I32, data_ptr, hsum, lanes, load_at, splat, vec
 from .target import int_dot_width, vnni_width
 
@@ -223,7 +224,8 @@ def _quantized_arrays(x, num_rows, dtype):
     """The (xq [N, C] of dtype, aux f32 [N, C/16], inv f32 [C/32]) that quantizing rows of x's first num_rows
     fills."""
     num_blocks = x.shape[1] // QBLOCK
-    return (np.empty((num_rows, x.shape[1]), dtype=dtype), np.empty((num_rows, 2 * num_blocks), dtype=np.float32),
+    return (aligned.empty(num_rows * x.shape[1], dtype).reshape((num_rows, x.shape[1])),
+            aligned.empty(num_rows * 2 * num_blocks, np.float32).reshape((num_rows, 2 * num_blocks)),
             np.empty(num_blocks, dtype=np.float32))
 
 

@@ -9,7 +9,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core.extending import intrinsic
 
-from . import simd
+from . import aligned, simd
 from .half import read_half
 from .simd import F32, I8, I32, I64
 from .target import int_dot_width
@@ -254,7 +254,7 @@ def bytes_of_rows(xq, runs, rows):
     their low bytes, each as 8 runs of 32: run r from xq's values runs[r] .. runs[r] + 31 of the super-block (the
     byte form of digit_block_i16 and q6_k's int16 decode); only the rows where rows [N] is true (the others
     undefined: act_quant.decode_rows)."""
-    out = np.empty_like(xq)
+    out = aligned.empty(xq.size, np.int16).reshape(xq.shape)  # [N, C]
     for n in range(xq.shape[0]):
         if not rows[n]:
             continue

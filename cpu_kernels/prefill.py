@@ -22,7 +22,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from . import simd
+from . import aligned, simd
 from .simd import F32, I64
 from .tiles import ROWS_PER_ITEM, TOKENS_PER_ITEM
 from .twins import serial_twin
@@ -114,7 +114,8 @@ def token_panels(x, items, wanted=True):
 def _panels(x, spans):
     """The panels of token_panels, one chunk per parallel iteration: a 512-token prompt's ~64 panels
     (16 MB) took 5 ms serially, an eighth of a 2-thread prefill matmul and more at 16 threads."""
-    panels = np.zeros((spans.shape[0], x.shape[1], TOKENS_PER_ITEM), dtype=np.float32)  # [S, C, 64]
+    panels = aligned.zeros(spans.shape[0] * x.shape[1] * TOKENS_PER_ITEM, np.float32).reshape(
+        (spans.shape[0], x.shape[1], TOKENS_PER_ITEM))  # [S, C, 64]
     for s in prange(spans.shape[0]):
         _fill_panel(x, spans[s, 0], spans[s, 1], panels[s])
     return panels

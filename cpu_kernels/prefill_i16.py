@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from . import simd
+from . import aligned, simd
 from .act_quant import FLOAT, _block_stats, _round_block
 from .simd import F32, I16, I32, I64
 from .target import int_dot_width
@@ -247,9 +247,13 @@ def token_panels_i16(x, items, act_quant, levels):
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
 def _panels_i16(x, spans, levels):
     num_chunks, num_cols = spans.shape[0], x.shape[1]
-    xq = np.zeros((num_chunks, num_cols // 2, 2 * TOKENS_PER_ITEM), dtype=np.int16)  # [S, P, 128]
-    dx = np.zeros((num_chunks, num_cols // SUB, TOKENS_PER_ITEM), dtype=np.float32)  # [S, J, 64]
-    sums = np.zeros((num_chunks, num_cols // SUB, TOKENS_PER_ITEM), dtype=np.float32)  # [S, J, 64]
+    num_subs = num_cols // SUB
+    xq = aligned.zeros(num_chunks * num_cols * TOKENS_PER_ITEM, np.int16).reshape(
+        (num_chunks, num_cols // 2, 2 * TOKENS_PER_ITEM))  # [S, P, 128]
+    dx = aligned.zeros(num_chunks * num_subs * TOKENS_PER_ITEM, np.float32).reshape(
+        (num_chunks, num_subs, TOKENS_PER_ITEM))  # [S, J, 64]
+    sums = aligned.zeros(num_chunks * num_subs * TOKENS_PER_ITEM, np.float32).reshape(
+        (num_chunks, num_subs, TOKENS_PER_ITEM))  # [S, J, 64]
     for s in prange(num_chunks):
         _fill_panel_i16(x, spans[s, 0], spans[s, 1], levels, xq[s], dx[s], sums[s])
     return xq, dx, sums

@@ -8,7 +8,7 @@ import pytest
 
 import hybrid
 from cpu_kernels import act_quant as aq
-from cpu_kernels import q4_k, q5_k, q6_k, q8_0
+from cpu_kernels import aligned, q4_k, q5_k, q6_k, q8_0
 from cpu_kernels.tiles import DECODE_MAX_TOKENS, work_items
 from hybrid.batch import Batch, SeqChunk
 
@@ -41,6 +41,7 @@ def test_quantize_rows_rounds_each_block_to_half_a_step():
     xq, aux = aq.quantize_rows(x, decode_items(3), aq.ACT_QUANTS["int16"])
     scale = aux[:, 0::2]  # [N, C/32]
     assert np.abs(xq).max() == 32767 and scale[1, 1] == 0.0
+    assert xq.ctypes.data % aligned.ALIGN == 0 and aux.ctypes.data % aligned.ALIGN == 0  # the decode dots' rows
     assert np.all(np.abs(xq * np.repeat(scale, 32, axis=1) - x) <= np.repeat(scale, 32, axis=1) * 0.5001)
     np.testing.assert_allclose(aux[:, 1::2], x.reshape(3, 3, 32).sum(axis=2), rtol=1e-5, atol=1e-6)
 

@@ -5,7 +5,7 @@ import numba
 import numpy as np
 import pytest
 
-from cpu_kernels import prefill, prefill_i16, q4_k, q5_k, q6_k, q8_0
+from cpu_kernels import aligned, prefill, prefill_i16, q4_k, q5_k, q6_k, q8_0
 from cpu_kernels.act_quant import FLOAT, INT16
 from cpu_kernels.tiles import NO_CHUNK, TOKENS_PER_ITEM, WHOLE_MIN_ROW_BYTES, prefill_span, work_items
 
@@ -27,6 +27,8 @@ def test_token_panels_match_numpy(group_sizes):
     xq, dx, sums = prefill_i16.token_panels_i16(x, items, INT16, levels)
     num_chunks = items[:, 4].max() + 1
     assert xq.shape == (num_chunks, 48, 128) and dx.shape == sums.shape == (num_chunks, 3, 64)
+    panels = prefill.token_panels(x, items)  # the float prefill's, [S, C, 64]
+    assert all(a.ctypes.data % aligned.ALIGN == 0 for a in (xq, dx, sums, panels))  # whole-vector loads in one line
     if len(group_sizes) > 2:
         assert num_chunks >= prefill_i16.PARALLEL_MIN_PANELS
     for s in range(num_chunks):
