@@ -26,6 +26,8 @@ class Step:
     capturable: bool
     step_graph: bool = False  # not capturable alone, but may run inside a whole-step graph (hybrid/runners.py:
     # its per-step numbers are read on the device there, and nothing waits for the host)
+    norm: str = None  # a block's norm step: the layer's attribute of its weight (a step graph fuses the residual
+    # add before it into it: carry_residual)
 
 
 def attention_inputs(backend, part, layer, h, positions):
@@ -204,7 +206,20 @@ def block_steps(block):
     def residual(be, layer, s):
         be.add_into(s["x"], s["y"])
 
-    return (Step("norm", norm, True),) + part + (Step("residual", residual, part[-1].capturable, step_graph=True),)
+    return (Step("norm", norm, True, norm=block.norm),) + part + (
+        Step("residual", residual, part[-1].capturable, step_graph=True),)
+
+
+def carries_residual(steps, next_steps, backend):
+    """Whether a layer's last step, its residual add, may be left to the next layer's first, its norm, as one
+    add_rmsnorm launch (a whole-step graph, where both run in one capture: carry_residual)."""
+    return (backend.capabilities.fused_norms and steps[-1].name == "residual" and bool(next_steps)
+            and next_steps[0].norm is not None)
+
+
+def carry_residual(be, layer, s, y, norm_step):
+    """The last layer's residual add (its y [T, H]) and this layer's first norm in one launch: x += y, h = norm(x)."""
+    s["h"] = be.add_rmsnorm(s["x"], y, getattr(layer, norm_step.norm), layer.eps)
 
 
 def residual_norm_step(residual, block):

@@ -11,6 +11,8 @@ and read back once a step.
 Shape legend: n chunks of one token each, H hidden, K top-k.
 """
 
+from .blocks import carries_residual, carry_residual
+
 MAX_STEP_TOKENS = 16  # the most one-token chunks (users decoding at once) a step graph takes
 
 
@@ -70,12 +72,21 @@ def queue_step(model, x, batch, steps_of, positions, bound):
     (routing row, layer index) of the layers whose routing the graph keeps (with a usage record), the token count,
     and a KV with a recurrent state (its graph is its own: held so that its id stays its own)."""
     be, keep_routing, routed = model.backend, model.usage is not None, []
+    carried = None  # the last layer's y, its residual add left to this layer's first norm (blocks.carry_residual)
     be.begin_step_graph(positions, bound, batch.chunks)
     try:
         for i, layer in enumerate(model.layers):
             s = {"x": x, "batch": batch, "split": model.split, "usage": None}
-            for step in steps_of(i):
-                step.run(be, layer, s)
+            steps = steps_of(i)
+            last = len(steps) - 1
+            if i + 1 < len(model.layers) and carries_residual(steps, steps_of(i + 1), be):
+                last -= 1
+            for j, step in enumerate(steps[:last + 1]):
+                if j == 0 and carried is not None:
+                    carry_residual(be, layer, s, carried, step)
+                else:
+                    step.run(be, layer, s)
+            carried = s["y"] if last < len(steps) - 1 else None
             if keep_routing and "ids" in s:
                 be.keep_step_routing(i, s["ids"])  # the model's i-th layer (a pipeline stage's may not be layer i)
                 routed.append((i, layer.index))
