@@ -33,6 +33,9 @@ WHOLE_MIN_ROW_BYTES = 1024  # and only for rows of this many bytes or more: shor
 # chunk's panel (128 bytes a column) of a few hundred columns stays near L1 across that chunk's items (Q6_K [2048, 512]
 # measured slower with whole-group items)
 DECODE_MAX_TOKENS = 8  # groups of at most this many tokens are split into one-token (decode) items
+PROMPT_ITEM_MAX_TOKENS = 12  # a prompt's int16 groups of at most this many tokens run as several-token decode items
+# (PROMPT_ITEMS): a 9-12-token group's prefill tile fills 9-12 of its 16 token lanes and unpacks its rows for them
+# alone (Q4_K [512, 2048] 27 GMAC/s, Q6_K [2048, 512] 26, 1 thread), where passes of 4 tokens run ~40 and ~34
 NO_CHUNK = -1  # the token chunk of a decode item: no panel (a 256-token prompt over 512 experts, top-10, made
 # ~2,500 one-token panels of 300 KB each when decode items had chunks: 60 % of its experts' time)
 PROMPT_ITEMS = 4  # added to an act_quant code: a prompt's call, whose int16 groups of a few tokens run as decode items
@@ -51,23 +54,25 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, sever
     token chunk, end row), the token chunk numbering the distinct (first token, end token) ranges of the prefill
     items from 0 (their token panels: prefill.token_panels). Groups of at most DECODE_MAX_TOKENS tokens get
     one-token (decode) items of decode_rows_per_item rows (rows of row_bytes bytes: 0 unknown), each row range's
-    tokens in a row, token chunk NO_CHUNK (they read x, no panel), or with `several` one decode item of all the
-    group's tokens a row range (PROMPT_ITEMS); the others ROWS_PER_ITEM rows by TOKENS_PER_ITEM tokens, or with
-    `whole` (integer prefill: its tiles unpack an item's rows once for all its token chunks) by prefill_span
-    tokens, an item's token chunks numbered one after another from its token chunk."""
+    tokens in a row, token chunk NO_CHUNK (they read x, no panel), or with `several` groups of at most
+    PROMPT_ITEM_MAX_TOKENS one decode item of all the group's tokens a row range (PROMPT_ITEMS); the others
+    ROWS_PER_ITEM rows by TOKENS_PER_ITEM tokens, or with `whole` (integer prefill: its tiles unpack an item's rows
+    once for all its token chunks) by prefill_span tokens, an item's token chunks numbered one after another from
+    its token chunk."""
+    decode_max = PROMPT_ITEM_MAX_TOKENS if several else DECODE_MAX_TOKENS
     num_decode = 0
     for g in range(expert_ids.shape[0]):
         if not 0 <= expert_ids[g] < num_experts or row_starts[g + 1] < row_starts[g]:
             raise ValueError("moe_matmul: expert_ids out of range or row_starts decreasing")
         num_tokens = row_starts[g + 1] - row_starts[g]
-        if num_tokens <= DECODE_MAX_TOKENS:
+        if num_tokens <= decode_max:
             num_decode += 1 if several else num_tokens
     decode_rows = decode_rows_per_item(num_decode, num_rows, num_threads(), row_bytes)
     span = prefill_span(row_starts, num_threads()) if whole and row_bytes >= WHOLE_MIN_ROW_BYTES else TOKENS_PER_ITEM
     num_items = 0
     for g in range(expert_ids.shape[0]):
         num_tokens = row_starts[g + 1] - row_starts[g]
-        if num_tokens <= DECODE_MAX_TOKENS:
+        if num_tokens <= decode_max:
             num_items += (num_rows + decode_rows - 1) // decode_rows * (1 if several else num_tokens)
         else:
             num_items += (num_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM * ((num_tokens + span - 1) // span)
@@ -76,7 +81,7 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, sever
     chunk = 0
     for g in range(expert_ids.shape[0]):
         t0, t1 = row_starts[g], row_starts[g + 1]
-        if t1 - t0 <= DECODE_MAX_TOKENS and several:
+        if t1 - t0 <= decode_max and several:
             for r0 in range(0, num_rows, decode_rows):
                 _set_item(items, i, expert_ids[g], r0, t0, t1, NO_CHUNK, min(r0 + decode_rows, num_rows))
                 i += 1

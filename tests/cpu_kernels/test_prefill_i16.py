@@ -7,7 +7,8 @@ import pytest
 
 from cpu_kernels import aligned, prefill, prefill_i16, q4_k, q5_k, q6_k, q8_0
 from cpu_kernels.act_quant import FLOAT, INT16
-from cpu_kernels.tiles import NO_CHUNK, TOKENS_PER_ITEM, WHOLE_MIN_ROW_BYTES, prefill_span, work_items
+from cpu_kernels.tiles import (NO_CHUNK, PROMPT_ITEM_MAX_TOKENS, TOKENS_PER_ITEM, WHOLE_MIN_ROW_BYTES, prefill_span,
+                               work_items)
 
 needs_int = pytest.mark.skipif(not prefill_i16.integer_prefill(INT16), reason="integer prefill needs AVX2")
 
@@ -102,7 +103,7 @@ def test_zero_and_tiny_blocks_of_x():
     np.testing.assert_allclose(out, ref, atol=1e-4 * np.abs(ref).max())
 
 
-WHOLE_GROUPS = [150, 3, 70, 12, 64]  # [G] tokens: several chunks, decode, a partial second chunk, one, exactly one
+WHOLE_GROUPS = [150, 3, 70, 20, 64]  # [G] tokens: several chunks, decode, a partial second chunk, one, exactly one
 
 
 def test_prefill_span():
@@ -126,7 +127,7 @@ def test_whole_group_items_number_their_chunks_as_chunk_by_chunk():
     tiles = whole[whole[:, 4] != NO_CHUNK]
     sizes = np.asarray(WHOLE_GROUPS)[tiles[:, 0]]
     np.testing.assert_array_equal(tiles[:, 3] - tiles[:, 2], sizes)  # a group's tokens in one item a row range
-    assert len(tiles) == 3 * sum(s > 8 for s in WHOLE_GROUPS)  # 40 rows: 3 row ranges
+    assert len(tiles) == 3 * sum(s > PROMPT_ITEM_MAX_TOKENS for s in WHOLE_GROUPS)  # 40 rows: 3 row ranges
     spans = prefill.chunk_spans(whole, True)  # [S, 2]
     np.testing.assert_array_equal(spans, prefill.chunk_spans(chunked, True))
     assert np.all(spans[:, 1] - spans[:, 0] <= TOKENS_PER_ITEM)
