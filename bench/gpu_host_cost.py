@@ -4,12 +4,13 @@
 launch (CuPy's argument packing and the driver call) and a device allocation; the difference tells how much of a
 launch-bound step is ours.
 
-Every expert resident (no CPU experts, no relay), one sequence, one token a step; the expert launches of each layer
-go through a captured graph as on a GPU, and with --dense-graphs (STRATA_DENSE_GRAPHS=1) its dense launches too. The
-table counts the host's launch calls a layer (a graph's replay is one) and the kernels they run. Medians of --steps
-steps after --warmup.
+Every expert resident (no CPU experts, no relay), --users sequences (default 1), one token each a step; the expert
+launches of each layer go through a captured graph as on a GPU, and with --dense-graphs (STRATA_DENSE_GRAPHS=1) its
+dense launches too (with --step-graphs the whole step). The table counts the host's launch calls a layer (a graph's
+replay is one) and the kernels they run; --kernels lists one step's kernels. Medians of --steps steps after --warmup.
 
-    python bench/gpu_host_cost.py --model /tmp/bench-tiny.gguf [--steps 30] [--dense-graphs] [--profile]
+    python bench/gpu_host_cost.py --model /tmp/bench-tiny.gguf [--steps 30] [--dense-graphs] [--step-graphs]
+        [--users 4] [--kernels] [--profile]
 
 Make a small model with many layers with bench/make_model.py (the weights' size does not matter, nothing runs
 them), e.g. `--type Q8_0 --layers 48 --hidden 256 --experts 16 --top-k 4 --moe-ff 128 --heads 4 --kv-heads 2
@@ -17,6 +18,7 @@ them), e.g. `--type Q8_0 --layers 48 --hidden 256 --experts 16 --top-k 4 --moe-f
 """
 import argparse
 import cProfile
+from collections import Counter
 import pstats
 import sys
 import time
@@ -43,6 +45,7 @@ class LaunchCounter(NumpyRuntime):
     def __init__(self):
         super().__init__()
         self.modules = {}
+        self.names = []  # the kernels run, by name, in order (a replayed graph's again at each replay)
 
     def empty(self, shape, dtype):
         return np.zeros(shape, dtype)
@@ -55,10 +58,11 @@ class LaunchCounter(NumpyRuntime):
     def launch(self, function, grid, block, args, shared_mem=0, stream=None):
         if not capturing():
             self.launches += 1
-        queue_or_run(self._count_kernel)  # a launch under a graph capture counts at each of the graph's launches
+        queue_or_run(self._count_kernel, function)  # under a graph capture: counted at each of the graph's launches
 
-    def _count_kernel(self):
+    def _count_kernel(self, name):
         self.kernels += 1
+        self.names.append(name)
 
     def capture(self, stream, queue):
         return CountedGraph(super().capture(stream, queue), self)
@@ -89,21 +93,25 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of --steps steps")
     parser.add_argument("--dense-graphs", action="store_true", help="a layer's dense launches as two graphs "
                         "(GpuBackend dense_graphs)")
+    parser.add_argument("--users", type=int, default=1, help="sequences decoding at once (one token each a step)")
+    parser.add_argument("--kernels", action="store_true", help="also list one step's kernels in order, and each "
+                        "kernel's count a step")
     parser.add_argument("--step-graphs", action="store_true", help="with --dense-graphs, the whole step as one graph "
                         "(GpuBackend step_graphs; every expert is resident here)")
     args = parser.parse_args()
     weights = load_model(args.model)
     c = weights.config
     rt = LaunchCounter()
-    backend = GpuBackend(rt, max_context=args.warmup + 2 * args.steps + 16, kv_sequences=1,
+    backend = GpuBackend(rt, max_context=args.warmup + 2 * args.steps + 16, kv_sequences=args.users,
                          resident=np.ones((c.num_layers, c.num_experts), bool), dense_graphs=args.dense_graphs,
                          step_graphs=args.step_graphs)
     model = Model(weights, backend, host=CpuBackend())
-    kv = model.new_sequence(args.warmup + 2 * args.steps + 16)
-    model.forward(Batch([SeqChunk(kv, 0, np.arange(4), "last")]))
+    kvs = [model.new_sequence(args.warmup + 2 * args.steps + 16) for _ in range(args.users)]
+    for kv in kvs:
+        model.forward(Batch([SeqChunk(kv, 0, np.arange(4), "last")]))
 
     def step():
-        model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([7]))]))
+        model.forward(Batch([SeqChunk(kv, kv.length, np.asarray([7]), "last") for kv in kvs]))
 
     for _ in range(args.warmup):
         step()
@@ -119,6 +127,13 @@ def main():
           f"| {c.num_layers} | {'yes' if args.dense_graphs else 'no'} | {per_step * 1e3:.2f} | "
           f"{per_step / c.num_layers * 1e6:.1f} | {launches:.1f} | {kernels:.1f} | "
           f"{per_step / c.num_layers / launches * 1e6:.2f} |")
+    if args.kernels:
+        rt.names.clear()
+        step()
+        print(f"\nOne step ({args.users} user(s), {model.runner.last_path}): {len(rt.names)} kernels\n\n"
+              + " ".join(rt.names) + "\n\n| kernel | a step |\n|---|---|")
+        for name, count in Counter(rt.names).most_common():
+            print(f"| {name} | {count} |")
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
