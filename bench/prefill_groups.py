@@ -33,8 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 NUM_EXPERTS = 512
 SHAPES = (("q4_k", 512, 2048, True), ("q6_k", 2048, 512, False))  # format, rows, columns, gate+up pair
-DENSE_SHAPES = (("q4_k", 8192, 2048, False), ("q4_k", 4096, 2048, False))  # the linear-attention layer's attn_qkv,
-# attn_gate (--dense: one weight, a 1xT group; with --act-quant float the exact projections' prefill tiles)
+DENSE_SHAPES = (("q4_k", 8192, 2048, False), ("q4_k", 4096, 2048, False), ("q4_k", 2048, 4096, False),
+                ("q6_k", 2048, 4096, False))  # the linear-attention layer's attn_qkv, attn_gate, ssm_out, the attention
+# layer's attn_output (--dense: one weight, a 1xT group; with --act-quant float the exact projections' prefill tiles)
 
 
 def parse_sizes(text, layers, num_layer_pairs):

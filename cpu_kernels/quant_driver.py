@@ -194,7 +194,7 @@ def prepare(raws, x, expert_ids, row_starts, act_quant):
     act_quant %= PROMPT_ITEMS
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
-                       several, int_prefill)
+                       several, int_prefill, x.shape[1])
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, without_int8(act_quant))  # noqa: F821 ([N, C], [N, C/16] or empty)
@@ -207,7 +207,7 @@ def prepare_i8(raws, x, expert_ids, row_starts, act_quant):
     act_quant %= PROMPT_ITEMS
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
-                       several, int_prefill)
+                       several, int_prefill, x.shape[1])
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821
     xq, xaux = _quantize_rows(x, items, act_quant)  # noqa: F821 ([N, C], [N, C/16], empty unless int16 decode)
@@ -222,7 +222,7 @@ def prepare_sums(raws, x, expert_ids, row_starts, act_quant):
     act_quant %= PROMPT_ITEMS
     int_prefill = _INT_PREFILL and integer_prefill(act_quant)  # noqa: F821
     items = work_items(expert_ids, row_starts, raws[0].shape[0], raws[0].shape[1], raws[0].shape[2],  # [W, 6]
-                       several, int_prefill)
+                       several, int_prefill, x.shape[1])
     xsum = decode_sub_block_sums(x, act_quant)  # [N, C/32] (empty unless float decode)
     panels = token_panels(x, items, not int_prefill)  # [S, C, 64] (float prefill)
     pxq, pdx, psums = token_panels_i16(x, items, act_quant if int_prefill else FLOAT, _X_LEVELS)  # noqa: F821

@@ -32,6 +32,9 @@ WHOLE_SHARES = 4  # on several threads whole-group prefill items span at most 1 
 WHOLE_MIN_ROW_BYTES = 1024  # and only for rows of this many bytes or more: short rows unpack cheaply, and one token
 # chunk's panel (128 bytes a column) of a few hundred columns stays near L1 across that chunk's items (Q6_K [2048, 512]
 # measured slower with whole-group items)
+WHOLE_PANEL_BYTES = 5 << 18  # and at most so many tokens that an item's token panels (2.25 bytes a token and column:
+# int16 x, and a float scale and sum per 32 columns) fit 1.25 MiB, most of a 2 MiB L2 (256 tokens of 2048 columns do):
+# every item of 16 rows reads them all (256 tokens of 4096 columns, 2.3 MB, from L3: Q4_K [2048, 4096] 1.12x slower)
 DECODE_MAX_TOKENS = 8  # groups of at most this many tokens are split into one-token (decode) items
 PROMPT_ITEM_MAX_TOKENS = 12  # a prompt's int16 groups of at most this many tokens run as several-token decode items
 # (PROMPT_ITEMS): a 9-12-token group's prefill tile fills 9-12 of its 16 token lanes and unpacks its rows for them
@@ -49,7 +52,7 @@ KERNELS = {}  # format module name: (moe_kernel, moe_kernel_serial), as format_a
 
 
 @njit(nogil=True, cache=True)
-def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, several=False, whole=False):
+def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, several=False, whole=False, num_cols=0):
     """Split every group into (rows, tokens) tiles: [W, 6] of (expert, first row, first token, end token,
     token chunk, end row), the token chunk numbering the distinct (first token, end token) ranges of the prefill
     items from 0 (their token panels: prefill.token_panels). Groups of at most DECODE_MAX_TOKENS tokens get
@@ -57,8 +60,8 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, sever
     tokens in a row, token chunk NO_CHUNK (they read x, no panel), or with `several` groups of at most
     PROMPT_ITEM_MAX_TOKENS one decode item of all the group's tokens a row range (PROMPT_ITEMS); the others
     ROWS_PER_ITEM rows by TOKENS_PER_ITEM tokens, or with `whole` (integer prefill: its tiles unpack an item's rows
-    once for all its token chunks) by prefill_span tokens, an item's token chunks numbered one after another from
-    its token chunk."""
+    once for all its token chunks) by prefill_span tokens (rows of num_cols columns; 0 unknown), an item's token
+    chunks numbered one after another from its token chunk."""
     decode_max = PROMPT_ITEM_MAX_TOKENS if several else DECODE_MAX_TOKENS
     num_decode = 0
     for g in range(expert_ids.shape[0]):
@@ -68,7 +71,8 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, sever
         if num_tokens <= decode_max:
             num_decode += 1 if several else num_tokens
     decode_rows = decode_rows_per_item(num_decode, num_rows, num_threads(), row_bytes)
-    span = prefill_span(row_starts, num_threads()) if whole and row_bytes >= WHOLE_MIN_ROW_BYTES else TOKENS_PER_ITEM
+    whole = whole and row_bytes >= WHOLE_MIN_ROW_BYTES
+    span = prefill_span(row_starts, num_threads(), num_cols) if whole else TOKENS_PER_ITEM
     num_items = 0
     for g in range(expert_ids.shape[0]):
         num_tokens = row_starts[g + 1] - row_starts[g]
@@ -102,13 +106,16 @@ def work_items(expert_ids, row_starts, num_experts, num_rows, row_bytes=0, sever
 
 
 @njit(nogil=True, cache=True)
-def prefill_span(row_starts, threads):
+def prefill_span(row_starts, threads, num_cols=0):
     """Tokens of a whole-group prefill item (work_items' `whole`), a multiple of TOKENS_PER_ITEM: every group
     whole on one thread; on several at most 1 / (WHOLE_SHARES threads) of the call's (token, expert) rows, at
     least TOKENS_PER_ITEM (a parallel region hands each thread a run of items, and an item costs its token
-    count: a run of a few whole large groups would hold up the others)."""
+    count: a run of a few whole large groups would hold up the others); for rows of num_cols columns (0 unknown)
+    at most the tokens whose panels fit WHOLE_PANEL_BYTES."""
     num_rows = row_starts[-1] - row_starts[0]
     share = num_rows if threads == 1 else num_rows // (WHOLE_SHARES * threads)
+    if num_cols > 0:
+        share = min(share, 4 * WHOLE_PANEL_BYTES // (9 * num_cols) // TOKENS_PER_ITEM * TOKENS_PER_ITEM)
     return max(TOKENS_PER_ITEM, (share + TOKENS_PER_ITEM - 1) // TOKENS_PER_ITEM * TOKENS_PER_ITEM)
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from cpu_kernels import aligned, prefill, prefill_i16, q4_k, q5_k, q6_k, q8_0
 from cpu_kernels.act_quant import FLOAT, INT16
-from cpu_kernels.tiles import (NO_CHUNK, PROMPT_ITEM_MAX_TOKENS, TOKENS_PER_ITEM, WHOLE_MIN_ROW_BYTES, prefill_span,
-                               work_items)
+from cpu_kernels.tiles import (NO_CHUNK, PROMPT_ITEM_MAX_TOKENS, TOKENS_PER_ITEM, WHOLE_MIN_ROW_BYTES,
+                               WHOLE_PANEL_BYTES, prefill_span, work_items)
 
 needs_int = pytest.mark.skipif(not prefill_i16.integer_prefill(INT16), reason="integer prefill needs AVX2")
 
@@ -110,6 +110,11 @@ def test_prefill_span():
     assert prefill_span(np.array([0, 100, 700]), 1) == 704  # one thread: every group whole
     assert prefill_span(np.array([0, 100, 700]), 2) == 128  # 700 // 8 = 87, to a whole chunk
     assert prefill_span(np.array([0, 2560]), 16) == TOKENS_PER_ITEM
+    # at most the tokens whose panels (2.25 bytes a token and column) fit WHOLE_PANEL_BYTES, at least a chunk
+    for cols in (2048, 4096, 1 << 16):
+        span = prefill_span(np.array([0, 100, 700]), 1, cols)
+        assert span == max(TOKENS_PER_ITEM, WHOLE_PANEL_BYTES * 4 // (9 * cols) // TOKENS_PER_ITEM * TOKENS_PER_ITEM)
+        assert span == TOKENS_PER_ITEM or 9 * cols * span <= 4 * WHOLE_PANEL_BYTES
 
 
 def test_whole_group_items_number_their_chunks_as_chunk_by_chunk():
@@ -120,6 +125,7 @@ def test_whole_group_items_number_their_chunks_as_chunk_by_chunk():
     try:
         whole = work_items(experts, row_starts, len(experts), 40, WHOLE_MIN_ROW_BYTES, True, True)  # [W, 6]
         short = work_items(experts, row_starts, len(experts), 40, WHOLE_MIN_ROW_BYTES - 1, True, True)
+        wide = work_items(experts, row_starts, len(experts), 40, WHOLE_MIN_ROW_BYTES, True, True, 4096)  # 128 a span
     finally:
         numba.set_num_threads(threads)
     chunked = work_items(experts, row_starts, len(experts), 40, WHOLE_MIN_ROW_BYTES, True)
@@ -130,6 +136,8 @@ def test_whole_group_items_number_their_chunks_as_chunk_by_chunk():
     assert len(tiles) == 3 * sum(s > PROMPT_ITEM_MAX_TOKENS for s in WHOLE_GROUPS)  # 40 rows: 3 row ranges
     spans = prefill.chunk_spans(whole, True)  # [S, 2]
     np.testing.assert_array_equal(spans, prefill.chunk_spans(chunked, True))
+    np.testing.assert_array_equal(spans, prefill.chunk_spans(wide, True))
+    assert (wide[:, 3] - wide[:, 2]).max() == 128  # the 150-token group in two items
     assert np.all(spans[:, 1] - spans[:, 0] <= TOKENS_PER_ITEM)
     x = np.random.default_rng(3).standard_normal((row_starts[-1], 64)).astype(np.float32)
     for got, want in zip(prefill_i16.token_panels_i16(x, whole, INT16, np.float32(32767)),
