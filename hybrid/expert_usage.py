@@ -65,11 +65,6 @@ class ExpertUsage:
             return
         self.record_rows(layer, ids, self._decode_rows)
 
-    def record_layers(self, layers, ids):
-        """record() of several layers at once: ids int [L', T, K] the routings of layers int [L'] (a step's
-        layers read back together; one set of NumPy calls for them all rather than a set a layer)."""
-        self._add(np.asarray(layers, dtype=np.int64), np.asarray(ids, dtype=np.int64), self._decode_rows)
-
     def record_rows(self, layer, ids, dec):
         """record() of a part of the step (a pipeline stage's slot group, hybrid/pipeline.py) whose rows are
         decode tokens where dec bool [T] says so."""
@@ -81,10 +76,6 @@ class ExpertUsage:
         if len(dec) != ids.shape[1]:
             raise ValueError(f"expert usage: {ids.shape[1]} routed tokens at layer {int(layers[0])}, "
                              f"the step has {len(dec)} (call begin(batch) first)")
-        if len(layers) > 1 and ids[0].size > GATHERED_ROUTINGS:  # a prompt's layers: one at a time (below)
-            for layer, layer_ids in zip(layers, ids):
-                self._add(layer[None], layer_ids[None], dec)
-            return
         flat = ids + (layers * E)[:, None, None]  # [L', T, K]: an index into [L, E]
         a, b = ids[:, :, self._pairs[0]], ids[:, :, self._pairs[1]]  # [L', T, K(K-1)/2]
         base = (layers * E * E)[:, None, None]

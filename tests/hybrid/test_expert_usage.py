@@ -66,12 +66,13 @@ def test_a_step_held_and_added_at_its_end_counts_as_records_added_at_once():
     for name in ("decode", "prefill", "coactivation"):
         assert (getattr(held, name) == getattr(at_once, name)).all(), name
     assert at_once.decode.sum() == 4 * L * K and at_once.prefill.sum() == 40 * L * K
-    layers = np.array([0, 2, 2, 5])  # record_layers: a layer may come twice
+    layers = [0, 2, 2, 5]  # a layer may come twice in a step (its adds are one bincount / add.at set)
     ids = rng.integers(0, E, (4, 3, K))
     one, each = ExpertUsage(L, E, K), ExpertUsage(L, E, K)
-    one.begin(steps[0])
     each.begin(steps[0])
-    one.record_layers(layers, ids)
+    with one.step(steps[0]):
+        for layer, layer_ids in zip(layers, ids):
+            one.record(layer, layer_ids)
     for layer, layer_ids in zip(layers, ids):
         each.record(layer, layer_ids)
     assert (one.decode == each.decode).all() and (one.coactivation == each.coactivation).all()
